@@ -1,0 +1,1 @@
+//! group-offload (being built).

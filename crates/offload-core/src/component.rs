@@ -1,0 +1,111 @@
+//! The component model: what a model must do to be moved between the host and an execution device.
+
+use std::any::Any;
+
+use crate::device::DeviceName;
+use crate::size::format_size;
+
+/// An error raised by a component while it moves or runs.
+///
+/// [`ComponentError::OutOfMemory`] is the variant the manager's OOM retry recognises; everything else is passed
+/// through to the caller unchanged.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ComponentError {
+    /// The device could not give the memory asked for.
+    #[error("out of memory on {device}: asked for {}, {} available", format_size(*requested), format_size(*available))]
+    OutOfMemory {
+        /// The device that ran out.
+        device: DeviceName,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes the device could still give.
+        available: u64,
+    },
+    /// Moving weights between the host and the device failed; the host copy is intact.
+    #[error("transfer of {what} failed: {message}; the host copy is intact, so retrying the run is safe")]
+    Transfer {
+        /// What was being moved.
+        what: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The component's own computation failed.
+    #[error("{0}")]
+    Other(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl ComponentError {
+    /// Whether this is an out-of-memory error, the one the OOM retry handles.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, ComponentError::OutOfMemory { .. })
+    }
+
+    /// Wraps any error as [`ComponentError::Other`].
+    pub fn other(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        ComponentError::Other(error.into())
+    }
+}
+
+/// A model (or any weight-holding component) that can live on the host or on an execution device.
+///
+/// # Contract
+///
+/// - The manager calls [`onload`](Offloadable::onload) only when [`device`](Offloadable::device) is the host,
+///   and [`offload`](Offloadable::offload) only when it is not.
+/// - A failed `onload` leaves the component on the host with its weights intact; a failed `offload` leaves it on
+///   the device with its weights intact. An out-of-memory failure is reported as
+///   [`ComponentError::OutOfMemory`], so the manager can make room and try again.
+/// - [`resident_bytes`](Offloadable::resident_bytes) is what the component holds on the device while resident:
+///   its whole size for a plain model, its resident budget for a model under group offload.
+/// - A component under group offload ([`group_offloaded`](Offloadable::group_offloaded) is true) moves its own
+///   groups; the manager never chooses it for eviction, but counts its resident bytes.
+///
+/// ```
+/// use offload_core::{ComponentError, DeviceName, Offloadable};
+///
+/// /// A component that only tracks where it is.
+/// struct Tiny { bytes: u64, device: DeviceName }
+///
+/// impl Offloadable for Tiny {
+///     fn bytes(&self) -> u64 { self.bytes }
+///     fn device(&self) -> DeviceName { self.device.clone() }
+///     fn onload(&mut self, device: &DeviceName) -> Result<(), ComponentError> {
+///         self.device = device.clone();
+///         Ok(())
+///     }
+///     fn offload(&mut self) -> Result<(), ComponentError> {
+///         self.device = DeviceName::cpu();
+///         Ok(())
+///     }
+/// }
+/// ```
+pub trait Offloadable: Any + Send {
+    /// Total size of the component's weights in bytes.
+    fn bytes(&self) -> u64;
+
+    /// Where the component's weights are now.
+    fn device(&self) -> DeviceName;
+
+    /// Moves the weights onto `device`.
+    fn onload(&mut self, device: &DeviceName) -> Result<(), ComponentError>;
+
+    /// Moves the weights to the host.
+    fn offload(&mut self) -> Result<(), ComponentError>;
+
+    /// Bytes held on the execution device while the component is resident.
+    fn resident_bytes(&self) -> u64 {
+        self.bytes()
+    }
+
+    /// Whether the component streams its own groups (group offload) and must not be evicted wholesale.
+    fn group_offloaded(&self) -> bool {
+        false
+    }
+
+    /// A class name for summaries, e.g. `ZImageTransformer2DModel`.
+    fn class_name(&self) -> String {
+        let full = std::any::type_name::<Self>();
+        full.rsplit("::").next().unwrap_or(full).to_string()
+    }
+}

@@ -1,0 +1,31 @@
+//! Offload mechanism: memory accounting, the component model and `ComponentsManager`.
+//!
+//! This is the crate a model crate or an application depends on to make its models offloadable and run them
+//! on a device with less memory than their weights:
+//!
+//! - [`size`] parses user sizes (`"3GB"`, `"13.5GiB"`) and formats them as the record prints them;
+//! - [`DeviceMemory`] is the reading every decision is made from (a simulated card, a burn device, a fake);
+//! - [`Offloadable`] is what a component implements to be moved between the host and a device;
+//! - [`ComponentsManager`] registers components, enables auto offload, asks an
+//!   [`OffloadStrategy`](offload_strategy::OffloadStrategy) what to evict, retries after out-of-memory errors,
+//!   and keeps an [`OffloadRecord`] of every move.
+//!
+//! It knows nothing about burn, CUDA or Z-Image: policy lives in `offload-strategy`, devices arrive through
+//! [`DeviceMemory`] and [`Offloadable`] implementations.
+
+#![forbid(unsafe_code)]
+
+pub mod component;
+pub mod device;
+pub mod error;
+pub mod manager;
+pub mod record;
+pub mod size;
+
+pub use component::{ComponentError, Offloadable};
+pub use device::{DeviceMemory, DeviceName, DeviceNameError};
+pub use error::{Error, Result};
+pub use manager::{AutoOffloadSettings, ComponentInfo, ComponentsManager, Lookup};
+pub use offload_strategy;
+pub use record::{Action, OffloadEvent, OffloadRecord, Reason, RecordRow};
+pub use size::{Size, SizeError, format_size, parse_size};

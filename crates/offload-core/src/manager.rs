@@ -1,0 +1,723 @@
+//! `ComponentsManager`: the registry of components and the auto offloader that moves them on demand.
+//!
+//! # Locks
+//!
+//! - `state` (one mutex) protects the registry, each component's cached placement and claim count, the auto
+//!   offload settings and the use counter. Every decision and every move happens with it held, so two threads
+//!   never decide on the same reading and a component is never onloaded twice.
+//! - Each component sits in its own `slot` mutex. A run holds its component's slot for the whole call, without
+//!   `state`, so components compute in parallel.
+//! - Lock order: a thread that holds `state` only locks the slots of components that nobody has claimed; a
+//!   thread that runs a component claims it (under `state`) before it locks that slot. So a slot wanted under
+//!   `state` is never held by a thread that waits for `state`, and no cycle can form.
+//! - The record has its own small lock, taken only to push or copy events.
+
+use std::any::type_name;
+use std::fmt;
+use std::sync::Arc;
+
+use offload_strategy::{Auto, ComponentView, OffloadStrategy, OffloadView, ResidentComponent};
+use parking_lot::Mutex;
+
+use crate::component::{ComponentError, Offloadable};
+use crate::device::{DeviceMemory, DeviceName};
+use crate::error::{Error, Result};
+use crate::record::{Action, OffloadEvent, OffloadRecord, Reason, format_table};
+use crate::size::format_size;
+
+type Slot = Arc<Mutex<Box<dyn Offloadable>>>;
+
+struct Entry {
+    id: String,
+    name: String,
+    collection: Option<String>,
+    class_name: String,
+    slot: Slot,
+    /// Full weight size.
+    bytes: u64,
+    /// Bytes held on the device while resident.
+    resident_bytes: u64,
+    /// Where the component is, as of its last move.
+    device: DeviceName,
+    group_offloaded: bool,
+    /// Runs in flight (or about to start) on this component; a claimed component is never moved by others.
+    claims: usize,
+}
+
+struct AutoOffload {
+    memory: Arc<dyn DeviceMemory>,
+    device: DeviceName,
+    reserve: u64,
+    retry_on_oom: bool,
+    strategy: Arc<dyn OffloadStrategy>,
+    use_index: u64,
+}
+
+#[derive(Default)]
+struct State {
+    entries: Vec<Entry>,
+    next_seq: u64,
+    auto: Option<AutoOffload>,
+}
+
+impl State {
+    fn index(&self, id: &str) -> Result<usize> {
+        self.entries.iter().position(|e| e.id == id).ok_or_else(|| Error::UnknownComponent {
+            id: id.to_string(),
+            known: self.entries.iter().map(|e| e.id.as_str()).collect::<Vec<_>>().join(", "),
+        })
+    }
+}
+
+/// A filter for [`ComponentsManager::get_one`]: by id alone, or by name and/or collection.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Lookup {
+    /// An exact component id; takes no other filter.
+    pub id: Option<String>,
+    /// An exact component name.
+    pub name: Option<String>,
+    /// An exact collection name.
+    pub collection: Option<String>,
+}
+
+impl Lookup {
+    /// Looks up by id.
+    pub fn id(id: impl Into<String>) -> Self {
+        Self { id: Some(id.into()), ..Self::default() }
+    }
+
+    /// Looks up by name.
+    pub fn name(name: impl Into<String>) -> Self {
+        Self { name: Some(name.into()), ..Self::default() }
+    }
+
+    /// Narrows the lookup to a collection.
+    pub fn in_collection(mut self, collection: impl Into<String>) -> Self {
+        self.collection = Some(collection.into());
+        self
+    }
+}
+
+impl fmt::Display for Lookup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<String> = [("id", &self.id), ("name", &self.name), ("collection", &self.collection)]
+            .iter()
+            .filter_map(|(key, value)| value.as_ref().map(|v| format!("{key}={v:?}")))
+            .collect();
+        if parts.is_empty() { f.write_str("(no filter)") } else { f.write_str(&parts.join(" ")) }
+    }
+}
+
+/// What the manager knows about one component.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ComponentInfo {
+    /// The id, `<name>_<n>`.
+    pub id: String,
+    /// The name it was added under.
+    pub name: String,
+    /// Its collection, if any.
+    pub collection: Option<String>,
+    /// Its class name.
+    pub class_name: String,
+    /// Total weight bytes.
+    pub bytes: u64,
+    /// Bytes on the device while resident.
+    pub resident_bytes: u64,
+    /// Where it is now.
+    pub device: DeviceName,
+    /// The execution device, when auto offload is enabled.
+    pub execution_device: Option<DeviceName>,
+    /// Whether it is under group offload.
+    pub group_offloaded: bool,
+}
+
+/// The settings of auto offload, as enabled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AutoOffloadSettings {
+    /// The execution device.
+    pub device: DeviceName,
+    /// Bytes kept free for activations.
+    pub reserve: u64,
+    /// Whether out-of-memory errors are retried after offloading another component.
+    pub retry_on_oom: bool,
+    /// The strategy's name.
+    pub strategy: String,
+}
+
+/// A registry of components with auto offload: components move onto the execution device when they run, and
+/// a strategy decides what leaves to make room.
+///
+/// The manager is `Send + Sync`; share it behind an `Arc` and run components from several threads. See the
+/// module documentation for what each lock protects.
+///
+/// ```
+/// use std::sync::Arc;
+/// use offload_core::{ComponentError, ComponentsManager, DeviceMemory, DeviceName, Offloadable};
+///
+/// # struct Card;
+/// # impl DeviceMemory for Card {
+/// #     fn device(&self) -> DeviceName { DeviceName::parse("cuda").unwrap() }
+/// #     fn total(&self) -> u64 { 1 << 30 }
+/// #     fn available(&self) -> u64 { 1 << 30 }
+/// #     fn allocated(&self) -> u64 { 0 }
+/// #     fn peak(&self) -> u64 { 0 }
+/// # }
+/// struct Model { device: DeviceName }
+/// impl Offloadable for Model {
+///     fn bytes(&self) -> u64 { 4096 }
+///     fn device(&self) -> DeviceName { self.device.clone() }
+///     fn onload(&mut self, d: &DeviceName) -> Result<(), ComponentError> { self.device = d.clone(); Ok(()) }
+///     fn offload(&mut self) -> Result<(), ComponentError> { self.device = DeviceName::cpu(); Ok(()) }
+/// }
+///
+/// let manager = ComponentsManager::new();
+/// let id = manager.add("unet", Model { device: DeviceName::cpu() }, None)?;
+/// manager.enable_auto_offload(Arc::new(Card), 0, true)?;
+/// let where_it_ran = manager.run(&id, |model: &mut Model| Ok(model.device.to_string()))?;
+/// assert_eq!(where_it_ran, "cuda:0");
+/// println!("{}", manager.offload_record());
+/// # Ok::<(), offload_core::Error>(())
+/// ```
+pub struct ComponentsManager {
+    state: Mutex<State>,
+    record: OffloadRecord,
+}
+
+impl Default for ComponentsManager {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for ComponentsManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.state.lock();
+        f.debug_struct("ComponentsManager")
+            .field("components", &state.entries.iter().map(|e| &e.id).collect::<Vec<_>>())
+            .field("auto_offload", &state.auto.as_ref().map(|a| a.device.as_str()))
+            .finish()
+    }
+}
+
+/// Decrements a claim when a run ends, however it ends.
+struct Claim<'a> {
+    manager: &'a ComponentsManager,
+    id: String,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        let mut state = self.manager.state.lock();
+        if let Some(entry) = state.entries.iter_mut().find(|e| e.id == self.id) {
+            entry.claims = entry.claims.saturating_sub(1);
+        }
+    }
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+impl ComponentsManager {
+    /// An empty manager with auto offload disabled.
+    pub fn new() -> Self {
+        Self { state: Mutex::new(State::default()), record: OffloadRecord::new() }
+    }
+
+    /// Adds a component under `name` (and optionally a collection) and returns its id, `<name>_<n>`.
+    ///
+    /// A collection holds one component per name: adding a second `vae` to a collection replaces the first,
+    /// which is removed from the manager (moved to the host and dropped). While auto offload is enabled the
+    /// newcomer is moved to the host and hooked in; nothing else moves.
+    pub fn add<C: Offloadable>(&self, name: &str, component: C, collection: Option<&str>) -> Result<String> {
+        if !valid_name(name) {
+            return Err(Error::InvalidName { name: name.to_string() });
+        }
+        if let Some(collection) = collection {
+            if !valid_name(collection) {
+                return Err(Error::InvalidName { name: collection.to_string() });
+            }
+        }
+        let mut component: Box<dyn Offloadable> = Box::new(component);
+        let mut state = self.state.lock();
+        if state.auto.is_some() && !component.device().is_cpu() {
+            component.offload().map_err(|source| Error::Component { operation: "offload", id: name.to_string(), source })?;
+        }
+        if let Some(collection) = collection {
+            let replaced = state
+                .entries
+                .iter()
+                .find(|e| e.name == name && e.collection.as_deref() == Some(collection))
+                .map(|e| e.id.clone());
+            if let Some(old) = replaced {
+                tracing::warn!("collection {collection} already holds a {name} ({old}); replacing it");
+                Self::remove_locked(&mut state, &old)?;
+            }
+        }
+        state.next_seq += 1;
+        let id = format!("{name}_{}", state.next_seq);
+        let entry = Entry {
+            id: id.clone(),
+            name: name.to_string(),
+            collection: collection.map(str::to_string),
+            class_name: component.class_name(),
+            bytes: component.bytes(),
+            resident_bytes: component.resident_bytes(),
+            device: component.device(),
+            group_offloaded: component.group_offloaded(),
+            slot: Arc::new(Mutex::new(component)),
+            claims: 0,
+        };
+        state.entries.push(entry);
+        Ok(id)
+    }
+
+    /// Removes a component, moves it to the host and hands it back. Only that component is detached.
+    pub fn remove(&self, id: &str) -> Result<Box<dyn Offloadable>> {
+        let mut state = self.state.lock();
+        Self::remove_locked(&mut state, id)
+    }
+
+    fn remove_locked(state: &mut State, id: &str) -> Result<Box<dyn Offloadable>> {
+        let index = state.index(id)?;
+        if state.entries[index].claims > 0 {
+            return Err(Error::InUse { id: id.to_string(), operation: "remove" });
+        }
+        {
+            let mut component = state.entries[index].slot.lock();
+            if !component.device().is_cpu() {
+                component.offload().map_err(|source| Error::Component { operation: "offload", id: id.to_string(), source })?;
+            }
+        }
+        let entry = state.entries.remove(index);
+        // Nobody else holds the slot: it is unclaimed and we hold `state`.
+        match Arc::try_unwrap(entry.slot) {
+            Ok(slot) => Ok(slot.into_inner()),
+            Err(_) => Err(Error::InUse { id: id.to_string(), operation: "remove" }),
+        }
+    }
+
+    /// Finds exactly one component: by id alone, or by name and/or collection. None or several is an error.
+    pub fn get_one(&self, lookup: &Lookup) -> Result<String> {
+        let state = self.state.lock();
+        if let Some(id) = &lookup.id {
+            if lookup.name.is_some() || lookup.collection.is_some() {
+                return Err(Error::AmbiguousLookup { query: lookup.to_string() });
+            }
+            return state.index(id).map(|i| state.entries[i].id.clone());
+        }
+        let mut ids: Vec<String> = state
+            .entries
+            .iter()
+            .filter(|e| lookup.name.as_ref().is_none_or(|n| *n == e.name))
+            .filter(|e| lookup.collection.as_ref().is_none_or(|c| Some(c) == e.collection.as_ref()))
+            .map(|e| e.id.clone())
+            .collect();
+        match ids.len() {
+            0 => Err(Error::NoMatch { query: lookup.to_string() }),
+            1 => Ok(ids.remove(0)),
+            _ => {
+                ids.sort();
+                Err(Error::MultipleMatches { query: lookup.to_string(), ids })
+            }
+        }
+    }
+
+    /// The ids of every component, in registration order.
+    pub fn ids(&self) -> Vec<String> {
+        self.state.lock().entries.iter().map(|e| e.id.clone()).collect()
+    }
+
+    /// The ids in a collection, in registration order.
+    pub fn collection(&self, collection: &str) -> Vec<String> {
+        let state = self.state.lock();
+        state.entries.iter().filter(|e| e.collection.as_deref() == Some(collection)).map(|e| e.id.clone()).collect()
+    }
+
+    /// What the manager knows about a component.
+    pub fn component_info(&self, id: &str) -> Result<ComponentInfo> {
+        let state = self.state.lock();
+        let entry = &state.entries[state.index(id)?];
+        Ok(ComponentInfo {
+            id: entry.id.clone(),
+            name: entry.name.clone(),
+            collection: entry.collection.clone(),
+            class_name: entry.class_name.clone(),
+            bytes: entry.bytes,
+            resident_bytes: entry.resident_bytes,
+            device: entry.device.clone(),
+            execution_device: state.auto.as_ref().map(|a| a.device.clone()),
+            group_offloaded: entry.group_offloaded,
+        })
+    }
+
+    /// Where each component is now, in registration order.
+    pub fn placement(&self) -> Vec<(String, DeviceName)> {
+        self.state.lock().entries.iter().map(|e| (e.id.clone(), e.device.clone())).collect()
+    }
+
+    /// The shared offload record. It survives `disable_auto_offload` and is cleared by the next enable.
+    pub fn offload_record(&self) -> OffloadRecord {
+        self.record.clone()
+    }
+
+    /// The current auto offload settings, or `None` when disabled.
+    pub fn auto_offload(&self) -> Option<AutoOffloadSettings> {
+        self.state.lock().auto.as_ref().map(|a| AutoOffloadSettings {
+            device: a.device.clone(),
+            reserve: a.reserve,
+            retry_on_oom: a.retry_on_oom,
+            strategy: a.strategy.name().to_string(),
+        })
+    }
+
+    /// Enables auto offload onto the device `memory` reads, keeping `reserve` bytes free for activations.
+    ///
+    /// Every component moves to the host, the record is cleared and the strategy is [`Auto`]. Calling it again
+    /// is safe: the previous session is disabled first (recording `offloading_disabled` for what was
+    /// resident), then the new one starts the same way. Fails with [`Error::InUse`] while a run is in flight.
+    pub fn enable_auto_offload(&self, memory: Arc<dyn DeviceMemory>, reserve: u64, retry_on_oom: bool) -> Result<()> {
+        let mut state = self.state.lock();
+        self.disable_locked(&mut state)?;
+        for entry in &mut state.entries {
+            if !entry.device.is_cpu() {
+                entry.slot.lock().offload().map_err(|source| Error::Component {
+                    operation: "offload",
+                    id: entry.id.clone(),
+                    source,
+                })?;
+                entry.device = DeviceName::cpu();
+            }
+        }
+        self.record.clear();
+        let device = memory.device();
+        tracing::info!(%device, reserve = %format_size(reserve), retry_on_oom, "auto offload enabled");
+        state.auto = Some(AutoOffload { memory, device, reserve, retry_on_oom, strategy: Arc::new(Auto), use_index: 0 });
+        Ok(())
+    }
+
+    /// Replaces the strategy. Components added later inherit it. Fails before `enable_auto_offload`.
+    pub fn set_offload_strategy(&self, strategy: Arc<dyn OffloadStrategy>) -> Result<()> {
+        let mut state = self.state.lock();
+        let auto = state.auto.as_mut().ok_or(Error::NotEnabled)?;
+        auto.strategy = strategy;
+        Ok(())
+    }
+
+    /// Disables auto offload: records `offloading_disabled` for each resident component, moves everything to
+    /// the host and keeps the record. Does nothing when already disabled.
+    pub fn disable_auto_offload(&self) -> Result<()> {
+        let mut state = self.state.lock();
+        self.disable_locked(&mut state)
+    }
+
+    fn disable_locked(&self, state: &mut State) -> Result<()> {
+        let Some(auto) = state.auto.as_ref() else { return Ok(()) };
+        if let Some(busy) = state.entries.iter().find(|e| e.claims > 0) {
+            return Err(Error::InUse { id: busy.id.clone(), operation: "disable auto offload while running" });
+        }
+        let memory = auto.memory.clone();
+        let device = auto.device.clone();
+        for entry in &mut state.entries {
+            if entry.device != device {
+                continue;
+            }
+            let reading = memory.reading();
+            self.record.add(OffloadEvent {
+                action: Action::Offload,
+                id: entry.id.clone(),
+                bytes: entry.resident_bytes,
+                reason: Some(Reason::OffloadingDisabled),
+                available: Some(reading.available),
+                peak: Some(reading.peak),
+            });
+            entry.slot.lock().offload().map_err(|source| Error::Component {
+                operation: "offload",
+                id: entry.id.clone(),
+                source,
+            })?;
+            entry.device = DeviceName::cpu();
+        }
+        state.auto = None;
+        tracing::info!(%device, "auto offload disabled");
+        Ok(())
+    }
+
+    /// Runs a component of type `C`: onloads it (asking the strategy what to offload first), then calls `f`.
+    ///
+    /// `f` is any entry point (`forward`, a VAE's `decode`): the run is a closure, not a method name. When `f`
+    /// or the onload fails with [`ComponentError::OutOfMemory`] and retry is on, the smallest other resident
+    /// component is offloaded (recorded as `oom_retry:<id>`) and `f` runs again from the same inputs, one
+    /// component per failure. When nothing is left to offload the error is [`Error::DoesNotFit`], which points
+    /// to group offload. With auto offload disabled, `f` runs wherever the component is.
+    pub fn run<C, R>(&self, id: &str, mut f: impl FnMut(&mut C) -> Result<R, ComponentError>) -> Result<R>
+    where
+        C: Offloadable,
+    {
+        let check = |component: &dyn Offloadable| {
+            let any: &dyn std::any::Any = component;
+            if any.is::<C>() {
+                Ok(())
+            } else {
+                Err(Error::WrongType {
+                    id: id.to_string(),
+                    actual: component.class_name(),
+                    requested: type_name::<C>().to_string(),
+                })
+            }
+        };
+        self.run_dyn(id, check, |component| {
+            let any: &mut dyn std::any::Any = component;
+            match any.downcast_mut::<C>() {
+                Some(typed) => f(typed),
+                // The check above ran on this very component, under the same lock.
+                None => Err(ComponentError::other("component type changed during a run")),
+            }
+        })
+    }
+
+    /// Runs a component without knowing its type; see [`run`](Self::run).
+    pub fn run_any<R>(
+        &self,
+        id: &str,
+        f: impl FnMut(&mut dyn Offloadable) -> Result<R, ComponentError>,
+    ) -> Result<R> {
+        self.run_dyn(id, |_| Ok(()), f)
+    }
+
+    fn run_dyn<R>(
+        &self,
+        id: &str,
+        check: impl FnOnce(&dyn Offloadable) -> Result<()>,
+        mut f: impl FnMut(&mut dyn Offloadable) -> Result<R, ComponentError>,
+    ) -> Result<R> {
+        let slot = {
+            let mut state = self.state.lock();
+            let index = state.index(id)?;
+            state.entries[index].claims += 1;
+            state.entries[index].slot.clone()
+        };
+        let _claim = Claim { manager: self, id: id.to_string() };
+        let mut component = slot.lock();
+        // Nothing moves until the type is known to be right.
+        check(component.as_ref())?;
+        let mut offloaded_for_retry: Vec<String> = Vec::new();
+        let mut count_use = true;
+        loop {
+            let outcome = match self.prepare(id, component.as_mut(), count_use) {
+                Ok(()) => f(component.as_mut()),
+                Err(PrepareFailure::Manager(error)) => return Err(error),
+                Err(PrepareFailure::OutOfMemory(error)) => Err(error),
+            };
+            count_use = false;
+            match outcome {
+                Ok(value) => return Ok(value),
+                Err(error) if error.is_out_of_memory() => self.make_room_after_oom(id, error, &mut offloaded_for_retry)?,
+                Err(source) => return Err(Error::Component { operation: "run", id: id.to_string(), source }),
+            }
+        }
+    }
+
+    /// Makes the claimed component resident on the execution device, asking the strategy what to offload.
+    fn prepare(&self, id: &str, component: &mut dyn Offloadable, count_use: bool) -> Result<(), PrepareFailure> {
+        let mut state = self.state.lock();
+        let Some(auto) = state.auto.as_mut() else { return Ok(()) };
+        if count_use {
+            auto.use_index += 1;
+        }
+        let device = auto.device.clone();
+        let index = state.index(id)?;
+        if state.entries[index].device == device {
+            return Ok(());
+        }
+        let auto = state.auto.as_ref().ok_or(Error::NotEnabled)?;
+        let (memory, strategy, reserve, use_index) = (auto.memory.clone(), auto.strategy.clone(), auto.reserve, auto.use_index);
+        let incoming = {
+            let entry = &state.entries[index];
+            ComponentView::new(entry.id.clone(), entry.name.clone(), entry.resident_bytes)
+        };
+        let resident: Vec<ResidentComponent> = state
+            .entries
+            .iter()
+            .filter(|e| e.id != id && e.device == device)
+            .map(|e| ResidentComponent {
+                component: ComponentView::new(e.id.clone(), e.name.clone(), e.resident_bytes),
+                group_offloaded: e.group_offloaded,
+                in_use: e.claims > 0,
+            })
+            .collect();
+        let view = OffloadView {
+            incoming: &incoming,
+            resident: &resident,
+            reading: memory.reading(),
+            reserve,
+            device: device.as_str(),
+            use_index,
+        };
+        // With nothing resident there is nothing to choose from, so the strategy is not asked.
+        let chosen = if resident.is_empty() { Vec::new() } else { strategy.decide(&view) };
+        for choice in &chosen {
+            let problem = match resident.iter().find(|r| r.id() == choice) {
+                None => Some("it is not resident on the execution device"),
+                Some(r) if r.group_offloaded => Some("it is under group offload and is never evicted wholesale"),
+                Some(r) if r.in_use => Some("it is running on another thread"),
+                Some(_) => None,
+            };
+            if let Some(problem) = problem {
+                return Err(PrepareFailure::Manager(Error::InvalidDecision {
+                    strategy: strategy.name().to_string(),
+                    id: choice.clone(),
+                    incoming: id.to_string(),
+                    problem,
+                }));
+            }
+        }
+        // Offload in registration order, each move recorded with the reading taken just before it.
+        let victims: Vec<usize> = (0..state.entries.len()).filter(|i| chosen.contains(&state.entries[*i].id)).collect();
+        for victim in victims {
+            self.offload_entry(&mut state.entries[victim], memory.as_ref(), Reason::ReleaseMemoryFor(id.to_string()))?;
+        }
+        let reading = memory.reading();
+        self.record.add(OffloadEvent {
+            action: Action::Onload,
+            id: id.to_string(),
+            bytes: incoming.bytes,
+            reason: None,
+            available: Some(reading.available),
+            peak: Some(reading.peak),
+        });
+        tracing::info!(component = id, device = %device, bytes = %format_size(incoming.bytes), "onload");
+        match component.onload(&device) {
+            Ok(()) => {
+                let entry = &mut state.entries[index];
+                entry.device = device;
+                entry.resident_bytes = component.resident_bytes();
+                Ok(())
+            }
+            Err(error) if error.is_out_of_memory() => Err(PrepareFailure::OutOfMemory(error)),
+            Err(source) => Err(PrepareFailure::Manager(Error::Component { operation: "onload", id: id.to_string(), source })),
+        }
+    }
+
+    fn offload_entry(&self, entry: &mut Entry, memory: &dyn DeviceMemory, reason: Reason) -> Result<()> {
+        let reading = memory.reading();
+        self.record.add(OffloadEvent {
+            action: Action::Offload,
+            id: entry.id.clone(),
+            bytes: entry.resident_bytes,
+            reason: Some(reason.clone()),
+            available: Some(reading.available),
+            peak: Some(reading.peak),
+        });
+        tracing::info!(component = %entry.id, %reason, bytes = %format_size(entry.resident_bytes), "offload");
+        entry.slot.lock().offload().map_err(|source| Error::Component { operation: "offload", id: entry.id.clone(), source })?;
+        entry.device = DeviceName::cpu();
+        Ok(())
+    }
+
+    /// After an out-of-memory error: offloads the smallest other resident component, or gives up.
+    fn make_room_after_oom(&self, id: &str, error: ComponentError, offloaded: &mut Vec<String>) -> Result<()> {
+        let mut state = self.state.lock();
+        let Some(auto) = state.auto.as_ref() else {
+            return Err(Error::Component { operation: "run", id: id.to_string(), source: error });
+        };
+        let (memory, device, retry) = (auto.memory.clone(), auto.device.clone(), auto.retry_on_oom);
+        if !retry {
+            return Err(Error::Component { operation: "run", id: id.to_string(), source: error });
+        }
+        let smallest = state
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.id != id && e.device == device && !e.group_offloaded && e.claims == 0)
+            .filter(|(_, e)| !offloaded.contains(&e.id))
+            .min_by_key(|(i, e)| (e.resident_bytes, *i))
+            .map(|(i, _)| i);
+        let Some(victim) = smallest else {
+            let bytes = state.index(id).map(|i| state.entries[i].resident_bytes).unwrap_or(0);
+            return Err(Error::DoesNotFit { id: id.to_string(), bytes, device, source: error });
+        };
+        tracing::warn!(
+            component = id,
+            evicted = %state.entries[victim].id,
+            "out of device memory ({error}); offloading and retrying; if this repeats, set a larger reserve"
+        );
+        offloaded.push(state.entries[victim].id.clone());
+        self.offload_entry(&mut state.entries[victim], memory.as_ref(), Reason::OomRetry(id.to_string()))?;
+        Ok(())
+    }
+
+    /// Reads a component without moving it.
+    pub fn inspect<C: Offloadable, R>(&self, id: &str, f: impl FnOnce(&C) -> R) -> Result<R> {
+        let slot = {
+            let state = self.state.lock();
+            let index = state.index(id)?;
+            state.entries[index].slot.clone()
+        };
+        let component = slot.lock();
+        let any: &dyn std::any::Any = component.as_ref();
+        match any.downcast_ref::<C>() {
+            Some(typed) => Ok(f(typed)),
+            None => Err(Error::WrongType {
+                id: id.to_string(),
+                actual: component.class_name(),
+                requested: type_name::<C>().to_string(),
+            }),
+        }
+    }
+}
+
+enum PrepareFailure {
+    Manager(Error),
+    OutOfMemory(ComponentError),
+}
+
+impl From<Error> for PrepareFailure {
+    fn from(error: Error) -> Self {
+        PrepareFailure::Manager(error)
+    }
+}
+
+impl fmt::Display for ComponentsManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.state.lock();
+        let exec = state.auto.as_ref().map(|a| a.device.clone());
+        let rows: Vec<Vec<String>> = state
+            .entries
+            .iter()
+            .map(|e| {
+                let device = match &exec {
+                    Some(exec) => format!("{}({exec})", e.device),
+                    None => e.device.to_string(),
+                };
+                let mode = if e.group_offloaded { "group offload" } else { "component" };
+                vec![
+                    e.id.clone(),
+                    e.class_name.clone(),
+                    device,
+                    format_size(e.bytes),
+                    mode.to_string(),
+                    e.collection.clone().unwrap_or_else(|| "-".into()),
+                ]
+            })
+            .collect();
+        writeln!(f, "Components:")?;
+        let lines = format_table(&["Name_ID", "Class", "Device: act(exec)", "Size", "Offload", "Collection"], &rows);
+        let rule = "=".repeat(lines[0].chars().count());
+        writeln!(f, "{rule}")?;
+        for line in &lines {
+            writeln!(f, "{line}")?;
+        }
+        match state.auto.as_ref() {
+            Some(a) => write!(
+                f,
+                "auto offload: on {} with {} reserved, strategy {}, OOM retry {}",
+                a.device,
+                format_size(a.reserve),
+                a.strategy.name(),
+                if a.retry_on_oom { "on" } else { "off" }
+            ),
+            None => write!(f, "auto offload: off"),
+        }
+    }
+}

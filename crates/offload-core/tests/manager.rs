@@ -1,0 +1,407 @@
+//! The anchor's `ComponentsManager` test suite, ported: registry, auto offload, OOM retry, the record, and
+//! add/remove while enabled, with the same expected decisions and record rows.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{Dummy, FakeCard, UNIT};
+use expect_test::expect;
+use offload_core::{Action, ComponentsManager, DeviceName, Error, Lookup, Reason};
+use offload_strategy::OffloadView;
+
+/// A second component type, to run a component as the wrong type.
+struct NotADummy;
+
+impl offload_core::Offloadable for NotADummy {
+    fn bytes(&self) -> u64 {
+        0
+    }
+    fn device(&self) -> DeviceName {
+        DeviceName::cpu()
+    }
+    fn onload(&mut self, _: &DeviceName) -> Result<(), offload_core::ComponentError> {
+        Ok(())
+    }
+    fn offload(&mut self) -> Result<(), offload_core::ComponentError> {
+        Ok(())
+    }
+}
+
+fn device_of(manager: &ComponentsManager, id: &str) -> String {
+    manager.component_info(id).unwrap().device.to_string()
+}
+
+fn run(manager: &ComponentsManager, id: &str) -> f64 {
+    manager.run(id, |m: &mut Dummy| m.forward(1.0, 0)).unwrap()
+}
+
+// --- TestComponentsManagerRegistry ---
+
+#[test]
+fn add_and_get_one() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let id = manager.add("unet", Dummy::new(4 * UNIT, &card), None).unwrap();
+    assert!(manager.ids().contains(&id));
+    assert_eq!(manager.get_one(&Lookup::name("unet")).unwrap(), id);
+    assert_eq!(manager.get_one(&Lookup::id(&id)).unwrap(), id);
+}
+
+#[test]
+fn lookups_that_match_none_or_several_are_errors() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let a = manager.add("vae", Dummy::new(UNIT, &card), Some("flux")).unwrap();
+    let b = manager.add("vae", Dummy::new(UNIT, &card), Some("sdxl")).unwrap();
+    assert!(matches!(manager.get_one(&Lookup::name("unet")), Err(Error::NoMatch { .. })));
+    match manager.get_one(&Lookup::name("vae")) {
+        Err(Error::MultipleMatches { ids, .. }) => assert_eq!(ids, vec![a.clone(), b.clone()]),
+        other => panic!("expected several matches, got {other:?}"),
+    }
+    assert_eq!(manager.get_one(&Lookup::name("vae").in_collection("sdxl")).unwrap(), b);
+    assert!(matches!(manager.get_one(&Lookup::id(&a).in_collection("flux")), Err(Error::AmbiguousLookup { .. })));
+    assert!(matches!(manager.get_one(&Lookup::id("nope_9")), Err(Error::UnknownComponent { .. })));
+    assert_eq!(manager.collection("flux"), vec![a]);
+}
+
+#[test]
+fn a_collection_holds_one_component_per_name() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let old = manager.add("vae", Dummy::new(UNIT, &card), Some("flux")).unwrap();
+    let new = manager.add("vae", Dummy::new(2 * UNIT, &card), Some("flux")).unwrap();
+    assert_ne!(old, new);
+    assert_eq!(manager.ids(), vec![new]);
+}
+
+#[test]
+fn remove_hands_the_component_back_and_a_second_remove_is_an_error() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let id = manager.add("unet", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let component = manager.remove(&id).unwrap();
+    assert_eq!(component.bytes(), 4 * UNIT);
+    assert!(!manager.ids().contains(&id));
+    assert!(matches!(manager.remove(&id), Err(Error::UnknownComponent { .. })));
+}
+
+#[test]
+fn component_info_reports_size_and_class() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let id = manager.add("unet", Dummy::new(4 * UNIT, &card), Some("sd")).unwrap();
+    let info = manager.component_info(&id).unwrap();
+    assert_eq!(info.bytes, 4 * UNIT);
+    assert_eq!(info.class_name, "Dummy");
+    assert_eq!(info.collection.as_deref(), Some("sd"));
+    assert_eq!(info.execution_device, None);
+    assert!(matches!(manager.component_info("x_1"), Err(Error::UnknownComponent { .. })));
+}
+
+#[test]
+fn invalid_names_and_wrong_types_are_typed_errors_and_move_nothing() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    assert!(matches!(manager.add("", Dummy::new(UNIT, &card), None), Err(Error::InvalidName { .. })));
+    assert!(matches!(manager.add("a b", Dummy::new(UNIT, &card), None), Err(Error::InvalidName { .. })));
+    let id = manager.add("unet", Dummy::new(UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
+    let wrong = manager.run(&id, |_: &mut NotADummy| Ok(()));
+    assert!(matches!(wrong, Err(Error::WrongType { .. })), "{wrong:?}");
+    assert_eq!(device_of(&manager, &id), "cpu");
+    assert!(manager.offload_record().is_empty());
+}
+
+#[test]
+fn summary_lists_components() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    manager.add("text_encoder", Dummy::new(8 * UNIT, &card), None).unwrap();
+    manager.add("vae", Dummy::new(UNIT + UNIT / 2, &card), Some("flux")).unwrap();
+    manager.enable_auto_offload(card.clone(), 3 * UNIT, true).unwrap();
+    expect![[r#"
+        Components:
+        =============================================================================
+        Name_ID        | Class | Device: act(exec) | Size    | Offload   | Collection
+        text_encoder_1 | Dummy | cpu(cuda:0)       | 8.00 KB | component | -
+        vae_2          | Dummy | cpu(cuda:0)       | 1.50 KB | component | flux
+        auto offload: on cuda:0 with 3.00 KB reserved, strategy auto, OOM retry on"#]]
+    .assert_eq(&manager.to_string());
+}
+
+// --- TestAutoOffload (patched readings) ---
+
+#[test]
+fn auto_offload_starts_with_all_components_on_cpu() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let mut on_device = Dummy::new(4 * UNIT, &card);
+    on_device.device = DeviceName::parse("cuda").unwrap();
+    let id = manager.add("m", on_device, None).unwrap();
+    manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
+    assert_eq!(device_of(&manager, &id), "cpu");
+}
+
+#[test]
+fn offloads_resident_model_under_memory_pressure() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
+    run(&manager, &m1);
+    assert_eq!(device_of(&manager, &m1), "cuda:0");
+    card.set_available(4 * UNIT);
+    run(&manager, &m2);
+    assert_eq!(device_of(&manager, &m2), "cuda:0");
+    assert_eq!(device_of(&manager, &m1), "cpu");
+    card.set_available(70 * UNIT);
+    run(&manager, &m1);
+    assert_eq!(device_of(&manager, &m1), "cuda:0");
+    assert_eq!(device_of(&manager, &m2), "cuda:0");
+    manager.disable_auto_offload().unwrap();
+    assert_eq!(device_of(&manager, &m1), "cpu");
+    assert_eq!(device_of(&manager, &m2), "cpu");
+}
+
+#[test]
+fn set_offload_strategy_replaces_the_decisions() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let everything = |view: &OffloadView<'_>| view.candidates().map(|r| r.id().to_string()).collect::<Vec<_>>();
+    let before = manager.set_offload_strategy(Arc::new(everything));
+    assert!(matches!(before, Err(Error::NotEnabled)));
+    assert!(before.unwrap_err().to_string().contains("not enabled"));
+    manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
+    manager.set_offload_strategy(Arc::new(everything)).unwrap();
+    run(&manager, &m1);
+    run(&manager, &m2);
+    assert_eq!(device_of(&manager, &m2), "cuda:0");
+    assert_eq!(device_of(&manager, &m1), "cpu");
+}
+
+#[test]
+fn a_strategy_that_chooses_a_protected_component_is_refused() {
+    let card = FakeCard::patched(4 * UNIT);
+    let manager = ComponentsManager::new();
+    let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
+    manager.set_offload_strategy(Arc::new(|_: &OffloadView<'_>| vec!["ghost_7".to_string()])).unwrap();
+    run(&manager, &m1);
+    let refused = manager.run(&m2, |m: &mut Dummy| m.forward(1.0, 0));
+    assert!(matches!(refused, Err(Error::InvalidDecision { .. })), "{refused:?}");
+    assert_eq!(device_of(&manager, &m2), "cpu");
+    assert_eq!(device_of(&manager, &m1), "cuda:0");
+}
+
+#[test]
+fn record_captures_what_the_strategy_saw() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
+    run(&manager, &m1);
+    card.set_available(4 * UNIT);
+    run(&manager, &m2);
+    let events = manager.offload_record().events();
+    assert_eq!(events.len(), 3);
+    assert_eq!((events[0].action, events[0].id.as_str(), events[0].bytes), (Action::Onload, m1.as_str(), 4 * UNIT));
+    assert_eq!((events[0].available, events[0].reason.clone()), (Some(70 * UNIT), None));
+    assert_eq!((events[1].action, events[1].id.as_str()), (Action::Offload, m1.as_str()));
+    assert_eq!(events[1].reason, Some(Reason::ReleaseMemoryFor(m2.clone())));
+    assert_eq!(events[1].available, Some(4 * UNIT));
+    assert_eq!((events[2].action, events[2].id.as_str(), events[2].available), (Action::Onload, m2.as_str(), Some(4 * UNIT)));
+    manager.disable_auto_offload().unwrap();
+    let events = manager.offload_record().events();
+    assert_eq!(events.len(), 4);
+    assert_eq!((events[3].id.as_str(), events[3].reason.clone()), (m2.as_str(), Some(Reason::OffloadingDisabled)));
+    assert!(events[3].available.is_some());
+    let peaks: Vec<u64> = events.iter().map(|e| e.peak.unwrap()).collect();
+    assert!(peaks.windows(2).all(|w| w[0] <= w[1]), "{peaks:?}");
+    let table = manager.offload_record().to_string();
+    let row = table.lines().find(|l| l.starts_with("2 ")).unwrap();
+    assert!(row.contains(&m1) && row.contains(&m2), "{row}");
+    expect![[r#"
+        # | Onload         | Offloaded      | Available | Peak    | Reason
+        ------------------------------------------------------------------
+        1 | m1_1 (4.00 KB) | -              | 70.00 KB  | 0 B     |
+        2 | m2_2 (4.00 KB) | m1_1 (4.00 KB) | 4.00 KB   | 4.00 KB |
+        3 | -              | m2_2 (4.00 KB) | 4.00 KB   | 4.00 KB | offloading_disabled"#]]
+    .assert_eq(&table);
+}
+
+#[test]
+fn enable_twice_is_idempotent() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
+    run(&manager, &m1);
+    manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
+    assert_eq!(device_of(&manager, &m1), "cpu");
+    assert!(manager.offload_record().is_empty());
+    assert_eq!(run(&manager, &m1), 1.0 + 4.0 * UNIT as f64 / 7.0);
+    assert_eq!(device_of(&manager, &m1), "cuda:0");
+    assert_eq!(manager.offload_record().len(), 1);
+}
+
+#[test]
+fn add_model_after_a_run_keeps_residents_in_place() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
+    run(&manager, &m1);
+    run(&manager, &m2);
+    let m3 = manager.add("m3", Dummy::new(4 * UNIT, &card), None).unwrap();
+    assert_eq!(device_of(&manager, &m1), "cuda:0");
+    assert_eq!(device_of(&manager, &m2), "cuda:0");
+    assert_eq!(device_of(&manager, &m3), "cpu");
+    run(&manager, &m3);
+    for id in [&m1, &m2, &m3] {
+        assert_eq!(device_of(&manager, id), "cuda:0");
+    }
+}
+
+#[test]
+fn added_model_can_displace_residents_under_pressure() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
+    run(&manager, &m1);
+    run(&manager, &m2);
+    let m3 = manager.add("m3", Dummy::new(4 * UNIT, &card), None).unwrap();
+    card.set_available(4 * UNIT);
+    run(&manager, &m3);
+    assert_eq!(device_of(&manager, &m3), "cuda:0");
+    assert_eq!(device_of(&manager, &m1), "cpu", "sizes are equal: the first added goes");
+    assert_eq!(device_of(&manager, &m2), "cuda:0");
+}
+
+#[test]
+fn remove_model_after_a_run_leaves_others_resident() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let m3 = manager.add("m3", Dummy::new(4 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
+    for id in [&m1, &m2, &m3] {
+        run(&manager, id);
+    }
+    let removed = manager.remove(&m2).unwrap();
+    assert!(removed.device().is_cpu());
+    assert_eq!(device_of(&manager, &m1), "cuda:0");
+    assert_eq!(device_of(&manager, &m3), "cuda:0");
+    assert_eq!(run(&manager, &m1), 1.0 + 4.0 * UNIT as f64 / 7.0);
+}
+
+// --- OOM retry (hard readings) ---
+
+/// The anchor's setup scaled to units: a 32-unit model, a 64-unit resident, a 40-unit output, 120 units free.
+#[test]
+fn oom_retry_offloads_a_resident_model_and_reruns() {
+    let card = FakeCard::hard(120 * UNIT);
+    let manager = ComponentsManager::new();
+    let model = manager.add("model", Dummy::new(32 * UNIT, &card), None).unwrap();
+    let resident = manager.add("resident", Dummy::new(64 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    manager.run(&resident, |m: &mut Dummy| m.forward(0.0, 0)).unwrap();
+    let baseline = 3.0 + 32.0 * UNIT as f64 / 7.0;
+    let out = manager.run(&model, |m: &mut Dummy| m.forward(3.0, 40 * UNIT)).unwrap();
+    assert_eq!(out, baseline);
+    assert_eq!(device_of(&manager, &resident), "cpu");
+    assert_eq!(device_of(&manager, &model), "cuda:0");
+    let last = manager.offload_record().events().pop().unwrap();
+    assert_eq!((last.action, last.id.clone()), (Action::Offload, resident.clone()));
+    assert_eq!(last.reason, Some(Reason::OomRetry(model.clone())));
+    // The output allocation failed, not the onload: the re-run needed no second onload.
+    assert_eq!(manager.inspect(&model, |m: &Dummy| m.onloads).unwrap(), 1);
+}
+
+#[test]
+fn oom_reraises_with_advice_when_nothing_is_left_to_offload() {
+    let card = FakeCard::hard(64 * UNIT);
+    let manager = ComponentsManager::new();
+    let model = manager.add("model", Dummy::new(32 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    let err = manager.run(&model, |m: &mut Dummy| m.forward(1.0, 48 * UNIT)).unwrap_err();
+    assert!(matches!(err, Error::DoesNotFit { .. }), "{err:?}");
+    assert!(err.to_string().contains("group offloading"), "{err}");
+    // Nothing lost: the component is still registered, on a known device, and runs with a smaller output.
+    assert_eq!(device_of(&manager, &model), "cuda:0");
+    assert!(manager.run(&model, |m: &mut Dummy| m.forward(1.0, 8 * UNIT)).is_ok());
+}
+
+#[test]
+fn oom_retry_covers_other_entry_points() {
+    let card = FakeCard::hard(120 * UNIT);
+    let manager = ComponentsManager::new();
+    let decoder = manager.add("decoder", Dummy::new(32 * UNIT, &card), None).unwrap();
+    let resident = manager.add("resident", Dummy::new(64 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    manager.run(&resident, |m: &mut Dummy| m.forward(0.0, 0)).unwrap();
+    let out = manager.run(&decoder, |m: &mut Dummy| m.decode(1.0, 40 * UNIT)).unwrap();
+    assert_eq!(out, 2.0 + 32.0 * UNIT as f64 / 7.0);
+    assert_eq!(device_of(&manager, &resident), "cpu");
+    assert_eq!(device_of(&manager, &decoder), "cuda:0");
+}
+
+#[test]
+fn oom_during_onload_is_retried_too() {
+    let card = FakeCard::hard(100 * UNIT);
+    let manager = ComponentsManager::new();
+    let a = manager.add("a", Dummy::new(60 * UNIT, &card), None).unwrap();
+    let b = manager.add("b", Dummy::new(50 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    // A strategy that never offloads: the onload of b runs out of memory and the retry makes room.
+    manager.set_offload_strategy(Arc::new(|_: &OffloadView<'_>| Vec::new())).unwrap();
+    manager.run(&a, |m: &mut Dummy| m.forward(0.0, 0)).unwrap();
+    manager.run(&b, |m: &mut Dummy| m.forward(0.0, 0)).unwrap();
+    assert_eq!(device_of(&manager, &a), "cpu");
+    assert_eq!(device_of(&manager, &b), "cuda:0");
+    let reasons: Vec<String> =
+        manager.offload_record().events().iter().filter_map(|e| e.reason.as_ref().map(ToString::to_string)).collect();
+    assert_eq!(reasons, vec![format!("oom_retry:{b}")]);
+}
+
+#[test]
+fn oom_without_retry_is_returned_as_is() {
+    let card = FakeCard::hard(120 * UNIT);
+    let manager = ComponentsManager::new();
+    let model = manager.add("model", Dummy::new(32 * UNIT, &card), None).unwrap();
+    let resident = manager.add("resident", Dummy::new(64 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), 0, false).unwrap();
+    manager.run(&resident, |m: &mut Dummy| m.forward(0.0, 0)).unwrap();
+    let err = manager.run(&model, |m: &mut Dummy| m.forward(3.0, 40 * UNIT)).unwrap_err();
+    assert!(matches!(err, Error::Component { operation: "run", .. }), "{err:?}");
+    assert_eq!(device_of(&manager, &resident), "cuda:0");
+}
+
+/// Serialised < partial < all resident, the anchor's peak ordering, on cards sized for each regime.
+#[test]
+fn offloading_reduces_peak_memory() {
+    let peak_on = |capacity: Option<u64>| {
+        let card = FakeCard::hard(capacity.unwrap_or(1 << 40));
+        let manager = ComponentsManager::new();
+        let ids: Vec<String> = ["a", "b", "c"].iter().map(|n| manager.add(n, Dummy::new(64 * UNIT, &card), None).unwrap()).collect();
+        manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+        for id in &ids {
+            manager.run(id, |m: &mut Dummy| m.forward(0.0, 8 * UNIT)).unwrap();
+        }
+        manager.disable_auto_offload().unwrap();
+        offload_core::DeviceMemory::peak(card.as_ref())
+    };
+    let serialised = peak_on(Some(80 * UNIT));
+    let partial = peak_on(Some(160 * UNIT));
+    let resident = peak_on(None);
+    assert!(serialised < partial && partial < resident, "{serialised} {partial} {resident}");
+}

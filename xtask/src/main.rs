@@ -1,0 +1,2 @@
+//! xtask (being built).
+fn main() {}
