@@ -122,3 +122,49 @@ pub trait DeviceMemory: Send + Sync {
         MemoryReading { available: self.available(), total: self.total(), peak: self.peak() }
     }
 }
+
+/// Which way bytes cross the host link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// Host to device (an onload or a prefetch).
+    HostToDevice,
+    /// Device to host (an offload that copies back).
+    DeviceToHost,
+}
+
+/// The accounting side of a device: what a mechanism that places bytes on it reports.
+///
+/// Real devices allocate for themselves, so for them this is [`NoLedger`]. A simulated card implements it to
+/// track allocations, fail past its capacity in hard mode, and charge link time for transfers. Group offload
+/// and the simulation's virtual components call it for every move, so the card's readings (and so the
+/// strategy's decisions and the record) see every byte.
+///
+/// # Contract
+///
+/// - `allocate` either takes all `bytes` or fails with [`ComponentError::OutOfMemory`] and takes none.
+/// - `free` returns bytes a previous `allocate` took; it never fails.
+/// - `transfer` is called once per copy across the link, after the destination is allocated; an error there
+///   (a failed transfer) leaves the source intact, and the caller frees what it allocated.
+pub trait DeviceLedger: Send + Sync {
+    /// Takes `bytes` on the device.
+    fn allocate(&self, bytes: u64) -> Result<(), crate::ComponentError>;
+    /// Gives back `bytes` taken earlier.
+    fn free(&self, bytes: u64);
+    /// Pays for a copy of `bytes` across the host link.
+    fn transfer(&self, bytes: u64, direction: Direction) -> Result<(), crate::ComponentError> {
+        let _ = (bytes, direction);
+        Ok(())
+    }
+}
+
+/// The ledger of a real device: allocations are the device's own business, so nothing is tracked here.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoLedger;
+
+impl DeviceLedger for NoLedger {
+    fn allocate(&self, _bytes: u64) -> Result<(), crate::ComponentError> {
+        Ok(())
+    }
+
+    fn free(&self, _bytes: u64) {}
+}

@@ -23,7 +23,7 @@ pub mod record;
 pub mod size;
 
 pub use component::{ComponentError, Offloadable};
-pub use device::{DeviceMemory, DeviceName, DeviceNameError};
+pub use device::{DeviceLedger, DeviceMemory, DeviceName, DeviceNameError, Direction, NoLedger};
 pub use error::{Error, Result};
 pub use manager::{AutoOffloadSettings, ComponentInfo, ComponentsManager, Lookup};
 pub use offload_strategy;
