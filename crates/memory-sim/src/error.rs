@@ -1,0 +1,42 @@
+//! The crate's error type.
+
+use offload_core::SizeError;
+
+use crate::card::CATALOGUE;
+
+fn catalogue_names() -> String {
+    CATALOGUE.iter().map(|c| c.name).collect::<Vec<_>>().join(", ")
+}
+
+/// Everything `memory-sim` can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SimError {
+    /// A card label that is neither a size nor a catalogue name.
+    #[error("unknown card {name:?}: give a size such as \"16GB\" or \"13.5GiB\", or one of: {}", catalogue_names())]
+    UnknownCard {
+        /// The label as given.
+        name: String,
+    },
+
+    /// A size that could not be read.
+    #[error(transparent)]
+    Size(#[from] SizeError),
+
+    /// A card or configuration that cannot work.
+    #[error("impossible configuration for card {label}: {problem}; choose a larger card or a smaller reserve")]
+    ImpossibleCard {
+        /// The card.
+        label: String,
+        /// What is wrong.
+        problem: String,
+    },
+
+    /// A card expectation file that could not be read.
+    #[error("cannot read the card expectations: {0}; fix the TOML (see docs/offload-record.md for the format)")]
+    Expectations(String),
+
+    /// The manager failed during a simulated run.
+    #[error(transparent)]
+    Manager(#[from] offload_core::Error),
+}

@@ -1,0 +1,168 @@
+//! The offline optimum: the fewest bytes a perfect offloader would move for a recorded sequence of uses.
+//!
+//! # The model
+//!
+//! Components have sizes; a sequence of uses says which component runs when; a budget says how many weight
+//! bytes may be resident at once (the card's usable memory minus the reserve). A set of residents is allowed
+//! when it fits the budget or holds a single component: a lone component always loads, as the anchor's rule
+//! lets it. Each onload moves the component's bytes to the device and each offload moves them back (as
+//! `module.to("cpu")` and our virtual components do), so the cost is onloaded plus offloaded bytes. Activations
+//! and outputs are not part of the model: the optimum is a lower bound for what any strategy moves on the
+//! same sequence, not a replay of one.
+//!
+//! # The search
+//!
+//! An exact dynamic program over resident sets: after each use, the cheapest way to reach every set that holds
+//! the used component. Offloads are only made when an onload needs the room, which loses nothing because an
+//! offload costs the same whenever it happens. With equal sizes this agrees with Belady's rule (evict what is
+//! needed furthest in the future); with unequal sizes the program is exact where Belady is not. Each use costs
+//! O(3^n) for n components, so it is limited to [`MAX_COMPONENTS`], far above a pipeline's handful.
+
+/// The most components [`optimal_moves`] searches exactly.
+pub const MAX_COMPONENTS: usize = 12;
+
+/// What the optimum moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Moves {
+    /// Bytes moved host to device.
+    pub onloaded: u64,
+    /// Bytes moved device to host.
+    pub offloaded: u64,
+}
+
+impl Moves {
+    /// Bytes moved both ways.
+    pub fn total(&self) -> u64 {
+        self.onloaded + self.offloaded
+    }
+}
+
+/// The fewest bytes moved to serve `uses` (indices into `sizes`) with at most `budget` resident bytes, or
+/// `None` when there are more than [`MAX_COMPONENTS`] components or a use names no component.
+///
+/// ```
+/// use memory_sim::optimum::optimal_moves;
+/// // Two 6-byte components alternating on a 10-byte budget: every use after the first swaps.
+/// let moves = optimal_moves(&[6, 6], &[0, 1, 0, 1], 10).unwrap();
+/// assert_eq!((moves.onloaded, moves.offloaded), (24, 18));
+/// ```
+pub fn optimal_moves(sizes: &[u64], uses: &[usize], budget: u64) -> Option<Moves> {
+    let n = sizes.len();
+    if n > MAX_COMPONENTS || uses.iter().any(|&u| u >= n) {
+        return None;
+    }
+    let sets = 1usize << n;
+    let total: Vec<u64> = (0..sets).map(|m| (0..n).filter(|i| m & (1 << i) != 0).map(|i| sizes[i]).sum()).collect();
+    let allowed = |m: usize| total[m] <= budget || m.count_ones() <= 1;
+    // For each resident set, the cheapest (cost, onloaded) to be there now.
+    let mut best: Vec<Option<(u64, u64)>> = vec![None; sets];
+    best[0] = Some((0, 0));
+    for &used in uses {
+        let bit = 1usize << used;
+        let mut next: Vec<Option<(u64, u64)>> = vec![None; sets];
+        let offer = |slot: &mut Option<(u64, u64)>, candidate: (u64, u64)| {
+            if slot.is_none_or(|current| candidate.0 < current.0) {
+                *slot = Some(candidate);
+            }
+        };
+        for mask in 0..sets {
+            let Some((cost, onloaded)) = best[mask] else { continue };
+            if mask & bit != 0 {
+                offer(&mut next[mask], (cost, onloaded));
+                continue;
+            }
+            // Keep any subset of the residents, offload the rest, onload the used component.
+            let mut keep = mask;
+            loop {
+                let target = keep | bit;
+                if allowed(target) {
+                    let offloaded = total[mask & !keep];
+                    offer(&mut next[target], (cost + offloaded + sizes[used], onloaded + sizes[used]));
+                }
+                if keep == 0 {
+                    break;
+                }
+                keep = (keep - 1) & mask;
+            }
+        }
+        best = next;
+    }
+    best.iter().flatten().min_by_key(|(cost, _)| *cost).map(|&(cost, onloaded)| Moves { onloaded, offloaded: cost - onloaded })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Belady's rule on equal sizes, by hand: capacity for two of three.
+    #[test]
+    fn agrees_with_belady_on_equal_sizes() {
+        // Uses a b c a b: Belady keeps a and b when c arrives? At c, a is used next (index 3), b at 4: evict b.
+        // Then a hits, b onloads evicting c (never used again). Onloads: a b c b = 4, offloads: b, c = 2.
+        let moves = optimal_moves(&[1, 1, 1], &[0, 1, 2, 0, 1], 2).unwrap();
+        assert_eq!((moves.onloaded, moves.offloaded), (4, 2));
+    }
+
+    #[test]
+    fn a_lone_component_larger_than_the_budget_still_loads() {
+        let moves = optimal_moves(&[10, 3], &[0, 1, 0], 5).unwrap();
+        assert_eq!((moves.onloaded, moves.offloaded), (23, 13));
+    }
+
+    #[test]
+    fn everything_fits_means_each_component_moves_once() {
+        let moves = optimal_moves(&[4, 5, 6], &[0, 1, 1, 1, 2, 0, 1, 1, 2], 100).unwrap();
+        assert_eq!(moves, Moves { onloaded: 15, offloaded: 0 });
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_search() {
+        assert!(optimal_moves(&[1; MAX_COMPONENTS + 1], &[0], 1).is_none());
+        assert!(optimal_moves(&[1], &[3], 1).is_none());
+    }
+
+    /// The program never does worse than keeping only the used component, and is exact against brute force
+    /// over every eviction choice on small random cases.
+    #[test]
+    fn matches_an_exhaustive_search_on_small_cases() {
+        fn brute(sizes: &[u64], uses: &[usize], budget: u64, resident: usize, at: usize) -> u64 {
+            if at == uses.len() {
+                return 0;
+            }
+            let bit = 1usize << uses[at];
+            if resident & bit != 0 {
+                return brute(sizes, uses, budget, resident, at + 1);
+            }
+            let sum = |m: usize| (0..sizes.len()).filter(|i| m & (1 << i) != 0).map(|i| sizes[i]).sum::<u64>();
+            let mut best = u64::MAX;
+            let mut keep = resident;
+            loop {
+                let target = keep | bit;
+                if sum(target) <= budget || target.count_ones() == 1 {
+                    let cost = sum(resident & !keep) + sizes[uses[at]] + brute(sizes, uses, budget, target, at + 1);
+                    best = best.min(cost);
+                }
+                if keep == 0 {
+                    break;
+                }
+                keep = (keep - 1) & resident;
+            }
+            best
+        }
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for _ in 0..300 {
+            let n = 1 + (next() % 4) as usize;
+            let sizes: Vec<u64> = (0..n).map(|_| 1 + next() % 6).collect();
+            let uses: Vec<usize> = (0..(1 + next() % 7)).map(|_| (next() % n as u64) as usize).collect();
+            let budget = next() % 14;
+            let moves = optimal_moves(&sizes, &uses, budget).unwrap();
+            assert_eq!(moves.total(), brute(&sizes, &uses, budget, 0, 0), "{sizes:?} {uses:?} {budget}");
+        }
+    }
+}

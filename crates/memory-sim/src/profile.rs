@@ -1,0 +1,119 @@
+//! Pipeline profiles: the components of a pipeline at real sizes, and the order it uses them in.
+//!
+//! # How the Z-Image-Turbo numbers were obtained
+//!
+//! Weight bytes are bf16 parameter counts × 2, computed from the architecture in
+//! `shared/reference/zimage-burn.md` (A.2) and checked in `pipeline-zimage`'s tests against its own config code:
+//! transformer 6,154,908,736 parameters, text encoder 4,022,468,096, VAE 83,819,683.
+//!
+//! The activation profile is calibrated on the one published record of the anchor (diffusers PR #14304's docs,
+//! a 20GB card with the default 3GB reserve), whose readings are binary GiB:
+//!
+//! | reading | value | what it pins |
+//! |---|---|---|
+//! | available before the first load | 18.02 | context overhead 18.626 − 18.02 = 0.606 GiB ([`CUDA_CONTEXT_OVERHEAD`]) |
+//! | peak when the transformer arrives | 7.77 | text encoder working set 7.77 − 7.49 = 0.28 GiB |
+//! | available when the transformer arrives | 10.38 | text encoder outputs 18.02 − 7.49 − 10.38 = 0.15 GiB |
+//! | available when the VAE arrives | 6.36 | transformer outputs 10.38 + 7.49 − 11.46 − 6.36 = 0.05 GiB |
+//! | peak when the VAE arrives | 12.07 | transformer working set 12.07 − 11.46 − 0.15 = 0.46 GiB |
+//! | peak of the whole run (`max_memory_allocated`) | 14.15 | VAE working set 14.15 − 0.15 − 0.05 − 11.46 − 0.16 = 2.33 GiB |
+//!
+//! The VAE leaves its image behind (1024 × 1024 × 3 bf16 = 6 MiB). The other two profiles' outputs are what the
+//! record shows the allocator did not give back, not the size of the tensors alone; they reproduce the
+//! record's readings within 0.01 GiB and the four declared card expectations exactly (see the tests).
+//!
+//! FLOPs per call are estimates for the time model only: 2 × parameters × tokens for the linear layers plus
+//! 4 × sequence² × width per attention layer (transformer: 4,096 image + 32 caption tokens; text encoder: 512
+//! padded tokens), and for the VAE decoder the 3×3 convolutions of its four resolutions at 1024².
+//!
+//! [`CUDA_CONTEXT_OVERHEAD`]: crate::card::CUDA_CONTEXT_OVERHEAD
+
+use crate::component::{ActivationProfile, ComponentProfile};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn gib(x: f64) -> u64 {
+    (x * GIB).round() as u64
+}
+
+/// A pipeline: its components, and the components one prompt uses, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PipelineProfile {
+    /// The pipeline's name.
+    pub name: String,
+    /// Components in registration order.
+    pub components: Vec<ComponentProfile>,
+    /// Components that run once per prompt before denoising (prompt encoding), by name.
+    pub encode: Vec<String>,
+    /// Components that run once per denoising step, by name.
+    pub denoise: Vec<String>,
+    /// Components that run once per prompt after denoising (decoding), by name.
+    pub decode: Vec<String>,
+    /// Denoising steps per prompt.
+    pub steps: usize,
+}
+
+impl PipelineProfile {
+    /// The Z-Image-Turbo pipeline at 1024×1024 in bf16 with `steps` denoising steps (the anchor tests 4).
+    pub fn z_image_turbo(steps: usize) -> Self {
+        let transformer_tokens = 4096.0 + 32.0;
+        let transformer_flops = 2.0 * 6_154_908_736.0 * transformer_tokens + 34.0 * 4.0 * transformer_tokens * transformer_tokens * 3840.0;
+        let text_tokens = 512.0;
+        let text_flops = 2.0 * 4_022_468_096.0 * text_tokens + 36.0 * 4.0 * text_tokens * text_tokens * 4096.0;
+        // 3x3 convolutions: about six per resolution at (1024², 128 ch), (512², 256), (256², 512), (128², 512),
+        // each 2 × 9 × channels² × pixels, plus the three upsampling convolutions.
+        let conv = |pixels: f64, channels: f64| 2.0 * 9.0 * channels * channels * pixels;
+        let vae_flops = 6.0 * (conv(1024.0 * 1024.0, 128.0) + conv(512.0 * 512.0, 256.0) + conv(256.0 * 256.0, 512.0) + conv(128.0 * 128.0, 512.0))
+            + conv(1024.0 * 1024.0, 256.0)
+            + conv(512.0 * 512.0, 512.0)
+            + conv(256.0 * 256.0, 512.0);
+        Self {
+            name: "z-image-turbo".into(),
+            components: vec![
+                ComponentProfile {
+                    name: "text_encoder".into(),
+                    bytes: 8_044_936_192,
+                    activations: ActivationProfile { working: gib(0.28), left_behind: gib(0.15) },
+                    flops: text_flops,
+                },
+                ComponentProfile {
+                    name: "transformer".into(),
+                    bytes: 12_309_817_472,
+                    activations: ActivationProfile { working: gib(0.46), left_behind: gib(0.05) },
+                    flops: transformer_flops,
+                },
+                ComponentProfile {
+                    name: "vae".into(),
+                    bytes: 167_639_366,
+                    activations: ActivationProfile { working: gib(2.33), left_behind: 1024 * 1024 * 3 * 2 },
+                    flops: vae_flops,
+                },
+            ],
+            encode: vec!["text_encoder".into()],
+            denoise: vec!["transformer".into()],
+            decode: vec!["vae".into()],
+            steps,
+        }
+    }
+
+    /// The names of the components one prompt uses, in order: encode, `steps` × denoise, decode.
+    pub fn uses_per_prompt(&self) -> Vec<String> {
+        let mut uses = self.encode.clone();
+        for _ in 0..self.steps {
+            uses.extend(self.denoise.iter().cloned());
+        }
+        uses.extend(self.decode.iter().cloned());
+        uses
+    }
+
+    /// The uses of `prompts` prompts in a row.
+    pub fn uses(&self, prompts: usize) -> Vec<String> {
+        let one = self.uses_per_prompt();
+        (0..prompts).flat_map(|_| one.iter().cloned()).collect()
+    }
+
+    /// A component's profile by name.
+    pub fn component(&self, name: &str) -> Option<&ComponentProfile> {
+        self.components.iter().find(|c| c.name == name)
+    }
+}
