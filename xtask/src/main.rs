@@ -1,2 +1,45 @@
-//! xtask (being built).
-fn main() {}
+//! `cargo xtask`: developer commands for the workspace, one `run()` per subcommand.
+//!
+//! - `integration --card 16GB`: plays Z-Image-Turbo at real sizes on simulated cards through the real
+//!   `ComponentsManager`, checks each card's declared expectations and reports time, bytes moved against the
+//!   offline optimum, peak and OOM retries. This is the README's main job.
+//! - `compare`: bytes moved by each strategy against the optimum, for several prompts in a row.
+//! - `bench overlap`: group offload's prefetch against serial transfers, side by side (runs cargo).
+//! - `fixtures`: regenerates the tiny Z-Image checkpoints and golden outputs with diffusers (runs Python).
+//!
+//! xtask depends on no burn crate, so the simulation commands build in seconds; commands that need burn or
+//! Python run them as child processes.
+
+mod integration;
+mod tasks;
+
+use clap::{Parser, Subcommand};
+
+/// Developer commands for the offload workspace.
+#[derive(Parser)]
+#[command(name = "cargo xtask", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Play Z-Image-Turbo at real sizes on simulated cards and check the declared expectations.
+    Integration(integration::Args),
+    /// Compare strategies' bytes moved with the offline optimum over several prompts.
+    Compare(integration::CompareArgs),
+    /// Run a benchmark: `overlap` (group offload prefetch versus serial transfers).
+    Bench(tasks::BenchArgs),
+    /// Regenerate the tiny Z-Image fixtures with the reference Python implementation.
+    Fixtures(tasks::FixturesArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Integration(args) => integration::run(&args),
+        Command::Compare(args) => integration::compare(&args),
+        Command::Bench(args) => tasks::bench(&args),
+        Command::Fixtures(args) => tasks::fixtures(&args),
+    }
+}

@@ -154,6 +154,8 @@ pub fn simulate(profile: &PipelineProfile, card: CardSpec, options: &RunOptions)
     for event in &events {
         snapshot.add(event.clone());
     }
+    // Figures of the run itself: the moves that disabling makes afterwards are not the pipeline's.
+    let (stats, peak) = (sim.stats(), sim.peak());
     manager.disable_auto_offload()?;
     let sizes: Vec<u64> = profile.components.iter().map(|c| c.bytes).collect();
     let use_indices: Vec<usize> =
@@ -164,8 +166,8 @@ pub fn simulate(profile: &PipelineProfile, card: CardSpec, options: &RunOptions)
         record: snapshot,
         events,
         placement,
-        stats: sim.stats(),
-        peak: sim.peak(),
+        stats,
+        peak,
         uses,
         completed,
         error,
