@@ -422,21 +422,7 @@ impl ComponentsManager {
             if entry.device != device {
                 continue;
             }
-            let reading = memory.reading();
-            self.record.add(OffloadEvent {
-                action: Action::Offload,
-                id: entry.id.clone(),
-                bytes: entry.resident_bytes,
-                reason: Some(Reason::OffloadingDisabled),
-                available: Some(reading.available),
-                peak: Some(reading.peak),
-            });
-            entry.slot.lock().offload().map_err(|source| Error::Component {
-                operation: "offload",
-                id: entry.id.clone(),
-                source,
-            })?;
-            entry.device = DeviceName::cpu();
+            self.offload_entry(entry, memory.as_ref(), Reason::OffloadingDisabled)?;
         }
         state.auto = None;
         tracing::info!(%device, "auto offload disabled");
@@ -577,18 +563,20 @@ impl ComponentsManager {
         for victim in victims {
             self.offload_entry(&mut state.entries[victim], memory.as_ref(), Reason::ReleaseMemoryFor(id.to_string()))?;
         }
+        // The reading is taken just before the move; the event is recorded only once the move succeeded, so
+        // the record's moves always add up to the placement.
         let reading = memory.reading();
-        self.record.add(OffloadEvent {
-            action: Action::Onload,
-            id: id.to_string(),
-            bytes: incoming.bytes,
-            reason: None,
-            available: Some(reading.available),
-            peak: Some(reading.peak),
-        });
-        tracing::info!(component = id, device = %device, bytes = %format_size(incoming.bytes), "onload");
         match component.onload(&device) {
             Ok(()) => {
+                self.record.add(OffloadEvent {
+                    action: Action::Onload,
+                    id: id.to_string(),
+                    bytes: incoming.bytes,
+                    reason: None,
+                    available: Some(reading.available),
+                    peak: Some(reading.peak),
+                });
+                tracing::info!(component = id, device = %device, bytes = %format_size(incoming.bytes), "onload");
                 let entry = &mut state.entries[index];
                 entry.device = device;
                 entry.resident_bytes = component.resident_bytes();
@@ -601,17 +589,17 @@ impl ComponentsManager {
 
     fn offload_entry(&self, entry: &mut Entry, memory: &dyn DeviceMemory, reason: Reason) -> Result<()> {
         let reading = memory.reading();
+        entry.slot.lock().offload().map_err(|source| Error::Component { operation: "offload", id: entry.id.clone(), source })?;
+        entry.device = DeviceName::cpu();
+        tracing::info!(component = %entry.id, %reason, bytes = %format_size(entry.resident_bytes), "offload");
         self.record.add(OffloadEvent {
             action: Action::Offload,
             id: entry.id.clone(),
             bytes: entry.resident_bytes,
-            reason: Some(reason.clone()),
+            reason: Some(reason),
             available: Some(reading.available),
             peak: Some(reading.peak),
         });
-        tracing::info!(component = %entry.id, %reason, bytes = %format_size(entry.resident_bytes), "offload");
-        entry.slot.lock().offload().map_err(|source| Error::Component { operation: "offload", id: entry.id.clone(), source })?;
-        entry.device = DeviceName::cpu();
         Ok(())
     }
 

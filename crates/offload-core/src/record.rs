@@ -94,7 +94,22 @@ pub struct RecordRow {
 /// The lock inside protects only the event list; it is taken for a push or a copy, never while a move runs.
 #[derive(Clone, Default)]
 pub struct OffloadRecord {
-    events: Arc<Mutex<VecDeque<OffloadEvent>>>,
+    events: Arc<Mutex<Events>>,
+}
+
+#[derive(Default)]
+struct Events {
+    kept: VecDeque<OffloadEvent>,
+    /// Events added since the last clear, dropped ones included.
+    added: u64,
+}
+
+impl std::ops::Deref for Events {
+    type Target = VecDeque<OffloadEvent>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.kept
+    }
 }
 
 impl fmt::Debug for OffloadRecord {
@@ -112,15 +127,23 @@ impl OffloadRecord {
     /// Appends an event, dropping the oldest past [`MAX_EVENTS`].
     pub fn add(&self, event: OffloadEvent) {
         let mut events = self.events.lock();
-        if events.len() == MAX_EVENTS {
-            events.pop_front();
+        if events.kept.len() == MAX_EVENTS {
+            events.kept.pop_front();
         }
-        events.push_back(event);
+        events.kept.push_back(event);
+        events.added += 1;
     }
 
     /// Forgets every event.
     pub fn clear(&self) {
-        self.events.lock().clear();
+        let mut events = self.events.lock();
+        events.kept.clear();
+        events.added = 0;
+    }
+
+    /// Events added since the last clear, including those dropped past [`MAX_EVENTS`].
+    pub fn total_added(&self) -> u64 {
+        self.events.lock().added
     }
 
     /// How many events are kept.
