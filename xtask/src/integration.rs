@@ -155,20 +155,25 @@ pub fn compare(args: &CompareArgs) -> anyhow::Result<()> {
     let cards: Vec<String> =
         if args.cards.is_empty() { ["10GB", "16GB", "24GB"].map(String::from).to_vec() } else { args.cards.clone() };
     let options = RunOptions { reserve, prompts: args.prompts, retry_on_oom: true, strategy: None };
-    println!("Bytes moved (both ways) for {} prompt(s) of Z-Image-Turbo, {} steps, reserve {}", args.prompts, args.steps, args.reserve);
-    println!("{:<8} {:<14} {:>12} {:>12} {:>8}", "card", "strategy", "moved", "optimum", "ratio");
+    println!("Bytes moved (both ways) for {} prompt(s) of Z-Image-Turbo, {} steps, reserve {}, soft mode", args.prompts, args.steps, args.reserve);
+    println!("The optimum keeps the reserve (or the running component's needs, if larger) free; a strategy whose");
+    println!("peak exceeds the card can move less than it only because soft mode lets it overcommit.");
+    println!("{:<8} {:<14} {:>12} {:>12} {:>6} {:>10}  note", "card", "strategy", "moved", "optimum", "ratio", "peak");
     for label in &cards {
         for name in STRATEGIES {
             let run = play(&profile, label, false, name, &options)?;
             let optimum = run.optimum.map(|m| m.total());
             let ratio = optimum.filter(|o| *o > 0).map_or_else(|| "-".to_string(), |o| format!("{:.2}", run.moved() as f64 / o as f64));
+            let usable = run.card.capacity - run.card.context_overhead;
+            let note = if run.peak > usable { "peak above the card: soft mode only" } else { "" };
             println!(
-                "{:<8} {:<14} {:>12} {:>12} {:>8}",
+                "{:<8} {:<14} {:>12} {:>12} {:>6} {:>10}  {note}",
                 label,
                 name,
                 format_size(run.moved()),
                 optimum.map_or_else(|| "-".to_string(), format_size),
-                ratio
+                ratio,
+                format_size(run.peak),
             );
         }
     }

@@ -3,9 +3,10 @@
 //! # The model
 //!
 //! Components have sizes; a sequence of uses says which component runs when; a budget says how many weight
-//! bytes may be resident at once (the card's usable memory minus the reserve). A set of residents is allowed
-//! when it fits the budget or holds a single component: a lone component always loads, as the anchor's rule
-//! lets it. Each onload moves the component's bytes to the device and each offload moves them back (as
+//! bytes may be resident while a given component runs (the simulation passes the card's usable memory minus
+//! the larger of the reserve and what the running component needs beside the weights: its working set and
+//! every component's outputs). A set of residents is allowed when it fits the budget of the use it serves or
+//! holds a single component: a lone component always loads, as the anchor's rule lets it. Each onload moves the component's bytes to the device and each offload moves them back (as
 //! `module.to("cpu")` and our virtual components do), so the cost is onloaded plus offloaded bytes. Activations
 //! and outputs are not part of the model: the optimum is a lower bound for what any strategy moves on the
 //! same sequence, not a replay of one.
@@ -37,23 +38,24 @@ impl Moves {
     }
 }
 
-/// The fewest bytes moved to serve `uses` (indices into `sizes`) with at most `budget` resident bytes, or
-/// `None` when there are more than [`MAX_COMPONENTS`] components or a use names no component.
+/// The fewest bytes moved to serve `uses` (indices into `sizes`) when at most `budget(c)` weight bytes may be
+/// resident while component `c` runs, or `None` when there are more than [`MAX_COMPONENTS`] components or a
+/// use names no component.
 ///
 /// ```
 /// use memory_sim::optimum::optimal_moves;
 /// // Two 6-byte components alternating on a 10-byte budget: every use after the first swaps.
-/// let moves = optimal_moves(&[6, 6], &[0, 1, 0, 1], 10).unwrap();
+/// let moves = optimal_moves(&[6, 6], &[0, 1, 0, 1], |_| 10).unwrap();
 /// assert_eq!((moves.onloaded, moves.offloaded), (24, 18));
 /// ```
-pub fn optimal_moves(sizes: &[u64], uses: &[usize], budget: u64) -> Option<Moves> {
+pub fn optimal_moves(sizes: &[u64], uses: &[usize], budget: impl Fn(usize) -> u64) -> Option<Moves> {
     let n = sizes.len();
     if n > MAX_COMPONENTS || uses.iter().any(|&u| u >= n) {
         return None;
     }
     let sets = 1usize << n;
     let total: Vec<u64> = (0..sets).map(|m| (0..n).filter(|i| m & (1 << i) != 0).map(|i| sizes[i]).sum()).collect();
-    let allowed = |m: usize| total[m] <= budget || m.count_ones() <= 1;
+    let allowed = |m: usize, used: usize| total[m] <= budget(used) || m.count_ones() <= 1;
     // For each resident set, the cheapest (cost, onloaded) to be there now.
     let mut best: Vec<Option<(u64, u64)>> = vec![None; sets];
     best[0] = Some((0, 0));
@@ -75,7 +77,7 @@ pub fn optimal_moves(sizes: &[u64], uses: &[usize], budget: u64) -> Option<Moves
             let mut keep = mask;
             loop {
                 let target = keep | bit;
-                if allowed(target) {
+                if allowed(target, used) {
                     let offloaded = total[mask & !keep];
                     offer(&mut next[target], (cost + offloaded + sizes[used], onloaded + sizes[used]));
                 }
@@ -99,26 +101,26 @@ mod tests {
     fn agrees_with_belady_on_equal_sizes() {
         // Uses a b c a b: Belady keeps a and b when c arrives? At c, a is used next (index 3), b at 4: evict b.
         // Then a hits, b onloads evicting c (never used again). Onloads: a b c b = 4, offloads: b, c = 2.
-        let moves = optimal_moves(&[1, 1, 1], &[0, 1, 2, 0, 1], 2).unwrap();
+        let moves = optimal_moves(&[1, 1, 1], &[0, 1, 2, 0, 1], |_| 2).unwrap();
         assert_eq!((moves.onloaded, moves.offloaded), (4, 2));
     }
 
     #[test]
     fn a_lone_component_larger_than_the_budget_still_loads() {
-        let moves = optimal_moves(&[10, 3], &[0, 1, 0], 5).unwrap();
+        let moves = optimal_moves(&[10, 3], &[0, 1, 0], |_| 5).unwrap();
         assert_eq!((moves.onloaded, moves.offloaded), (23, 13));
     }
 
     #[test]
     fn everything_fits_means_each_component_moves_once() {
-        let moves = optimal_moves(&[4, 5, 6], &[0, 1, 1, 1, 2, 0, 1, 1, 2], 100).unwrap();
+        let moves = optimal_moves(&[4, 5, 6], &[0, 1, 1, 1, 2, 0, 1, 1, 2], |_| 100).unwrap();
         assert_eq!(moves, Moves { onloaded: 15, offloaded: 0 });
     }
 
     #[test]
     fn refuses_what_it_cannot_search() {
-        assert!(optimal_moves(&[1; MAX_COMPONENTS + 1], &[0], 1).is_none());
-        assert!(optimal_moves(&[1], &[3], 1).is_none());
+        assert!(optimal_moves(&[1; MAX_COMPONENTS + 1], &[0], |_| 1).is_none());
+        assert!(optimal_moves(&[1], &[3], |_| 1).is_none());
     }
 
     /// The program never does worse than keeping only the used component, and is exact against brute force
@@ -161,7 +163,7 @@ mod tests {
             let sizes: Vec<u64> = (0..n).map(|_| 1 + next() % 6).collect();
             let uses: Vec<usize> = (0..(1 + next() % 7)).map(|_| (next() % n as u64) as usize).collect();
             let budget = next() % 14;
-            let moves = optimal_moves(&sizes, &uses, budget).unwrap();
+            let moves = optimal_moves(&sizes, &uses, |_| budget).unwrap();
             assert_eq!(moves.total(), brute(&sizes, &uses, budget, 0, 0), "{sizes:?} {uses:?} {budget}");
         }
     }

@@ -160,7 +160,12 @@ pub fn simulate(profile: &PipelineProfile, card: CardSpec, options: &RunOptions)
     let sizes: Vec<u64> = profile.components.iter().map(|c| c.bytes).collect();
     let use_indices: Vec<usize> =
         uses.iter().filter_map(|name| profile.components.iter().position(|c| &c.name == name)).collect();
-    let budget = card.capacity - card.context_overhead - options.reserve;
+    let usable = card.capacity - card.context_overhead;
+    let outputs: u64 = profile.components.iter().map(|c| c.activations.left_behind).sum();
+    let budget = |used: usize| {
+        let headroom = options.reserve.max(profile.components[used].activations.working + outputs);
+        usable.saturating_sub(headroom)
+    };
     Ok(SimRun {
         strategy: strategy_name,
         record: snapshot,

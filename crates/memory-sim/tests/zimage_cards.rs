@@ -117,3 +117,25 @@ fn impossible_reserves_are_errors() {
     let err = simulate(&PipelineProfile::z_image_turbo(4), CardSpec::parse("32GB").unwrap(), &options).unwrap_err();
     assert!(matches!(err, memory_sim::SimError::ImpossibleCard { .. }), "{err}");
 }
+
+/// The offline optimum is a lower bound: no strategy that keeps the reserve moves fewer bytes.
+#[test]
+fn no_strategy_beats_the_optimum() {
+    use offload_strategy::{Auto, Lookahead, Sequential};
+    use std::sync::Arc;
+    let profile = PipelineProfile::z_image_turbo(4);
+    for card in ["10GB", "16GB", "20GB", "24GB", "32GB", "rtx4090"] {
+        for prompts in [1, 4] {
+            let uses = profile.uses(prompts);
+            let strategies: Vec<Arc<dyn offload_strategy::OffloadStrategy>> =
+                vec![Arc::new(Auto), Arc::new(Sequential), Arc::new(Lookahead::new(uses))];
+            for strategy in strategies {
+                let name = strategy.name().to_string();
+                let options = RunOptions { prompts, strategy: Some(strategy), ..RunOptions::default() };
+                let run = simulate(&profile, CardSpec::parse(card).unwrap(), &options).unwrap();
+                let optimum = run.optimum.unwrap().total();
+                assert!(run.moved() >= optimum, "{card} x{prompts} {name}: moved {} < optimum {optimum}", run.moved());
+            }
+        }
+    }
+}
