@@ -5,6 +5,7 @@
 //!   offline optimum, peak and OOM retries. This is the README's main job.
 //! - `compare`: bytes moved by each strategy against the optimum, for several prompts in a row.
 //! - `bench overlap`: group offload's prefetch against serial transfers, side by side (runs cargo).
+//! - `setup-cuda`: installs the LLVM bundle that burn's `cuda` feature needs, from the Python registry.
 //! - `fixtures`: regenerates the tiny Z-Image checkpoints and golden outputs with diffusers (runs Python).
 //!
 //! xtask depends on no burn crate, so the simulation commands build in seconds; commands that need burn or
@@ -33,6 +34,8 @@ enum Command {
     Bench(tasks::BenchArgs),
     /// Regenerate the tiny Z-Image fixtures with the reference Python implementation.
     Fixtures(tasks::FixturesArgs),
+    /// Install the LLVM bundle burn's `cuda` feature builds against, from the Python registry.
+    SetupCuda(tasks::SetupCudaArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -41,5 +44,6 @@ fn main() -> anyhow::Result<()> {
         Command::Compare(args) => integration::compare(&args),
         Command::Bench(args) => tasks::bench(&args),
         Command::Fixtures(args) => tasks::fixtures(&args),
+        Command::SetupCuda(args) => tasks::setup_cuda(&args),
     }
 }
