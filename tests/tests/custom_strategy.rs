@@ -20,7 +20,7 @@ fn lru_plugs_into_the_manager() {
     let b = manager.add("b", component("b", 3, &card), None).unwrap();
     let c = manager.add("c", component("c", 3, &card), None).unwrap();
     manager.enable_auto_offload(card.clone(), 0, true).unwrap();
-    manager.set_offload_strategy(Arc::new(Lru::default())).unwrap();
+    manager.set_offload_strategy(Arc::new(Lru)).unwrap();
     for id in [&a, &b, &a, &c] {
         manager.run(id, |v: &mut VirtualComponent| v.call()).unwrap();
     }

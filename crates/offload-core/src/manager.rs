@@ -42,6 +42,8 @@ struct Entry {
     group_offloaded: bool,
     /// Runs in flight (or about to start) on this component; a claimed component is never moved by others.
     claims: usize,
+    /// The use index of the component's most recent run since auto offload was enabled.
+    last_use: u64,
 }
 
 struct AutoOffload {
@@ -267,6 +269,7 @@ impl ComponentsManager {
             group_offloaded: component.group_offloaded(),
             slot: Arc::new(Mutex::new(component)),
             claims: 0,
+            last_use: 0,
         };
         state.entries.push(entry);
         Ok(id)
@@ -380,6 +383,7 @@ impl ComponentsManager {
         let mut state = self.state.lock();
         self.disable_locked(&mut state)?;
         for entry in &mut state.entries {
+            entry.last_use = 0;
             if !entry.device.is_cpu() {
                 entry.slot.lock().offload().map_err(|source| Error::Component {
                     operation: "offload",
@@ -511,13 +515,14 @@ impl ComponentsManager {
         if count_use {
             auto.use_index += 1;
         }
-        let device = auto.device.clone();
+        let (device, use_index) = (auto.device.clone(), auto.use_index);
         let index = state.index(id)?;
+        state.entries[index].last_use = use_index;
         if state.entries[index].device == device {
             return Ok(());
         }
         let auto = state.auto.as_ref().ok_or(Error::NotEnabled)?;
-        let (memory, strategy, reserve, use_index) = (auto.memory.clone(), auto.strategy.clone(), auto.reserve, auto.use_index);
+        let (memory, strategy, reserve) = (auto.memory.clone(), auto.strategy.clone(), auto.reserve);
         let incoming = {
             let entry = &state.entries[index];
             ComponentView::new(entry.id.clone(), entry.name.clone(), entry.resident_bytes)
@@ -530,6 +535,7 @@ impl ComponentsManager {
                 component: ComponentView::new(e.id.clone(), e.name.clone(), e.resident_bytes),
                 group_offloaded: e.group_offloaded,
                 in_use: e.claims > 0,
+                last_use: e.last_use,
             })
             .collect();
         let view = OffloadView {
