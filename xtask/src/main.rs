@@ -5,12 +5,14 @@
 //!   offline optimum, peak and OOM retries. This is the README's main job.
 //! - `compare`: bytes moved by each strategy against the optimum, for several prompts in a row.
 //! - `bench overlap`: group offload's prefetch against serial transfers, side by side (runs cargo).
+//! - `fuzz`: a million mutated inputs into each parser of user input (sizes, card names, settings).
 //! - `setup-cuda`: installs the LLVM bundle that burn's `cuda` feature needs, from the Python registry.
 //! - `fixtures`: regenerates the tiny Z-Image checkpoints and golden outputs with diffusers (runs Python).
 //!
 //! xtask depends on no burn crate, so the simulation commands build in seconds; commands that need burn or
 //! Python run them as child processes.
 
+mod fuzz;
 mod integration;
 mod tasks;
 
@@ -34,6 +36,8 @@ enum Command {
     Bench(tasks::BenchArgs),
     /// Regenerate the tiny Z-Image fixtures with the reference Python implementation.
     Fixtures(tasks::FixturesArgs),
+    /// Fuzz the parsers of user input (sizes, card names, settings) with a million inputs each.
+    Fuzz(fuzz::Args),
     /// Install the LLVM bundle burn's `cuda` feature builds against, from the Python registry.
     SetupCuda(tasks::SetupCudaArgs),
 }
@@ -45,5 +49,6 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(args) => tasks::bench(&args),
         Command::Fixtures(args) => tasks::fixtures(&args),
         Command::SetupCuda(args) => tasks::setup_cuda(&args),
+        Command::Fuzz(args) => fuzz::run(&args),
     }
 }
