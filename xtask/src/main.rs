@@ -7,6 +7,8 @@
 //! - `bench overlap`: group offload's prefetch against serial transfers, side by side (runs cargo).
 //! - `fuzz`: a million mutated inputs into each parser of user input (sizes, card names, settings).
 //! - `setup-cuda`: installs the LLVM bundle that burn's `cuda` feature needs, from the Python registry.
+//! - `plan --card 8GB --ram 32GB --preset auto`: the offload plan for Z-Image-Turbo at real sizes: each
+//!   component's route, resident and pinned bytes, bytes streamed and predicted time per step, and why.
 //! - `fixtures`: regenerates the tiny Z-Image checkpoints and golden outputs with diffusers (runs Python).
 //!
 //! xtask depends on no burn crate, so the simulation commands build in seconds; commands that need burn or
@@ -14,6 +16,7 @@
 
 mod fuzz;
 mod integration;
+mod plan;
 mod tasks;
 
 use clap::{Parser, Subcommand};
@@ -34,6 +37,8 @@ enum Command {
     Compare(integration::CompareArgs),
     /// Run a benchmark: `overlap` (group offload prefetch versus serial transfers).
     Bench(tasks::BenchArgs),
+    /// Print the offload plan for Z-Image-Turbo at real sizes on a simulated card and host.
+    Plan(plan::Args),
     /// Regenerate the tiny Z-Image fixtures with the reference Python implementation.
     Fixtures(tasks::FixturesArgs),
     /// Fuzz the parsers of user input (sizes, card names, settings) with a million inputs each.
@@ -47,6 +52,7 @@ fn main() -> anyhow::Result<()> {
         Command::Integration(args) => integration::run(&args),
         Command::Compare(args) => integration::compare(&args),
         Command::Bench(args) => tasks::bench(&args),
+        Command::Plan(args) => plan::run(&args),
         Command::Fixtures(args) => tasks::fixtures(&args),
         Command::SetupCuda(args) => tasks::setup_cuda(&args),
         Command::Fuzz(args) => fuzz::run(&args),

@@ -19,6 +19,7 @@ pub mod component;
 pub mod device;
 pub mod error;
 pub mod manager;
+pub mod plan;
 pub mod record;
 pub mod size;
 
@@ -27,5 +28,6 @@ pub use device::{DeviceLedger, DeviceMemory, DeviceName, DeviceNameError, Direct
 pub use error::{Error, Result};
 pub use manager::{AutoOffloadSettings, ComponentInfo, ComponentsManager, Lookup};
 pub use offload_strategy;
+pub use plan::{ComponentPlan, ComponentSpec, HostMemory, Machine, Plan, PlanError, Preset, Route, Settings, enable_offload, plan_pipeline};
 pub use record::{Action, OffloadEvent, OffloadRecord, Reason, RecordRow};
 pub use size::{Size, SizeError, format_size, parse_size};

@@ -1,0 +1,168 @@
+//! The machine a plan is made for: device memory, host memory, and the time model its predictions use.
+
+use crate::device::DeviceMemory;
+use crate::plan::error::PlanError;
+use crate::plan::host::HostMemory;
+
+/// What the plan predicts time from: plain numbers, passed in by the caller (`memory-sim`'s card timing, a
+/// measured link, a datasheet).
+///
+/// A call's compute takes `flops / flops_per_second`; a copy of `b` bytes from pinned host memory takes
+/// `b / link_bytes_per_second + link_latency_seconds`, from pageable memory `pageable_fraction` times slower,
+/// and from a disk store `b / disk_bytes_per_second`. With prefetch, transfers overlap compute (a call takes the
+/// longer of the two); without, they add up.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimeModel {
+    /// Host-to-device bandwidth from pinned memory, bytes per second.
+    pub link_bytes_per_second: f64,
+    /// Fixed cost of one transfer, seconds.
+    pub link_latency_seconds: f64,
+    /// Device throughput, FLOP per second.
+    pub flops_per_second: f64,
+    /// The share of the pinned bandwidth a copy from pageable memory reaches (0 to 1).
+    pub pageable_fraction: f64,
+    /// Read bandwidth of a disk store, bytes per second.
+    pub disk_bytes_per_second: f64,
+}
+
+impl TimeModel {
+    /// Pageable copies go through the driver's pinned staging buffer, an extra host copy per transfer; half the
+    /// pinned rate is an assumption, not a measurement. Override it with a measured ratio.
+    pub const DEFAULT_PAGEABLE_FRACTION: f64 = 0.5;
+    /// A PCIe 3.0 NVMe drive's sequential read, about 2 GB/s: an assumption, override it with a measurement.
+    pub const DEFAULT_DISK_BYTES_PER_SECOND: f64 = 2e9;
+
+    /// A time model from the link and compute figures, with the default pageable fraction and disk rate.
+    pub fn new(link_bytes_per_second: f64, link_latency_seconds: f64, flops_per_second: f64) -> Self {
+        Self {
+            link_bytes_per_second,
+            link_latency_seconds,
+            flops_per_second,
+            pageable_fraction: Self::DEFAULT_PAGEABLE_FRACTION,
+            disk_bytes_per_second: Self::DEFAULT_DISK_BYTES_PER_SECOND,
+        }
+    }
+
+    /// A PCIe 4.0 x16 link (31.5 GB/s, 10 µs) and 100 TFLOP/s: `memory-sim`'s figures for a card given by size.
+    pub fn generic() -> Self {
+        Self::new(31.5e9, 10e-6, 100e12)
+    }
+
+    /// Checks that every figure is a finite positive number (latency may be 0) and the pageable fraction is in
+    /// (0, 1].
+    pub fn validate(&self) -> Result<(), PlanError> {
+        let checks: [(&'static str, f64, bool); 5] = [
+            ("link_bytes_per_second", self.link_bytes_per_second, self.link_bytes_per_second > 0.0),
+            ("link_latency_seconds", self.link_latency_seconds, self.link_latency_seconds >= 0.0),
+            ("flops_per_second", self.flops_per_second, self.flops_per_second > 0.0),
+            (
+                "pageable_fraction",
+                self.pageable_fraction,
+                self.pageable_fraction > 0.0 && self.pageable_fraction <= 1.0,
+            ),
+            ("disk_bytes_per_second", self.disk_bytes_per_second, self.disk_bytes_per_second > 0.0),
+        ];
+        for (field, value, ok) in checks {
+            if !(ok && value.is_finite()) {
+                return Err(PlanError::InvalidTimeModel { field, value });
+            }
+        }
+        Ok(())
+    }
+
+    /// Seconds to compute `flops`.
+    pub fn compute_seconds(&self, flops: f64) -> f64 {
+        if self.flops_per_second > 0.0 { flops / self.flops_per_second } else { 0.0 }
+    }
+
+    /// Seconds to copy `pinned` bytes from pinned memory, `pageable` from pageable memory and `disk` from a disk
+    /// store, in `transfers` separate copies.
+    pub fn transfer_seconds(&self, pinned: u64, pageable: u64, disk: u64, transfers: u64) -> f64 {
+        let rate =
+            |bytes: u64, per_second: f64| if bytes == 0 || per_second <= 0.0 { 0.0 } else { bytes as f64 / per_second };
+        let pageable_rate = self.link_bytes_per_second * self.pageable_fraction.clamp(0.01, 1.0);
+        // A disk-backed group is read from the file, then copied like pageable memory.
+        rate(pinned, self.link_bytes_per_second)
+            + rate(pageable + disk, pageable_rate)
+            + rate(disk, self.disk_bytes_per_second)
+            + transfers as f64 * self.link_latency_seconds
+    }
+}
+
+impl Default for TimeModel {
+    fn default() -> Self {
+        Self::generic()
+    }
+}
+
+/// The facts a plan is decided from: the device's memory, the host's memory and the time model.
+///
+/// ```
+/// use offload_core::plan::{HostMemory, Machine};
+/// let machine = Machine::new(8_000_000_000, 7_350_000_000, HostMemory::new(32_000_000_000, 28_800_000_000));
+/// assert_eq!(machine.device_available, 7_350_000_000);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Machine {
+    /// The device's capacity in bytes.
+    pub device_total: u64,
+    /// What the device can give the pipeline: capacity less the context and anything else already there.
+    pub device_available: u64,
+    /// Host RAM.
+    pub host: HostMemory,
+    /// Link and compute figures for predictions.
+    pub time: TimeModel,
+}
+
+impl Machine {
+    /// A machine from explicit device numbers (`available` is capped at `total`) and a host reading, with the
+    /// generic time model.
+    pub fn new(device_total: u64, device_available: u64, host: HostMemory) -> Self {
+        Self { device_total, device_available: device_available.min(device_total), host, time: TimeModel::generic() }
+    }
+
+    /// A machine from a device's current readings. Read it before the pipeline's weights load, or the plan sees
+    /// a device already partly filled by them.
+    pub fn from_device(device: &dyn DeviceMemory, host: HostMemory) -> Self {
+        Self::new(device.total(), device.available(), host)
+    }
+
+    /// The same machine with another time model.
+    pub fn with_time(mut self, time: TimeModel) -> Self {
+        self.time = time;
+        self
+    }
+
+    /// The same machine with host `available` replaced (the `host_available` setting).
+    pub fn with_host_available(mut self, available: u64) -> Self {
+        self.host = self.host.with_available(available);
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pageable_and_disk_copies_are_slower_than_pinned() {
+        let time = TimeModel::new(10e9, 0.0, 1e12);
+        assert!((time.transfer_seconds(10_000_000_000, 0, 0, 0) - 1.0).abs() < 1e-9);
+        assert!((time.transfer_seconds(0, 10_000_000_000, 0, 0) - 2.0).abs() < 1e-9);
+        assert!((time.transfer_seconds(0, 0, 10_000_000_000, 0) - 7.0).abs() < 1e-9);
+        assert!((time.compute_seconds(5e11) - 0.5).abs() < 1e-12);
+        let with_latency = TimeModel::new(10e9, 1e-3, 1e12);
+        assert!((with_latency.transfer_seconds(0, 0, 0, 10) - 0.01).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_time_model_with_impossible_figures_is_refused() {
+        assert!(TimeModel::generic().validate().is_ok());
+        let err = TimeModel::new(0.0, 0.0, 1e12).validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.starts_with("invalid time model: link_bytes_per_second is 0"), "{err}");
+        let nan = TimeModel { pageable_fraction: f64::NAN, ..TimeModel::generic() };
+        assert!(nan.validate().is_err());
+        let over = TimeModel { pageable_fraction: 1.5, ..TimeModel::generic() };
+        assert!(over.validate().is_err());
+    }
+}

@@ -1,0 +1,44 @@
+//! Planning: presets, budgets, settings, capacity profiles and phase staging, decided from measured facts.
+//!
+//! One call routes every component of a pipeline to a mechanism ([`Route`]: resident, component offload,
+//! block or leaf group offload, off) by [`Preset`], and says why, with the numbers:
+//!
+//! - [`plan_pipeline`] (and [`enable_offload`] for one component) takes plain-data [`ComponentSpec`]s, the
+//!   resolved [`Settings`] (or just a preset) and a [`Machine`] (device memory, [`HostMemory`], [`TimeModel`]),
+//!   and returns a [`Plan`] whose `Display` is a table: route, resident, pinned, streamed per step, predicted
+//!   time per step and peak;
+//! - [`budget`] holds the budgets as pure functions: resident budget, pinned budget, the full-pin rule,
+//!   calibration;
+//! - [`Settings::resolve`] layers explicit arguments over `OFFLOAD_*` variables over a TOML file over preset
+//!   defaults, and is the one place planning input is validated;
+//! - [`ProfileStore`] keeps capacity profiles and named calibrations as TOML under the data directory;
+//! - [`Phases`] times encode, denoise and decode and runs a release hook between them.
+//!
+//! This module is policy: it decides and explains, and never touches a device. It knows no burn, no CUDA and
+//! no model: the pipeline crate describes its components and applies the plan with `ComponentsManager` and
+//! group offload. Quantized components are routed to component offload or kept resident, never group-offloaded,
+//! because their weights only run under their own kernels.
+
+pub mod budget;
+pub mod capacity;
+pub mod component;
+pub mod error;
+pub mod host;
+pub mod machine;
+pub mod phases;
+pub mod planner;
+pub mod preset;
+pub mod settings;
+
+pub use capacity::{
+    CapacityProfile, CapacityWarning, Limit, MAX_OBSERVATIONS, Observation, Outcome, Peaks, ProfileStore,
+    Recommendation, Recorded, SCHEMA_VERSION, WarningKind, Workload, fnv1a_64,
+};
+pub use component::{BlockLayout, ComponentSpec, Route};
+pub use error::{Origin, PlanError};
+pub use host::HostMemory;
+pub use machine::{Machine, TimeModel};
+pub use phases::{PhaseReport, PhaseTiming, Phases};
+pub use planner::{ComponentPlan, Plan, enable_offload, plan_pipeline};
+pub use preset::{PRESET_NAMES, PinPolicy, Preset, PresetDefaults, ResidentPolicy, Routing, presets_table};
+pub use settings::{KEYS, KeyInfo, Kind, Settings, SettingsLayer, settings_table};

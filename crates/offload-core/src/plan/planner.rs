@@ -1,0 +1,994 @@
+//! The planner: routes every component by preset, sizes its resident and pinned bytes, predicts its time and
+//! peak with the [`TimeModel`], and says why.
+//!
+//! # The model
+//!
+//! Phases are staged: a component runs with the others offloaded (the [`Phases`](crate::plan::Phases) release
+//! hook gives back what the previous phase held), so each component is planned against the whole device, less
+//! the components routed [`Route::Resident`]. A component keeps `headroom` free for activations: the `reserve`
+//! setting when given, else its activation estimate plus [`activation_margin`]. Per call it holds its resident
+//! bytes plus a streaming window on the device. The first call of an image streams every byte (that is when
+//! resident groups arrive); later calls stream what is not resident. Prefetched copies overlap compute, so a
+//! call takes the longer of the two; without prefetch, the sum. Per-step figures are per-image figures divided
+//! by the component's calls per image.
+
+use std::fmt;
+
+use crate::plan::budget::{
+    activation_headroom, activation_margin, full_pin_zero_resident, pinned_budget, resident_budget, streaming_window,
+    usable_host, weight_room,
+};
+use crate::plan::component::{ComponentSpec, Route};
+use crate::plan::error::PlanError;
+use crate::plan::machine::{Machine, TimeModel};
+use crate::plan::preset::{PinPolicy, Preset, PresetDefaults, ResidentPolicy, Routing};
+use crate::plan::settings::Settings;
+use crate::size::format_size;
+
+/// One component's plan: its route, where its bytes are, what it streams, and what it is predicted to cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ComponentPlan {
+    /// The component's name.
+    pub component: String,
+    /// Where its weights go.
+    pub route: Route,
+    /// Device bytes held through its phase without streaming (the whole component when resident or
+    /// component-offloaded; the outside bytes and resident groups under block offload).
+    pub resident_bytes: u64,
+    /// Host bytes pinned for it.
+    pub pinned_bytes: u64,
+    /// Host bytes its host copy takes in RAM (0 when resident or kept on disk).
+    pub host_bytes: u64,
+    /// Whether its streamed host copy is kept as files in `disk_store_dir`.
+    pub on_disk: bool,
+    /// Device bytes kept free for its activations.
+    pub headroom_bytes: u64,
+    /// Bytes it streams to the device per step: per image, divided by its calls per image.
+    pub streamed_per_step: u64,
+    /// Bytes it streams to the device per image.
+    pub streamed_per_image: u64,
+    /// Predicted seconds per step (per image, divided by its calls per image).
+    pub seconds_per_step: f64,
+    /// Predicted seconds per image.
+    pub seconds_per_image: f64,
+    /// Predicted device peak while it runs: its weights on the device, its activations and the resident
+    /// components of the rest of the pipeline.
+    pub peak_bytes: u64,
+    /// Calls per image.
+    pub calls_per_image: u32,
+    /// Why: the route and budgets, from the numbers.
+    pub why: String,
+}
+
+/// A whole pipeline's plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The preset that was resolved.
+    pub preset: Preset,
+    /// The machine it was made for (host `available` as overridden by the settings).
+    pub machine: Machine,
+    /// One plan per component, in the order given.
+    pub components: Vec<ComponentPlan>,
+    /// Host RAM the plan may fill: available less the host margin.
+    pub usable_host: u64,
+    /// Problems the plan predicts, each with what to do.
+    pub warnings: Vec<String>,
+}
+
+impl Plan {
+    /// A component's plan by name.
+    pub fn component(&self, name: &str) -> Option<&ComponentPlan> {
+        self.components.iter().find(|c| c.component == name)
+    }
+
+    /// The predicted device peak of the whole run.
+    pub fn peak_bytes(&self) -> u64 {
+        self.components.iter().map(|c| c.peak_bytes).max().unwrap_or(0)
+    }
+
+    /// Predicted seconds per image.
+    pub fn seconds_per_image(&self) -> f64 {
+        self.components.iter().map(|c| c.seconds_per_image).sum()
+    }
+
+    /// Host bytes of all host copies.
+    pub fn host_bytes(&self) -> u64 {
+        self.components.iter().map(|c| c.host_bytes).sum()
+    }
+
+    /// Host bytes pinned.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.components.iter().map(|c| c.pinned_bytes).sum()
+    }
+
+    /// The table alone, without the header, reasons or warnings.
+    pub fn table(&self) -> String {
+        let headers = ["component", "route", "resident", "pinned", "streamed/step", "time/step", "peak"];
+        let rows: Vec<[String; 7]> = self
+            .components
+            .iter()
+            .map(|c| {
+                [
+                    c.component.clone(),
+                    c.route.to_string(),
+                    format_size(c.resident_bytes),
+                    format_size(c.pinned_bytes),
+                    format_size(c.streamed_per_step),
+                    format!("{:.3} s", c.seconds_per_step),
+                    format_size(c.peak_bytes),
+                ]
+            })
+            .collect();
+        let mut widths = headers.map(str::len);
+        for row in &rows {
+            for (width, cell) in widths.iter_mut().zip(row) {
+                *width = (*width).max(cell.len());
+            }
+        }
+        let line = |cells: [&str; 7]| {
+            let mut out = String::new();
+            for (i, (cell, width)) in cells.iter().zip(widths).enumerate() {
+                match i {
+                    0 | 1 => out.push_str(&format!("{cell:<width$}  ")),
+                    _ => out.push_str(&format!("{cell:>width$}  ")),
+                }
+            }
+            out.trim_end().to_string()
+        };
+        let mut out = line(headers);
+        out.push('\n');
+        for row in &rows {
+            out.push_str(&line(row.each_ref().map(String::as_str)));
+            out.push('\n');
+        }
+        out
+    }
+}
+
+impl fmt::Display for Plan {
+    /// A header with the machine, the table, the per-image totals, one reason per component and the warnings.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let m = &self.machine;
+        writeln!(
+            f,
+            "plan for preset {}: device {} available of {}; host {} available of {} ({} usable)",
+            self.preset,
+            format_size(m.device_available),
+            format_size(m.device_total),
+            format_size(m.host.available),
+            format_size(m.host.total),
+            format_size(self.usable_host)
+        )?;
+        write!(f, "{}", self.table())?;
+        let steps = self.components.iter().map(|c| c.calls_per_image).max().unwrap_or(1);
+        writeln!(
+            f,
+            "per image ({steps} steps): {:.2} s predicted, peak {} of {} available, host copies {} of {} usable, {} pinned",
+            self.seconds_per_image(),
+            format_size(self.peak_bytes()),
+            format_size(m.device_available),
+            format_size(self.host_bytes()),
+            format_size(self.usable_host),
+            format_size(self.pinned_bytes())
+        )?;
+        writeln!(f, "why:")?;
+        for c in &self.components {
+            writeln!(f, "  {}: {}", c.component, c.why)?;
+        }
+        if !self.warnings.is_empty() {
+            writeln!(f, "warnings:")?;
+            for w in &self.warnings {
+                writeln!(f, "  {w}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Plans one component on its own: the pipeline's planner with a single component (the pipeline crate wraps
+/// [`plan_pipeline`] for whole pipelines).
+///
+/// `settings` is a [`Settings`] or just a [`Preset`].
+pub fn enable_offload(
+    component: &ComponentSpec,
+    settings: impl Into<Settings>,
+    machine: &Machine,
+) -> Result<ComponentPlan, PlanError> {
+    let plan = plan_pipeline(std::slice::from_ref(component), settings, machine)?;
+    plan.components.into_iter().next().ok_or_else(|| PlanError::InvalidComponent {
+        component: component.name.clone(),
+        problem: "the planner returned no plan for it; report this as a bug".into(),
+    })
+}
+
+/// Plans every component of a pipeline: routes by the preset, budgets from the machine, predictions from its
+/// time model, and one reason per component.
+///
+/// ```
+/// use offload_core::plan::{BlockLayout, ComponentSpec, HostMemory, Machine, Preset, Route, plan_pipeline};
+/// let gib = 1u64 << 30;
+/// let denoiser = ComponentSpec::new("denoiser", 12 * gib)
+///     .with_layout(BlockLayout { block_bytes: vec![gib; 12], outside_bytes: 0, largest_leaf_bytes: gib / 8, leaf_count: 96 })
+///     .with_activation(gib)
+///     .with_cost(4e13, 8);
+/// let machine = Machine::new(8 * gib, 7 * gib, HostMemory::new(64 * gib, 60 * gib));
+/// let plan = plan_pipeline(&[denoiser], Preset::Auto, &machine)?;
+/// let denoiser = &plan.components[0];
+/// assert!(matches!(denoiser.route, Route::BlockGroupOffload { blocks_per_group: 1, prefetch: true, depth: 1 }));
+/// assert!(denoiser.peak_bytes <= machine.device_available);
+/// println!("{plan}");
+/// # Ok::<(), offload_core::plan::PlanError>(())
+/// ```
+pub fn plan_pipeline(
+    components: &[ComponentSpec],
+    settings: impl Into<Settings>,
+    machine: &Machine,
+) -> Result<Plan, PlanError> {
+    let settings = settings.into();
+    machine.time.validate()?;
+    for (i, spec) in components.iter().enumerate() {
+        spec.validate()?;
+        if components[..i].iter().any(|other| other.name == spec.name) {
+            return Err(PlanError::InvalidComponent {
+                component: spec.name.clone(),
+                problem: "two components have this name; give each a distinct name".into(),
+            });
+        }
+    }
+    let machine = match settings.host_available {
+        Some(available) => machine.with_host_available(available),
+        None => *machine,
+    };
+    let planner = Planner {
+        settings: &settings,
+        defaults: settings.preset.defaults(),
+        machine,
+        usable_host: usable_host(machine.host),
+    };
+    planner.plan(components)
+}
+
+struct Planner<'a> {
+    settings: &'a Settings,
+    defaults: PresetDefaults,
+    machine: Machine,
+    usable_host: u64,
+}
+
+/// Why a block-offloaded component keeps the resident bytes it keeps.
+#[derive(Debug, Clone, PartialEq)]
+enum ResidentReason {
+    Fill,
+    CalledOnce,
+    PresetZero,
+    FullPin { ratio: f64 },
+    Setting,
+    CalibrationRun(String),
+    Calibrated { name: String, budget: u64, peak: u64 },
+}
+
+/// A route with its byte decisions.
+#[derive(Debug, Clone, PartialEq)]
+struct Shape {
+    route: Route,
+    resident_budget: u64,
+    resident_reason: ResidentReason,
+    keep_outside: bool,
+    full_pin: bool,
+    pinned: u64,
+    on_disk: bool,
+}
+
+impl Shape {
+    fn plain(route: Route) -> Self {
+        Self {
+            route,
+            resident_budget: 0,
+            resident_reason: ResidentReason::PresetZero,
+            keep_outside: true,
+            full_pin: false,
+            pinned: 0,
+            on_disk: false,
+        }
+    }
+}
+
+/// What a shape costs.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+struct Eval {
+    resident: u64,
+    window: u64,
+    need: u64,
+    peak: u64,
+    host: u64,
+    first_streamed: u64,
+    steady_streamed: u64,
+    first_seconds: f64,
+    steady_seconds: f64,
+    first_transfer: f64,
+    steady_transfer: f64,
+    compute: f64,
+    kept_groups: usize,
+    groups: usize,
+}
+
+impl Eval {
+    fn per_image_seconds(&self, calls: u32) -> f64 {
+        self.first_seconds + f64::from(calls.saturating_sub(1)) * self.steady_seconds
+    }
+
+    fn per_image_streamed(&self, calls: u32) -> u64 {
+        self.first_streamed.saturating_add(u64::from(calls.saturating_sub(1)).saturating_mul(self.steady_streamed))
+    }
+
+    /// Seconds of copies in a typical call: a later call's, or the only call's.
+    fn transfer(&self, calls: u32) -> f64 {
+        if calls > 1 { self.steady_transfer } else { self.first_transfer }
+    }
+
+    fn fits(&self, available: u64) -> bool {
+        self.need <= available
+    }
+}
+
+/// Greedy, in order: each group that still fits in the budget stays (group offload's rule: the first groups
+/// released that fit stay resident). Returns the bytes and the count kept.
+fn kept_groups(groups: &[u64], budget: u64) -> (u64, usize) {
+    let mut left = budget;
+    let (mut bytes, mut count) = (0, 0);
+    for &group in groups {
+        if group <= left {
+            left -= group;
+            bytes += group;
+            count += 1;
+        }
+    }
+    (bytes, count)
+}
+
+fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel) -> Eval {
+    let compute = time.compute_seconds(spec.flops_per_call);
+    let weight = spec.weight_bytes;
+    // Pinned bytes go to the bytes streamed at every call first; the rest come from pageable memory or disk.
+    let copy = |bytes: u64, transfers: u64| {
+        let pinned = shape.pinned.min(bytes);
+        let rest = bytes - pinned;
+        if shape.on_disk {
+            time.transfer_seconds(pinned, 0, rest, transfers)
+        } else {
+            time.transfer_seconds(pinned, rest, 0, transfers)
+        }
+    };
+    let overlap = |prefetch: bool, transfer: f64| if prefetch { transfer.max(compute) } else { transfer + compute };
+    let mut eval = Eval { compute, ..Eval::default() };
+    match shape.route {
+        Route::Resident | Route::Off => {
+            eval.resident = weight;
+            eval.first_seconds = compute;
+            eval.steady_seconds = compute;
+        }
+        Route::ComponentOffload => {
+            eval.resident = weight;
+            eval.host = weight;
+            eval.first_streamed = weight;
+            eval.first_transfer = copy(weight, 1);
+            eval.first_seconds = eval.first_transfer + compute;
+            eval.steady_seconds = compute;
+        }
+        Route::BlockGroupOffload { blocks_per_group, prefetch, depth } => {
+            let Some(layout) = &spec.layout else { return eval };
+            let groups: Vec<u64> = layout.block_bytes.chunks(blocks_per_group.max(1)).map(|g| g.iter().sum()).collect();
+            let (kept, kept_count) = kept_groups(&groups, shape.resident_budget);
+            let outside = layout.outside_bytes;
+            let streamed_outside = if shape.keep_outside { 0 } else { outside };
+            let largest = groups.iter().copied().max().unwrap_or(0).max(streamed_outside);
+            eval.kept_groups = kept_count;
+            eval.groups = groups.len();
+            eval.resident = kept + if shape.keep_outside { outside } else { 0 };
+            eval.window = streaming_window(largest, prefetch, depth);
+            eval.host = if shape.on_disk { 0 } else { weight };
+            eval.first_streamed = weight;
+            eval.steady_streamed = layout.blocks_total() - kept + streamed_outside;
+            let steady_transfers = (groups.len() - kept_count + usize::from(!shape.keep_outside)) as u64;
+            eval.steady_transfer = copy(eval.steady_streamed, steady_transfers);
+            eval.first_transfer = copy(weight, groups.len() as u64 + 1);
+            eval.first_seconds = overlap(prefetch, eval.first_transfer);
+            eval.steady_seconds = overlap(prefetch, eval.steady_transfer);
+        }
+        Route::LeafGroupOffload { prefetch } => {
+            let (largest, leaves) =
+                spec.layout.as_ref().map_or((weight, 1), |l| (l.largest_leaf_bytes, l.leaf_count as u64));
+            eval.window = streaming_window(largest, prefetch, 1);
+            eval.host = if shape.on_disk { 0 } else { weight };
+            eval.first_streamed = weight;
+            eval.steady_streamed = weight;
+            eval.steady_transfer = copy(weight, leaves);
+            eval.first_transfer = eval.steady_transfer;
+            eval.first_seconds = overlap(prefetch, eval.steady_transfer);
+            eval.steady_seconds = eval.first_seconds;
+        }
+    }
+    eval.need = eval.resident.saturating_add(eval.window).saturating_add(headroom);
+    eval.peak = eval.resident.saturating_add(eval.window).saturating_add(spec.activation_bytes);
+    eval
+}
+
+/// Routes whose predicted times are within this factor of the fastest are a tie for `auto`.
+const TIE: f64 = 1.01;
+
+/// The share of a component's time per image that pinning must save for `auto` to pin: pinning locks RAM and
+/// costs setup time, so a small gain is not worth it.
+pub const PIN_GAIN: f64 = 0.05;
+
+/// A component's route decision, with what the reasons need.
+struct Choice {
+    shape: Shape,
+    headroom: u64,
+    room: u64,
+    alternatives: Vec<String>,
+    /// Predicted seconds per image when the route was chosen, before pinning.
+    chosen_seconds: f64,
+    pin_note: Option<String>,
+    warning: Option<String>,
+}
+
+fn fs(bytes: u64) -> String {
+    format_size(bytes)
+}
+
+impl Planner<'_> {
+    fn available(&self) -> u64 {
+        self.machine.device_available
+    }
+
+    fn headroom(&self, spec: &ComponentSpec) -> u64 {
+        activation_headroom(spec.activation_bytes, self.settings.reserve)
+    }
+
+    fn plan(&self, components: &[ComponentSpec]) -> Result<Plan, PlanError> {
+        let mut warnings = Vec::new();
+        let mut choices = Vec::with_capacity(components.len());
+        let everything_fits = self.everything_fits(components);
+        for spec in components {
+            let choice = if self.defaults.routing == Routing::Off {
+                self.fixed(spec, Route::Off)
+            } else if everything_fits {
+                self.fixed(spec, Route::Resident)
+            } else {
+                self.choose(spec)?
+            };
+            choices.push(choice);
+        }
+        self.place_host_copies(components, &mut choices, &mut warnings);
+        self.pin(components, &mut choices);
+
+        let evals: Vec<Eval> = components
+            .iter()
+            .zip(&choices)
+            .map(|(s, c)| evaluate(s, &c.shape, c.headroom, &self.machine.time))
+            .collect();
+        let resident_elsewhere = |index: usize| -> u64 {
+            choices
+                .iter()
+                .zip(components)
+                .enumerate()
+                .filter(|(i, (c, _))| *i != index && matches!(c.shape.route, Route::Resident | Route::Off))
+                .map(|(_, (_, s))| s.weight_bytes)
+                .sum()
+        };
+        let mut plans = Vec::with_capacity(components.len());
+        for (index, ((spec, choice), eval)) in components.iter().zip(&choices).zip(&evals).enumerate() {
+            let calls = spec.calls_per_image;
+            let peak = eval.peak.saturating_add(resident_elsewhere(index));
+            let why = self.explain(spec, choice, eval, everything_fits, components);
+            warnings.extend(choice.warning.clone());
+            plans.push(ComponentPlan {
+                component: spec.name.clone(),
+                route: choice.shape.route,
+                resident_bytes: eval.resident,
+                pinned_bytes: choice.shape.pinned,
+                host_bytes: eval.host,
+                on_disk: choice.shape.on_disk,
+                headroom_bytes: choice.headroom,
+                streamed_per_step: eval.per_image_streamed(calls) / u64::from(calls),
+                streamed_per_image: eval.per_image_streamed(calls),
+                seconds_per_step: eval.per_image_seconds(calls) / f64::from(calls),
+                seconds_per_image: eval.per_image_seconds(calls),
+                peak_bytes: peak,
+                calls_per_image: calls,
+                why,
+            });
+        }
+        let mut plan = Plan {
+            preset: self.settings.preset,
+            machine: self.machine,
+            components: plans,
+            usable_host: self.usable_host,
+            warnings,
+        };
+        if plan.peak_bytes() > self.available() && self.defaults.routing != Routing::Off {
+            plan.warnings.push(format!(
+                "the predicted peak {} exceeds the {} available; lower reserve or resident_budget, or use low_ram_safe",
+                fs(plan.peak_bytes()),
+                fs(self.available())
+            ));
+        }
+        for warning in &plan.warnings {
+            tracing::warn!("{warning}");
+        }
+        Ok(plan)
+    }
+
+    /// Whether every component fits on the device at once, beside the largest headroom any of them needs.
+    fn everything_fits(&self, components: &[ComponentSpec]) -> bool {
+        if !self.defaults.whole_pipeline_resident {
+            return false;
+        }
+        let weights: u64 = components.iter().map(|c| c.weight_bytes).sum();
+        let headroom = components.iter().map(|c| self.headroom(c)).max().unwrap_or(0);
+        weights.saturating_add(headroom) <= self.available()
+    }
+
+    fn fixed(&self, spec: &ComponentSpec, route: Route) -> Choice {
+        let headroom = self.headroom(spec);
+        Choice {
+            shape: Shape::plain(route),
+            headroom,
+            room: weight_room(self.available(), headroom),
+            alternatives: Vec::new(),
+            chosen_seconds: 0.0,
+            pin_note: None,
+            warning: None,
+        }
+    }
+
+    /// The routes the preset allows for a component, in its order of preference.
+    fn candidates(&self, spec: &ComponentSpec) -> Vec<Route> {
+        let s = self.settings;
+        let block = Route::BlockGroupOffload {
+            blocks_per_group: s.blocks_per_group,
+            prefetch: s.prefetch,
+            depth: s.prefetch_depth,
+        };
+        let leaf = Route::LeafGroupOffload { prefetch: s.prefetch };
+        let mut routes = vec![Route::ComponentOffload];
+        if spec.can_block_offload() {
+            routes.push(block);
+        }
+        if spec.can_leaf_offload() {
+            routes.push(leaf);
+        }
+        // A named profile calibrates block offload's resident budget, so a component it applies to streams by
+        // blocks: the calibration run must measure the route later runs take.
+        if s.profile_name.is_some()
+            && spec.calls_per_image > 1
+            && spec.can_block_offload()
+            && s.resident_budget.is_none()
+        {
+            return vec![block];
+        }
+        match self.defaults.routing {
+            Routing::Fastest | Routing::FitOrBlock | Routing::Off => routes,
+            Routing::Block if spec.can_block_offload() => vec![block],
+            Routing::Block | Routing::Leaf if spec.can_leaf_offload() => vec![leaf],
+            Routing::Block | Routing::Leaf => vec![Route::ComponentOffload],
+        }
+    }
+
+    fn shape(&self, spec: &ComponentSpec, route: Route, room: u64) -> Shape {
+        let mut shape = Shape::plain(route);
+        let Route::BlockGroupOffload { blocks_per_group, prefetch, depth } = route else { return shape };
+        let Some(layout) = &spec.layout else { return shape };
+        let s = self.settings;
+        let full_pin = self.defaults.full_pin_rule
+            && !s.low_host_memory
+            && s.resident_budget.is_none()
+            && s.pinned_budget.is_none()
+            && full_pin_zero_resident(spec.weight_bytes, self.machine.device_total, self.usable_host, s.full_pin_ratio);
+        let repeated = spec.calls_per_image > 1;
+        let (budget, reason) = if full_pin {
+            (0, ResidentReason::FullPin { ratio: s.full_pin_ratio })
+        } else if let Some(budget) = s.resident_budget {
+            (budget, ResidentReason::Setting)
+        } else if let (Some(name), true) = (&s.profile_name, repeated) {
+            match (&s.calibration, s.calibrate) {
+                (Some(rec), false) => (
+                    rec.resident_budget,
+                    ResidentReason::Calibrated {
+                        name: name.clone(),
+                        budget: rec.resident_budget,
+                        peak: rec.measured_peak,
+                    },
+                ),
+                _ => (0, ResidentReason::CalibrationRun(name.clone())),
+            }
+        } else if self.defaults.resident == ResidentPolicy::Zero {
+            (0, ResidentReason::PresetZero)
+        } else if !repeated {
+            (0, ResidentReason::CalledOnce)
+        } else {
+            let window = streaming_window(layout.largest_group(blocks_per_group), prefetch, depth);
+            (resident_budget(room, layout.outside_bytes, window, layout.blocks_total()), ResidentReason::Fill)
+        };
+        shape.resident_budget = budget;
+        shape.resident_reason = reason;
+        shape.keep_outside = !full_pin;
+        shape.full_pin = full_pin;
+        shape
+    }
+
+    fn choose(&self, spec: &ComponentSpec) -> Result<Choice, PlanError> {
+        let headroom = self.headroom(spec);
+        let room = weight_room(self.available(), headroom);
+        let time = &self.machine.time;
+        let calls = spec.calls_per_image;
+        let options: Vec<(Shape, Eval)> = self
+            .candidates(spec)
+            .into_iter()
+            .map(|route| {
+                let shape = self.shape(spec, route, room);
+                let eval = evaluate(spec, &shape, headroom, time);
+                (shape, eval)
+            })
+            .collect();
+        let fitting: Vec<&(Shape, Eval)> = options.iter().filter(|(_, e)| e.fits(self.available())).collect();
+        let chosen = if self.defaults.routing == Routing::Fastest {
+            // Shortest predicted time. Within 1% of it the prediction cannot tell the routes apart, so the one
+            // streaming the fewest bytes wins (it suffers least if the link is slower than modelled), then the
+            // smallest device footprint.
+            let best = fitting.iter().map(|(_, e)| e.per_image_seconds(calls)).fold(f64::INFINITY, f64::min);
+            fitting
+                .iter()
+                .filter(|(_, e)| e.per_image_seconds(calls) <= best * TIE)
+                .min_by_key(|(_, e)| (e.per_image_streamed(calls), e.need))
+                .copied()
+        } else {
+            fitting.first().copied()
+        };
+        let Some((shape, chosen_eval)) = chosen else {
+            let smallest = options.iter().min_by_key(|(_, e)| e.need);
+            let (route, needs) = smallest
+                .map_or(("component offload".to_string(), spec.weight_bytes), |(s, e)| (s.route.to_string(), e.need));
+            let (reason, advice) = if spec.quantized {
+                (
+                    "quantized weights keep their own kernels and are never group-offloaded".to_string(),
+                    "use a larger card, or load the component unquantized so it can stream by blocks",
+                )
+            } else if let Some(budget) = self.settings.resident_budget {
+                (
+                    format!(
+                        "{} kept free for activations and resident_budget {} from {}",
+                        fs(headroom),
+                        fs(budget),
+                        self.settings.origin("resident_budget")
+                    ),
+                    "lower resident_budget, or use a larger card",
+                )
+            } else {
+                (
+                    format!("{} kept free for activations", fs(headroom)),
+                    "use a larger card, a smaller workload (resolution, caption length), or a smaller reserve",
+                )
+            };
+            return Err(PlanError::DoesNotFit {
+                component: spec.name.clone(),
+                route,
+                needs,
+                available: self.available(),
+                reason,
+                advice,
+            });
+        };
+        let alternatives = if self.defaults.routing == Routing::Fastest {
+            options
+                .iter()
+                .filter(|(s, _)| s.route != shape.route)
+                .map(|(s, e)| {
+                    if e.fits(self.available()) {
+                        format!("{} {:.2} s per image", s.route.kind(), e.per_image_seconds(calls))
+                    } else {
+                        format!("{} does not fit (needs {})", s.route.kind(), fs(e.need))
+                    }
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        // An explicit resident budget too large for block offload is not silently dropped: say what it cost.
+        let warning = match (self.settings.resident_budget, &shape.route) {
+            (Some(budget), route) if !matches!(route, Route::BlockGroupOffload { .. }) => options
+                .iter()
+                .find(|(s, e)| matches!(s.route, Route::BlockGroupOffload { .. }) && !e.fits(self.available()))
+                .map(|(_, e)| {
+                    format!(
+                        "{}: resident_budget {} (from {}) makes block offload need {} of the {} available, so it took \
+                         {} instead; lower resident_budget",
+                        spec.name,
+                        fs(budget),
+                        self.settings.origin("resident_budget"),
+                        fs(e.need),
+                        fs(self.available()),
+                        shape.route
+                    )
+                }),
+            _ => None,
+        };
+        let chosen_seconds = chosen_eval.per_image_seconds(calls);
+        Ok(Choice { shape: shape.clone(), headroom, room, alternatives, chosen_seconds, pin_note: None, warning })
+    }
+
+    /// Keeps streamed host copies on disk when host RAM is short (or `low_host_memory` asks) and a disk store
+    /// is configured; warns when it is short and none is.
+    fn place_host_copies(&self, components: &[ComponentSpec], choices: &mut [Choice], warnings: &mut Vec<String>) {
+        let time = self.machine.time;
+        let host_of = |choices: &[Choice]| -> u64 {
+            components.iter().zip(choices).map(|(s, c)| evaluate(s, &c.shape, c.headroom, &time).host).sum()
+        };
+        let needed = host_of(choices);
+        let short = needed > self.usable_host;
+        if !short && !self.settings.low_host_memory {
+            return;
+        }
+        if self.settings.disk_store_dir.is_none() {
+            if short {
+                warnings.push(format!(
+                    "host copies need {} but {} of host RAM is usable ({} available less the {} margin); set \
+                     disk_store_dir to keep streamed copies on disk, use the phase-staged runner so components \
+                     are loaded one phase at a time, or expect the OS to swap",
+                    fs(needed),
+                    fs(self.usable_host),
+                    fs(self.machine.host.available),
+                    fs(self.machine.host.available.saturating_sub(self.usable_host))
+                ));
+            } else {
+                warnings.push("low_host_memory is set without disk_store_dir: nothing is pinned, host copies stay in RAM; set disk_store_dir".into());
+            }
+            return;
+        }
+        // Largest streamed copies first: the fewest components leave RAM.
+        let mut order: Vec<usize> =
+            (0..components.len()).filter(|&i| choices[i].shape.route.is_group_offload()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(components[i].weight_bytes));
+        for i in order {
+            if !self.settings.low_host_memory && host_of(choices) <= self.usable_host {
+                break;
+            }
+            choices[i].shape.on_disk = true;
+        }
+        let left = host_of(choices);
+        if left > self.usable_host {
+            warnings.push(format!(
+                "host copies still need {} with the streamed ones on disk, {} usable; component-offloaded weights \
+                 stay in RAM: use a machine with more RAM or expect the OS to swap",
+                fs(left),
+                fs(self.usable_host)
+            ));
+        }
+    }
+
+    /// Decides the pinned bytes: each component's wish by the preset's pin policy, then the pipeline's pinned
+    /// budget shared out, the components that stream the most per image first.
+    fn pin(&self, components: &[ComponentSpec], choices: &mut [Choice]) {
+        let time = self.machine.time;
+        let preset = self.settings.preset;
+        let mut wishes = vec![0u64; components.len()];
+        for (i, (spec, choice)) in components.iter().zip(choices.iter_mut()).enumerate() {
+            let route = choice.shape.route;
+            if matches!(route, Route::Resident | Route::Off) {
+                continue;
+            }
+            let eval = evaluate(spec, &choice.shape, choice.headroom, &time);
+            let repeated = spec.calls_per_image > 1 && route.is_group_offload();
+            let (wish, note) = if choice.shape.on_disk {
+                (0, format!("nothing pinned: its host copy is on disk under {}", self.disk_dir()))
+            } else if self.settings.low_host_memory {
+                (0, "nothing pinned: low_host_memory is set".into())
+            } else if choice.shape.full_pin {
+                (spec.weight_bytes, "all of it pinned (full-pin rule)".into())
+            } else {
+                match self.defaults.pin {
+                    PinPolicy::Never => (0, format!("nothing pinned: preset {preset} pins nothing")),
+                    PinPolicy::All => (eval.host, "its whole host copy pinned for the life of the process".into()),
+                    PinPolicy::Repeated if repeated => (eval.steady_streamed, "its streamed groups pinned".into()),
+                    PinPolicy::Repeated => (0, "nothing pinned: it crosses the link once per image".into()),
+                    PinPolicy::WhenItPays if !repeated => {
+                        (0, "nothing pinned: it crosses the link once per image".into())
+                    }
+                    PinPolicy::WhenItPays => {
+                        let pinned = Shape { pinned: eval.steady_streamed, ..choice.shape.clone() };
+                        let faster =
+                            evaluate(spec, &pinned, choice.headroom, &time).per_image_seconds(spec.calls_per_image);
+                        let slower = eval.per_image_seconds(spec.calls_per_image);
+                        if faster <= slower * (1.0 - PIN_GAIN) {
+                            (
+                                eval.steady_streamed,
+                                format!(
+                                    "its streamed groups pinned: that saves {:.2} s of {:.2} s per image",
+                                    slower - faster,
+                                    slower
+                                ),
+                            )
+                        } else {
+                            (
+                                0,
+                                format!(
+                                    "nothing pinned: pinning would save {:.2} s of {:.2} s per image, under {:.0}%, as pageable copies ({:.3} s a step) mostly hide under compute ({:.3} s)",
+                                    slower - faster,
+                                    slower,
+                                    PIN_GAIN * 100.0,
+                                    eval.steady_transfer,
+                                    eval.compute
+                                ),
+                            )
+                        }
+                    }
+                }
+            };
+            wishes[i] = wish;
+            choice.pin_note = Some(note);
+        }
+        let host_copies: u64 =
+            components.iter().zip(choices.iter()).map(|(s, c)| evaluate(s, &c.shape, c.headroom, &time).host).sum();
+        let wanted: u64 = wishes.iter().sum();
+        let mut budget = pinned_budget(self.usable_host, host_copies, wanted);
+        if let Some(cap) = self.settings.pinned_budget {
+            budget = budget.min(cap);
+        }
+        let mut order: Vec<usize> = (0..components.len()).filter(|&i| wishes[i] > 0).collect();
+        let streamed = |i: usize| {
+            evaluate(&components[i], &choices[i].shape, choices[i].headroom, &time)
+                .per_image_streamed(components[i].calls_per_image)
+        };
+        order.sort_by_key(|&i| std::cmp::Reverse(streamed(i)));
+        for i in order {
+            let granted = wishes[i].min(budget);
+            budget -= granted;
+            choices[i].shape.pinned = granted;
+            if granted < wishes[i] {
+                let limit = match self.settings.pinned_budget {
+                    Some(cap) => format!(
+                        "the pinned_budget setting ({}) from {}",
+                        fs(cap),
+                        self.settings.origin("pinned_budget")
+                    ),
+                    None => format!("host RAM: {} usable for {} of host copies", fs(self.usable_host), fs(host_copies)),
+                };
+                choices[i].pin_note =
+                    Some(format!("{} of the {} wanted pinned, limited by {limit}", fs(granted), fs(wishes[i])));
+            }
+        }
+    }
+
+    fn disk_dir(&self) -> String {
+        self.settings.disk_store_dir.as_ref().map(|d| d.display().to_string()).unwrap_or_default()
+    }
+
+    fn explain(
+        &self,
+        spec: &ComponentSpec,
+        choice: &Choice,
+        eval: &Eval,
+        everything_fits: bool,
+        all: &[ComponentSpec],
+    ) -> String {
+        let weight = spec.weight_bytes;
+        let route = choice.shape.route;
+        if route == Route::Off {
+            return format!("preset off: not managed, the caller places it; predicted as resident ({})", fs(weight));
+        }
+        if everything_fits {
+            let total: u64 = all.iter().map(|c| c.weight_bytes).sum();
+            let (largest, name) = all.iter().map(|c| (self.headroom(c), c.name.as_str())).max().unwrap_or((0, ""));
+            return format!(
+                "everything fits at once: {} of weights plus the largest activation headroom ({} for {name}) fit in \
+                 {} available, so it stays resident and nothing streams after loading",
+                fs(total),
+                fs(largest),
+                fs(self.available())
+            );
+        }
+        let headroom_source = match self.settings.reserve {
+            Some(_) => format!("the reserve setting from {}", self.settings.origin("reserve")),
+            None => format!(
+                "estimate {} + margin {}, sized from the workload rather than DDO's fixed headroom tiers",
+                fs(spec.activation_bytes),
+                fs(activation_margin(spec.activation_bytes))
+            ),
+        };
+        let fits = weight <= choice.room;
+        let mut why = String::new();
+        if spec.quantized {
+            why.push_str("quantized weights keep their own kernels, so it is never group-offloaded; ");
+        }
+        why.push_str(&format!(
+            "{} of weights {} whole in the {} left after {} for activations ({headroom_source})",
+            fs(weight),
+            if fits { "fit" } else { "do not fit" },
+            fs(choice.room),
+            fs(choice.headroom)
+        ));
+        let calls = spec.calls_per_image;
+        let unit = if calls > 1 { "step" } else { "call" };
+        match route {
+            Route::ComponentOffload => {
+                why.push_str(&format!(", so it moves whole onto the device when it runs ({} per image)", fs(weight)))
+            }
+            Route::BlockGroupOffload { blocks_per_group, prefetch, depth } => {
+                let outside = spec.layout.as_ref().map_or(0, |l| l.outside_bytes);
+                let kept = eval.resident.saturating_sub(if choice.shape.keep_outside { outside } else { 0 });
+                let groups = format!("{} of {} groups ({})", eval.kept_groups, eval.groups, fs(kept));
+                let prefetch =
+                    if prefetch { format!("with prefetch depth {depth}") } else { "without prefetch".into() };
+                let plural = if blocks_per_group == 1 { "" } else { "s" };
+                let connector = if fits { "yet" } else { "so" };
+                why.push_str(&format!(
+                    ", {connector} it streams {blocks_per_group} block{plural} per group {prefetch}; "
+                ));
+                why.push_str(&match &choice.shape.resident_reason {
+                    ResidentReason::Fill => format!("{groups} stay resident beside the {} outside the blocks", fs(outside)),
+                    ResidentReason::CalledOnce => format!(
+                        "it runs once per image, so a resident budget would save nothing: only the {} outside the blocks stay",
+                        fs(outside)
+                    ),
+                    ResidentReason::PresetZero => {
+                        format!("preset {} keeps only the {} outside the blocks resident", self.settings.preset, fs(outside))
+                    }
+                    ResidentReason::FullPin { ratio } => format!(
+                        "it is {:.1}x the card, at least the full-pin ratio {ratio}, so nothing stays resident and the \
+                         device's memory goes to activations",
+                        weight as f64 / self.machine.device_total.max(1) as f64
+                    ),
+                    ResidentReason::Setting => format!(
+                        "resident_budget {} from {}: {groups} stay resident",
+                        fs(choice.shape.resident_budget),
+                        self.settings.origin("resident_budget")
+                    ),
+                    ResidentReason::CalibrationRun(name) => format!(
+                        "calibration run of profile {name}: only the {} outside the blocks stay resident, so the measured \
+                         peak is the baseline",
+                        fs(outside)
+                    ),
+                    ResidentReason::Calibrated { name, budget, peak } => format!(
+                        "profile {name} recommends {} from a measured peak of {}: {groups} stay resident",
+                        fs(*budget),
+                        fs(*peak)
+                    ),
+                });
+                if calls > 1 {
+                    why.push_str(&format!(
+                        "; {} stream on the first step, {} on each later one",
+                        fs(eval.first_streamed),
+                        fs(eval.steady_streamed)
+                    ));
+                } else {
+                    why.push_str(&format!("; {} stream in its one call", fs(eval.first_streamed)));
+                }
+            }
+            Route::LeafGroupOffload { prefetch } => why.push_str(&format!(
+                ", {} it streams leaf by leaf {}: all {} every call, at most {} of leaves on the device",
+                if fits { "yet" } else { "so" },
+                if prefetch { "with prefetch" } else { "without prefetch" },
+                fs(weight),
+                fs(eval.window)
+            )),
+            Route::Resident | Route::Off => why.push_str(", so it stays resident"),
+        }
+        let seconds = eval.per_image_seconds(calls) / f64::from(calls);
+        why.push_str(&format!(
+            "; predicted {seconds:.3} s per {unit} (copies {:.3} s, compute {:.3} s)",
+            eval.transfer(calls),
+            eval.compute
+        ));
+        if let Some(note) = &choice.pin_note {
+            why.push_str(&format!("; {note}"));
+        }
+        if !choice.alternatives.is_empty() {
+            why.push_str(&format!(
+                "; chosen at {:.2} s per image before pinning, over {}",
+                choice.chosen_seconds,
+                choice.alternatives.join(", ")
+            ));
+        }
+        why
+    }
+}

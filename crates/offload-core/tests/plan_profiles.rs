@@ -1,0 +1,280 @@
+//! Capacity profiles: the stable key, the TOML round trip, warnings past the validated range, and named
+//! calibration feeding the planner on a simulated 8GB card.
+
+mod plan_common;
+
+use std::path::PathBuf;
+
+use expect_test::expect;
+use offload_core::plan::{
+    CapacityProfile, MAX_OBSERVATIONS, Observation, Outcome, PlanError, Preset, ProfileStore, Settings, SettingsLayer,
+    WarningKind, Workload, budget, plan_pipeline,
+};
+use plan_common::{machine, z_image_turbo};
+
+/// A fresh directory under the system temp dir, unique to this process and test, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("offload-plan-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        Self(dir)
+    }
+
+    fn store(&self) -> ProfileStore {
+        ProfileStore::at(&self.0)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn workload() -> Workload {
+    Workload::new().with("model", "z-image-turbo").with("card", "8GB").with("dtype", "bf16").with("preset", "auto")
+}
+
+#[test]
+fn the_key_is_a_stable_hash_of_the_identity() {
+    // Stable across runs, machines and releases: a changed key orphans every stored profile.
+    expect!["8c0f615555e20fa2"].assert_eq(&workload().key());
+    // Order of insertion does not matter; every value does.
+    let reordered =
+        Workload::new().with("preset", "auto").with("dtype", "bf16").with("card", "8GB").with("model", "z-image-turbo");
+    assert_eq!(reordered.key(), workload().key());
+    assert_ne!(workload().with("card", "12GB").key(), workload().key());
+    // The encoding is length-prefixed, so moving a character between key and value changes the key.
+    assert_ne!(Workload::new().with("ab", "c").key(), Workload::new().with("a", "bc").key());
+    expect![[r#"
+        offload-capacity-v1
+        4:card3:8GB
+        5:dtype4:bf16
+        5:model13:z-image-turbo
+        6:preset4:auto
+    "#]]
+    .assert_eq(&workload().canonical());
+}
+
+#[test]
+fn a_profile_round_trips_through_toml() {
+    let scratch = Scratch::new("round-trip");
+    let store = scratch.store();
+    store
+        .record(
+            &workload(),
+            Observation::success(6_000_000_000, 20_000_000_000).with_metric("pixels", 1_048_576.0).at(100),
+        )
+        .expect("saved");
+    store
+        .record(
+            &workload(),
+            Observation::failure(7_300_000_000, 21_000_000_000).with_metric("pixels", 4_194_304.0).at(200),
+        )
+        .expect("saved");
+    let loaded = store.load(&workload()).expect("readable").expect("present");
+    assert_eq!(loaded.observations.len(), 2);
+    assert_eq!(loaded.peaks.device, 6_000_000_000, "failures do not raise the validated peak");
+    let limit = loaded.limits.get("pixels").copied().unwrap_or_default();
+    assert_eq!((limit.max_success, limit.min_failure), (Some(1_048_576.0), Some(4_194_304.0)));
+    assert_eq!(loaded.updated_at, 200);
+    let text = std::fs::read_to_string(store.path(&workload())).expect("file");
+    let reparsed: CapacityProfile = toml::from_str(&text).expect("valid TOML");
+    assert_eq!(reparsed, loaded);
+    expect![[r#"
+        schema_version = 1
+        key = "8c0f615555e20fa2"
+        updated_at = 200
+
+        [workload]
+        card = "8GB"
+        dtype = "bf16"
+        model = "z-image-turbo"
+        preset = "auto"
+
+        [peaks]
+        device = 6000000000
+        host = 20000000000
+
+        [limits.pixels]
+        max_success = 1048576.0
+        min_failure = 4194304.0
+
+        [[observations]]
+        at = 100
+        outcome = "success"
+        peak_device = 6000000000
+        peak_host = 20000000000
+
+        [observations.metrics]
+        pixels = 1048576.0
+
+        [[observations]]
+        at = 200
+        outcome = "failure"
+        peak_device = 7300000000
+        peak_host = 21000000000
+
+        [observations.metrics]
+        pixels = 4194304.0
+    "#]]
+    .assert_eq(&text);
+    assert!(store.path(&workload()).starts_with(store.dir()));
+    assert!(store.path(&workload()).to_string_lossy().ends_with(&format!("{}.toml", workload().key())));
+}
+
+#[test]
+fn a_run_past_the_validated_range_is_warned_about() {
+    let scratch = Scratch::new("warnings");
+    let store = scratch.store();
+    // No profile yet: nothing to compare with.
+    assert_eq!(store.check(&workload(), &[("pixels", 1e9)]).expect("readable"), vec![]);
+    let first = store
+        .record(&workload(), Observation::success(6 << 30, 20 << 30).with_metric("pixels", 1_048_576.0).at(1))
+        .expect("saved");
+    assert!(first.warnings.is_empty());
+
+    // Within the range: quiet.
+    assert!(store.check(&workload(), &[("pixels", 1_048_576.0)]).expect("readable").is_empty());
+    // Past the largest success.
+    let warnings = store.check(&workload(), &[("pixels", 2_097_152.0)]).expect("readable");
+    assert!(matches!(warnings[0].kind, WarningKind::BeyondValidated { max_success } if max_success == 1_048_576.0));
+    expect!["pixels = 2097152 exceeds the largest validated pixels (1048576) of capacity profile 8c0f615555e20fa2; it may run out of memory: lower it or use a preset with less resident memory"]
+        .assert_eq(&warnings[0].to_string());
+    // A metric never validated.
+    let warnings = store.check(&workload(), &[("frames", 16.0)]).expect("readable");
+    assert!(matches!(warnings[0].kind, WarningKind::Unvalidated));
+
+    // The run itself returns its warning in its result, and extends the range when it succeeds.
+    let run = store
+        .record(&workload(), Observation::success(7 << 30, 21 << 30).with_metric("pixels", 2_097_152.0).at(2))
+        .expect("saved");
+    assert_eq!(run.warnings.len(), 1);
+    assert_eq!(run.profile.limits.get("pixels").and_then(|l| l.max_success), Some(2_097_152.0));
+    assert!(store.check(&workload(), &[("pixels", 2_097_152.0)]).expect("readable").is_empty());
+
+    // A failure at some size makes that size and above a stronger warning.
+    store
+        .record(&workload(), Observation::failure(7 << 30, 21 << 30).with_metric("pixels", 4_194_304.0).at(3))
+        .expect("saved");
+    let warnings = store.check(&workload(), &[("pixels", 8_388_608.0)]).expect("readable");
+    assert!(matches!(warnings[0].kind, WarningKind::AtFailure { min_failure } if min_failure == 4_194_304.0));
+    assert!(warnings[0].to_string().contains("failed before"), "{}", warnings[0]);
+}
+
+#[test]
+fn only_the_last_observations_are_kept() {
+    let scratch = Scratch::new("trim");
+    let store = scratch.store();
+    for i in 0..(MAX_OBSERVATIONS as u64 + 5) {
+        store.record(&workload(), Observation::success(i, i).with_metric("steps", i as f64).at(i)).expect("saved");
+    }
+    let profile = store.load(&workload()).expect("readable").expect("present");
+    assert_eq!(profile.observations.len(), MAX_OBSERVATIONS);
+    assert_eq!(profile.observations.first().map(|o| o.at), Some(5));
+    assert_eq!(
+        profile.observations.last().map(|o| (o.at, o.outcome)),
+        Some((MAX_OBSERVATIONS as u64 + 4, Outcome::Success))
+    );
+}
+
+#[test]
+fn stale_files_are_ignored_and_broken_ones_are_errors() {
+    let scratch = Scratch::new("stale");
+    let store = scratch.store();
+    std::fs::create_dir_all(store.dir()).expect("dir");
+    let mut old = CapacityProfile::new(&workload());
+    old.schema_version = 0;
+    std::fs::write(store.path(&workload()), toml::to_string(&old).expect("serialises")).expect("written");
+    assert_eq!(store.load(&workload()).expect("ignored, not an error"), None);
+
+    std::fs::write(store.path(&workload()), "schema_version = ").expect("written");
+    let err = store.load(&workload()).expect_err("malformed");
+    assert!(matches!(err, PlanError::ProfileFormat { .. }), "{err:?}");
+    assert!(err.to_string().contains("delete it to start the profile over"), "{err}");
+}
+
+#[test]
+fn the_default_directory_is_under_the_platform_data_dir() {
+    if let Ok(dir) = ProfileStore::default_dir() {
+        assert!(dir.ends_with("offload/profiles"), "{}", dir.display());
+    }
+    let settings = Settings::resolve(
+        &SettingsLayer::default(),
+        [("OFFLOAD_PROFILE_DIR".to_string(), "/tmp/elsewhere".to_string())],
+        None,
+    )
+    .expect("valid");
+    assert_eq!(ProfileStore::from_settings(&settings).expect("set").dir(), std::path::Path::new("/tmp/elsewhere"));
+}
+
+#[test]
+fn calibration_on_a_simulated_card_records_the_peak_and_later_runs_reuse_its_budget() {
+    let scratch = Scratch::new("calibration");
+    let store = scratch.store();
+    let card = machine(8, 32);
+    let named = |extra: &[(&str, &str)]| -> Settings {
+        let mut explicit = SettingsLayer { preset: Some(Preset::Auto), ..SettingsLayer::default() };
+        explicit.set("profile_name", "zimage-1024").expect("valid");
+        for (k, v) in extra {
+            explicit.set(k, v).expect("valid");
+        }
+        let mut settings = Settings::resolve(&explicit, std::iter::empty::<(String, String)>(), None).expect("valid");
+        store.apply_calibration(&mut settings).expect("readable");
+        settings
+    };
+
+    // First run: nothing stored, so a calibration run with nothing resident.
+    let settings = named(&[]);
+    assert_eq!(settings.calibration, None);
+    let first = plan_pipeline(&z_image_turbo(), settings, &card).expect("plans");
+    let transformer = first.component("transformer").expect("planned");
+    assert_eq!(transformer.resident_bytes, 23_704_704, "only the bytes outside the blocks: {}", transformer.why);
+    assert!(transformer.why.contains("calibration run of profile zimage-1024"), "{}", transformer.why);
+
+    // The simulated card measures the denoise phase's peak; here the plan's own prediction stands in, plus
+    // 300 MB the estimate missed.
+    let measured_peak = transformer.peak_bytes + 300_000_000;
+    let recommendation = store
+        .record_calibration("zimage-1024", card.device_available, measured_peak, transformer.resident_bytes)
+        .expect("saved");
+    assert_eq!(
+        recommendation.resident_budget,
+        budget::recommend_resident_budget(card.device_available, measured_peak, transformer.resident_bytes)
+    );
+
+    // Later runs reuse it.
+    let settings = named(&[]);
+    assert_eq!(settings.calibration, Some(recommendation));
+    let later = plan_pipeline(&z_image_turbo(), settings, &card).expect("plans");
+    let transformer = later.component("transformer").expect("planned");
+    assert!(transformer.why.contains("profile zimage-1024 recommends"), "{}", transformer.why);
+    assert!(
+        transformer.resident_bytes > 23_704_704
+            && transformer.resident_bytes <= recommendation.resident_budget + 23_704_704
+    );
+    assert!(
+        transformer.peak_bytes + 300_000_000 <= card.device_available,
+        "the measured overshoot still fits: {}",
+        transformer.why
+    );
+    // Components called once per image are not given the denoiser's budget.
+    assert_eq!(
+        later.component("text_encoder").map(|c| c.resident_bytes),
+        first.component("text_encoder").map(|c| c.resident_bytes)
+    );
+
+    // An explicit resident budget beats the recommendation; calibrate=true measures again.
+    let explicit = plan_pipeline(&z_image_turbo(), named(&[("resident_budget", "1GiB")]), &card).expect("plans");
+    assert!(
+        explicit
+            .component("transformer")
+            .is_some_and(|c| c.why.contains("resident_budget 1.00 GB from an explicit argument"))
+    );
+    let again = named(&[("calibrate", "true")]);
+    assert_eq!(again.calibration, None);
+    let again = plan_pipeline(&z_image_turbo(), again, &card).expect("plans");
+    assert!(again.component("transformer").is_some_and(|c| c.why.contains("calibration run")));
+}
