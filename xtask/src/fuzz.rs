@@ -34,6 +34,17 @@ pub fn targets() -> Vec<(&'static str, fn(&[u8]))> {
                 }
             }
         }),
+        ("settings", |input| {
+            let Ok(text) = std::str::from_utf8(input) else { return };
+            // The same bytes as a TOML file, as environment lines, and as `key=value` arguments.
+            let _ = offload_core::plan::SettingsLayer::from_toml(text);
+            let vars = text.lines().filter_map(|line| line.split_once('='));
+            let _ = offload_core::plan::SettingsLayer::from_env(vars);
+            let mut layer = offload_core::plan::SettingsLayer::default();
+            for (key, value) in text.lines().filter_map(|line| line.split_once('=')) {
+                let _ = layer.set(key.trim(), value.trim());
+            }
+        }),
         ("card", |input| {
             if let Ok(text) = std::str::from_utf8(input) {
                 if let Ok(card) = memory_sim::CardSpec::parse(text) {

@@ -8,6 +8,10 @@ use crate::size::{SizeError, format_size};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// Planning or settings failed: an unknown preset, a bad setting, an impossible plan.
+    #[error(transparent)]
+    Plan(#[from] crate::plan::PlanError),
+
     /// A size string was malformed.
     #[error(transparent)]
     Size(#[from] SizeError),
