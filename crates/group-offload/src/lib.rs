@@ -1,1 +1,95 @@
-//! group-offload (being built).
+//! Group offload inside one burn model: block-level and leaf-level groups streamed through an execution device
+//! with less memory than the weights, prefetched on a worker thread in the order the model calls them.
+//!
+//! # The pattern
+//!
+//! burn has no forward hooks, so groups are explicit. The model hands its weights to a [`GroupOffload`] once,
+//! as parts: a list of blocks ([`GroupOffload::blocks`]), a module cut at its leaf layers
+//! ([`GroupOffload::leaves`]), or a whole module ([`GroupOffload::module`], resident by default, for the layers
+//! outside the blocks). The weights move into a host store (one exact-size host copy per group, or one
+//! safetensors file per group), and the model's forward walks its groups through guards:
+//!
+//! ```
+//! use burn::module::Module;
+//! use burn::nn::{Linear, LinearConfig};
+//! use burn::tensor::{Device, Tensor};
+//! use group_offload::{GroupOffload, GroupOffloadConfig, Placement};
+//!
+//! #[derive(Module, Debug)]
+//! struct Block { fc: Linear }
+//!
+//! let device = Device::flex();
+//! let blocks: Vec<Block> = (0..4).map(|_| Block { fc: LinearConfig::new(8, 8).init(&device) }).collect();
+//! let head = LinearConfig::new(8, 2).init(&device);
+//!
+//! let offload = GroupOffload::new(GroupOffloadConfig::new("tiny", device.clone()))?;
+//! let blocks = offload.blocks("blocks", blocks, 1)?;
+//! let head = offload.module("head", head, Placement::Resident)?;
+//!
+//! let forward = |x: Tensor<2>| -> Result<Tensor<2>, group_offload::Error> {
+//!     offload.ensure_device(&x.device())?;
+//!     let mut x = x;
+//!     for group in blocks.iter() {
+//!         let group = group?;                // on the device while borrowed
+//!         for block in group.iter() {
+//!             x = block.fc.forward(x);
+//!         }
+//!     }                                      // dropped: offloaded, the next one is already prefetched
+//!     Ok(head.get()?.forward(x))
+//! };
+//! let x = Tensor::<2>::ones([1, 8], &device);
+//! let first = forward(x.clone())?;           // the capture pass: blocking, records the call order
+//! let second = forward(x)?;                  // prefetched in the captured order
+//! assert_eq!(first.into_data(), second.into_data());
+//! assert_eq!(offload.stats().misses, 0);
+//! # Ok::<(), group_offload::Error>(())
+//! ```
+//!
+//! # What happens underneath
+//!
+//! - **Capture.** The first forward runs blocking: every group is uploaded when taken, and the order of the
+//!   takes is recorded. The capture ends when a group is taken a second time (the next forward), or at
+//!   [`GroupOffload::end_capture`]. Order comes from calls, never from declaration (diffusers #11307).
+//! - **Prefetch.** After the capture, taking group *k* hands the next `prefetch_depth` groups of the captured
+//!   order (wrapping into the next forward) to a worker thread, which allocates them on the
+//!   [`DeviceLedger`](offload_core::DeviceLedger), pays the transfer, and builds the device tensors. On CUDA each
+//!   OS thread is its own burn stream, so the worker is the copy stream and burn orders cross-stream use with
+//!   events. Prefetched groups that fall out of the window are dropped.
+//! - **Ring bound.** With guards taken one at a time, the device holds at most
+//!   `resident + (prefetch_depth + 1) × largest group` bytes of weights, plus activations.
+//! - **Misses.** A group not on the device when taken after the capture is loaded synchronously and counted in
+//!   [`GroupStats::misses`]. A group first seen after the capture (a conditional module, diffusers #13211) is
+//!   inserted into the order right after the group taken before it, so the next forward prefetches it.
+//! - **Several blocks per group** prefetch correctly: the group is the unit of upload, prefetch and release.
+//! - **Accounting.** Every move calls the ledger (allocate, then transfer, before an upload; free after an
+//!   offload) and, when configured, adds an [`OffloadEvent`](offload_core::OffloadEvent) with id
+//!   `"{model}/{group}"` and reason `group_onload`, `prefetch` or `group_offload` to the
+//!   [`OffloadRecord`](offload_core::OffloadRecord). A failed upload frees what it took; the host copy is never
+//!   touched by an upload.
+//! - **Host memory.** Taking a model apart consumes it: each tensor is read into host bytes (zero-copy on a CPU
+//!   backend when the tensor is not shared) and the model keeps only placeholders that own no memory, so the
+//!   host copy is the only copy. Uploads clone shared handles to those bytes. With a disk store the bytes are
+//!   dropped once written and every upload reads the group's file.
+//! - **Manager.** [`GroupOffloadedModel`] registers the model with a
+//!   [`ComponentsManager`](offload_core::ComponentsManager) as group-offloaded, so auto offload never evicts it.
+//!
+//! Int and bool parameters are not offloaded: they move to the execution device when the part is added and
+//! stay there, uncounted.
+
+#![forbid(unsafe_code)]
+
+pub mod bench;
+pub mod component;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod parts;
+mod store;
+mod walk;
+
+pub use bench::{OverlapConfig, OverlapReport, overlap_benchmark};
+pub use component::GroupOffloadedModel;
+pub use config::{DEFAULT_LEAF_TYPES, GroupOffloadConfig, LeafPredicate};
+pub use engine::GroupStats;
+pub use error::{Error, Result};
+pub use parts::{BlockOffload, GroupGuard, GroupOffload, LeafOffload, ModuleOffload, Placement};

@@ -1,0 +1,74 @@
+//! The adapter that lets a [`ComponentsManager`](offload_core::ComponentsManager) hold a group-offloaded model
+//! without ever evicting it wholesale.
+
+use offload_core::{ComponentError, DeviceName, Offloadable};
+
+use crate::error::Error;
+use crate::parts::GroupOffload;
+
+/// A group-offloaded model as an [`Offloadable`] component: it reports
+/// [`group_offloaded`](Offloadable::group_offloaded) `= true` and its resident bytes (resident parts plus the
+/// resident budget), so the manager counts it but its strategy never picks it; the model streams its own groups.
+///
+/// `onload` uploads the resident parts (and fails for any device other than the prepared one); `offload`
+/// drops every group from the device.
+#[derive(Debug, Clone)]
+pub struct GroupOffloadedModel {
+    offload: GroupOffload,
+    active: bool,
+}
+
+impl GroupOffloadedModel {
+    /// Wraps an offloader; it starts "on the host" for the manager.
+    pub fn new(offload: GroupOffload) -> Self {
+        Self { offload, active: false }
+    }
+
+    /// The offloader, to run the model.
+    pub fn offload(&self) -> &GroupOffload {
+        &self.offload
+    }
+}
+
+impl Offloadable for GroupOffloadedModel {
+    fn bytes(&self) -> u64 {
+        self.offload.total_bytes()
+    }
+
+    fn device(&self) -> DeviceName {
+        if self.active { self.offload.config().device_name.clone() } else { DeviceName::cpu() }
+    }
+
+    fn onload(&mut self, device: &DeviceName) -> Result<(), ComponentError> {
+        let config = self.offload.config();
+        if *device != config.device_name {
+            return Err(Error::WrongDevice {
+                model: config.model.clone(),
+                prepared: config.device_name.to_string(),
+                requested: device.to_string(),
+            }
+            .into());
+        }
+        self.offload.onload_resident()?;
+        self.active = true;
+        Ok(())
+    }
+
+    fn offload(&mut self) -> Result<(), ComponentError> {
+        self.offload.offload_all()?;
+        self.active = false;
+        Ok(())
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        self.offload.resident_bytes()
+    }
+
+    fn group_offloaded(&self) -> bool {
+        true
+    }
+
+    fn class_name(&self) -> String {
+        format!("GroupOffload<{}>", self.offload.config().model)
+    }
+}

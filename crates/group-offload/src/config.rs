@@ -1,0 +1,198 @@
+//! Configuration of a group offloader: where it uploads, how far it prefetches, what it keeps resident, and the
+//! ledger, memory readings and record it reports to.
+//!
+//! This is the layer that validates user input ([`GroupOffloadConfig::validate`], called once by
+//! [`GroupOffload::new`](crate::GroupOffload::new)); everything below trusts it.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use burn::tensor::Device;
+use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, OffloadRecord};
+
+use crate::error::{Error, Result};
+
+/// How a group offloader is set up. Build it with [`GroupOffloadConfig::new`] and the `with_*` methods.
+#[derive(Clone)]
+pub struct GroupOffloadConfig {
+    /// The model's name, the first half of every record id (`"{model}/{group}"`).
+    pub model: String,
+    /// The execution device groups are uploaded to.
+    pub device: Device,
+    /// The execution device's name, for records, errors and the [`Offloadable`](offload_core::Offloadable) adapter.
+    pub device_name: DeviceName,
+    /// Whether groups after the first forward are prefetched on the worker thread (`true` by default).
+    pub prefetch: bool,
+    /// How many groups ahead of the running one, in the captured order, are uploaded (1 by default).
+    pub prefetch_depth: usize,
+    /// Bytes of streamed groups that may stay on the device once released (0 by default): the first groups to be
+    /// released that fit stay resident for good, like diffusers' requested `pin_groups`.
+    pub resident_budget: u64,
+    /// Where to keep each group's host copy as a safetensors file instead of in host memory; `None` keeps it in
+    /// memory.
+    pub disk_dir: Option<PathBuf>,
+    /// The ledger every allocation, transfer and free is reported to ([`NoLedger`] for a real device).
+    pub ledger: Arc<dyn DeviceLedger>,
+    /// Readings recorded with every move, if any.
+    pub memory: Option<Arc<dyn DeviceMemory>>,
+    /// The record every move is added to, if any.
+    pub record: Option<OffloadRecord>,
+}
+
+impl fmt::Debug for GroupOffloadConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GroupOffloadConfig")
+            .field("model", &self.model)
+            .field("device", &self.device_name.as_str())
+            .field("prefetch", &self.prefetch)
+            .field("prefetch_depth", &self.prefetch_depth)
+            .field("resident_budget", &self.resident_budget)
+            .field("disk_dir", &self.disk_dir)
+            .field("memory", &self.memory.is_some())
+            .field("record", &self.record.is_some())
+            .finish()
+    }
+}
+
+impl GroupOffloadConfig {
+    /// A configuration for `model` on `device`: prefetch on with depth 1, no resident budget, host memory store,
+    /// no ledger, readings or record. The device's name defaults to `cpu` for a CPU backend and `cuda:0`
+    /// otherwise; set the right one with [`with_device_name`](Self::with_device_name).
+    pub fn new(model: impl Into<String>, device: Device) -> Self {
+        let debug = format!("{device:?}").to_ascii_lowercase();
+        let device_name = if debug.contains("cuda") { DeviceName::parse("cuda") } else { Ok(DeviceName::cpu()) }
+            .unwrap_or_else(|_| DeviceName::cpu());
+        Self {
+            model: model.into(),
+            device,
+            device_name,
+            prefetch: true,
+            prefetch_depth: 1,
+            resident_budget: 0,
+            disk_dir: None,
+            ledger: Arc::new(NoLedger),
+            memory: None,
+            record: None,
+        }
+    }
+
+    /// Names the execution device.
+    pub fn with_device_name(mut self, name: DeviceName) -> Self {
+        self.device_name = name;
+        self
+    }
+
+    /// Turns prefetching on or off.
+    pub fn with_prefetch(mut self, prefetch: bool) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// Sets how many groups ahead are prefetched (at least 1).
+    pub fn with_prefetch_depth(mut self, depth: usize) -> Self {
+        self.prefetch_depth = depth;
+        self
+    }
+
+    /// Sets the bytes of released groups that may stay resident.
+    pub fn with_resident_budget(mut self, bytes: u64) -> Self {
+        self.resident_budget = bytes;
+        self
+    }
+
+    /// Keeps host copies as safetensors files under `dir`.
+    pub fn with_disk_store(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.disk_dir = Some(dir.into());
+        self
+    }
+
+    /// Reports every move to `ledger`.
+    pub fn with_ledger(mut self, ledger: Arc<dyn DeviceLedger>) -> Self {
+        self.ledger = ledger;
+        self
+    }
+
+    /// Records readings from `memory` with every move.
+    pub fn with_memory(mut self, memory: Arc<dyn DeviceMemory>) -> Self {
+        self.memory = Some(memory);
+        self
+    }
+
+    /// Adds every move to `record`.
+    pub fn with_record(mut self, record: OffloadRecord) -> Self {
+        self.record = Some(record);
+        self
+    }
+
+    /// Checks the values a user can get wrong; called once by [`GroupOffload::new`](crate::GroupOffload::new).
+    pub fn validate(&self) -> Result<()> {
+        let invalid = |problem: &str| Error::InvalidConfig { model: self.model.clone(), problem: problem.to_string() };
+        if self.model.is_empty() || self.model.contains('/') {
+            return Err(invalid("the model name must be non-empty and contain no '/'"));
+        }
+        if self.prefetch && self.prefetch_depth == 0 {
+            return Err(invalid("prefetch_depth is 0; use 1 or more, or turn prefetch off with with_prefetch(false)"));
+        }
+        Ok(())
+    }
+}
+
+/// Decides which modules are leaves at leaf level, from the container type burn reports for them
+/// (`"Struct:Linear"`, `"Struct:Conv2d"`, `"Struct:PtLinear"`).
+///
+/// ```
+/// use group_offload::LeafPredicate;
+/// let leaves = LeafPredicate::default_layers().or_types(&["PtLinear"]);
+/// assert!(leaves.is_leaf("Struct:PtLinear"));
+/// assert!(leaves.is_leaf("Struct:Linear"));
+/// assert!(!leaves.is_leaf("Struct:LayerNorm"));
+/// ```
+#[derive(Clone)]
+pub struct LeafPredicate(Arc<dyn Fn(&str) -> bool + Send + Sync>);
+
+impl fmt::Debug for LeafPredicate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("LeafPredicate(..)")
+    }
+}
+
+/// The layer types diffusers groups at leaf level, by burn's struct names. Norms are left out on purpose: their
+/// weights travel with the group of the module that holds them.
+pub const DEFAULT_LEAF_TYPES: &[&str] =
+    &["Linear", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "Embedding"];
+
+impl LeafPredicate {
+    /// A predicate from any function of the container type.
+    pub fn new(f: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    /// burn's Linear, Conv and Embedding layers ([`DEFAULT_LEAF_TYPES`]).
+    pub fn default_layers() -> Self {
+        Self::types(DEFAULT_LEAF_TYPES)
+    }
+
+    /// Exactly the structs named in `names` (without the `Struct:` prefix).
+    pub fn types(names: &[&str]) -> Self {
+        let names: Vec<String> = names.iter().map(|n| format!("Struct:{n}")).collect();
+        Self::new(move |container| names.iter().any(|n| n == container))
+    }
+
+    /// This predicate, or the structs named in `names`.
+    pub fn or_types(self, names: &[&str]) -> Self {
+        let other = Self::types(names);
+        Self::new(move |container| (self.0)(container) || (other.0)(container))
+    }
+
+    /// Whether a module of this container type is a leaf.
+    pub fn is_leaf(&self, container_type: &str) -> bool {
+        (self.0)(container_type)
+    }
+}
+
+impl Default for LeafPredicate {
+    fn default() -> Self {
+        Self::default_layers()
+    }
+}

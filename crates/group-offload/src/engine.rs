@@ -1,0 +1,614 @@
+//! The engine under every part: the group table, the capture of the call order, the prefetch worker thread,
+//! and the accounting (ledger, record, statistics) of every move.
+//!
+//! # Locking
+//!
+//! One mutex guards the table (residency, users, order, statistics); a condition variable wakes callers waiting
+//! for an in-flight prefetch. The lock is never held across a ledger call or an upload: those can sleep (a slow
+//! simulated link) or take milliseconds (a real copy), and the worker must be able to publish while the caller
+//! computes.
+//!
+//! # Residency of a group
+//!
+//! `Offloaded` (only the host copy) → `Loading` (an upload in flight, on the worker or the caller) →
+//! `OnDevice` (device tensors held by the engine; `users` counts the guards borrowing them). A release with no
+//! users left offloads the group unless it is pinned (resident part, or within the resident budget) or is among
+//! the next groups to run.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use burn::tensor::{Device, Tensor};
+use offload_core::{Action, ComponentError, Direction, OffloadEvent, Reason};
+use parking_lot::{Condvar, Mutex};
+
+use crate::config::GroupOffloadConfig;
+use crate::error::{Error, Result};
+use crate::store::GroupHost;
+
+/// Counters of one offloader since it was built. Read them with [`GroupOffload::stats`](crate::GroupOffload::stats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupStats {
+    /// Uploads made on the calling thread, blocking it: every upload of the capture pass, every upload with
+    /// prefetch off, and every miss.
+    pub onloads: u64,
+    /// Uploads handed to the prefetch worker.
+    pub prefetches: u64,
+    /// Groups found on the device, already prefetched, when they were taken.
+    pub prefetch_hits: u64,
+    /// Groups still in flight on the worker when they were taken; the caller waited for them.
+    pub prefetch_waits: u64,
+    /// Synchronous uploads after the capture with prefetch on: the order diverged or the group was new.
+    pub misses: u64,
+    /// Prefetches that failed (the ledger refused them); the group was then loaded synchronously when taken.
+    pub failed_prefetches: u64,
+    /// Prefetched groups dropped before anyone took them (the order diverged).
+    pub unused_prefetches: u64,
+    /// Groups dropped from the device.
+    pub offloads: u64,
+    /// Parameters loaded one by one because a model touched a parameter outside the groups it had taken.
+    pub stray_loads: u64,
+    /// Groups first seen after the capture and inserted into the order.
+    pub order_inserts: u64,
+    /// Bytes uploaded, synchronously or by prefetch.
+    pub bytes_onloaded: u64,
+    /// Bytes dropped from the device.
+    pub bytes_offloaded: u64,
+}
+
+enum Residency {
+    Offloaded,
+    Loading,
+    OnDevice(Arc<[Tensor<1>]>),
+}
+
+struct GroupSlot {
+    host: Arc<GroupHost>,
+    residency: Residency,
+    users: usize,
+    /// Stays on the device when released (a resident part, or kept within the resident budget).
+    pinned: bool,
+    /// On the device (or in flight) because of a prefetch, not yet taken.
+    prefetched: bool,
+    /// Belongs to a resident part: pinned from registration, counted in the resident bytes.
+    resident_part: bool,
+}
+
+struct State {
+    groups: Vec<GroupSlot>,
+    /// The captured call sequence; a group called twice per forward appears twice.
+    order: Vec<usize>,
+    /// Index in `order` of the last call.
+    cursor: Option<usize>,
+    capturing: bool,
+    kept_bytes: u64,
+    stats: GroupStats,
+}
+
+impl State {
+    /// Bookkeeping of one call. During the capture the call is appended; the capture ends when the first group
+    /// of the sequence is called again. After it, a call that is not the expected next one is learnt: a new
+    /// group, or a repeat while the sequence is shorter than twice the number of distinct groups, is inserted
+    /// after the previous call; otherwise the cursor jumps to the group's next occurrence.
+    fn note_call(&mut self, group: usize, model: &str) {
+        if self.capturing {
+            if self.order.first() == Some(&group) {
+                self.capturing = false;
+                self.cursor = Some(0);
+                tracing::info!(model, calls = self.order.len(), "group offload captured the call order");
+            } else {
+                self.order.push(group);
+                self.cursor = Some(self.order.len() - 1);
+            }
+            return;
+        }
+        let len = self.order.len();
+        let expected = self.cursor.map_or(0, |c| (c + 1) % len.max(1));
+        if self.order.get(expected) == Some(&group) {
+            self.cursor = Some(expected);
+            return;
+        }
+        let known = self.order.contains(&group);
+        let distinct = {
+            let mut seen: Vec<usize> = self.order.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            seen.len()
+        };
+        if !known || len < 2 * distinct {
+            let at = self.cursor.map_or(len, |c| c + 1);
+            self.order.insert(at, group);
+            self.cursor = Some(at);
+            self.stats.order_inserts += 1;
+            tracing::debug!(model, group = %self.groups[group].host.id, "call order learnt a new step");
+        } else {
+            let start = self.cursor.map_or(0, |c| c + 1);
+            let next = (0..len).map(|i| (start + i) % len).find(|i| self.order[*i] == group);
+            self.cursor = next;
+        }
+    }
+
+    /// The next `depth` groups after the cursor in the captured sequence, wrapping into the next forward, leaving
+    /// out pinned groups already on the device (they need no prefetch).
+    fn window(&self, depth: usize) -> Vec<usize> {
+        let Some(cursor) = self.cursor else { return Vec::new() };
+        let len = self.order.len();
+        let mut out = Vec::with_capacity(depth);
+        for i in 1..=len {
+            if out.len() == depth {
+                break;
+            }
+            let next = self.order[(cursor + i) % len];
+            let slot = &self.groups[next];
+            if slot.pinned && matches!(slot.residency, Residency::OnDevice(_)) {
+                continue;
+            }
+            if !out.contains(&next) {
+                out.push(next);
+            }
+        }
+        out
+    }
+}
+
+pub(crate) struct Shared {
+    pub config: GroupOffloadConfig,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+struct Job {
+    group: usize,
+    host: Arc<GroupHost>,
+}
+
+/// The engine: shared state plus the worker thread that owns the prefetch stream.
+pub(crate) struct Engine {
+    pub shared: Arc<Shared>,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Closing the channel ends the worker's loop; joining waits for an upload in flight.
+        self.jobs.lock().take();
+        if let Some(handle) = self.worker.lock().take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Shared {
+    fn record(&self, action: Action, id: &str, bytes: u64, reason: &str) {
+        let Some(record) = &self.config.record else { return };
+        let reading = self.config.memory.as_ref().map(|m| m.reading());
+        record.add(OffloadEvent {
+            action,
+            id: id.to_string(),
+            bytes,
+            reason: Some(Reason::Other(reason.to_string())),
+            available: reading.map(|r| r.available),
+            peak: reading.map(|r| r.peak),
+        });
+    }
+
+    fn onload_error(&self, host: &GroupHost, source: ComponentError) -> Error {
+        Error::Onload {
+            group: host.id.clone(),
+            bytes: host.bytes,
+            device: self.config.device_name.to_string(),
+            source,
+        }
+    }
+
+    /// One upload: allocate on the ledger, pay the transfer, build the device tensors. Called without the lock.
+    /// On any failure nothing stays allocated and the host copy is untouched.
+    fn upload(&self, host: &GroupHost, reason: &str) -> Result<Arc<[Tensor<1>]>> {
+        self.record(Action::Onload, &host.id, host.bytes, reason);
+        let ledger = &self.config.ledger;
+        ledger.allocate(host.bytes).map_err(|e| self.onload_error(host, e))?;
+        if let Err(e) = ledger.transfer(host.bytes, Direction::HostToDevice) {
+            ledger.free(host.bytes);
+            return Err(self.onload_error(host, e));
+        }
+        let data = match host.load_flat() {
+            Ok(data) => data,
+            Err(message) => {
+                ledger.free(host.bytes);
+                let source = ComponentError::Transfer { what: host.id.clone(), message };
+                return Err(self.onload_error(host, source));
+            }
+        };
+        let device = &self.config.device;
+        let tensors: Vec<Tensor<1>> = data
+            .into_iter()
+            .map(|d| {
+                let dtype = d.dtype();
+                Tensor::<1>::from_data(d, (device, dtype))
+            })
+            .collect();
+        Ok(tensors.into())
+    }
+
+    /// Drops a group's device tensors and frees them on the ledger. Called with the lock held (it is cheap).
+    fn drop_from_device(&self, state: &mut State, group: usize) {
+        let slot = &mut state.groups[group];
+        if !matches!(slot.residency, Residency::OnDevice(_)) {
+            return;
+        }
+        let (id, bytes) = (slot.host.id.clone(), slot.host.bytes);
+        if slot.prefetched {
+            state.stats.unused_prefetches += 1;
+        }
+        slot.prefetched = false;
+        self.record(Action::Offload, &id, bytes, "group_offload");
+        slot.residency = Residency::Offloaded;
+        self.config.ledger.free(bytes);
+        state.stats.offloads += 1;
+        state.stats.bytes_offloaded += bytes;
+    }
+}
+
+impl Engine {
+    /// Starts an engine and its worker thread.
+    pub fn start(config: GroupOffloadConfig) -> Result<Arc<Self>> {
+        config.validate()?;
+        let model = config.model.clone();
+        let shared = Arc::new(Shared {
+            config,
+            state: Mutex::new(State {
+                groups: Vec::new(),
+                order: Vec::new(),
+                cursor: None,
+                capturing: true,
+                kept_bytes: 0,
+                stats: GroupStats::default(),
+            }),
+            changed: Condvar::new(),
+        });
+        let (sender, receiver) = mpsc::channel::<Job>();
+        let worker_shared = shared.clone();
+        // On CUDA, burn gives every OS thread its own stream, so this thread is the prefetch stream: its uploads
+        // overlap the compute queued by the caller, and burn orders cross-stream use with events.
+        let handle = std::thread::Builder::new()
+            .name(format!("group-offload-{model}"))
+            .spawn(move || worker_loop(&worker_shared, &receiver))
+            .map_err(|e| Error::InvalidConfig { model: model.clone(), problem: format!("cannot start the prefetch worker: {e}") })?;
+        Ok(Arc::new(Self { shared, jobs: Mutex::new(Some(sender)), worker: Mutex::new(Some(handle)) }))
+    }
+
+    pub fn model(&self) -> &str {
+        &self.shared.config.model
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.shared.config.device
+    }
+
+    /// Registers a group; a pinned group is uploaded at once and never offloaded by a release.
+    pub fn add_group(&self, host: GroupHost, pinned: bool) -> Result<usize> {
+        let host = Arc::new(host);
+        let index = {
+            let mut state = self.shared.state.lock();
+            state.groups.push(GroupSlot {
+                host: host.clone(),
+                residency: Residency::Offloaded,
+                users: 0,
+                pinned,
+                prefetched: false,
+                resident_part: pinned,
+            });
+            state.groups.len() - 1
+        };
+        if pinned {
+            self.onload_pinned(index)?;
+        }
+        Ok(index)
+    }
+
+    fn onload_pinned(&self, group: usize) -> Result<()> {
+        let host = {
+            let mut state = self.shared.state.lock();
+            let slot = &mut state.groups[group];
+            if !matches!(slot.residency, Residency::Offloaded) {
+                return Ok(());
+            }
+            slot.residency = Residency::Loading;
+            slot.host.clone()
+        };
+        let result = self.shared.upload(&host, "group_onload");
+        let mut state = self.shared.state.lock();
+        let outcome = match result {
+            Ok(tensors) => {
+                state.groups[group].residency = Residency::OnDevice(tensors);
+                state.stats.onloads += 1;
+                state.stats.bytes_onloaded += host.bytes;
+                Ok(())
+            }
+            Err(e) => {
+                state.groups[group].residency = Residency::Offloaded;
+                Err(e)
+            }
+        };
+        self.shared.changed.notify_all();
+        outcome
+    }
+
+    pub fn host(&self, group: usize) -> Option<Arc<GroupHost>> {
+        self.shared.state.lock().groups.get(group).map(|g| g.host.clone())
+    }
+
+    /// Takes the groups for one guard, in order; on failure releases what it took.
+    pub fn acquire(&self, groups: &[usize]) -> Result<Vec<(usize, Arc<[Tensor<1>]>)>> {
+        let mut taken = Vec::with_capacity(groups.len());
+        for &group in groups {
+            match self.acquire_one(group) {
+                Ok(tensors) => taken.push((group, tensors)),
+                Err(e) => {
+                    for (g, tensors) in taken {
+                        drop(tensors);
+                        self.release(g);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(taken)
+    }
+
+    fn acquire_one(&self, group: usize) -> Result<Arc<[Tensor<1>]>> {
+        let shared = &self.shared;
+        let mut state = shared.state.lock();
+        let capturing = state.capturing;
+        state.note_call(group, &shared.config.model);
+        let mut waited = false;
+        loop {
+            let slot = &mut state.groups[group];
+            match &slot.residency {
+                Residency::OnDevice(tensors) => {
+                    let tensors = tensors.clone();
+                    slot.users += 1;
+                    if slot.prefetched {
+                        slot.prefetched = false;
+                        if waited {
+                            state.stats.prefetch_waits += 1;
+                        } else {
+                            state.stats.prefetch_hits += 1;
+                        }
+                    }
+                    self.schedule(&mut state, group);
+                    return Ok(tensors);
+                }
+                Residency::Loading => {
+                    waited = true;
+                    shared.changed.wait(&mut state);
+                }
+                Residency::Offloaded => break,
+            }
+        }
+        // A synchronous upload on this thread.
+        let slot = &mut state.groups[group];
+        slot.residency = Residency::Loading;
+        slot.users += 1;
+        slot.prefetched = false;
+        let host = slot.host.clone();
+        let miss = !capturing && shared.config.prefetch;
+        if miss {
+            state.stats.misses += 1;
+            tracing::debug!(group = %host.id, "prefetch miss: loading synchronously");
+        }
+        drop(state);
+        let result = shared.upload(&host, "group_onload");
+        let mut state = shared.state.lock();
+        let slot = &mut state.groups[group];
+        let outcome = match result {
+            Ok(tensors) => {
+                slot.residency = Residency::OnDevice(tensors.clone());
+                state.stats.onloads += 1;
+                state.stats.bytes_onloaded += host.bytes;
+                self.schedule(&mut state, group);
+                Ok(tensors)
+            }
+            Err(e) => {
+                slot.residency = Residency::Offloaded;
+                slot.users -= 1;
+                Err(e)
+            }
+        };
+        shared.changed.notify_all();
+        outcome
+    }
+
+    /// After `group` was taken: drops prefetched groups that are no longer expected, then asks the worker for
+    /// the next groups of the captured order.
+    fn schedule(&self, state: &mut State, group: usize) {
+        let config = &self.shared.config;
+        if state.capturing || !config.prefetch {
+            return;
+        }
+        let window = state.window(config.prefetch_depth);
+        let stale: Vec<usize> = (0..state.groups.len())
+            .filter(|i| {
+                let slot = &state.groups[*i];
+                *i != group && slot.users == 0 && !slot.pinned && !window.contains(i) && matches!(slot.residency, Residency::OnDevice(_))
+            })
+            .collect();
+        for i in stale {
+            self.shared.drop_from_device(state, i);
+        }
+        let jobs = self.jobs.lock();
+        for next in window {
+            let slot = &mut state.groups[next];
+            if !matches!(slot.residency, Residency::Offloaded) {
+                continue;
+            }
+            let Some(sender) = jobs.as_ref() else { return };
+            if sender.send(Job { group: next, host: slot.host.clone() }).is_ok() {
+                slot.residency = Residency::Loading;
+                slot.prefetched = true;
+                state.stats.prefetches += 1;
+            }
+        }
+    }
+
+    /// A guard let go of `group`.
+    pub fn release(&self, group: usize) {
+        let shared = &self.shared;
+        let mut state = shared.state.lock();
+        let Some(slot) = state.groups.get_mut(group) else { return };
+        slot.users = slot.users.saturating_sub(1);
+        if slot.users > 0 || slot.pinned {
+            return;
+        }
+        let bytes = slot.host.bytes;
+        if state.kept_bytes + bytes <= shared.config.resident_budget {
+            state.kept_bytes += bytes;
+            state.groups[group].pinned = true;
+            return;
+        }
+        let upcoming = !state.capturing && shared.config.prefetch && state.window(shared.config.prefetch_depth).contains(&group);
+        if upcoming {
+            // The group is among the next to run (a short order, or guards released out of order): keep it rather
+            // than upload it again.
+            state.groups[group].prefetched = true;
+            return;
+        }
+        shared.drop_from_device(&mut state, group);
+    }
+
+    /// Offloads every group, pinned ones included (they come back on their next use). Waits for prefetches in
+    /// flight; refuses while a guard still borrows a group.
+    pub fn offload_all(&self) -> Result<()> {
+        let shared = &self.shared;
+        let mut state = shared.state.lock();
+        while state.groups.iter().any(|g| matches!(g.residency, Residency::Loading)) {
+            shared.changed.wait(&mut state);
+        }
+        if let Some(busy) = state.groups.iter().find(|g| g.users > 0) {
+            return Err(Error::InUse { group: busy.host.id.clone(), users: busy.users });
+        }
+        for i in 0..state.groups.len() {
+            state.groups[i].prefetched = false;
+            shared.drop_from_device(&mut state, i);
+        }
+        state.kept_bytes = 0;
+        for slot in &mut state.groups {
+            if !slot.pinned_at_start() {
+                slot.pinned = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Uploads the pinned groups of resident parts again after [`offload_all`](Self::offload_all).
+    pub fn onload_resident(&self) -> Result<()> {
+        let pinned: Vec<usize> = {
+            let state = self.shared.state.lock();
+            (0..state.groups.len()).filter(|i| state.groups[*i].pinned).collect()
+        };
+        for group in pinned {
+            self.onload_pinned(group)?;
+        }
+        Ok(())
+    }
+
+    pub fn stats(&self) -> GroupStats {
+        self.shared.state.lock().stats
+    }
+
+    pub fn count_stray(&self, name: &str) {
+        self.shared.state.lock().stats.stray_loads += 1;
+        tracing::warn!(parameter = name, "a parameter outside the taken groups was used; loaded it synchronously");
+    }
+
+    /// The group ids in the captured order.
+    pub fn order(&self) -> Vec<String> {
+        let state = self.shared.state.lock();
+        state.order.iter().map(|g| state.groups[*g].host.id.clone()).collect()
+    }
+
+    pub fn is_capturing(&self) -> bool {
+        self.shared.state.lock().capturing
+    }
+
+    pub fn end_capture(&self) {
+        self.shared.state.lock().capturing = false;
+    }
+
+    pub fn recapture(&self) {
+        let mut state = self.shared.state.lock();
+        state.capturing = true;
+        state.order.clear();
+        state.cursor = None;
+    }
+
+    /// Sum of all groups' bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.shared.state.lock().groups.iter().map(|g| g.host.bytes).sum()
+    }
+
+    /// Bytes of resident parts plus the resident budget: what the model holds on the device between uses.
+    pub fn resident_bytes(&self) -> u64 {
+        let state = self.shared.state.lock();
+        state.groups.iter().filter(|g| g.pinned_at_start()).map(|g| g.host.bytes).sum::<u64>() + self.shared.config.resident_budget
+    }
+
+    /// The largest group's bytes.
+    pub fn largest_group(&self) -> u64 {
+        self.shared.state.lock().groups.iter().map(|g| g.host.bytes).max().unwrap_or(0)
+    }
+
+    /// Group ids and sizes, in registration order.
+    pub fn groups(&self) -> Vec<(String, u64)> {
+        self.shared.state.lock().groups.iter().map(|g| (g.host.id.clone(), g.host.bytes)).collect()
+    }
+
+    /// Checksums of every group's host copy.
+    pub fn host_checksums(&self) -> Vec<(String, std::result::Result<u64, String>)> {
+        let hosts: Vec<Arc<GroupHost>> = self.shared.state.lock().groups.iter().map(|g| g.host.clone()).collect();
+        hosts.iter().map(|h| (h.id.clone(), h.checksum())).collect()
+    }
+
+    /// Ids of the groups on the device now.
+    pub fn on_device(&self) -> Vec<String> {
+        let state = self.shared.state.lock();
+        state.groups.iter().filter(|g| matches!(g.residency, Residency::OnDevice(_))).map(|g| g.host.id.clone()).collect()
+    }
+
+    pub fn wait_idle(&self) {
+        let mut state = self.shared.state.lock();
+        while state.groups.iter().any(|g| matches!(g.residency, Residency::Loading)) {
+            self.shared.changed.wait(&mut state);
+        }
+    }
+}
+
+impl GroupSlot {
+    /// Resident parts are pinned from registration; budget pins are not (they are reset by `offload_all`).
+    fn pinned_at_start(&self) -> bool {
+        self.resident_part
+    }
+}
+
+fn worker_loop(shared: &Shared, jobs: &mpsc::Receiver<Job>) {
+    while let Ok(job) = jobs.recv() {
+        let result = shared.upload(&job.host, "prefetch");
+        let mut state = shared.state.lock();
+        let slot = &mut state.groups[job.group];
+        match result {
+            Ok(tensors) => {
+                slot.residency = Residency::OnDevice(tensors);
+                state.stats.bytes_onloaded += job.host.bytes;
+            }
+            Err(e) => {
+                slot.residency = Residency::Offloaded;
+                slot.prefetched = false;
+                state.stats.failed_prefetches += 1;
+                tracing::warn!(error = %e, "prefetch failed; the group will be loaded when it is taken");
+            }
+        }
+        shared.changed.notify_all();
+    }
+}

@@ -1,0 +1,109 @@
+//! The crate's error type: one enum whose messages name the operation, the group, the bytes and what to do.
+
+use offload_core::{ComponentError, format_size};
+
+/// Everything `group-offload` can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Uploading a group onto the execution device failed (the ledger refused the allocation, the transfer failed,
+    /// or the disk copy could not be read). The host copy is intact and nothing stays allocated for the group.
+    #[error(
+        "cannot onload group {group} ({}) onto {device}: {source}; the host copy is intact, so free memory \
+         (a smaller prefetch depth or resident budget, leaf level instead of block level) and run again",
+        format_size(*bytes)
+    )]
+    Onload {
+        /// The group's record id, `model/group`.
+        group: String,
+        /// The group's size in bytes.
+        bytes: u64,
+        /// The execution device.
+        device: String,
+        /// What the ledger (or the disk store) reported.
+        source: ComponentError,
+    },
+
+    /// A model was run on a device other than the one its group offload was prepared for.
+    #[error(
+        "group offload of {model} was prepared for {prepared}, but it was run on {requested}; build the \
+         offloader with GroupOffloadConfig::new(.., device) for {requested}, or move the inputs to {prepared}"
+    )]
+    WrongDevice {
+        /// The model's name.
+        model: String,
+        /// The device the offloader uploads to.
+        prepared: String,
+        /// The device the caller used.
+        requested: String,
+    },
+
+    /// No group has this name.
+    #[error("{model} has no group {group:?}; known groups: {known}")]
+    UnknownGroup {
+        /// The model's name.
+        model: String,
+        /// The name asked for.
+        group: String,
+        /// The groups of that part, comma-separated.
+        known: String,
+    },
+
+    /// A configuration value is out of range.
+    #[error("invalid group offload configuration for {model}: {problem}")]
+    InvalidConfig {
+        /// The model's name.
+        model: String,
+        /// What is wrong and what to use instead.
+        problem: String,
+    },
+
+    /// A group was asked to move while a guard on another thread still borrows it.
+    #[error("group {group} is still borrowed by {users} guard(s); drop them before offloading the model")]
+    InUse {
+        /// The group's record id.
+        group: String,
+        /// How many guards hold it.
+        users: usize,
+    },
+
+    /// Writing or reading a group's file in the disk store failed.
+    #[error("disk store for group {group} at {path}: {message}; remove the file or pick another directory")]
+    Disk {
+        /// The group's record id.
+        group: String,
+        /// The file.
+        path: String,
+        /// What went wrong.
+        message: String,
+    },
+
+    /// The prefetch worker thread is gone (it panicked); the offloader cannot be used any more.
+    #[error("the prefetch worker of {model} stopped; build a new offloader")]
+    WorkerGone {
+        /// The model's name.
+        model: String,
+    },
+}
+
+impl Error {
+    /// Whether this is an out-of-memory failure of an upload, the one a caller can recover from by freeing memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::Onload { source, .. } if source.is_out_of_memory())
+    }
+}
+
+impl From<Error> for ComponentError {
+    /// Keeps out-of-memory failures recognisable by the manager's OOM retry; wraps everything else.
+    fn from(error: Error) -> Self {
+        match error {
+            Error::Onload { source: ComponentError::OutOfMemory { device, requested, available }, .. } => {
+                ComponentError::OutOfMemory { device, requested, available }
+            }
+            other => ComponentError::other(other),
+        }
+    }
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

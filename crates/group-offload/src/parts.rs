@@ -1,0 +1,488 @@
+//! The public face: [`GroupOffload`] (one per model) and the parts it streams: [`BlockOffload`] (runs of
+//! blocks), [`LeafOffload`] (one group per leaf layer) and [`ModuleOffload`] (a whole module as one group,
+//! resident or streamed), each handing out [`GroupGuard`]s.
+
+use std::collections::HashSet;
+use std::ops::Deref;
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::tensor::{Device, Tensor};
+use parking_lot::Mutex;
+
+use crate::config::{GroupOffloadConfig, LeafPredicate};
+use crate::engine::{Engine, GroupStats};
+use crate::error::{Error, Result};
+use crate::store::GroupHost;
+use crate::walk::{ExtractedParam, Installed, Slot, extract, install};
+
+/// The group offloader of one model: it owns the host copies, the captured order and the prefetch worker.
+/// Parts ([`blocks`](Self::blocks), [`leaves`](Self::leaves), [`module`](Self::module)) are added to it and share
+/// its order, so a model made of several block lists and loose layers prefetches across all of them in the
+/// order it calls them.
+///
+/// Cloning is cheap and shares the offloader.
+#[derive(Clone)]
+pub struct GroupOffload {
+    engine: Arc<Engine>,
+    parts: Arc<Mutex<HashSet<String>>>,
+}
+
+impl std::fmt::Debug for GroupOffload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupOffload").field("config", &self.engine.shared.config).field("stats", &self.stats()).finish()
+    }
+}
+
+/// Where a [`ModuleOffload`] keeps its group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Placement {
+    /// Uploaded once when the part is added and kept on the device (the default for top-level layers).
+    #[default]
+    Resident,
+    /// Streamed like any block group: uploaded when taken (or prefetched), offloaded when released.
+    Streamed,
+}
+
+impl GroupOffload {
+    /// Starts an offloader (and its prefetch worker thread) for one model.
+    pub fn new(config: GroupOffloadConfig) -> Result<Self> {
+        Ok(Self { engine: Engine::start(config)?, parts: Arc::new(Mutex::new(HashSet::new())) })
+    }
+
+    /// The configuration it was built with.
+    pub fn config(&self) -> &GroupOffloadConfig {
+        &self.engine.shared.config
+    }
+
+    /// Block level: `blocks` cut into groups of `num_blocks_per_group` consecutive blocks, named
+    /// `{name}_{first}_{last}` as diffusers names them.
+    ///
+    /// The blocks' weights move into the host store here; the returned part hands out device copies. More than
+    /// one block per group prefetches correctly: the unit of upload, prefetch and release is the group, so the
+    /// hazard that makes diffusers force one block per group (a hook per block) does not arise.
+    pub fn blocks<M: Module>(&self, name: &str, blocks: Vec<M>, num_blocks_per_group: usize) -> Result<BlockOffload<M>> {
+        if num_blocks_per_group == 0 {
+            return Err(self.invalid(format!("num_blocks_per_group of {name} is 0; use 1 or more")));
+        }
+        self.claim_part(name)?;
+        let device = self.engine.device().clone();
+        let mut skeletons = Vec::with_capacity(blocks.len());
+        let mut slots = Vec::with_capacity(blocks.len());
+        let mut groups = Vec::new();
+        let mut pending: Vec<ExtractedParam> = Vec::new();
+        let mut first = 0;
+        let count = blocks.len();
+        for (i, block) in blocks.into_iter().enumerate() {
+            let (skeleton, params) = extract(block, &device).map_err(|m| self.invalid(m))?;
+            let group = groups.len();
+            let mut block_slots = Vec::with_capacity(params.len());
+            for mut param in params {
+                block_slots.push(Slot { group, index: pending.len() });
+                param.path.insert(0, i.to_string());
+                pending.push(param);
+            }
+            skeletons.push(skeleton);
+            slots.push(block_slots);
+            let last = i + 1 == count || (i + 1 - first) == num_blocks_per_group;
+            if last {
+                let id = format!("{name}_{first}_{i}");
+                let index = self.add_group(&id, std::mem::take(&mut pending), false)?;
+                groups.push((index, first..i + 1));
+                first = i + 1;
+            }
+        }
+        // Slots were numbered by position in the part; turn them into engine indices.
+        for block_slots in &mut slots {
+            for slot in block_slots.iter_mut() {
+                slot.group = groups[slot.group].0;
+            }
+        }
+        Ok(BlockOffload { core: PartCore::new(self, name), skeletons, slots, groups })
+    }
+
+    /// Leaf level: every module whose container type `leaves` accepts (Linear, Conv, Embedding by default) is a
+    /// group named `{name}.{path}`; parameters under no leaf (norm weights, bare parameters) travel with the
+    /// deepest enclosing struct that holds a leaf (a norm's weight with its block: `{name}.blocks.0`), or with
+    /// the root (`{name}`).
+    pub fn leaves<M: Module>(&self, name: &str, module: M, leaves: &LeafPredicate) -> Result<LeafOffload<M>> {
+        self.claim_part(name)?;
+        let device = self.engine.device().clone();
+        let (skeleton, params) = extract(module, &device).map_err(|m| self.invalid(m))?;
+        let assignment = assign_leaves(&params, leaves);
+        let mut names: Vec<String> = Vec::new();
+        for group in &assignment {
+            if !names.contains(group) {
+                names.push(group.clone());
+            }
+        }
+        let mut buckets: Vec<Vec<ExtractedParam>> = names.iter().map(|_| Vec::new()).collect();
+        let mut slots = Vec::with_capacity(params.len());
+        for (param, group) in params.into_iter().zip(&assignment) {
+            let local = names.iter().position(|n| n == group).unwrap_or(0);
+            slots.push(Slot { group: local, index: buckets[local].len() });
+            buckets[local].push(param);
+        }
+        let mut groups = Vec::with_capacity(names.len());
+        for (path, bucket) in names.into_iter().zip(buckets) {
+            let id = if path.is_empty() { name.to_string() } else { format!("{name}.{path}") };
+            groups.push((path, self.add_group(&id, bucket, false)?));
+        }
+        for slot in &mut slots {
+            slot.group = groups[slot.group].1;
+        }
+        Ok(LeafOffload { core: PartCore::new(self, name), skeleton, slots, groups })
+    }
+
+    /// A whole module as one group named `name`: the top-level layers outside the blocks. Resident by default.
+    pub fn module<M: Module>(&self, name: &str, module: M, placement: Placement) -> Result<ModuleOffload<M>> {
+        self.claim_part(name)?;
+        let device = self.engine.device().clone();
+        let (skeleton, params) = extract(module, &device).map_err(|m| self.invalid(m))?;
+        let slots = (0..params.len()).map(|index| Slot { group: 0, index }).collect::<Vec<_>>();
+        let group = self.add_group(name, params, placement == Placement::Resident)?;
+        let slots = slots.into_iter().map(|s| Slot { group, ..s }).collect();
+        Ok(ModuleOffload { core: PartCore::new(self, name), skeleton, slots, group })
+    }
+
+    fn claim_part(&self, name: &str) -> Result<()> {
+        if name.is_empty() || name.contains('/') {
+            return Err(self.invalid(format!("part name {name:?} must be non-empty and contain no '/'")));
+        }
+        if !self.parts.lock().insert(name.to_string()) {
+            return Err(self.invalid(format!("a part named {name:?} was already added; give each part its own name")));
+        }
+        Ok(())
+    }
+
+    fn invalid(&self, problem: String) -> Error {
+        Error::InvalidConfig { model: self.engine.model().to_string(), problem }
+    }
+
+    fn add_group(&self, group: &str, params: Vec<ExtractedParam>, pinned: bool) -> Result<usize> {
+        let config = &self.engine.shared.config;
+        let id = format!("{}/{group}", config.model);
+        let host = match &config.disk_dir {
+            None => GroupHost::in_memory(id, params),
+            Some(dir) => GroupHost::on_disk(id.clone(), &config.model, params, dir)
+                .map_err(|message| Error::Disk { group: id, path: dir.display().to_string(), message })?,
+        };
+        self.engine.add_group(host, pinned)
+    }
+
+    /// Checks that `device` is the one this offloader uploads to; call it at the top of a forward with the
+    /// input's device.
+    pub fn ensure_device(&self, device: &Device) -> Result<()> {
+        let prepared = self.engine.device();
+        if device == prepared {
+            return Ok(());
+        }
+        Err(Error::WrongDevice {
+            model: self.engine.model().to_string(),
+            prepared: format!("{prepared:?}"),
+            requested: format!("{device:?}"),
+        })
+    }
+
+    /// Counters since the offloader was built.
+    pub fn stats(&self) -> GroupStats {
+        self.engine.stats()
+    }
+
+    /// Group ids (`model/group`) in the order the model calls them: the captured sequence, with the steps learnt
+    /// since (a group called twice per forward appears twice).
+    pub fn order(&self) -> Vec<String> {
+        self.engine.order()
+    }
+
+    /// Whether the first forward's capture is still running (no prefetch yet).
+    pub fn is_capturing(&self) -> bool {
+        self.engine.is_capturing()
+    }
+
+    /// Ends the capture now, for a model that runs a single forward. Otherwise the capture ends by itself when
+    /// a group is taken a second time (the start of the second forward).
+    pub fn end_capture(&self) {
+        self.engine.end_capture();
+    }
+
+    /// Forgets the order and captures it again on the next calls (after the model's control flow changed).
+    pub fn recapture(&self) {
+        self.engine.recapture();
+    }
+
+    /// Every group's id and size, in registration order.
+    pub fn groups(&self) -> Vec<(String, u64)> {
+        self.engine.groups()
+    }
+
+    /// Ids of the groups on the device now.
+    pub fn on_device(&self) -> Vec<String> {
+        self.engine.on_device()
+    }
+
+    /// Sum of every group's size.
+    pub fn total_bytes(&self) -> u64 {
+        self.engine.total_bytes()
+    }
+
+    /// Resident parts plus the resident budget: what the model keeps on the device between uses.
+    pub fn resident_bytes(&self) -> u64 {
+        self.engine.resident_bytes()
+    }
+
+    /// The largest group's size: with resident bytes and prefetch depth `d`, the device holds at most
+    /// `resident + (d + 1) × largest` bytes of weights while guards are taken one at a time.
+    pub fn largest_group(&self) -> u64 {
+        self.engine.largest_group()
+    }
+
+    /// A checksum of every group's host copy, to show an upload (or a failed one) left it unchanged.
+    pub fn host_checksums(&self) -> Vec<(String, std::result::Result<u64, String>)> {
+        self.engine.host_checksums()
+    }
+
+    /// Offloads every group, resident parts included (they come back with [`onload_resident`](Self::onload_resident)
+    /// or on their next use). Fails while a guard is alive.
+    pub fn offload_all(&self) -> Result<()> {
+        self.engine.offload_all()
+    }
+
+    /// Uploads the resident parts again.
+    pub fn onload_resident(&self) -> Result<()> {
+        self.engine.onload_resident()
+    }
+
+    /// Blocks until no prefetch is in flight (for tests and measurements).
+    pub fn wait_idle(&self) {
+        self.engine.wait_idle();
+    }
+
+    /// The paths of the groups' files in the disk store, if it is used.
+    pub fn disk_files(&self) -> Vec<std::path::PathBuf> {
+        let count = self.engine.groups().len();
+        (0..count).filter_map(|g| self.engine.host(g)).filter_map(|h| h.path().map(|p| p.to_path_buf())).collect()
+    }
+
+    pub(crate) fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+}
+
+/// For each parameter, the dotted path of the group it joins at leaf level ("" = the root).
+fn assign_leaves(params: &[ExtractedParam], leaves: &LeafPredicate) -> Vec<String> {
+    // The module at prefix path[..k] has the type containers[k] (the struct whose field path[k] is).
+    let leaf_of = |p: &ExtractedParam| -> Option<usize> { (0..p.path.len()).find(|k| leaves.is_leaf(&p.containers[*k])) };
+    let leaf_paths: Vec<String> =
+        params.iter().filter_map(|p| leaf_of(p).map(|k| p.path[..k].join("."))).collect();
+    let holds_leaf = |prefix: &str| {
+        leaf_paths.iter().any(|l| prefix.is_empty() || l == prefix || l.starts_with(&format!("{prefix}.")))
+    };
+    params
+        .iter()
+        .map(|p| match leaf_of(p) {
+            Some(k) => p.path[..k].join("."),
+            None => (0..p.path.len())
+                .rev()
+                .filter(|k| p.containers[*k].starts_with("Struct:") || p.containers[*k].starts_with("Enum:"))
+                .map(|k| p.path[..k].join("."))
+                .find(|prefix| !leaf_paths.is_empty() && holds_leaf(prefix))
+                .unwrap_or_default(),
+        })
+        .collect()
+}
+
+/// What every part needs to install device tensors into its skeletons.
+struct PartCore {
+    engine: Arc<Engine>,
+    name: String,
+    on_stray: Arc<dyn Fn(&str) + Send + Sync>,
+}
+
+impl PartCore {
+    fn new(offload: &GroupOffload, name: &str) -> Self {
+        let engine = offload.engine().clone();
+        let weak = Arc::downgrade(&engine);
+        let on_stray: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(move |param: &str| {
+            if let Some(engine) = weak.upgrade() {
+                engine.count_stray(param);
+            }
+        });
+        Self { engine, name: name.to_string(), on_stray }
+    }
+
+    fn take(&self, groups: &[usize]) -> Result<Vec<(usize, Arc<[Tensor<1>]>)>> {
+        self.engine.acquire(groups)
+    }
+
+    fn build<'a, T>(&'a self, groups: Vec<usize>, value: T) -> GroupGuard<'a, T> {
+        GroupGuard { value: Some(value), engine: &self.engine, groups }
+    }
+
+    fn install<M: Module>(&self, skeleton: &M, slots: &[Slot], taken: &[(usize, Arc<[Tensor<1>]>)]) -> M {
+        let engine = &self.engine;
+        let hosts = |g: usize| engine.host(g);
+        let installed = Installed { groups: taken, hosts: &hosts, on_stray: self.on_stray.clone(), device: engine.device() };
+        install(skeleton, slots, &installed)
+    }
+
+    fn unknown(&self, group: &str, known: impl Iterator<Item = String>) -> Error {
+        Error::UnknownGroup {
+            model: self.engine.model().to_string(),
+            group: group.to_string(),
+            known: known.collect::<Vec<_>>().join(", "),
+        }
+    }
+}
+
+/// A borrowed group on the execution device. It derefs to the device-resident module(s); while it lives the
+/// group stays on the device, and dropping it releases the group (offloaded unless pinned or next in line).
+///
+/// Keep the guard alive for as long as its module computes: a tensor cloned out of it keeps device memory that
+/// the ledger already counts as freed once the guard drops.
+pub struct GroupGuard<'a, T> {
+    // Always `Some` until `drop`, which takes it out so the device tensors go before the group is released.
+    value: Option<T>,
+    engine: &'a Engine,
+    groups: Vec<usize>,
+}
+
+impl<T> Deref for GroupGuard<'_, T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        match &self.value {
+            Some(value) => value,
+            None => unreachable!("a group guard's value is only taken in drop"),
+        }
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for GroupGuard<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupGuard").field("groups", &self.groups).finish_non_exhaustive()
+    }
+}
+
+impl<T> Drop for GroupGuard<'_, T> {
+    fn drop(&mut self) {
+        drop(self.value.take());
+        for group in &self.groups {
+            self.engine.release(*group);
+        }
+    }
+}
+
+/// Block-level group offload of a list of blocks. See [`GroupOffload::blocks`].
+pub struct BlockOffload<M> {
+    core: PartCore,
+    skeletons: Vec<M>,
+    slots: Vec<Vec<Slot>>,
+    groups: Vec<(usize, std::ops::Range<usize>)>,
+}
+
+impl<M> std::fmt::Debug for BlockOffload<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockOffload").field("name", &self.core.name).field("groups", &self.groups.len()).finish()
+    }
+}
+
+impl<M: Module> BlockOffload<M> {
+    /// How many groups the blocks were cut into.
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// How many blocks there are.
+    pub fn num_blocks(&self) -> usize {
+        self.skeletons.len()
+    }
+
+    /// The blocks in group `k`.
+    pub fn blocks_of(&self, k: usize) -> std::ops::Range<usize> {
+        self.groups.get(k).map_or(0..0, |(_, r)| r.clone())
+    }
+
+    /// Takes group `k`: its blocks on the device, in order. Blocks until they are there.
+    pub fn group(&self, k: usize) -> Result<GroupGuard<'_, Vec<M>>> {
+        let Some((group, range)) = self.groups.get(k).cloned() else {
+            let names = (0..self.groups.len()).map(|i| i.to_string());
+            return Err(self.core.unknown(&k.to_string(), names));
+        };
+        let taken = self.core.take(&[group])?;
+        let blocks = range.map(|b| self.core.install(&self.skeletons[b], &self.slots[b], &taken)).collect();
+        Ok(self.core.build(vec![group], blocks))
+    }
+
+    /// Every group in declaration order, taken one at a time as the iterator advances. Drop each guard before
+    /// taking the next, or the ring bound grows by one group per guard held.
+    pub fn iter(&self) -> impl Iterator<Item = Result<GroupGuard<'_, Vec<M>>>> + '_ {
+        (0..self.groups.len()).map(move |k| self.group(k))
+    }
+}
+
+/// Leaf-level group offload of one module. See [`GroupOffload::leaves`].
+///
+/// A guard derefs to the whole module, but only the parameters of the groups it took are on the device; every
+/// other parameter is a placeholder that loads itself (counted in [`GroupStats::stray_loads`]) if touched.
+pub struct LeafOffload<M> {
+    core: PartCore,
+    skeleton: M,
+    slots: Vec<Slot>,
+    groups: Vec<(String, usize)>,
+}
+
+impl<M> std::fmt::Debug for LeafOffload<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeafOffload").field("name", &self.core.name).field("groups", &self.groups.len()).finish()
+    }
+}
+
+impl<M: Module> LeafOffload<M> {
+    /// The groups' paths inside the module (`""` is the root group), in visit order.
+    pub fn group_paths(&self) -> Vec<&str> {
+        self.groups.iter().map(|(p, _)| p.as_str()).collect()
+    }
+
+    /// Takes the group at `path` (`"blocks.0.fc1"`).
+    pub fn group(&self, path: &str) -> Result<GroupGuard<'_, M>> {
+        self.groups_at(&[path])
+    }
+
+    /// Takes several groups at once (a leaf and the group holding its norm, say).
+    pub fn groups_at(&self, paths: &[&str]) -> Result<GroupGuard<'_, M>> {
+        let mut wanted = Vec::with_capacity(paths.len());
+        for path in paths {
+            match self.groups.iter().find(|(p, _)| p == path) {
+                Some((_, g)) => wanted.push(*g),
+                None => return Err(self.core.unknown(path, self.groups.iter().map(|(p, _)| format!("{p:?}")))),
+            }
+        }
+        let taken = self.core.take(&wanted)?;
+        let module = self.core.install(&self.skeleton, &self.slots, &taken);
+        Ok(self.core.build(wanted, module))
+    }
+}
+
+/// A whole module as one group. See [`GroupOffload::module`].
+pub struct ModuleOffload<M> {
+    core: PartCore,
+    skeleton: M,
+    slots: Vec<Slot>,
+    group: usize,
+}
+
+impl<M> std::fmt::Debug for ModuleOffload<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModuleOffload").field("name", &self.core.name).finish()
+    }
+}
+
+impl<M: Module> ModuleOffload<M> {
+    /// Takes the module: on the device while the guard lives.
+    pub fn get(&self) -> Result<GroupGuard<'_, M>> {
+        let taken = self.core.take(&[self.group])?;
+        let module = self.core.install(&self.skeleton, &self.slots, &taken);
+        Ok(self.core.build(vec![self.group], module))
+    }
+}

@@ -1,0 +1,191 @@
+//! Module walks: taking a burn module apart into host copies (extraction) and putting device tensors back in
+//! (installation), both keyed by the order in which burn visits float parameters.
+//!
+//! Extraction consumes the module: each float parameter's tensor is read into host `TensorData` (zero-copy on a
+//! CPU backend when the tensor is not shared) and replaced by a lazy placeholder that owns no memory, so after
+//! extraction the host copy is the only copy. Installation clones that skeleton (cheap: placeholders are `Arc`
+//! handles) and maps every float parameter to either its group's device tensor (same [`ParamId`]) or a fresh
+//! placeholder that, if some code touches it anyway, loads it synchronously and counts a stray load.
+
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::tensor::{Bool, Bytes, DType, Device, Int, Shape, Tensor, TensorData};
+
+use crate::store::GroupHost;
+
+/// One float parameter as extraction found it.
+pub(crate) struct ExtractedParam {
+    /// Field names from the module's root to the parameter (`["blocks", "0", "fc1", "weight"]`).
+    pub path: Vec<String>,
+    /// For each path segment, the container type of the module that holds it (`"Struct:Block"`, `"Vec"`).
+    pub containers: Vec<String>,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    /// The host copy, shared so clones never copy.
+    pub bytes: Bytes,
+}
+
+impl ExtractedParam {
+    pub fn dotted(&self) -> String {
+        self.path.join(".")
+    }
+
+    pub fn bytes_len(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+}
+
+/// Consumes float parameters into host copies; moves int and bool parameters to the execution device.
+struct Extractor<'a> {
+    stack: Vec<(String, String)>,
+    params: Vec<ExtractedParam>,
+    device: &'a Device,
+    failure: Option<String>,
+}
+
+impl ModuleMapper for Extractor<'_> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.stack.push((name.to_string(), container_type.to_string()));
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let id = param.id;
+        let tensor = param.into_value();
+        let shape = tensor.shape().as_slice().to_vec();
+        let (bytes, dtype) = match tensor.try_into_data() {
+            Ok(data) => {
+                let (bytes, _, dtype) = data.into_parts();
+                (bytes.shared(), dtype)
+            }
+            Err(error) => {
+                let path = self.stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".");
+                self.failure.get_or_insert(format!("reading parameter {path} to the host failed: {error:?}"));
+                (Bytes::from_bytes_vec(Vec::new()), DType::F32)
+            }
+        };
+        self.params.push(ExtractedParam {
+            path: self.stack.iter().map(|(n, _)| n.clone()).collect(),
+            containers: self.stack.iter().map(|(_, c)| c.clone()).collect(),
+            shape: shape.clone(),
+            dtype,
+            bytes,
+        });
+        empty_placeholder(id, shape, self.device)
+    }
+
+    fn map_int<const D: usize>(&mut self, param: Param<Tensor<D, Int>>) -> Param<Tensor<D, Int>> {
+        let device = self.device.clone();
+        param.map(|t| t.to_device(&device))
+    }
+
+    fn map_bool<const D: usize>(&mut self, param: Param<Tensor<D, Bool>>) -> Param<Tensor<D, Bool>> {
+        let device = self.device.clone();
+        param.map(|t| t.to_device(&device))
+    }
+}
+
+/// A placeholder that is never initialised: the skeleton is private and every installation replaces it.
+fn empty_placeholder<const D: usize>(id: ParamId, shape: Vec<usize>, device: &Device) -> Param<Tensor<D>> {
+    let lazy_shape = Shape::from(shape.clone());
+    Param::uninitialized(id, move |dev: &Device, _| Tensor::zeros(Shape::from(shape), dev), device.clone(), false, lazy_shape)
+}
+
+/// Takes `module` apart: returns its skeleton and its float parameters in visit order.
+pub(crate) fn extract<M: Module>(module: M, device: &Device) -> Result<(M, Vec<ExtractedParam>), String> {
+    let mut extractor = Extractor { stack: Vec::new(), params: Vec::new(), device, failure: None };
+    let skeleton = module.map(&mut extractor);
+    match extractor.failure {
+        Some(failure) => Err(failure),
+        None => Ok((skeleton, extractor.params)),
+    }
+}
+
+/// Where a parameter's data lives: its group and its index among the group's tensors.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Slot {
+    /// Index of the group in the engine.
+    pub group: usize,
+    /// Index of the tensor in the group.
+    pub index: usize,
+}
+
+/// What an installation can see: the uploaded tensors of some groups, and everything needed for a stray load.
+pub(crate) struct Installed<'a> {
+    /// `(group index, its device tensors)` for the groups this guard holds.
+    pub groups: &'a [(usize, Arc<[Tensor<1>]>)],
+    /// The host copy of every group of the part, by engine group index.
+    pub hosts: &'a dyn Fn(usize) -> Option<Arc<GroupHost>>,
+    /// Called when a placeholder is touched: counts the stray load.
+    pub on_stray: Arc<dyn Fn(&str) + Send + Sync>,
+    pub device: &'a Device,
+}
+
+struct Installer<'a, 'b> {
+    slots: &'a [Slot],
+    next: usize,
+    installed: &'a Installed<'b>,
+}
+
+impl ModuleMapper for Installer<'_, '_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let id = param.id;
+        let shape = param.lazy_shape();
+        let ordinal = self.next;
+        self.next += 1;
+        let Some(slot) = self.slots.get(ordinal).copied() else {
+            return param;
+        };
+        let uploaded = self.installed.groups.iter().find(|(g, _)| *g == slot.group).and_then(|(_, t)| t.get(slot.index));
+        if let Some(flat) = uploaded {
+            let mut dims = [0usize; D];
+            for (d, s) in dims.iter_mut().zip(shape.as_slice()) {
+                *d = *s;
+            }
+            return Param::initialized(id, flat.clone().reshape(dims));
+        }
+        // Not in this guard's groups: a fresh placeholder (never the skeleton's, so a stray load cannot leak
+        // into the skeleton) that loads the parameter on its own if the model touches it.
+        let Some(host) = (self.installed.hosts)(slot.group) else {
+            return param;
+        };
+        let on_stray = self.installed.on_stray.clone();
+        let index = slot.index;
+        Param::uninitialized(
+            id,
+            move |dev: &Device, _| {
+                let name = host.tensor_name(index);
+                on_stray(&name);
+                match host.load_tensor(index) {
+                    Ok(data) => {
+                        let dims = data.shape().as_slice().to_vec();
+                        let dtype = data.dtype();
+                        Tensor::<D>::from_data(data, (dev, dtype)).reshape(Shape::from(dims))
+                    }
+                    // A placeholder has no way to return an error; the disk copy vanished under a running model,
+                    // which nothing in this crate can repair.
+                    Err(message) => panic!("stray load of {name} failed: {message}"),
+                }
+            },
+            self.installed.device.clone(),
+            false,
+            shape,
+        )
+    }
+}
+
+/// Builds a device-resident copy of `skeleton`: parameters of installed groups get their device tensors, the
+/// others self-loading placeholders. `slots` maps the skeleton's float parameters, in visit order, to groups.
+pub(crate) fn install<M: Module>(skeleton: &M, slots: &[Slot], installed: &Installed<'_>) -> M {
+    let mut installer = Installer { slots, next: 0, installed };
+    skeleton.clone().map(&mut installer)
+}
+
+/// Reads flat host data as a rank-1 tensor: what the worker uploads.
+pub(crate) fn flat_data(bytes: Bytes, elements: usize, dtype: DType) -> TensorData {
+    TensorData::from_bytes(bytes, [elements], dtype)
+}

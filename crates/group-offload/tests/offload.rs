@@ -1,0 +1,600 @@
+//! Group offload on the flex CPU backend with a fake card: equivalence, peaks, order, misses, failures,
+//! accounting and the manager adapter.
+
+#![allow(clippy::unwrap_used)] // A test fails loudly at the first unexpected error.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::nn::Linear;
+use burn::tensor::{Device, Tensor};
+use common::{BLOCKS, Block, FakeCard, Model, Top, input, max_abs_diff};
+use group_offload::{
+    BlockOffload, Error, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, LeafOffload, LeafPredicate, ModuleOffload,
+    Placement,
+};
+use offload_core::{Action, ComponentsManager, DeviceName, OffloadRecord, Offloadable, Reason};
+
+const GIB: u64 = 1 << 30;
+
+fn config(card: &Arc<FakeCard>, prefetch: bool) -> GroupOffloadConfig {
+    GroupOffloadConfig::new("m", Device::flex())
+        .with_prefetch(prefetch)
+        .with_ledger(card.clone())
+        .with_memory(card.clone())
+        .with_device_name(DeviceName::parse("cuda").unwrap())
+}
+
+/// A model under block-level offload: top-level layers resident (or streamed), blocks streamed.
+struct BlockModel {
+    offload: GroupOffload,
+    top: ModuleOffload<Top>,
+    blocks: BlockOffload<Block>,
+}
+
+impl BlockModel {
+    fn new(model: Model, config: GroupOffloadConfig, per_group: usize, top: Placement) -> Self {
+        let offload = GroupOffload::new(config).unwrap();
+        let (rest, blocks) = model.split();
+        let blocks = offload.blocks("blocks", blocks, per_group).unwrap();
+        let top = offload.module("top", rest, top).unwrap();
+        Self { offload, top, blocks }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Result<Tensor<2>, Error> {
+        self.offload.ensure_device(&x.device())?;
+        let mut x = {
+            let top = self.top.get()?;
+            top.pre.forward(x)
+        };
+        for group in self.blocks.iter() {
+            let group = group?;
+            for block in group.iter() {
+                x = block.forward(x);
+            }
+        }
+        let top = self.top.get()?;
+        Ok(top.post.forward(x))
+    }
+}
+
+/// The same model under leaf-level offload: every Linear its own group, each norm with its block.
+fn leaf_forward(leaf: &LeafOffload<Model>, x: Tensor<2>) -> Result<Tensor<2>, Error> {
+    let mut x = leaf.group("pre")?.pre.forward(x);
+    for i in 0..BLOCKS {
+        let h = leaf.group(&format!("blocks.{i}"))?.blocks[i].norm.forward(x.clone());
+        let h = leaf.group(&format!("blocks.{i}.fc1"))?.blocks[i].fc1.forward(h);
+        let h = leaf.group(&format!("blocks.{i}.fc2"))?.blocks[i].fc2.forward(burn::tensor::activation::gelu(h));
+        x = x + h;
+    }
+    Ok(leaf.group("post")?.post.forward(x))
+}
+
+#[test]
+fn block_level_matches_the_resident_model_with_and_without_prefetch() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    for prefetch in [false, true] {
+        for per_group in [1, 2, 3, 4] {
+            let card = Arc::new(FakeCard::new(GIB));
+            let offloaded = BlockModel::new(model.clone(), config(&card, prefetch), per_group, Placement::Resident);
+            for pass in 0..3 {
+                let out = offloaded.forward(x.clone()).unwrap();
+                let diff = max_abs_diff(&out, &expected);
+                assert!(diff <= 1e-6, "prefetch {prefetch}, {per_group} per group, pass {pass}: {diff}");
+            }
+            assert_eq!(offloaded.offload.stats().stray_loads, 0);
+        }
+    }
+}
+
+#[test]
+fn leaf_level_matches_the_resident_model_with_and_without_prefetch() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    for prefetch in [false, true] {
+        let card = Arc::new(FakeCard::new(GIB));
+        let offload = GroupOffload::new(config(&card, prefetch)).unwrap();
+        let leaf = offload.leaves("model", model.clone(), &LeafPredicate::default()).unwrap();
+        for _ in 0..3 {
+            let out = leaf_forward(&leaf, x.clone()).unwrap();
+            assert!(max_abs_diff(&out, &expected) <= 1e-6);
+        }
+        let stats = offload.stats();
+        assert_eq!(stats.stray_loads, 0, "{stats:?}");
+        if prefetch {
+            assert_eq!(stats.misses, 0, "{stats:?}");
+        }
+    }
+}
+
+#[test]
+fn leaf_groups_put_each_norm_with_its_block() {
+    let device = Device::flex();
+    let card = Arc::new(FakeCard::new(GIB));
+    let offload = GroupOffload::new(config(&card, true)).unwrap();
+    let leaf = offload.leaves("model", Model::new(&device), &LeafPredicate::default()).unwrap();
+    let paths = leaf.group_paths();
+    assert_eq!(&paths[..5], &["pre", "blocks.0", "blocks.0.fc1", "blocks.0.fc2", "blocks.1"]);
+    assert_eq!(paths.len(), 2 + 3 * BLOCKS);
+    let sizes = offload.groups();
+    // The norm's gamma and beta (2 × 16 f32) travel together as the block's own group.
+    assert_eq!(sizes[1], ("m/model.blocks.0".to_string(), 2 * 16 * 4));
+    // A custom layer type can be a leaf too.
+    let only_fc1 = LeafPredicate::new(|t| t == "Struct:Linear");
+    assert!(only_fc1.is_leaf("Struct:Linear") && !only_fc1.is_leaf("Struct:PtLinear"));
+}
+
+#[test]
+fn a_touched_parameter_outside_the_taken_groups_loads_itself_and_is_counted() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.pre.forward(x.clone());
+    let card = Arc::new(FakeCard::new(GIB));
+    let offload = GroupOffload::new(config(&card, false)).unwrap();
+    let leaf = offload.leaves("model", model, &LeafPredicate::default()).unwrap();
+    // Take the post layer's group but run the pre layer: correct, and counted.
+    let out = leaf.group("post").unwrap().pre.forward(x);
+    assert!(max_abs_diff(&out, &expected) <= 1e-6);
+    assert_eq!(offload.stats().stray_loads, 2);
+}
+
+/// Peak of one steady forward on the fake card.
+fn steady_peak(card: &FakeCard, mut forward: impl FnMut()) -> u64 {
+    forward();
+    forward();
+    card.reset_peak();
+    forward();
+    card.peak()
+}
+
+#[test]
+fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let total: u64 = {
+        let card = Arc::new(FakeCard::new(GIB));
+        let offload = GroupOffload::new(config(&card, false)).unwrap();
+        let _whole = offload.module("all", model.clone(), Placement::Resident).unwrap();
+        card.peak()
+    };
+
+    let leaf_peak = |prefetch: bool| {
+        let card = Arc::new(FakeCard::new(GIB));
+        let offload = GroupOffload::new(config(&card, prefetch)).unwrap();
+        let leaf = offload.leaves("model", model.clone(), &LeafPredicate::default()).unwrap();
+        let peak = steady_peak(&card, || {
+            leaf_forward(&leaf, x.clone()).unwrap();
+        });
+        let ring = if prefetch { 2 } else { 1 };
+        assert!(peak <= ring * offload.largest_group(), "leaf ring bound: {peak} > {ring} × {}", offload.largest_group());
+        peak
+    };
+    let block_peak = |per_group: usize, prefetch: bool, depth: usize| {
+        let card = Arc::new(FakeCard::new(GIB));
+        let config = config(&card, prefetch).with_prefetch_depth(depth);
+        let offloaded = BlockModel::new(model.clone(), config, per_group, Placement::Resident);
+        let peak = steady_peak(&card, || {
+            offloaded.forward(x.clone()).unwrap();
+        });
+        let ring = if prefetch { depth as u64 + 1 } else { 1 };
+        let bound = offloaded.offload.resident_bytes() + ring * offloaded.offload.largest_group();
+        assert!(peak <= bound, "{per_group} per group, depth {depth}: peak {peak} > ring bound {bound}");
+        assert_eq!(offloaded.offload.stats().misses, 0);
+        peak
+    };
+    // Without prefetch, the anchor's order, strictly.
+    let (leaf, block1, block3) = (leaf_peak(false), block_peak(1, false, 1), block_peak(3, false, 1));
+    assert!(leaf <= block1 && block1 < block3 && block3 < total, "leaf {leaf}, block/1 {block1}, block/3 {block3}, all {total}");
+    // With prefetch, one more group in flight: block/3 then holds both halves of the model, as much as resident.
+    let (leaf, block1, block3) = (leaf_peak(true), block_peak(1, true, 1), block_peak(3, true, 1));
+    assert!(leaf <= block1 && block1 < block3 && block3 <= total, "leaf {leaf}, block/1 {block1}, block/3 {block3}, all {total}");
+    // A deeper prefetch stays within its own bound (checked inside).
+    block_peak(1, true, 2);
+}
+
+#[test]
+fn steady_runs_have_no_misses_and_every_group_is_a_prefetch_hit() {
+    let device = Device::flex();
+    let card = Arc::new(FakeCard::new(GIB));
+    *card.transfer_sleep.lock() = Duration::from_millis(2);
+    let offloaded = BlockModel::new(Model::new(&device), config(&card, true), 1, Placement::Resident);
+    let x = input(&device);
+    offloaded.forward(x.clone()).unwrap();
+    assert!(!offloaded.offload.is_capturing(), "the top runs twice per forward, so the first forward ends the capture");
+    for _ in 0..4 {
+        offloaded.forward(x.clone()).unwrap();
+    }
+    let stats = offloaded.offload.stats();
+    assert_eq!(stats.misses, 0, "{stats:?}");
+    assert_eq!(stats.onloads, 1 + BLOCKS as u64, "only the resident top and the capture pass load synchronously: {stats:?}");
+    assert_eq!(stats.prefetch_hits + stats.prefetch_waits, 4 * BLOCKS as u64, "{stats:?}");
+    assert_eq!(stats.unused_prefetches, 0);
+}
+
+/// HiDream (diffusers #11307): the caption projections are declared after the blocks but run before them.
+#[test]
+fn order_comes_from_calls_not_declaration() {
+    let device = Device::flex();
+    let card = Arc::new(FakeCard::new(GIB));
+    let offload = GroupOffload::new(config(&card, true)).unwrap();
+    let blocks = offload.blocks("blocks", (0..3).map(|_| Block::new(&device)).collect(), 1).unwrap();
+    let caption: Vec<Linear> = (0..2).map(|_| burn::nn::LinearConfig::new(common::DIM, common::DIM).init(&device)).collect();
+    let caption = offload.blocks("caption_projection", caption, 1).unwrap();
+    let reference_caption: Vec<Linear> = (0..2).map(|k| caption.group(k).unwrap()[0].clone()).collect();
+    let reference_blocks: Vec<Block> = (0..3).map(|k| blocks.group(k).unwrap()[0].clone()).collect();
+    offload.recapture();
+    let x = input(&device);
+    let expected = {
+        let mut x = x.clone();
+        for c in &reference_caption {
+            x = c.forward(x);
+        }
+        for b in &reference_blocks {
+            x = b.forward(x);
+        }
+        x
+    };
+    let forward = || {
+        let mut x = x.clone();
+        for group in caption.iter() {
+            x = group.unwrap()[0].forward(x);
+        }
+        for group in blocks.iter() {
+            x = group.unwrap()[0].forward(x);
+        }
+        x
+    };
+    for _ in 0..4 {
+        assert!(max_abs_diff(&forward(), &expected) <= 1e-6);
+    }
+    expect_test::expect![[r#"
+        [
+            "m/caption_projection_0_0",
+            "m/caption_projection_1_1",
+            "m/blocks_0_0",
+            "m/blocks_1_1",
+            "m/blocks_2_2",
+        ]
+    "#]]
+    .assert_debug_eq(&offload.order());
+    assert_eq!(offload.stats().misses, 0, "{:?}", offload.stats());
+}
+
+/// Helios (diffusers #13211): a conditional module absent on the first pass.
+#[test]
+fn a_group_first_seen_after_capture_is_a_miss_once_then_prefetched() {
+    let device = Device::flex();
+    let card = Arc::new(FakeCard::new(GIB));
+    let offload = GroupOffload::new(config(&card, true)).unwrap();
+    let blocks = offload.blocks("blocks", (0..4).map(|_| Block::new(&device)).collect(), 1).unwrap();
+    let extra = offload.module("extra", Block::new(&device), Placement::Streamed).unwrap();
+    let x = input(&device);
+    let forward = |with_extra: bool| {
+        let mut x = x.clone();
+        for (k, group) in blocks.iter().enumerate() {
+            x = group.unwrap()[0].forward(x);
+            if with_extra && k == 1 {
+                x = extra.get().unwrap().forward(x);
+            }
+        }
+        x
+    };
+    forward(false);
+    forward(false);
+    assert_eq!(offload.stats().misses, 0);
+    let first = forward(true);
+    assert_eq!(offload.stats().misses, 1, "{:?}", offload.stats());
+    assert_eq!(offload.stats().order_inserts, 1);
+    let second = forward(true);
+    let third = forward(true);
+    assert_eq!(offload.stats().misses, 1, "{:?}", offload.stats());
+    assert_eq!(first.to_data(), second.to_data());
+    assert_eq!(second.to_data(), third.to_data());
+    assert_eq!(offload.order()[2], "m/extra");
+}
+
+#[test]
+fn failed_upload_keeps_the_host_copy_and_allocates_nothing() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    for fail_transfer in [false, true] {
+        let card = Arc::new(FakeCard::new(GIB));
+        let offloaded = BlockModel::new(model.clone(), config(&card, false), 1, Placement::Resident);
+        let before = offloaded.offload.host_checksums();
+        let allocated = card.allocated();
+        // The top is resident (1 allocation); fail the first block's upload.
+        let next = card.allocations() + 1;
+        if fail_transfer {
+            card.fail_transfer.store(2, std::sync::atomic::Ordering::SeqCst);
+        } else {
+            card.fail_allocation.store(next, std::sync::atomic::Ordering::SeqCst);
+        }
+        let err = offloaded.forward(x.clone()).unwrap_err();
+        assert!(matches!(err, Error::Onload { ref group, .. } if group == "m/blocks_0_0"), "{err}");
+        assert_eq!(err.is_out_of_memory(), !fail_transfer);
+        assert!(err.to_string().contains("the host copy is intact"), "{err}");
+        assert_eq!(card.allocated(), allocated, "nothing stays allocated");
+        assert_eq!(offloaded.offload.host_checksums(), before, "host copy unchanged");
+        // The next run works and gives the right answer.
+        let out = offloaded.forward(x.clone()).unwrap();
+        assert!(max_abs_diff(&out, &expected) <= 1e-6);
+    }
+}
+
+#[test]
+fn a_failed_prefetch_falls_back_to_a_synchronous_onload() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    let card = Arc::new(FakeCard::new(GIB));
+    let offloaded = BlockModel::new(model, config(&card, true), 1, Placement::Resident);
+    offloaded.forward(x.clone()).unwrap();
+    card.fail_allocation.store(card.allocations() + 2, std::sync::atomic::Ordering::SeqCst);
+    for _ in 0..2 {
+        let out = offloaded.forward(x.clone()).unwrap();
+        assert!(max_abs_diff(&out, &expected) <= 1e-6);
+    }
+    let stats = offloaded.offload.stats();
+    assert_eq!(stats.failed_prefetches, 1, "{stats:?}");
+    assert_eq!(stats.misses, 1, "{stats:?}");
+}
+
+#[test]
+fn every_move_is_on_the_ledger_and_in_the_record() {
+    let device = Device::flex();
+    let card = Arc::new(FakeCard::new(GIB));
+    let record = OffloadRecord::new();
+    let offload = GroupOffload::new(config(&card, false).with_record(record.clone())).unwrap();
+    let blocks = offload.blocks("blocks", (0..2).map(|_| Block::new(&device)).collect(), 1).unwrap();
+    for _ in 0..2 {
+        for group in blocks.iter() {
+            drop(group.unwrap());
+        }
+    }
+    let lines: Vec<String> = record
+        .events()
+        .iter()
+        .map(|e| format!("{} {} {} {}", e.action, e.id, e.bytes, e.reason.as_ref().map(ToString::to_string).unwrap_or_default()))
+        .collect();
+    expect_test::expect![[r#"
+        [
+            "onload m/blocks_0_0 4416 group_onload",
+            "offload m/blocks_0_0 4416 group_offload",
+            "onload m/blocks_1_1 4416 group_onload",
+            "offload m/blocks_1_1 4416 group_offload",
+            "onload m/blocks_0_0 4416 group_onload",
+            "offload m/blocks_0_0 4416 group_offload",
+            "onload m/blocks_1_1 4416 group_onload",
+            "offload m/blocks_1_1 4416 group_offload",
+        ]
+    "#]]
+    .assert_debug_eq(&lines);
+    assert_eq!(card.allocated(), 0);
+    assert_eq!(card.log.lock()[..3], ["allocate 4416", "transfer 4416", "free 4416"]);
+    // Readings come from the card: the second onload saw the first group freed, and the peak of one group.
+    let events = record.events();
+    assert_eq!(events[2].available, Some(GIB));
+    assert_eq!(events[2].peak, Some(4416));
+
+    // With prefetch the worker's uploads are recorded as `prefetch`.
+    let record = OffloadRecord::new();
+    let offload = GroupOffload::new(config(&card, true).with_record(record.clone())).unwrap();
+    let blocks = offload.blocks("blocks", (0..3).map(|_| Block::new(&device)).collect(), 1).unwrap();
+    for _ in 0..3 {
+        for group in blocks.iter() {
+            drop(group.unwrap());
+        }
+    }
+    offload.wait_idle();
+    let events = record.events();
+    assert!(events.iter().any(|e| e.reason == Some(Reason::Other("prefetch".into())) && e.action == Action::Onload));
+    assert!(events.iter().all(|e| e.id.starts_with("m/blocks_")));
+}
+
+#[test]
+fn several_blocks_per_group_prefetch_correctly() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    let card = Arc::new(FakeCard::new(GIB));
+    *card.transfer_sleep.lock() = Duration::from_millis(1);
+    let offloaded = BlockModel::new(model, config(&card, true), 2, Placement::Resident);
+    assert_eq!(offloaded.blocks.num_groups(), 3);
+    assert_eq!(offloaded.blocks.blocks_of(1), 2..4);
+    for _ in 0..4 {
+        assert!(max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected) <= 1e-6);
+    }
+    assert_eq!(offloaded.offload.stats().misses, 0);
+}
+
+#[test]
+fn streamed_top_level_and_resident_budget() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    let card = Arc::new(FakeCard::new(GIB));
+    let offloaded = BlockModel::new(model.clone(), config(&card, true), 1, Placement::Streamed);
+    assert_eq!(card.allocated(), 0, "a streamed top is not uploaded up front");
+    for _ in 0..3 {
+        assert!(max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected) <= 1e-6);
+    }
+    // The top runs twice per forward (pre and post); the second forward learns the repeat with one miss.
+    let stats = offloaded.offload.stats();
+    assert_eq!((stats.misses, stats.order_inserts), (1, 1), "{stats:?}");
+    for _ in 0..3 {
+        assert!(max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected) <= 1e-6);
+    }
+    assert_eq!(offloaded.offload.stats().misses, 1, "{:?}", offloaded.offload.stats());
+    assert_eq!(offloaded.offload.order().iter().filter(|id| *id == "m/top").count(), 2);
+
+    // A budget of two blocks keeps the first two released blocks on the device for good.
+    let card = Arc::new(FakeCard::new(GIB));
+    let block_bytes = 4416;
+    let offloaded = BlockModel::new(model, config(&card, false).with_resident_budget(2 * block_bytes), 1, Placement::Resident);
+    offloaded.forward(x.clone()).unwrap();
+    offloaded.forward(x.clone()).unwrap();
+    let on_device = offloaded.offload.on_device();
+    assert_eq!(on_device, ["m/blocks_0_0", "m/blocks_1_1", "m/top"]);
+}
+
+#[test]
+fn disk_store_writes_one_file_per_group_and_reuses_only_same_content() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    let dir = std::env::temp_dir().join(format!("group-offload-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let card = Arc::new(FakeCard::new(GIB));
+    let files = {
+        let offloaded = BlockModel::new(model.clone(), config(&card, true).with_disk_store(&dir), 1, Placement::Resident);
+        for _ in 0..3 {
+            assert!(max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected) <= 1e-6);
+        }
+        offloaded.offload.disk_files()
+    };
+    assert_eq!(files.len(), BLOCKS + 1);
+    let mut on_disk: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    on_disk.sort();
+    let mut sorted = files.clone();
+    sorted.sort();
+    assert_eq!(on_disk, sorted);
+    assert!(files.iter().all(|f| f.file_name().unwrap().to_string_lossy().starts_with("m-")));
+    let modified = std::fs::metadata(&files[0]).unwrap().modified().unwrap();
+
+    // Same content: the files are reused, not rewritten.
+    std::thread::sleep(Duration::from_millis(20));
+    let again = BlockModel::new(model.clone(), config(&card, false).with_disk_store(&dir), 1, Placement::Resident);
+    assert_eq!(again.offload.disk_files(), files);
+    assert_eq!(std::fs::metadata(&files[0]).unwrap().modified().unwrap(), modified);
+
+    // A file corrupted under the content's name is detected and rewritten, never trusted.
+    std::fs::write(&files[0], b"not a safetensors file").unwrap();
+    let repaired = BlockModel::new(model.clone(), config(&card, false).with_disk_store(&dir), 1, Placement::Resident);
+    assert!(max_abs_diff(&repaired.forward(x.clone()).unwrap(), &expected) <= 1e-6);
+
+    // Different content gets different files.
+    let other = BlockModel::new(Model::new(&device).clone_with_offset(), config(&card, false).with_disk_store(&dir), 1, Placement::Resident);
+    assert!(other.offload.disk_files().iter().all(|f| !files.contains(f)));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+trait Offset {
+    fn clone_with_offset(self) -> Self;
+}
+
+impl Offset for Model {
+    fn clone_with_offset(self) -> Self {
+        let mut model = self;
+        model.pre.weight = model.pre.weight.map(|w| w + 1.0);
+        for block in &mut model.blocks {
+            block.fc1.weight = block.fc1.weight.clone().map(|w| w + 1.0);
+        }
+        model
+    }
+}
+
+#[test]
+fn a_group_offloaded_model_is_never_evicted_by_auto_offload() {
+    use offload_core::ComponentError;
+
+    /// A plain component of a given size.
+    struct Plain {
+        bytes: u64,
+        device: DeviceName,
+    }
+    impl Offloadable for Plain {
+        fn bytes(&self) -> u64 {
+            self.bytes
+        }
+        fn device(&self) -> DeviceName {
+            self.device.clone()
+        }
+        fn onload(&mut self, d: &DeviceName) -> Result<(), ComponentError> {
+            self.device = d.clone();
+            Ok(())
+        }
+        fn offload(&mut self) -> Result<(), ComponentError> {
+            self.device = DeviceName::cpu();
+            Ok(())
+        }
+    }
+
+    let device = Device::flex();
+    let card = Arc::new(FakeCard::new(64 * 1024));
+    let offloaded = BlockModel::new(Model::new(&device), config(&card, true), 1, Placement::Resident);
+    let adapter = GroupOffloadedModel::new(offloaded.offload.clone());
+    assert!(adapter.group_offloaded());
+    assert_eq!(adapter.resident_bytes(), offloaded.offload.resident_bytes());
+    assert!(adapter.resident_bytes() < adapter.bytes());
+
+    let manager = ComponentsManager::new();
+    let transformer = manager.add("transformer", adapter, None).unwrap();
+    let a = manager.add("text_encoder", Plain { bytes: 40 * 1024, device: DeviceName::cpu() }, None).unwrap();
+    let b = manager.add("vae", Plain { bytes: 40 * 1024, device: DeviceName::cpu() }, None).unwrap();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    let x = input(&device);
+    manager
+        .run(&transformer, |m: &mut GroupOffloadedModel| {
+            assert_eq!(m.device().as_str(), "cuda:0");
+            offloaded.forward(x.clone()).map_err(ComponentError::from)
+        })
+        .unwrap();
+    for _ in 0..3 {
+        manager.run_any(&a, |_| Ok(())).unwrap();
+        manager.run_any(&b, |_| Ok(())).unwrap();
+    }
+    let record = manager.offload_record();
+    assert!(
+        record.events().iter().all(|e| !(e.id == transformer && e.action == Action::Offload)),
+        "the group-offloaded model was evicted:\n{record}"
+    );
+    assert!(manager.placement().iter().any(|(id, d)| *id == transformer && d.as_str() == "cuda:0"));
+
+    // The adapter refuses a device it was not prepared for.
+    let mut wrong = GroupOffloadedModel::new(offloaded.offload.clone());
+    let err = wrong.onload(&DeviceName::parse("cuda:1").unwrap()).unwrap_err();
+    assert!(err.to_string().contains("was prepared for cuda:0, but it was run on cuda:1"), "{err}");
+}
+
+#[test]
+fn invalid_configuration_is_a_typed_error() {
+    let device = Device::flex();
+    let card = Arc::new(FakeCard::new(GIB));
+    let err = GroupOffload::new(config(&card, true).with_prefetch_depth(0)).unwrap_err();
+    assert!(err.to_string().contains("prefetch_depth is 0"), "{err}");
+    let offload = GroupOffload::new(config(&card, true)).unwrap();
+    let err = offload.blocks("blocks", vec![Block::new(&device)], 0).unwrap_err();
+    assert!(err.to_string().contains("num_blocks_per_group"), "{err}");
+    offload.blocks("blocks", vec![Block::new(&device)], 1).unwrap();
+    let err = offload.blocks("blocks", vec![Block::new(&device)], 1).unwrap_err();
+    assert!(err.to_string().contains("already added"), "{err}");
+    let leaf = offload.leaves("leafy", Model::new(&device), &LeafPredicate::default()).unwrap();
+    let err = leaf.group("nope").unwrap_err();
+    assert!(matches!(err, Error::UnknownGroup { .. }), "{err}");
+    offload.ensure_device(&device).unwrap();
+}
+
+/// Timing-sensitive, so not part of the default run: `cargo test -p group-offload -- --ignored overlap`.
+#[test]
+#[ignore = "timing-dependent: run `cargo xtask bench overlap` or `cargo test -p group-offload -- --ignored overlap`"]
+fn overlap_prefetch_hides_transfers() {
+    let report = group_offload::overlap_benchmark(group_offload::OverlapConfig::default()).unwrap();
+    println!("{report}");
+    assert_eq!(report.prefetch_misses, 0);
+    assert!(report.prefetch_efficiency > report.serial_efficiency, "{report}");
+}
