@@ -1,0 +1,244 @@
+//! The crate's one error type: everything that can go wrong at its edge (checkpoints, configs, arguments).
+//!
+//! Validation happens once, where user input enters: [`crate::loading`] checks the checkpoint directory, configs
+//! and tensors; the pipeline checks generation arguments. The model code behind that edge trusts its inputs and
+//! does not return errors. Every message is lowercase, names the file, tensor or component involved, and says
+//! what to do next.
+
+use std::path::PathBuf;
+
+/// Everything this crate can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The checkpoint directory (or a component directory inside it) does not exist.
+    #[error("checkpoint directory {} does not exist; pass the folder that holds model_index.json", path.display())]
+    MissingDirectory {
+        /// The directory that was looked for.
+        path: PathBuf,
+    },
+
+    /// The directory is not a diffusers Z-Image checkpoint.
+    #[error(
+        "{} is not a z-image checkpoint: {reason}; download Tongyi-MAI/Z-Image-Turbo in the diffusers layout",
+        path.display()
+    )]
+    NotZImageCheckpoint {
+        /// The directory or `model_index.json` that was inspected.
+        path: PathBuf,
+        /// What was wrong (missing `model_index.json`, wrong pipeline class, ...).
+        reason: String,
+    },
+
+    /// A component is declared with a different class than this crate implements.
+    #[error(
+        "{component} in {} is a {found}, expected {expected}; this crate only runs the classes of Z-Image-Turbo",
+        path.display()
+    )]
+    WrongComponentClass {
+        /// The component (`transformer`, `vae`, ...).
+        component: String,
+        /// The `model_index.json` that declares it.
+        path: PathBuf,
+        /// The class this crate implements.
+        expected: String,
+        /// The class the checkpoint declares.
+        found: String,
+    },
+
+    /// A file that must exist (a config, a shard index, a tokenizer file) is missing.
+    #[error("missing {what} for {component}: {} not found; re-download the component", path.display())]
+    MissingFile {
+        /// The component (`transformer`, `text_encoder`, ...).
+        component: String,
+        /// What the file is (`config.json`, `weights`, ...).
+        what: String,
+        /// The path that was looked for.
+        path: PathBuf,
+    },
+
+    /// A file could not be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A JSON file does not parse, or does not have the expected fields.
+    #[error("invalid json in {}: {source}; the file is damaged or not a diffusers config", path.display())]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parser's error.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// A config parses but its values are unusable.
+    #[error("invalid config {}: {reason}", path.display())]
+    InvalidConfig {
+        /// The config file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// The shard index names a file that does not exist.
+    #[error(
+        "shard {} listed in {} is missing; re-download the component's weights",
+        file.display(),
+        index.display()
+    )]
+    MissingShard {
+        /// The `*.safetensors.index.json`.
+        index: PathBuf,
+        /// The shard it names.
+        file: PathBuf,
+    },
+
+    /// A safetensors file cannot be parsed (truncated, corrupted header, ...).
+    #[error("cannot read safetensors file {}: {reason}; the file is truncated or corrupt, re-download it", file.display())]
+    CorruptWeights {
+        /// The safetensors file.
+        file: PathBuf,
+        /// The parser's error.
+        reason: String,
+    },
+
+    /// A tensor in the file does not have the shape the model expects.
+    #[error(
+        "tensor {tensor} in {} has shape {found:?}, the model expects {expected:?}; the checkpoint does not match the component's config.json",
+        file.display()
+    )]
+    ShapeMismatch {
+        /// The tensor's name (after key remapping).
+        tensor: String,
+        /// The file it came from.
+        file: PathBuf,
+        /// The shape the module expects.
+        expected: Vec<usize>,
+        /// The shape in the file.
+        found: Vec<usize>,
+    },
+
+    /// A tensor in the file has a dtype of the wrong kind (an integer tensor for a float parameter, ...).
+    #[error(
+        "tensor {tensor} in {} has dtype {found}, the model expects {expected}; the checkpoint is not a diffusers export",
+        file.display()
+    )]
+    DTypeMismatch {
+        /// The tensor's name (after key remapping).
+        tensor: String,
+        /// The file it came from.
+        file: PathBuf,
+        /// The dtype the module expects.
+        expected: String,
+        /// The dtype in the file.
+        found: String,
+    },
+
+    /// A tensor's bytes could not be read or converted.
+    #[error("cannot load tensor {tensor} from {}: {reason}", file.display())]
+    TensorLoad {
+        /// The tensor's name (after key remapping).
+        tensor: String,
+        /// The file it came from.
+        file: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+
+    /// Loading would leave parameters uninitialised or ignore tensors of the checkpoint.
+    #[error(
+        "refusing a partial load of {component}: {} tensors missing{}, {} unused{}; fix the checkpoint or set allow_partial",
+        missing.len(),
+        first(missing),
+        unused.len(),
+        first(unused)
+    )]
+    PartialLoad {
+        /// The component.
+        component: String,
+        /// Module parameters that no file provided.
+        missing: Vec<String>,
+        /// File tensors that no module parameter took.
+        unused: Vec<String>,
+    },
+
+    /// A key-remapping pattern in the load options is not a valid regular expression.
+    #[error("invalid key remapping pattern {pattern:?}: {reason}")]
+    InvalidKeyRemap {
+        /// The pattern.
+        pattern: String,
+        /// The regex compiler's error.
+        reason: String,
+    },
+
+    /// An image size the model cannot generate.
+    #[error(
+        "cannot generate {width}x{height}: width and height must be positive multiples of {multiple}"
+    )]
+    InvalidSize {
+        /// The requested height in pixels.
+        height: usize,
+        /// The requested width in pixels.
+        width: usize,
+        /// The multiple both must be.
+        multiple: usize,
+    },
+
+    /// Zero denoising steps were requested.
+    #[error("num_inference_steps must be at least 1: pass --steps 1 or more (Turbo uses 8)")]
+    ZeroSteps,
+
+    /// An img2img strength outside `[0, 1]`.
+    #[error("img2img strength {strength} is outside [0, 1]: pass a strength such as 0.6")]
+    InvalidStrength {
+        /// The requested strength.
+        strength: f64,
+    },
+
+    /// The tokenizer failed to load or to encode.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+
+    /// A tensor handed to the crate has the wrong shape.
+    #[error("{op}: {reason}")]
+    Shape {
+        /// The operation that rejected it.
+        op: String,
+        /// What was expected and what was found.
+        reason: String,
+    },
+
+    /// A generation argument is out of range or inconsistent with another.
+    #[error("invalid {name}: {reason}")]
+    InvalidArgument {
+        /// The argument's name.
+        name: &'static str,
+        /// What is wrong and what to pass instead.
+        reason: String,
+    },
+
+    /// The offload machinery refused or failed: a component that does not fit, a failed move, a strategy error.
+    #[error(transparent)]
+    Offload(#[from] offload_core::Error),
+
+    /// Group offload of the transformer failed.
+    #[error(transparent)]
+    GroupOffload(#[from] group_offload::Error),
+}
+
+/// Renders ` (first: NAME)` for a non-empty list, to keep messages short on large lists.
+fn first(names: &[String]) -> String {
+    names
+        .first()
+        .map(|name| format!(" (first: {name})"))
+        .unwrap_or_default()
+}
+
+/// The crate's result type.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,31 @@
+//! The reference Z-Image(-Turbo) pipeline on burn: diffusers-layout checkpoints, the Z-Image transformer, the Qwen3
+//! text encoder, the FLUX VAE and the flow-match scheduler.
+//!
+//! Module map:
+//! - [`config`]: the components' `config.json` and `model_index.json`, with the Z-Image-Turbo preset and derived
+//!   sizes (parameter counts, bytes, activation estimates).
+//! - [`nn`]: layers named and laid out like the PyTorch checkpoints (`PtLinear`, `RmsNorm`, `GroupNorm`).
+//! - [`transformer`]: `ZImageTransformer2DModel`, exposed block by block so an offloader can drive the main loop.
+//! - [`loading`]: opening a checkpoint directory and loading (sharded) safetensors into any module, loudly.
+//! - [`text_encoder`], [`vae`], [`scheduler`], [`tokenizer`]: the other pipeline components.
+//! - [`pipeline`]: `ZImagePipeline`, text-to-image and image-to-image with every component run through a
+//!   `ComponentsManager`; [`offload`]: burn modules as offloadable components.
+//! - [`error`]: the crate's one error type.
+//!
+//! Validation lives at the edge: [`loading`] checks directories, configs and tensors, and the pipeline checks
+//! generation arguments; model `forward`s trust their (documented) input shapes.
+
+pub mod config;
+pub mod error;
+pub mod grouped;
+pub mod loading;
+pub mod nn;
+pub mod offload;
+pub mod pipeline;
+pub mod scheduler;
+pub mod text_encoder;
+pub mod tokenizer;
+pub mod transformer;
+pub mod vae;
+
+pub use error::{Error, Result};

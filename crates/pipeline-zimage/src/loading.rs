@@ -1,0 +1,475 @@
+//! Opening a diffusers checkpoint directory and loading (sharded) safetensors into any burn module, loudly.
+//!
+//! This is the crate's validating edge for checkpoints: [`Checkpoint::open`] checks `model_index.json`, each
+//! component's directory and `config.json` are checked when read, and [`load_component`] checks every tensor.
+//! The model code behind it trusts what it is given.
+//!
+//! Loading goes through burn-store's `SafetensorsStore`, one store per shard, with the identity adapter (the
+//! modules in [`crate::nn`] keep PyTorch names and layouts), an optional float cast ([`LoadOptions::dtype`]) and
+//! optional key renames ([`LoadOptions::key_remap`], e.g. [`crate::transformer::KEY_REMAP`]). The per-shard
+//! results are aggregated into one [`LoadReport`]; a load that leaves any parameter missing or any file tensor
+//! unused is refused with [`Error::PartialLoad`] unless [`LoadOptions::allow_partial`] is set, and a tensor of
+//! the wrong shape or kind is an error naming the tensor and its file.
+//!
+//! Tensor names in reports and errors are the names after key remapping (identical to the file's names for
+//! every tensor except the remapped prefixes).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::store::{
+    ApplyError, ApplyResult, FloatCastAdapter, IdentityAdapter, KeyRemapper, ModuleSnapshot,
+    SafetensorsStore, SafetensorsStoreError,
+};
+use burn::tensor::{DType, Device};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+use crate::config::{ModelIndex, TransformerConfig};
+use crate::error::{Error, Result};
+use crate::transformer::{KEY_REMAP, ZImageTransformer2DModel};
+
+/// How to load a component's weights.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadOptions {
+    /// The float dtype every loaded float tensor is cast to; `None` keeps each file's dtype. Default: f32, the
+    /// dtype of the test fixtures; for the real bf16 checkpoint pass `None` or `Some(DType::BF16)`, since f32
+    /// doubles the host memory (24.6 GB for the transformer).
+    pub dtype: Option<DType>,
+    /// Accept a load that leaves parameters missing or file tensors unused (they are still reported).
+    /// Default: `false`.
+    pub allow_partial: bool,
+    /// `(regex, replacement)` renames applied to the file's tensor names before matching. Default: none.
+    pub key_remap: Vec<(String, String)>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            dtype: Some(DType::F32),
+            allow_partial: false,
+            key_remap: Vec::new(),
+        }
+    }
+}
+
+impl LoadOptions {
+    /// The defaults: cast to f32, refuse partial loads, no renames.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Casts float tensors to `dtype` (`None`: keep the file's dtype).
+    pub fn with_dtype(mut self, dtype: Option<DType>) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// Accepts (`true`) or refuses (`false`) partial loads.
+    pub fn with_allow_partial(mut self, allow: bool) -> Self {
+        self.allow_partial = allow;
+        self
+    }
+
+    /// Adds key renames.
+    pub fn with_key_remap(mut self, remap: &[(&str, &str)]) -> Self {
+        self.key_remap.extend(
+            remap
+                .iter()
+                .map(|(from, to)| ((*from).to_owned(), (*to).to_owned())),
+        );
+        self
+    }
+}
+
+/// What a load did: every module parameter is either applied or missing; every file tensor is either applied
+/// or unused.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// The component (directory name) that was loaded.
+    pub component: String,
+    /// The safetensors files read, in order.
+    pub files: Vec<PathBuf>,
+    /// Parameters that received a tensor, in load order.
+    pub applied: Vec<String>,
+    /// Module parameters that no file provided (left at their lazy initialisation), sorted.
+    pub missing: Vec<String>,
+    /// File tensors that no module parameter took, sorted.
+    pub unused: Vec<String>,
+}
+
+impl LoadReport {
+    /// Whether every parameter was loaded and every file tensor used.
+    pub fn is_complete(&self) -> bool {
+        self.missing.is_empty() && self.unused.is_empty()
+    }
+}
+
+impl std::fmt::Display for LoadReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: {} tensors applied from {} file(s), {} missing, {} unused",
+            self.component,
+            self.applied.len(),
+            self.files.len(),
+            self.missing.len(),
+            self.unused.len()
+        )
+    }
+}
+
+/// A component's weights on disk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WeightFiles {
+    /// One `*.safetensors` file.
+    Single(PathBuf),
+    /// Shards listed by a `*.safetensors.index.json`.
+    Sharded {
+        /// The index file.
+        index: PathBuf,
+        /// The shard files, sorted, each checked to exist.
+        shards: Vec<PathBuf>,
+        /// Tensor name -> shard file name, as the index lists it.
+        weight_map: BTreeMap<String, String>,
+    },
+}
+
+impl WeightFiles {
+    /// The safetensors files to read, in order.
+    pub fn files(&self) -> Vec<PathBuf> {
+        match self {
+            Self::Single(file) => vec![file.clone()],
+            Self::Sharded { shards, .. } => shards.clone(),
+        }
+    }
+
+    /// Finds the weights in `component_dir`: a `*.safetensors.index.json` (sharded) if there is one, otherwise a
+    /// single `*.safetensors`. Files with a variant infix (`model.fp16.safetensors`) are used only when no plain
+    /// file exists.
+    pub fn find(component_dir: &Path) -> Result<Self> {
+        let component = component_name(component_dir);
+        let entries = std::fs::read_dir(component_dir).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                Error::MissingFile {
+                    component: component.clone(),
+                    what: "component directory".into(),
+                    path: component_dir.to_path_buf(),
+                }
+            } else {
+                Error::Io {
+                    path: component_dir.to_path_buf(),
+                    source,
+                }
+            }
+        })?;
+        let mut names: Vec<String> = entries
+            .filter_map(|entry| entry.ok())
+            .filter(|entry| entry.path().is_file())
+            .filter_map(|entry| entry.file_name().into_string().ok())
+            .collect();
+        names.sort();
+
+        let pick = |suffix: &str| -> Option<String> {
+            let mut candidates: Vec<&String> =
+                names.iter().filter(|n| n.ends_with(suffix)).collect();
+            // Plain names (`model.safetensors`) before variants (`model.fp16.safetensors`).
+            candidates.sort_by_key(|n| (n.trim_end_matches(suffix).contains('.'), (*n).clone()));
+            candidates.first().map(|n| (*n).clone())
+        };
+
+        if let Some(index_name) = pick(".safetensors.index.json") {
+            let index = component_dir.join(index_name);
+            let weight_map = read_weight_map(&index)?;
+            let files: BTreeSet<&String> = weight_map.values().collect();
+            let mut shards = Vec::with_capacity(files.len());
+            for file in files {
+                let shard = component_dir.join(file);
+                if !shard.is_file() {
+                    return Err(Error::MissingShard {
+                        index: index.clone(),
+                        file: shard,
+                    });
+                }
+                shards.push(shard);
+            }
+            return Ok(Self::Sharded {
+                index,
+                shards,
+                weight_map,
+            });
+        }
+        match pick(".safetensors") {
+            Some(name) => Ok(Self::Single(component_dir.join(name))),
+            None => Err(Error::MissingFile {
+                component,
+                what: "weights (*.safetensors)".into(),
+                path: component_dir.to_path_buf(),
+            }),
+        }
+    }
+}
+
+/// The `weight_map` of a shard index.
+#[derive(Deserialize)]
+struct ShardIndex {
+    weight_map: BTreeMap<String, String>,
+}
+
+fn read_weight_map(index: &Path) -> Result<BTreeMap<String, String>> {
+    let text = std::fs::read_to_string(index).map_err(|source| Error::Io {
+        path: index.to_path_buf(),
+        source,
+    })?;
+    let parsed: ShardIndex = serde_json::from_str(&text).map_err(|source| Error::Json {
+        path: index.to_path_buf(),
+        source,
+    })?;
+    Ok(parsed.weight_map)
+}
+
+fn component_name(dir: &Path) -> String {
+    dir.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| dir.display().to_string())
+}
+
+/// Loads the weights found in `component_dir` (see [`WeightFiles::find`]) into `module`.
+///
+/// The module's parameter paths (field names joined by `.`) must equal the file's tensor names after
+/// [`LoadOptions::key_remap`]. On error the module may be partly loaded; drop it.
+pub fn load_component<M: Module>(
+    module: &mut M,
+    component_dir: &Path,
+    opts: &LoadOptions,
+) -> Result<LoadReport> {
+    let files = WeightFiles::find(component_dir)?.files();
+    load_files(module, &component_name(component_dir), &files, opts)
+}
+
+/// Loads the given safetensors `files` (the shards of one component) into `module`; `component` names it in
+/// reports and errors. See [`load_component`].
+pub fn load_files<M: Module>(
+    module: &mut M,
+    component: &str,
+    files: &[PathBuf],
+    opts: &LoadOptions,
+) -> Result<LoadReport> {
+    let remapper =
+        KeyRemapper::from_patterns(opts.key_remap.clone()).map_err(|e| Error::InvalidKeyRemap {
+            pattern: opts
+                .key_remap
+                .iter()
+                .map(|(from, _)| from.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            reason: e.to_string(),
+        })?;
+
+    let mut report = LoadReport {
+        component: component.to_owned(),
+        files: files.to_vec(),
+        ..LoadReport::default()
+    };
+    let mut not_applied = BTreeSet::new();
+    let mut unused = BTreeSet::new();
+    for file in files {
+        let store = SafetensorsStore::from_file(file.clone())
+            .remap(remapper.clone())
+            // Every shard lacks the other shards' tensors, so each is partial; completeness is judged on the
+            // aggregate below. Validation is ours too, to keep the errors typed.
+            .allow_partial(true)
+            .validate(false);
+        let mut store = match opts.dtype {
+            Some(dtype) if dtype.is_float() => store.with_from_adapter(FloatCastAdapter::to(dtype)),
+            _ => store.with_from_adapter(IdentityAdapter),
+        };
+        let result: ApplyResult = module
+            .load_from(&mut store)
+            .map_err(|e| store_error(file, e))?;
+        if let Some(error) = result.errors.first() {
+            return Err(apply_error(file, error));
+        }
+        not_applied.extend(result.missing.into_iter().map(|(path, _)| path));
+        unused.extend(result.unused);
+        report.applied.extend(result.applied);
+    }
+    let applied: BTreeSet<&String> = report.applied.iter().collect();
+    report.missing = not_applied
+        .into_iter()
+        .filter(|path| !applied.contains(path))
+        .collect();
+    report.unused = unused.into_iter().collect();
+
+    if !opts.allow_partial && !report.is_complete() {
+        return Err(Error::PartialLoad {
+            component: component.to_owned(),
+            missing: report.missing,
+            unused: report.unused,
+        });
+    }
+    Ok(report)
+}
+
+fn store_error(file: &Path, error: SafetensorsStoreError) -> Error {
+    match error {
+        SafetensorsStoreError::Io(source) => Error::Io {
+            path: file.to_path_buf(),
+            source,
+        },
+        other => Error::CorruptWeights {
+            file: file.to_path_buf(),
+            reason: other.to_string(),
+        },
+    }
+}
+
+fn apply_error(file: &Path, error: &ApplyError) -> Error {
+    let file = file.to_path_buf();
+    match error {
+        ApplyError::ShapeMismatch {
+            path,
+            expected,
+            found,
+        } => Error::ShapeMismatch {
+            tensor: path.clone(),
+            file,
+            expected: expected.to_vec(),
+            found: found.to_vec(),
+        },
+        ApplyError::DTypeMismatch {
+            path,
+            expected,
+            found,
+        } => Error::DTypeMismatch {
+            tensor: path.clone(),
+            file,
+            expected: format!("{expected:?}").to_lowercase(),
+            found: format!("{found:?}").to_lowercase(),
+        },
+        ApplyError::AdapterError { path, message } | ApplyError::LoadError { path, message } => {
+            Error::TensorLoad {
+                tensor: path.clone(),
+                file,
+                reason: message.clone(),
+            }
+        }
+    }
+}
+
+/// A validated diffusers Z-Image checkpoint directory (the layout of Tongyi-MAI/Z-Image-Turbo).
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    root: PathBuf,
+    index: ModelIndex,
+}
+
+impl Checkpoint {
+    /// Opens `dir`: it must exist and hold a `model_index.json` that declares a `ZImagePipeline` with the
+    /// expected component classes.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let root = dir.as_ref().to_path_buf();
+        if !root.is_dir() {
+            return Err(Error::MissingDirectory { path: root });
+        }
+        let index_path = root.join("model_index.json");
+        let index = ModelIndex::from_file(&index_path)?;
+        index.validate(&index_path)?;
+        Ok(Self { root, index })
+    }
+
+    /// The checkpoint directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The parsed `model_index.json`.
+    pub fn model_index(&self) -> &ModelIndex {
+        &self.index
+    }
+
+    /// The directory of `component` (`transformer`, `vae`, ...), checked to exist.
+    pub fn component_dir(&self, component: &str) -> Result<PathBuf> {
+        let dir = self.root.join(component);
+        if dir.is_dir() {
+            Ok(dir)
+        } else {
+            Err(Error::MissingFile {
+                component: component.to_owned(),
+                what: "component directory".into(),
+                path: dir,
+            })
+        }
+    }
+
+    /// The config file of `component`: `scheduler/scheduler_config.json` for the scheduler,
+    /// `tokenizer/tokenizer_config.json` for the tokenizer, `<component>/config.json` otherwise.
+    pub fn config_path(&self, component: &str) -> PathBuf {
+        let name = match component {
+            "scheduler" => "scheduler_config.json",
+            "tokenizer" => "tokenizer_config.json",
+            _ => "config.json",
+        };
+        self.root.join(component).join(name)
+    }
+
+    /// Reads and deserialises the config of `component` (see [`Self::config_path`]).
+    pub fn read_config<T: DeserializeOwned>(&self, component: &str) -> Result<T> {
+        let path = self.config_path(component);
+        let text = std::fs::read_to_string(&path).map_err(|source| {
+            if source.kind() == std::io::ErrorKind::NotFound {
+                Error::MissingFile {
+                    component: component.to_owned(),
+                    what: "config".into(),
+                    path: path.clone(),
+                }
+            } else {
+                Error::Io {
+                    path: path.clone(),
+                    source,
+                }
+            }
+        })?;
+        serde_json::from_str(&text).map_err(|source| Error::Json { path, source })
+    }
+
+    /// The transformer's validated `config.json`.
+    pub fn transformer_config(&self) -> Result<TransformerConfig> {
+        let config: TransformerConfig = self.read_config("transformer")?;
+        config.validate().map_err(|reason| Error::InvalidConfig {
+            path: self.config_path("transformer"),
+            reason,
+        })?;
+        Ok(config)
+    }
+
+    /// The weight files of `component`.
+    pub fn weight_files(&self, component: &str) -> Result<WeightFiles> {
+        WeightFiles::find(&self.component_dir(component)?)
+    }
+
+    /// Loads `component`'s weights into `module` (see [`load_component`]).
+    pub fn load<M: Module>(
+        &self,
+        component: &str,
+        module: &mut M,
+        opts: &LoadOptions,
+    ) -> Result<LoadReport> {
+        load_component(module, &self.component_dir(component)?, opts)
+    }
+
+    /// Builds the transformer from its config on `device` and loads its weights, adding
+    /// [`crate::transformer::KEY_REMAP`] to `opts`' renames.
+    pub fn load_transformer(
+        &self,
+        device: &Device,
+        opts: &LoadOptions,
+    ) -> Result<(ZImageTransformer2DModel, LoadReport)> {
+        let config = self.transformer_config()?;
+        let mut model = ZImageTransformer2DModel::new(&config, device);
+        let opts = opts.clone().with_key_remap(KEY_REMAP);
+        let report = self.load("transformer", &mut model, &opts)?;
+        Ok((model, report))
+    }
+}

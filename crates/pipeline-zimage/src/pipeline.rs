@@ -1,0 +1,470 @@
+//! `ZImagePipeline`: text-to-image and image-to-image with every component run through a
+//! `ComponentsManager`, so auto offload, OOM retry and the record apply to the real model.
+//!
+//! The flow is diffusers' `ZImagePipeline` (and `ZImageImg2ImgPipeline`): chat-templated prompt → Qwen3
+//! `hidden_states[-2]` (valid rows) → flow-match Euler over the transformer's negated output, with classifier-free
+//! guidance when `guidance > 0` → VAE decode → `clamp(x / 2 + 0.5, 0, 1)`. Image-to-image encodes the image with
+//! the VAE (the latent mean), scales it, truncates the schedule by `strength` and noises it to the first sigma.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
+use group_offload::GroupOffloadConfig;
+use offload_core::{ComponentsManager, DeviceLedger, DeviceMemory};
+
+use crate::config::TransformerConfig;
+use crate::error::{Error, Result};
+use crate::grouped::GroupedTransformer;
+use crate::loading::{Checkpoint, LoadOptions, LoadReport};
+use crate::offload::{BurnComponent, Placement};
+use crate::scheduler::{Schedule, SchedulerConfig};
+use crate::text_encoder::{TextEncoder, TextEncoderConfig};
+use crate::tokenizer::PromptTokenizer;
+use crate::transformer::ZImageTransformer2DModel;
+use crate::vae::{AutoencoderKl, VaeConfig};
+
+/// What to generate. [`GenerateOptions::turbo`] gives Z-Image-Turbo's defaults.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// The prompt.
+    pub prompt: String,
+    /// The negative prompt, used only with guidance; empty when `None`.
+    pub negative_prompt: Option<String>,
+    /// Denoising steps (Turbo: 8).
+    pub steps: usize,
+    /// Classifier-free guidance scale; guidance is on when it is above 0 (Turbo: 0).
+    pub guidance: f32,
+    /// Image height in pixels, a multiple of 16.
+    pub height: usize,
+    /// Image width in pixels, a multiple of 16.
+    pub width: usize,
+    /// Prompt tokens kept (512 in diffusers).
+    pub max_sequence_length: usize,
+    /// Seed of the initial noise when `latents` is not given.
+    pub seed: u64,
+    /// The initial noise, `[1, 16, 2·(H/16), 2·(W/16)]`, to reproduce a diffusers run.
+    pub latents: Option<Tensor<4>>,
+    /// An input image `[1, 3, H, W]` in `[0, 1]`: image-to-image.
+    pub image: Option<Tensor<4>>,
+    /// How much of the schedule image-to-image runs, in `[0, 1]`.
+    pub strength: f64,
+}
+
+impl GenerateOptions {
+    /// Z-Image-Turbo's defaults: 8 steps, no guidance, 1024×1024, 512 tokens, seed 0, strength 0.6.
+    pub fn turbo(prompt: impl Into<String>) -> Self {
+        Self {
+            prompt: prompt.into(),
+            negative_prompt: None,
+            steps: 8,
+            guidance: 0.0,
+            height: 1024,
+            width: 1024,
+            max_sequence_length: 512,
+            seed: 0,
+            latents: None,
+            image: None,
+            strength: 0.6,
+        }
+    }
+
+    /// Checks the arguments a user gives, with errors that say what to change.
+    pub fn validate(&self) -> Result<()> {
+        if self.height == 0 || self.width == 0 || self.height % 16 != 0 || self.width % 16 != 0 {
+            return Err(Error::InvalidSize { height: self.height, width: self.width, multiple: 16 });
+        }
+        if self.steps == 0 {
+            return Err(Error::ZeroSteps);
+        }
+        if !(0.0..=1.0).contains(&self.strength) || self.strength.is_nan() {
+            return Err(Error::InvalidStrength { strength: self.strength });
+        }
+        if !self.guidance.is_finite() || self.guidance < 0.0 {
+            return Err(Error::InvalidArgument {
+                name: "guidance",
+                reason: format!("{} is not a finite number of at least 0; use 0 for Turbo", self.guidance),
+            });
+        }
+        if self.max_sequence_length == 0 {
+            return Err(Error::InvalidArgument { name: "max_sequence_length", reason: "it must be at least 1".into() });
+        }
+        let [h, w] = self.latent_size();
+        if let Some(latents) = &self.latents {
+            if latents.dims() != [1, 16, h, w] {
+                return Err(Error::InvalidArgument {
+                    name: "latents",
+                    reason: format!("shape {:?} does not match {}x{} (expected [1, 16, {h}, {w}])", latents.dims(), self.height, self.width),
+                });
+            }
+        }
+        if let Some(image) = &self.image {
+            if image.dims() != [1, 3, self.height, self.width] {
+                return Err(Error::InvalidArgument {
+                    name: "image",
+                    reason: format!("shape {:?} is not [1, 3, {}, {}]; resize the image or pass its size", image.dims(), self.height, self.width),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The latent size, `[2·(H/16), 2·(W/16)]`.
+    pub fn latent_size(&self) -> [usize; 2] {
+        [2 * (self.height / 16), 2 * (self.width / 16)]
+    }
+
+    fn guided(&self) -> bool {
+        self.guidance > 0.0
+    }
+}
+
+/// The ids of the pipeline's components in its manager.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ComponentIds {
+    /// The Qwen3 text encoder.
+    pub text_encoder: String,
+    /// The Z-Image transformer.
+    pub transformer: String,
+    /// The VAE.
+    pub vae: String,
+}
+
+/// The Z-Image(-Turbo) pipeline, its components registered in a `ComponentsManager`.
+pub struct ZImagePipeline {
+    manager: Arc<ComponentsManager>,
+    ids: ComponentIds,
+    tokenizer: PromptTokenizer,
+    scheduler: SchedulerConfig,
+    transformer_config: TransformerConfig,
+    text_encoder_config: TextEncoderConfig,
+    vae_config: VaeConfig,
+    placement: Placement,
+    reports: Vec<LoadReport>,
+    grouped: bool,
+    transformer_dtype: DType,
+}
+
+impl std::fmt::Debug for ZImagePipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZImagePipeline").field("ids", &self.ids).field("placement", &self.placement).finish()
+    }
+}
+
+impl ZImagePipeline {
+    /// Loads a diffusers checkpoint directory onto `placement.host` and registers its components in a new
+    /// manager. Auto offload is not enabled: call [`enable_auto_offload`](Self::enable_auto_offload), or run
+    /// everything where it is.
+    pub fn load(dir: impl AsRef<Path>, placement: Placement, opts: &LoadOptions) -> Result<Self> {
+        let checkpoint = Checkpoint::open(dir)?;
+        let host = placement.host.clone();
+        let tokenizer = PromptTokenizer::from_dir(checkpoint.component_dir("tokenizer")?, 512)?;
+        let scheduler = SchedulerConfig::from_file(checkpoint.config_path("scheduler"))?;
+        let (text_encoder_config, text_encoder, te_report) =
+            TextEncoder::load(checkpoint.component_dir("text_encoder")?, &host, opts)?;
+        let (transformer, tr_report) = checkpoint.load_transformer(&host, opts)?;
+        let transformer_config = transformer.config.clone();
+        let (vae_config, vae, vae_report) = AutoencoderKl::load(checkpoint.component_dir("vae")?, &host, opts)?;
+        let reports = vec![te_report, tr_report, vae_report];
+        Self::from_parts(
+            Parts { tokenizer, scheduler, text_encoder, text_encoder_config, transformer, transformer_config, vae, vae_config },
+            placement,
+            reports,
+        )
+    }
+
+    /// Assembles a pipeline from loaded parts.
+    pub fn from_parts(parts: Parts, placement: Placement, reports: Vec<LoadReport>) -> Result<Self> {
+        let manager = Arc::new(ComponentsManager::new());
+        let dtype = parts.transformer.dtype();
+        let text_encoder =
+            manager.add("text_encoder", BurnComponent::new(parts.text_encoder, "Qwen3Model", placement.clone()), None)?;
+        let transformer = manager.add(
+            "transformer",
+            BurnComponent::new(parts.transformer, "ZImageTransformer2DModel", placement.clone()),
+            None,
+        )?;
+        let vae = manager.add("vae", BurnComponent::new(parts.vae, "AutoencoderKL", placement.clone()), None)?;
+        Ok(Self {
+            manager,
+            ids: ComponentIds { text_encoder, transformer, vae },
+            tokenizer: parts.tokenizer,
+            scheduler: parts.scheduler,
+            transformer_config: parts.transformer_config,
+            text_encoder_config: parts.text_encoder_config,
+            vae_config: parts.vae_config,
+            placement,
+            reports,
+            grouped: false,
+            transformer_dtype: dtype,
+        })
+    }
+
+    /// Puts the transformer under block-level group offload: its refiner and main blocks stream through the
+    /// device in groups of `blocks_per_group`, the next `prefetch_depth` groups uploaded on a worker thread
+    /// (none when `prefetch_depth` is 0). Every group move is charged to `ledger` and recorded in the manager's
+    /// record. The manager then holds it as a group-offloaded component, never evicted wholesale.
+    ///
+    /// Call it before [`enable_auto_offload`](Self::enable_auto_offload).
+    pub fn enable_group_offload(
+        &mut self,
+        ledger: Arc<dyn DeviceLedger>,
+        memory: Option<Arc<dyn DeviceMemory>>,
+        blocks_per_group: usize,
+        prefetch_depth: usize,
+    ) -> Result<()> {
+        if self.grouped {
+            return Ok(());
+        }
+        let component: Box<dyn std::any::Any> = self.manager.remove(&self.ids.transformer)?;
+        let component = component
+            .downcast::<BurnComponent<ZImageTransformer2DModel>>()
+            .map_err(|_| Error::Shape { op: "group offload".into(), reason: "the transformer component has another type".into() })?;
+        let transformer = component.into_module();
+        let mut config = GroupOffloadConfig::new("transformer", self.placement.exec.clone())
+            .with_device_name(self.placement.name.clone())
+            .with_ledger(ledger.clone())
+            .with_record(self.manager.offload_record())
+            .with_prefetch(prefetch_depth > 0)
+            .with_prefetch_depth(prefetch_depth.max(1));
+        if let Some(memory) = memory {
+            config = config.with_memory(memory);
+        }
+        let grouped = GroupedTransformer::new(transformer, config, blocks_per_group, ledger)?;
+        self.ids.transformer = self.manager.add("transformer", grouped, None)?;
+        self.grouped = true;
+        Ok(())
+    }
+
+    /// Group-offload statistics of the transformer (onloads, prefetch hits, misses), when it is grouped.
+    pub fn group_stats(&self) -> Option<group_offload::GroupStats> {
+        if !self.grouped {
+            return None;
+        }
+        self.manager.inspect(&self.ids.transformer, |g: &GroupedTransformer| g.offload().stats()).ok()
+    }
+
+    /// The manager holding the components.
+    pub fn manager(&self) -> &Arc<ComponentsManager> {
+        &self.manager
+    }
+
+    /// The components' ids.
+    pub fn ids(&self) -> &ComponentIds {
+        &self.ids
+    }
+
+    /// What loading applied, and found missing or unused, per component.
+    pub fn load_reports(&self) -> &[LoadReport] {
+        &self.reports
+    }
+
+    /// The transformer's configuration.
+    pub fn transformer_config(&self) -> &TransformerConfig {
+        &self.transformer_config
+    }
+
+    /// Enables auto offload onto the execution device, read through `memory`.
+    pub fn enable_auto_offload(&self, memory: Arc<dyn DeviceMemory>, reserve: u64, retry_on_oom: bool) -> Result<()> {
+        Ok(self.manager.enable_auto_offload(memory, reserve, retry_on_oom)?)
+    }
+
+    /// Activation bytes each component's call holds beside its weights, for a generation: what a run charges
+    /// a simulated card (`[text encoder, transformer, VAE]`); a real device allocates for itself.
+    pub fn activation_estimates(&self, opts: &GenerateOptions) -> [u64; 3] {
+        let dtype = self.transformer_dtype;
+        [
+            text_encoder_activation_bytes(&self.text_encoder_config, opts.max_sequence_length, dtype),
+            self.transformer_config.activation_bytes(opts.height, opts.width, dtype),
+            vae_activation_bytes(&self.vae_config, opts.height, opts.width, dtype),
+        ]
+    }
+
+    /// Encodes prompts: one `[len, hidden]` tensor of valid rows each.
+    pub fn encode_prompts(&self, prompts: &[String], max_sequence_length: usize) -> Result<Vec<Tensor<2>>> {
+        let tokenizer = self.tokenizer.with_max_sequence_length(max_sequence_length);
+        let tokens = tokenizer.encode(prompts)?;
+        let activations = text_encoder_activation_bytes(&self.text_encoder_config, max_sequence_length, self.transformer_dtype);
+        let run = self.manager.run(&self.ids.text_encoder, |c: &mut BurnComponent<TextEncoder>| {
+            c.run(activations, |module, device| module.encode(tokens.input_ids_tensor(device), tokens.attention_mask_tensor(device)))
+        });
+        Ok(run?)
+    }
+
+    /// Generates an image `[1, 3, H, W]` in `[0, 1]` (f32), calling `progress(step, steps)` after each step.
+    pub fn generate(&self, opts: &GenerateOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<Tensor<4>> {
+        opts.validate()?;
+        let device = self.placement.exec.clone();
+        let mut prompts = vec![opts.prompt.clone()];
+        if opts.guided() {
+            prompts.push(opts.negative_prompt.clone().unwrap_or_default());
+        }
+        let embeds = self.encode_prompts(&prompts, opts.max_sequence_length)?;
+        let [h, w] = opts.latent_size();
+        let noise = match &opts.latents {
+            Some(latents) => latents.clone().cast(DType::F32).to_device(&device),
+            None => {
+                device.seed(opts.seed);
+                Tensor::random([1, 16, h, w], Distribution::Normal(0.0, 1.0), &device)
+            }
+        };
+        let full = self.scheduler.schedule(opts.steps, (h / 2) * (w / 2))?;
+        let (schedule, mut latents) = match &opts.image {
+            None => (full, noise),
+            Some(image) => {
+                let schedule = full.img2img(opts.strength)?;
+                let clean = self.encode_image(image.clone().to_device(&device), self.activation_estimates(opts)[2])?;
+                let noised = schedule.scale_noise(clean, noise);
+                (schedule, noised)
+            }
+        };
+        for i in 0..schedule.len() {
+            latents = self.denoise_step(&schedule, i, latents, &embeds, opts)?;
+            progress(i + 1, schedule.len());
+        }
+        self.decode_with(latents, self.activation_estimates(opts)[2])
+    }
+
+    fn denoise_step(
+        &self,
+        schedule: &Schedule,
+        i: usize,
+        latents: Tensor<4>,
+        embeds: &[Tensor<2>],
+        opts: &GenerateOptions,
+    ) -> Result<Tensor<4>> {
+        let t = schedule.model_time(i);
+        let guidance = opts.guidance;
+        let activations = self.activation_estimates(opts)[1];
+        let x = latents.clone().unsqueeze_dim::<5>(2);
+        let [_, channels, frames, h, w] = x.dims();
+        let inputs = |dtype: DType, device: &Device| {
+            let items: Vec<Tensor<4>> =
+                embeds.iter().map(|_| x.clone().to_device(device).cast(dtype).reshape([channels, frames, h, w])).collect();
+            let caps: Vec<Tensor<2>> = embeds.iter().map(|e| e.clone().to_device(device).cast(dtype)).collect();
+            let time = Tensor::<1>::from_data(TensorData::new(vec![t; caps.len()], [caps.len()]), (device, DType::F32)).cast(dtype);
+            (items, time, caps)
+        };
+        let outs = if self.grouped {
+            self.manager.run(&self.ids.transformer, |c: &mut GroupedTransformer| {
+                c.run(activations, |model, device| {
+                    let (items, time, caps) = inputs(self.transformer_dtype(), device);
+                    model.forward_items(items, time, caps)
+                })
+            })?
+        } else {
+            self.manager.run(&self.ids.transformer, |c: &mut BurnComponent<ZImageTransformer2DModel>| {
+                c.run(activations, |model, device| {
+                    let (items, time, caps) = inputs(model.dtype(), device);
+                    Ok(model.forward_items(items, time, caps))
+                })
+            })?
+        };
+        let mut outs = outs.into_iter().map(|o| o.cast(DType::F32));
+        let positive = outs.next().ok_or_else(|| Error::Shape { op: "transformer".into(), reason: "no output".into() })?;
+        let prediction = match outs.next() {
+            Some(negative) => positive.clone() + (positive - negative) * guidance,
+            None => positive,
+        };
+        // [C, 1, h, w] -> [1, C, h, w]
+        let prediction = prediction.reshape([1, channels, h, w]).to_device(&latents.device());
+        // The transformer predicts x0 − noise; the scheduler steps along the velocity, its negation.
+        Ok(schedule.step(prediction.neg(), latents, i))
+    }
+
+    fn encode_image(&self, image: Tensor<4>, activations: u64) -> Result<Tensor<4>> {
+        let run = self.manager.run(&self.ids.vae, |c: &mut BurnComponent<AutoencoderKl>| {
+            c.run(activations, |vae, device| {
+                let pixels = (image.clone().to_device(device) * 2.0 - 1.0).cast(vae_dtype(vae));
+                Ok(vae.scale_latents(vae.encode_mean(pixels).cast(DType::F32)))
+            })
+        });
+        Ok(run?)
+    }
+
+    /// Decodes pipeline latents `[1, 16, h, w]` to an image `[1, 3, 8h, 8w]` in `[0, 1]`.
+    pub fn decode(&self, latents: Tensor<4>) -> Result<Tensor<4>> {
+        let [_, _, h, w] = latents.dims();
+        let activations = vae_activation_bytes(&self.vae_config, 8 * h, 8 * w, self.transformer_dtype);
+        self.decode_with(latents, activations)
+    }
+
+    fn decode_with(&self, latents: Tensor<4>, activations: u64) -> Result<Tensor<4>> {
+        let run = self.manager.run(&self.ids.vae, |c: &mut BurnComponent<AutoencoderKl>| {
+            c.run(activations, |vae, device| {
+                let z = vae.unscale_latents(latents.clone().to_device(device)).cast(vae_dtype(vae));
+                Ok(AutoencoderKl::postprocess(vae.decode(z).cast(DType::F32)))
+            })
+        });
+        Ok(run?)
+    }
+
+    fn transformer_dtype(&self) -> DType {
+        self.transformer_dtype
+    }
+
+    /// The text encoder's configuration.
+    pub fn text_encoder_config(&self) -> &TextEncoderConfig {
+        &self.text_encoder_config
+    }
+
+    /// The VAE's configuration.
+    pub fn vae_config(&self) -> &VaeConfig {
+        &self.vae_config
+    }
+}
+
+/// Loaded components, before they are registered.
+pub struct Parts {
+    /// The tokenizer.
+    pub tokenizer: PromptTokenizer,
+    /// The scheduler's configuration.
+    pub scheduler: SchedulerConfig,
+    /// The text encoder.
+    pub text_encoder: TextEncoder,
+    /// Its configuration.
+    pub text_encoder_config: TextEncoderConfig,
+    /// The transformer.
+    pub transformer: ZImageTransformer2DModel,
+    /// Its configuration.
+    pub transformer_config: TransformerConfig,
+    /// The VAE.
+    pub vae: AutoencoderKl,
+    /// Its configuration.
+    pub vae_config: VaeConfig,
+}
+
+fn vae_dtype(vae: &AutoencoderKl) -> DType {
+    let mut dtype = DType::F32;
+    struct First<'a>(&'a mut DType, bool);
+    impl burn::module::ModuleVisitor for First<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            if !self.1 {
+                *self.0 = param.val().dtype();
+                self.1 = true;
+            }
+        }
+    }
+    burn::module::Module::visit(vae, &mut First(&mut dtype, false));
+    dtype
+}
+
+/// Activation bytes of one text-encoder call over `tokens` tokens: the residual stream, the attention scores
+/// of one layer (`heads × tokens²`) and the MLP's two intermediate tensors, at `dtype`.
+pub fn text_encoder_activation_bytes(config: &TextEncoderConfig, tokens: usize, dtype: DType) -> u64 {
+    let e = dtype.size() as u64;
+    let (t, d) = (tokens as u64, config.hidden_size as u64);
+    let scores = config.num_attention_heads as u64 * t * t * e;
+    let mlp = 2 * t * config.intermediate_size as u64 * e;
+    4 * t * d * e + scores.max(mlp)
+}
+
+/// Activation bytes of one VAE decode at `height × width`: the two largest feature maps of the last up block
+/// (the first block's channels at full resolution) plus the mid-block attention scores, at `dtype`.
+pub fn vae_activation_bytes(config: &VaeConfig, height: usize, width: usize, dtype: DType) -> u64 {
+    let e = dtype.size() as u64;
+    let pixels = (height * width) as u64;
+    let first = *config.block_out_channels.first().unwrap_or(&128) as u64;
+    let latent_pixels = pixels / 64;
+    3 * first * pixels * e + latent_pixels * latent_pixels * e
+}

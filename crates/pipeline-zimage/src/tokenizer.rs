@@ -1,0 +1,188 @@
+//! The prompt tokenizer: Qwen's byte-level BPE (`tokenizer/tokenizer.json`) plus the chat template and the
+//! padding the Z-Image pipelines apply before the text encoder.
+//!
+//! diffusers' `ZImagePipeline._encode_prompt` does, per prompt:
+//! `apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, enable_thinking=True)`,
+//! which with the standard Qwen3 template is exactly [`apply_chat_template`]'s string, then tokenizes with
+//! `padding="max_length", max_length=max_sequence_length, truncation=True` (right side, pad token
+//! `<|endoftext|>`). [`PromptTokenizer::encode`] reproduces that; the mask marks the real tokens.
+
+use std::path::Path;
+
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+
+use crate::{Error, Result};
+
+/// The pad token of Qwen tokenizers, used when `tokenizer_config.json` names none.
+pub const DEFAULT_PAD_TOKEN: &str = "<|endoftext|>";
+
+/// The sequence length Z-Image-Turbo encodes prompts to (`max_sequence_length` of the pipeline).
+pub const Z_IMAGE_MAX_SEQUENCE_LENGTH: usize = 512;
+
+/// Wraps a user prompt in the Qwen3 chat template with the assistant turn opened, as the Z-Image pipeline does.
+pub fn apply_chat_template(prompt: &str) -> String {
+    format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+}
+
+/// A batch of tokenized prompts, each padded (right) or truncated to the same length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenizedPrompts {
+    /// Token ids, `[batch][max_sequence_length]`, pad id after the real tokens.
+    pub input_ids: Vec<Vec<u32>>,
+    /// `true` for real tokens, `false` for padding, same shape as `input_ids`.
+    pub attention_mask: Vec<Vec<bool>>,
+}
+
+impl TokenizedPrompts {
+    /// The number of prompts.
+    pub fn batch_size(&self) -> usize {
+        self.input_ids.len()
+    }
+
+    /// The padded length of every prompt.
+    pub fn seq_len(&self) -> usize {
+        self.input_ids.first().map_or(0, Vec::len)
+    }
+
+    /// The number of real (unpadded) tokens of each prompt.
+    pub fn lengths(&self) -> Vec<usize> {
+        self.attention_mask.iter().map(|m| m.iter().filter(|&&on| on).count()).collect()
+    }
+
+    /// The ids as an int tensor `[batch, seq_len]` on `device`.
+    pub fn input_ids_tensor(&self, device: &Device) -> Tensor<2, Int> {
+        let flat: Vec<i64> = self.input_ids.iter().flatten().map(|&id| i64::from(id)).collect();
+        Tensor::from_data(TensorData::new(flat, [self.batch_size(), self.seq_len()]), device)
+    }
+
+    /// The mask as a bool tensor `[batch, seq_len]` on `device` (`true` = real token).
+    pub fn attention_mask_tensor(&self, device: &Device) -> Tensor<2, Bool> {
+        let flat: Vec<bool> = self.attention_mask.iter().flatten().copied().collect();
+        Tensor::from_data(TensorData::new(flat, [self.batch_size(), self.seq_len()]), device)
+    }
+}
+
+/// The Qwen tokenizer with Z-Image's template, padding and truncation.
+#[derive(Debug, Clone)]
+pub struct PromptTokenizer {
+    inner: tokenizers::Tokenizer,
+    pad_id: u32,
+    max_sequence_length: usize,
+}
+
+impl PromptTokenizer {
+    /// Loads `dir/tokenizer.json`; the pad token is `pad_token` of `dir/tokenizer_config.json` when that file
+    /// names one, else [`DEFAULT_PAD_TOKEN`].
+    ///
+    /// Errors if the file is missing or unreadable, the pad token is not in the vocabulary, or
+    /// `max_sequence_length` is 0.
+    pub fn from_dir(dir: impl AsRef<Path>, max_sequence_length: usize) -> Result<Self> {
+        let dir = dir.as_ref();
+        let file = dir.join("tokenizer.json");
+        if !file.is_file() {
+            return Err(Error::MissingFile {
+                component: "tokenizer".to_owned(),
+                what: "tokenizer.json".to_owned(),
+                path: file,
+            });
+        }
+        let pad_token = read_pad_token(&dir.join("tokenizer_config.json"))?;
+        let inner = tokenizers::Tokenizer::from_file(&file)
+            .map_err(|e| Error::Tokenizer(format!("cannot load {}: {e}", file.display())))?;
+        Self::new(inner, &pad_token, max_sequence_length)
+    }
+
+    /// Wraps an already loaded tokenizer. Any padding or truncation configured in it is ignored: this type pads
+    /// and truncates itself.
+    pub fn new(mut inner: tokenizers::Tokenizer, pad_token: &str, max_sequence_length: usize) -> Result<Self> {
+        if max_sequence_length == 0 {
+            return Err(Error::Tokenizer("max_sequence_length must be at least 1".to_owned()));
+        }
+        let pad_id = inner
+            .token_to_id(pad_token)
+            .ok_or_else(|| Error::Tokenizer(format!("pad token {pad_token:?} is not in the vocabulary")))?;
+        inner.with_padding(None);
+        inner.with_truncation(None).map_err(|e| Error::Tokenizer(format!("cannot disable truncation: {e}")))?;
+        Ok(Self { inner, pad_id, max_sequence_length })
+    }
+
+    /// The id written after the real tokens.
+    pub fn pad_id(&self) -> u32 {
+        self.pad_id
+    }
+
+    /// The same tokenizer padding and truncating to `max_sequence_length` tokens.
+    pub fn with_max_sequence_length(&self, max_sequence_length: usize) -> Self {
+        Self { max_sequence_length, ..self.clone() }
+    }
+
+    /// The length every prompt is padded or truncated to.
+    pub fn max_sequence_length(&self) -> usize {
+        self.max_sequence_length
+    }
+
+    /// The vocabulary size including added tokens (what the text encoder's embedding must cover).
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The wrapped `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    /// Templates, tokenizes, truncates (keeping the first tokens) and right-pads every prompt.
+    pub fn encode<S: AsRef<str>>(&self, prompts: &[S]) -> Result<TokenizedPrompts> {
+        let mut input_ids = Vec::with_capacity(prompts.len());
+        let mut attention_mask = Vec::with_capacity(prompts.len());
+        for prompt in prompts {
+            let text = apply_chat_template(prompt.as_ref());
+            let encoding = self
+                .inner
+                .encode(text.as_str(), true)
+                .map_err(|e| Error::Tokenizer(format!("cannot encode prompt {:?}: {e}", prompt.as_ref())))?;
+            let mut ids = encoding.get_ids().to_vec();
+            ids.truncate(self.max_sequence_length);
+            let real = ids.len();
+            ids.resize(self.max_sequence_length, self.pad_id);
+            let mut mask = vec![true; real];
+            mask.resize(self.max_sequence_length, false);
+            input_ids.push(ids);
+            attention_mask.push(mask);
+        }
+        Ok(TokenizedPrompts { input_ids, attention_mask })
+    }
+}
+
+/// Reads `pad_token` from `tokenizer_config.json` (a string or an `AddedToken` object with `content`);
+/// falls back to [`DEFAULT_PAD_TOKEN`] when the file or the field is absent.
+fn read_pad_token(path: &Path) -> Result<String> {
+    if !path.is_file() {
+        return Ok(DEFAULT_PAD_TOKEN.to_owned());
+    }
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_owned(), source })?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_owned(), source })?;
+    let token = match value.get("pad_token") {
+        Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(serde_json::Value::Object(o)) => o.get("content").and_then(|c| c.as_str()).map(str::to_owned),
+        _ => None,
+    };
+    Ok(token.unwrap_or_else(|| DEFAULT_PAD_TOKEN.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn template_matches_qwen3_with_generation_prompt() {
+        assert_eq!(apply_chat_template("a cat"), "<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn missing_directory_is_a_missing_file_error() {
+        let err = PromptTokenizer::from_dir("/nonexistent/tokenizer", 8).expect_err("must fail");
+        assert!(matches!(err, Error::MissingFile { .. }), "{err}");
+    }
+}

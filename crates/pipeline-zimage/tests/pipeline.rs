@@ -1,0 +1,209 @@
+//! The whole pipeline against diffusers' goldens (text-to-image with and without guidance, image-to-image), and
+//! the same images under every offload mode on a simulated card in hard mode: real decisions, real OOM retries,
+//! real output equivalence against the fully resident run.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use memory_sim::{CardSpec, Mode, SimCard};
+use offload_core::{DeviceMemory, NoLedger, Reason};
+use pipeline_zimage::loading::LoadOptions;
+use pipeline_zimage::offload::Placement;
+use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// Reads the f32 tensors of a golden file.
+fn golden(name: &str) -> safetensors_map::Map {
+    safetensors_map::read(&fixtures().join("golden").join(name))
+}
+
+mod safetensors_map {
+    use std::collections::HashMap;
+    use std::path::Path;
+
+    pub type Map = HashMap<String, (Vec<usize>, Vec<f32>)>;
+
+    pub fn read(path: &Path) -> Map {
+        let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let file = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
+        file.tensors()
+            .into_iter()
+            .filter(|(_, view)| view.dtype() == safetensors::Dtype::F32)
+            .map(|(name, view)| {
+                let values = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                (name, (view.shape().to_vec(), values))
+            })
+            .collect()
+    }
+}
+
+fn tensor4(map: &safetensors_map::Map, name: &str) -> Tensor<4> {
+    let (shape, values) = map.get(name).unwrap_or_else(|| panic!("golden tensor {name} missing"));
+    let shape: [usize; 4] = shape.clone().try_into().expect("4 dimensions");
+    Tensor::from_data(TensorData::new(values.clone(), shape), (&Device::flex(), DType::F32))
+}
+
+fn max_abs_diff(a: &Tensor<4>, expected: &[f32]) -> f32 {
+    let got: Vec<f32> = a.clone().into_data().try_into_vec_as::<f32>().expect("f32 data");
+    assert_eq!(got.len(), expected.len());
+    got.iter().zip(expected).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn resident_placement() -> Placement {
+    Placement { exec: Device::flex(), host: Device::flex(), name: offload_core::DeviceName::cpu(), ledger: Arc::new(NoLedger) }
+}
+
+fn load(placement: Placement) -> ZImagePipeline {
+    ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new()).expect("the tiny checkpoint loads")
+}
+
+fn options(meta_prompt: &str, steps: usize, guidance: f32, latents: Tensor<4>) -> GenerateOptions {
+    let mut opts = GenerateOptions::turbo(meta_prompt);
+    opts.steps = steps;
+    opts.guidance = guidance;
+    opts.height = 64;
+    opts.width = 64;
+    opts.max_sequence_length = 32;
+    opts.latents = Some(latents);
+    opts
+}
+
+fn turbo_options() -> (GenerateOptions, Vec<f32>) {
+    let g = golden("pipeline_t2i_turbo.safetensors");
+    (options("a red fox in the snow", 4, 0.0, tensor4(&g, "latents")), g["image"].1.clone())
+}
+
+#[test]
+fn text_to_image_matches_diffusers() {
+    let pipeline = load(resident_placement());
+    let (opts, expected) = turbo_options();
+    let mut steps = Vec::new();
+    let image = pipeline.generate(&opts, &mut |step, total| steps.push((step, total))).expect("generate");
+    assert_eq!(steps, vec![(1, 4), (2, 4), (3, 4), (4, 4)]);
+    let error = max_abs_diff(&image, &expected);
+    assert!(error <= 1e-3, "max abs error {error}");
+}
+
+#[test]
+fn text_to_image_with_guidance_matches_diffusers() {
+    let pipeline = load(resident_placement());
+    let g = golden("pipeline_t2i_cfg.safetensors");
+    let mut opts = options("a red fox in the snow", 3, 4.0, tensor4(&g, "latents"));
+    opts.negative_prompt = Some("blurry, low quality".into());
+    let image = pipeline.generate(&opts, &mut |_, _| {}).expect("generate");
+    let error = max_abs_diff(&image, &g["image"].1);
+    assert!(error <= 1e-3, "max abs error {error}");
+}
+
+#[test]
+fn image_to_image_matches_diffusers() {
+    let pipeline = load(resident_placement());
+    let g = golden("pipeline_img2img.safetensors");
+    let mut opts = options("a red fox in the snow", 4, 0.0, tensor4(&g, "noise"));
+    opts.image = Some(tensor4(&g, "init_image"));
+    opts.strength = 0.6;
+    let image = pipeline.generate(&opts, &mut |_, _| {}).expect("generate");
+    let error = max_abs_diff(&image, &g["image"].1);
+    assert!(error <= 1e-3, "max abs error {error}");
+}
+
+#[test]
+fn bad_arguments_are_typed_errors() {
+    let pipeline = load(resident_placement());
+    let (mut opts, _) = turbo_options();
+    opts.height = 60;
+    assert!(matches!(pipeline.generate(&opts, &mut |_, _| {}), Err(pipeline_zimage::Error::InvalidSize { .. })));
+    let (mut opts, _) = turbo_options();
+    opts.steps = 0;
+    assert!(matches!(pipeline.generate(&opts, &mut |_, _| {}), Err(pipeline_zimage::Error::ZeroSteps)));
+    let (mut opts, _) = turbo_options();
+    opts.strength = 1.5;
+    assert!(matches!(pipeline.generate(&opts, &mut |_, _| {}), Err(pipeline_zimage::Error::InvalidStrength { .. })));
+    let (mut opts, _) = turbo_options();
+    opts.latents = Some(Tensor::zeros([1, 16, 4, 4], &Device::flex()));
+    assert!(matches!(pipeline.generate(&opts, &mut |_, _| {}), Err(pipeline_zimage::Error::InvalidArgument { .. })));
+}
+
+/// A simulated card in hard mode sized so the three tiny components do not fit together: the manager must
+/// evict, and its record must show it.
+fn simulated(group: bool, card_bytes: u64, reserve: u64) -> (ZImagePipeline, Arc<SimCard>) {
+    let card = SimCard::new(CardSpec::parse(&card_bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0));
+    let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+    let mut pipeline = load(placement);
+    if group {
+        pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1).expect("group offload");
+    }
+    pipeline.enable_auto_offload(card.clone(), reserve, true).expect("auto offload");
+    (pipeline, card)
+}
+
+#[test]
+fn the_same_image_under_auto_and_group_offload_on_a_small_card() {
+    let (opts, expected) = turbo_options();
+    let resident = load(resident_placement()).generate(&opts, &mut |_, _| {}).expect("resident run");
+    let resident_values: Vec<f32> = resident.into_data().try_into_vec_as::<f32>().expect("f32");
+    assert!(resident_values.iter().zip(&expected).all(|(a, b)| (a - b).abs() <= 1e-3));
+
+    let (sizes, estimates) = {
+        let probe = load(resident_placement());
+        let ids = probe.ids().clone();
+        let sizes = [ids.text_encoder, ids.transformer, ids.vae].map(|id| probe.manager().component_info(&id).expect("info").bytes);
+        (sizes, probe.activation_estimates(&opts))
+    };
+    let [te, tr, vae] = sizes;
+    // Two cards, each too small for what the flow would hold without offload:
+    // - no reserve, and no room for the text encoder beside the transformer's activations: the transformer's run
+    //   fails with out-of-memory and the manager retries after evicting the text encoder;
+    // - a reserve as large as the transformer's activations, and no room for the VAE beside the transformer
+    //   with that reserve: the strategy evicts the transformer before the VAE loads.
+    let scenarios = [("oom retry", tr + estimates[1] + te / 2, 0), ("reserve", tr + estimates[1] + vae / 2, estimates[1])];
+    for group in [false, true] {
+        for (name, card_bytes, reserve) in scenarios {
+            let (pipeline, card) = simulated(group, card_bytes, reserve);
+            let image = pipeline.generate(&opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name}, group={group}: {e}"));
+            let error = max_abs_diff(&image, &resident_values);
+            assert!(error <= 1e-6, "{name}, group={group}: offloaded image differs by {error}");
+            let record = pipeline.manager().offload_record();
+            let evictions = record
+                .events()
+                .iter()
+                .filter(|e| matches!(e.reason, Some(Reason::ReleaseMemoryFor(_)) | Some(Reason::OomRetry(_))))
+                .count();
+            if group {
+                // Streaming the transformer's blocks needs less room than holding it whole: its groups move
+                // through the card (and may make evictions unnecessary).
+                let group_moves = record.events().iter().filter(|e| e.id.starts_with("transformer/")).count();
+                assert!(group_moves > 0, "{name}: no group moved\n{record}");
+            } else {
+                assert!(evictions > 0, "{name}: nothing was evicted\n{record}");
+                let expected = |reason: &Option<Reason>| match reason {
+                    Some(Reason::OomRetry(_)) => reserve == 0,
+                    Some(Reason::ReleaseMemoryFor(_)) => reserve > 0,
+                    _ => false,
+                };
+                assert!(record.events().iter().any(|e| expected(&e.reason)), "{name}: not the expected move\n{record}");
+            }
+            assert!(card.peak() <= card_bytes, "{name}, group={group}: the hard card exceeded its capacity");
+            if let Some(stats) = pipeline.group_stats() {
+                assert_eq!(stats.misses, 0, "{name}: steady steps prefetch every group: {stats:?}");
+            }
+        }
+    }
+}
+
+/// The simulation's Z-Image-Turbo profile uses the sizes this crate's configs compute.
+#[test]
+fn memory_sim_profile_sizes_come_from_the_configs() {
+    use pipeline_zimage::config::TransformerConfig;
+    use pipeline_zimage::text_encoder::TextEncoderConfig;
+    use pipeline_zimage::vae::VaeConfig;
+    let profile = memory_sim::PipelineProfile::z_image_turbo(4);
+    let bytes = |name: &str| profile.component(name).expect("in the profile").bytes;
+    assert_eq!(TransformerConfig::z_image_turbo().bytes(DType::BF16), bytes("transformer"));
+    assert_eq!(TextEncoderConfig::z_image_turbo().bytes(2), bytes("text_encoder"));
+    assert_eq!(VaeConfig::z_image_turbo().bytes(2), bytes("vae"));
+}
