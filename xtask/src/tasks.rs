@@ -40,7 +40,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
     match args.name.as_str() {
         "overlap" => {
             let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-            command.args(["run", "--release", "--quiet", "-p", "group-offload", "--example", "overlap", "--"]).args(&args.rest);
+            command.args(["run", "--quiet", "-p", "group-offload", "--example", "overlap", "--"]).args(&args.rest);
             status(command, "the overlap benchmark")
         }
         other => bail!("unknown benchmark {other:?}; the benchmarks are: overlap"),
