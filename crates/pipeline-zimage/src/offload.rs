@@ -146,3 +146,34 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
         self.class_name.to_string()
     }
 }
+
+/// Readings of a device treated as large enough for everything: with auto offload enabled on it, every
+/// component is onloaded on its first run and never evicted. It is how a pipeline keeps everything resident on
+/// a real device while every move still goes through the manager and its record.
+#[derive(Debug, Clone)]
+pub struct Unbounded {
+    /// The device the readings stand for.
+    pub device: DeviceName,
+}
+
+impl offload_core::DeviceMemory for Unbounded {
+    fn device(&self) -> DeviceName {
+        self.device.clone()
+    }
+
+    fn total(&self) -> u64 {
+        u64::MAX / 2
+    }
+
+    fn available(&self) -> u64 {
+        u64::MAX / 2
+    }
+
+    fn allocated(&self) -> u64 {
+        0
+    }
+
+    fn peak(&self) -> u64 {
+        0
+    }
+}

@@ -1,0 +1,204 @@
+//! The checks to run on an accelerator, in one binary (so one compressed file travels to the device machine):
+//!
+//! - `parity`: the three whole-pipeline goldens of the tiny checkpoint (text-to-image, with guidance,
+//!   image-to-image) on the given device, with every component onloaded there through the manager; prints the
+//!   max abs error of each against diffusers' output.
+//! - `bench`: the Z-Image transformer at its real size (or the peer's tiny one) with random bf16 weights,
+//!   timed resident and under block-level group offload with a simulated memory cap: our side of
+//!   `shared/gpu/diffusers_zimage_offload_bench.py`, one JSON line per mode with the peer's fields.
+//!
+//! ```text
+//! cargo run --release -p pipeline-zimage --features cuda --example gpu_check -- parity --device cuda:0
+//! cargo run --release -p pipeline-zimage --features cuda --example gpu_check -- bench --device cuda:0 --cap 16GB --size 1024 --steps 6
+//! cargo run -p pipeline-zimage --example gpu_check -- bench --tiny --size 256 --steps 2 --cap 20MB   # a CPU dry run
+//! cargo run -p pipeline-zimage --example gpu_check -- parity                                        # on the CPU
+//! ```
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::tensor::{DType, Device, Distribution, FloatDType, Tensor};
+use group_offload::GroupOffloadConfig;
+use memory_sim::{CardSpec, Mode, SimCard};
+use offload_core::{DeviceMemory, DeviceName, parse_size};
+use pipeline_zimage::config::TransformerConfig;
+use pipeline_zimage::grouped::GroupedTransformer;
+use pipeline_zimage::transformer::ZImageTransformer2DModel;
+
+struct Args {
+    device: String,
+    cap: String,
+    size: usize,
+    steps: usize,
+    warmup: usize,
+    cap_len: usize,
+    tiny: bool,
+}
+
+fn parse_args() -> Args {
+    let args: Vec<String> = std::env::args().collect();
+    let value = |name: &str| args.windows(2).find(|w| w[0] == name).map(|w| w[1].clone());
+    Args {
+        device: value("--device").unwrap_or_else(|| "cpu".into()),
+        cap: value("--cap").unwrap_or_else(|| "16GB".into()),
+        size: value("--size").and_then(|v| v.parse().ok()).unwrap_or(1024),
+        steps: value("--steps").and_then(|v| v.parse().ok()).unwrap_or(6),
+        warmup: value("--warmup").and_then(|v| v.parse().ok()).unwrap_or(1),
+        cap_len: value("--cap-len").and_then(|v| v.parse().ok()).unwrap_or(128),
+        tiny: args.iter().any(|a| a == "--tiny"),
+    }
+}
+
+fn device(name: &str) -> anyhow::Result<Device> {
+    let parsed = DeviceName::parse(name)?;
+    match parsed.kind() {
+        "cpu" => Ok(Device::flex()),
+        #[cfg(feature = "cuda")]
+        "cuda" => Ok(Device::cuda(parsed.as_str().split(':').nth(1).unwrap_or("0").parse()?)),
+        other => anyhow::bail!("device {other} is not available in this build (cuda needs --features cuda)"),
+    }
+}
+
+fn config(tiny: bool) -> TransformerConfig {
+    let mut config = TransformerConfig::z_image_turbo();
+    if tiny {
+        // The peer's TINY: dim 96, 4 layers, 1 refiner layer, 3 heads.
+        config.dim = 96;
+        config.n_layers = 4;
+        config.n_refiner_layers = 1;
+        config.n_heads = 3;
+        config.n_kv_heads = 3;
+        config.cap_feat_dim = 48;
+        config.axes_dims = vec![8, 12, 12];
+    }
+    config
+}
+
+fn time<F: FnMut() -> anyhow::Result<()>>(device: &Device, args: &Args, mut forward: F) -> anyhow::Result<(f64, f64)> {
+    let mut times = Vec::new();
+    for i in 0..args.warmup + args.steps {
+        device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let start = Instant::now();
+        forward()?;
+        device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        if i >= args.warmup {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok((times[times.len() / 2], times[0]))
+}
+
+fn main() -> anyhow::Result<()> {
+    match std::env::args().nth(1).as_deref() {
+        Some("parity") => parity(&parse_args()),
+        Some("bench") => bench(&parse_args()),
+        _ => anyhow::bail!("usage: gpu_check parity|bench [--device cuda:0] [--cap 16GB] [--size 1024] [--steps 6] [--tiny]"),
+    }
+}
+
+/// The fixtures: at `$CARGO_MANIFEST_DIR/tests/fixtures` when that is set at run time (a binary carried to
+/// another machine), else where this crate was built.
+fn fixtures() -> std::path::PathBuf {
+    let crate_dir = std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| env!("CARGO_MANIFEST_DIR").into(), std::path::PathBuf::from);
+    crate_dir.join("tests/fixtures")
+}
+
+/// Reads the f32 tensors of a golden file into `[1, ...]`-shaped rank-4 tensors by name.
+fn golden(name: &str, tensor: &str) -> anyhow::Result<Tensor<4>> {
+    let path = fixtures().join("golden").join(name);
+    let bytes = std::fs::read(&path)?;
+    let file = safetensors::SafeTensors::deserialize(&bytes)?;
+    let view = file.tensor(tensor)?;
+    let shape: [usize; 4] = view.shape().to_vec().try_into().map_err(|_| anyhow::anyhow!("{tensor} is not 4-d"))?;
+    let values: Vec<f32> = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    Ok(Tensor::from_data(burn::tensor::TensorData::new(values, shape), (&Device::flex(), DType::F32)))
+}
+
+fn parity(args: &Args) -> anyhow::Result<()> {
+    use pipeline_zimage::offload::{Placement, Unbounded};
+    use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
+    let exec = device(&args.device)?;
+    let name = DeviceName::parse(&args.device)?;
+    let weights = fixtures().join("tiny-z-image-turbo");
+    let placement = Placement { exec, host: Device::flex(), name: name.clone(), ledger: Arc::new(offload_core::NoLedger) };
+    let pipeline = ZImagePipeline::load(&weights, placement, &pipeline_zimage::loading::LoadOptions::new())?;
+    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name }), 0, true)?;
+    let cases: [(&str, usize, f32, Option<&str>, &str, bool); 3] = [
+        ("pipeline_t2i_turbo.safetensors", 4, 0.0, None, "latents", false),
+        ("pipeline_t2i_cfg.safetensors", 3, 4.0, Some("blurry, low quality"), "latents", false),
+        ("pipeline_img2img.safetensors", 4, 0.0, None, "noise", true),
+    ];
+    for (file, steps, guidance, negative, noise, img2img) in cases {
+        let mut opts = GenerateOptions::turbo("a red fox in the snow");
+        (opts.steps, opts.guidance, opts.height, opts.width, opts.max_sequence_length) = (steps, guidance, 64, 64, 32);
+        opts.negative_prompt = negative.map(str::to_string);
+        opts.latents = Some(golden(file, noise)?);
+        if img2img {
+            opts.image = Some(golden(file, "init_image")?);
+        }
+        let image = pipeline.generate(&opts, &mut |_, _| {})?;
+        let expected = golden(file, "image")?;
+        let error: f32 = (image.to_device(&Device::flex()) - expected).abs().max().into_scalar();
+        println!("{{\"parity\": \"{file}\", \"device\": \"{}\", \"max_abs_error\": {error:e}, \"within_1e-3\": {}}}", args.device, error <= 1e-3);
+    }
+    println!("{}", pipeline.manager().offload_record());
+    Ok(())
+}
+
+fn bench(args: &Args) -> anyhow::Result<()> {
+    let mut exec = device(&args.device)?;
+    // Weights and activations in bf16, as the peer runs them.
+    exec.configure(FloatDType::BF16).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let config = config(args.tiny);
+    let lat = args.size / 8;
+    let inputs = |device: &Device| {
+        let x = Tensor::<5>::random([1, 16, 1, lat, lat], Distribution::Normal(0.0, 1.0), device).cast(DType::BF16);
+        let cap = Tensor::<3>::random([1, args.cap_len, config.cap_feat_dim], Distribution::Normal(0.0, 1.0), device).cast(DType::BF16);
+        let t = Tensor::<1>::from_floats([0.5], device).cast(DType::BF16);
+        (x, t, cap)
+    };
+    let params = config.num_params();
+    let row = |mode: &str, (median, min): (f64, f64), peak: Option<u64>| {
+        let peak = peak.map_or_else(|| "null".to_string(), |p| p.to_string());
+        println!(
+            "{{\"mode\": \"{mode}\", \"s_per_forward_median\": {median:.6}, \"s_per_forward_min\": {min:.6}, \"steps\": {}, \"size\": {}, \"cap_len\": {}, \"params\": {params}, \"peak_ledger\": {peak}}}",
+            args.steps, args.size, args.cap_len
+        );
+    };
+
+    {
+        let model = ZImageTransformer2DModel::new(&config, &exec);
+        let (x, t, cap) = inputs(&exec);
+        let timing = time(&exec, args, || {
+            let _ = model.forward(x.clone(), t.clone(), cap.clone());
+            Ok(())
+        })?;
+        row("resident", timing, None);
+    }
+    exec.memory_cleanup();
+
+    let cap_bytes = parse_size(&args.cap)?;
+    for (mode, prefetch) in [("group_block1_prefetch", 1usize), ("group_block1_no_prefetch", 0)] {
+        let card = SimCard::new(CardSpec::parse(&cap_bytes.to_string())?.with_mode(Mode::Hard).with_context_overhead(0));
+        let model = ZImageTransformer2DModel::new(&config, &exec);
+        let offload = GroupOffloadConfig::new("transformer", exec.clone())
+            .with_ledger(card.clone())
+            .with_memory(card.clone())
+            .with_prefetch(prefetch > 0)
+            .with_prefetch_depth(prefetch.max(1));
+        let grouped = GroupedTransformer::new(model, offload, 1, card.clone())?;
+        let (x, t, cap) = inputs(&exec);
+        let timing = time(&exec, args, || {
+            grouped.forward(x.clone(), t.clone(), cap.clone())?;
+            Ok(())
+        })?;
+        row(mode, timing, Some(card.peak()));
+        let stats = grouped.offload().stats();
+        eprintln!("{mode}: {stats:?}");
+        drop(grouped);
+        exec.memory_cleanup();
+        let _: Arc<dyn DeviceMemory> = card;
+    }
+    Ok(())
+}
