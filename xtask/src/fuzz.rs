@@ -23,15 +23,18 @@ fn corpus_of(target: &str) -> Vec<Vec<u8>> {
     corpus(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join("fuzz").join("corpus").join(target))
 }
 
-/// The in-process targets: each takes bytes and must return (an error is fine), never panic.
-pub fn targets() -> Vec<(&'static str, fn(&[u8]))> {
+/// A fuzz target: a name and a function that must return for any bytes (an error is fine), never panic.
+pub type Target = (&'static str, fn(&[u8]));
+
+/// The in-process targets.
+pub fn targets() -> Vec<Target> {
     vec![
         ("size", |input| {
-            if let Ok(text) = std::str::from_utf8(input) {
-                if let Ok(bytes) = offload_core::parse_size(text) {
-                    // A parsed size formats without panicking, whatever its magnitude.
-                    let _ = offload_core::format_size(bytes);
-                }
+            if let Ok(text) = std::str::from_utf8(input)
+                && let Ok(bytes) = offload_core::parse_size(text)
+            {
+                // A parsed size formats without panicking, whatever its magnitude.
+                let _ = offload_core::format_size(bytes);
             }
         }),
         ("settings", |input| {
@@ -46,10 +49,10 @@ pub fn targets() -> Vec<(&'static str, fn(&[u8]))> {
             }
         }),
         ("card", |input| {
-            if let Ok(text) = std::str::from_utf8(input) {
-                if let Ok(card) = memory_sim::CardSpec::parse(text) {
-                    let _ = card.check_reserve(3_000_000_000);
-                }
+            if let Ok(text) = std::str::from_utf8(input)
+                && let Ok(card) = memory_sim::CardSpec::parse(text)
+            {
+                let _ = card.check_reserve(3_000_000_000);
             }
         }),
     ]

@@ -235,10 +235,10 @@ impl ComponentsManager {
         if !valid_name(name) {
             return Err(Error::InvalidName { name: name.to_string() });
         }
-        if let Some(collection) = collection {
-            if !valid_name(collection) {
-                return Err(Error::InvalidName { name: collection.to_string() });
-            }
+        if let Some(collection) = collection
+            && !valid_name(collection)
+        {
+            return Err(Error::InvalidName { name: collection.to_string() });
         }
         let mut component: Box<dyn Offloadable> = Box::new(component);
         let mut state = self.state.lock();
