@@ -27,6 +27,37 @@ pub const QK_NORM_EPS: f64 = 1e-5;
 /// The epsilon of the final layer's parameter-free LayerNorm (fixed in diffusers).
 pub const FINAL_NORM_EPS: f64 = 1e-6;
 
+/// Limits on what a component config may declare. Every released model sits far below them (Z-Image-Turbo:
+/// width 3840, 36 layers, 32 heads, a 151,936-token vocabulary); they keep every size derived from a validated
+/// config (parameter counts, bytes, activation estimates) inside 64 bits, and refuse a damaged or hostile
+/// `config.json` before anything is allocated for it. The configs' `validate` methods check them first.
+pub mod limits {
+    /// The largest width: model, feature, hidden, intermediate, channel or head dimension.
+    pub const MAX_WIDTH: usize = 1 << 16;
+    /// The most layers (or blocks per level) of one kind.
+    pub const MAX_LAYERS: usize = 1 << 10;
+    /// The most attention heads.
+    pub const MAX_HEADS: usize = 1 << 10;
+    /// The largest vocabulary.
+    pub const MAX_VOCAB: usize = 1 << 20;
+    /// The longest position table (an entry of the transformer's `axes_lens`).
+    pub const MAX_POSITIONS: usize = 1 << 16;
+    /// The largest patch size.
+    pub const MAX_PATCH: usize = 16;
+    /// The most resolution levels of the VAE (entries of `block_out_channels`).
+    pub const MAX_LEVELS: usize = 8;
+
+    /// Checks that every `(field, value, limit)` is within its limit; the `Err` names the first that is not.
+    pub fn check(fields: &[(&str, usize, usize)]) -> Result<(), String> {
+        match fields.iter().find(|(_, value, limit)| value > limit) {
+            Some((name, value, limit)) => Err(format!(
+                "{name} is {value}, above the limit of {limit} for any released model; the config is damaged"
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
 /// `transformer/config.json` of a `ZImageTransformer2DModel`.
 ///
 /// Missing fields take the diffusers class defaults, except `axes_lens`, whose default here is the shipped
@@ -101,7 +132,12 @@ impl TransformerConfig {
             path: path.to_path_buf(),
             source,
         })?;
-        let config: Self = serde_json::from_str(&text).map_err(|source| Error::Json {
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates the text of a `config.json`; `path` is only used in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self> {
+        let config: Self = serde_json::from_str(text).map_err(|source| Error::Json {
             path: path.to_path_buf(),
             source,
         })?;
@@ -112,8 +148,23 @@ impl TransformerConfig {
         Ok(config)
     }
 
-    /// Checks the invariants the model code relies on; returns what is wrong.
+    /// Checks the invariants the model code relies on, and the [`limits`]; returns what is wrong.
     pub fn validate(&self) -> std::result::Result<(), String> {
+        use limits::{MAX_HEADS, MAX_LAYERS, MAX_PATCH, MAX_POSITIONS, MAX_WIDTH};
+        limits::check(&[
+            ("dim", self.dim, MAX_WIDTH),
+            ("cap_feat_dim", self.cap_feat_dim, MAX_WIDTH),
+            ("in_channels", self.in_channels, MAX_WIDTH),
+            ("n_heads", self.n_heads, MAX_HEADS),
+            ("n_kv_heads", self.n_kv_heads, MAX_HEADS),
+            ("n_layers", self.n_layers, MAX_LAYERS),
+            ("n_refiner_layers", self.n_refiner_layers, MAX_LAYERS),
+            ("patch size", self.patch_size(), MAX_PATCH),
+            ("frame patch size", self.f_patch_size(), MAX_PATCH),
+        ])?;
+        let axes = self.axes_dims.iter().map(|d| ("an axes_dims entry", *d, MAX_WIDTH));
+        let lens = self.axes_lens.iter().map(|l| ("an axes_lens entry", *l, MAX_POSITIONS));
+        limits::check(&axes.chain(lens).collect::<Vec<_>>())?;
         let positive = [
             ("dim", self.dim),
             ("n_heads", self.n_heads),

@@ -230,6 +230,45 @@ pub enum Error {
     /// Group offload of the transformer failed.
     #[error(transparent)]
     GroupOffload(#[from] group_offload::Error),
+
+    /// Planning failed: an unknown preset, a bad setting, a component that fits no route, an unreadable
+    /// capacity profile.
+    #[error(transparent)]
+    Plan(#[from] offload_core::plan::PlanError),
+
+    /// A plan routed a component `off`, which leaves it unmanaged, but this pipeline runs every component
+    /// through its manager.
+    #[error(
+        "cannot apply preset {preset} to {component}: route `off` leaves it unmanaged, but the pipeline runs every \
+         component through its manager; choose another preset, or place components yourself with \
+         enable_auto_offload and enable_group_offload"
+    )]
+    Unmanaged {
+        /// The component.
+        component: String,
+        /// The preset that routed it `off`.
+        preset: String,
+    },
+
+    /// A plan chose a route this pipeline cannot run for a component, and its fallback does not fit either.
+    #[error("cannot apply {route} to {component}: {reason}; use a larger card or a preset that streams by blocks")]
+    RouteUnsupported {
+        /// The component.
+        component: String,
+        /// The planned route.
+        route: String,
+        /// Why it cannot run, with the fallback's needs.
+        reason: String,
+    },
+
+    /// Offload was already set up in a way a new plan cannot undo.
+    #[error("cannot plan offload of {component}: {reason}; load the pipeline again and plan it once")]
+    OffloadAlreadyApplied {
+        /// The component.
+        component: String,
+        /// What was set up before.
+        reason: String,
+    },
 }
 
 /// Renders ` (first: NAME)` for a non-empty list, to keep messages short on large lists.

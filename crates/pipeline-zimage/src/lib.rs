@@ -10,10 +10,14 @@
 //! - [`text_encoder`], [`vae`], [`scheduler`], [`tokenizer`]: the other pipeline components.
 //! - [`pipeline`]: `ZImagePipeline`, text-to-image and image-to-image with every component run through a
 //!   `ComponentsManager`; [`offload`]: burn modules as offloadable components.
+//! - [`presets`]: `offload-core`'s planner applied to the pipeline (presets, budgets, staged phases, capacity
+//!   profiles and calibration).
 //! - [`error`]: the crate's one error type.
 //!
 //! Validation lives at the edge: [`loading`] checks directories, configs and tensors, and the pipeline checks
 //! generation arguments; model `forward`s trust their (documented) input shapes.
+
+#![forbid(unsafe_code)]
 
 pub mod config;
 pub mod error;
@@ -22,6 +26,7 @@ pub mod loading;
 pub mod nn;
 pub mod offload;
 pub mod pipeline;
+pub mod presets;
 pub mod scheduler;
 pub mod text_encoder;
 pub mod tokenizer;

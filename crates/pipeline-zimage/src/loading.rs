@@ -222,11 +222,37 @@ fn read_weight_map(index: &Path) -> Result<BTreeMap<String, String>> {
         path: index.to_path_buf(),
         source,
     })?;
-    let parsed: ShardIndex = serde_json::from_str(&text).map_err(|source| Error::Json {
+    parse_weight_map(&text, index)
+}
+
+/// Parses the text of a `*.safetensors.index.json` into its `weight_map` (tensor name -> shard file name);
+/// `index` is only used in errors.
+///
+/// Every shard must be a plain file name in the component's directory: a name with a path separator, `..` or a
+/// drive or root prefix would make the loader read a file outside the checkpoint, so it is refused with
+/// [`Error::InvalidConfig`].
+pub fn parse_weight_map(text: &str, index: &Path) -> Result<BTreeMap<String, String>> {
+    let parsed: ShardIndex = serde_json::from_str(text).map_err(|source| Error::Json {
         path: index.to_path_buf(),
         source,
     })?;
+    if let Some((tensor, file)) = parsed.weight_map.iter().find(|(_, file)| !is_plain_file_name(file)) {
+        return Err(Error::InvalidConfig {
+            path: index.to_path_buf(),
+            reason: format!(
+                "weight_map puts {tensor} in {file:?}, which is not a file name inside the component directory; \
+                 the index is damaged or hostile, re-download the component"
+            ),
+        });
+    }
     Ok(parsed.weight_map)
+}
+
+/// A single normal path component: no separator, not `.` or `..`, no root or drive prefix.
+fn is_plain_file_name(name: &str) -> bool {
+    let mut components = Path::new(name).components();
+    matches!((components.next(), components.next()), (Some(std::path::Component::Normal(part)), None) if part == name)
+        && !name.contains(['/', '\\'])
 }
 
 fn component_name(dir: &Path) -> String {
@@ -256,26 +282,70 @@ pub fn load_files<M: Module>(
     files: &[PathBuf],
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
-    let remapper =
-        KeyRemapper::from_patterns(opts.key_remap.clone()).map_err(|e| Error::InvalidKeyRemap {
-            pattern: opts
-                .key_remap
-                .iter()
-                .map(|(from, _)| from.as_str())
-                .collect::<Vec<_>>()
-                .join(", "),
-            reason: e.to_string(),
-        })?;
-
-    let mut report = LoadReport {
-        component: component.to_owned(),
-        files: files.to_vec(),
-        ..LoadReport::default()
-    };
-    let mut not_applied = BTreeSet::new();
-    let mut unused = BTreeSet::new();
+    let remapper = key_remapper(opts)?;
+    let mut loaded = Loaded::new(component, files.to_vec());
     for file in files {
-        let store = SafetensorsStore::from_file(file.clone())
+        loaded.apply(module, file, SafetensorsStore::from_file(file.clone()), &remapper, opts)?;
+    }
+    loaded.finish(opts)
+}
+
+/// Loads one safetensors container held in memory into `module`, with every check [`load_files`] makes; `file`
+/// names it in reports and errors. This is the checkpoint reader without a file system, for tests and fuzzing.
+///
+/// The container is parsed by `safetensors`, whose header reader is bounded: a header length past the
+/// container or above its 100 MB limit is refused before anything is allocated for it.
+pub fn load_bytes<M: Module>(
+    module: &mut M,
+    component: &str,
+    file: &Path,
+    bytes: Vec<u8>,
+    opts: &LoadOptions,
+) -> Result<LoadReport> {
+    let remapper = key_remapper(opts)?;
+    let mut loaded = Loaded::new(component, vec![file.to_path_buf()]);
+    loaded.apply(module, file, SafetensorsStore::from_bytes(Some(bytes)), &remapper, opts)?;
+    loaded.finish(opts)
+}
+
+fn key_remapper(opts: &LoadOptions) -> Result<KeyRemapper> {
+    KeyRemapper::from_patterns(opts.key_remap.clone()).map_err(|e| Error::InvalidKeyRemap {
+        pattern: opts
+            .key_remap
+            .iter()
+            .map(|(from, _)| from.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+        reason: e.to_string(),
+    })
+}
+
+/// What the stores of one component's files applied, left missing and left unused, aggregated.
+struct Loaded {
+    report: LoadReport,
+    not_applied: BTreeSet<String>,
+    unused: BTreeSet<String>,
+}
+
+impl Loaded {
+    fn new(component: &str, files: Vec<PathBuf>) -> Self {
+        Self {
+            report: LoadReport { component: component.to_owned(), files, ..LoadReport::default() },
+            not_applied: BTreeSet::new(),
+            unused: BTreeSet::new(),
+        }
+    }
+
+    /// Applies one file's store to `module`.
+    fn apply<M: Module>(
+        &mut self,
+        module: &mut M,
+        file: &Path,
+        store: SafetensorsStore,
+        remapper: &KeyRemapper,
+        opts: &LoadOptions,
+    ) -> Result<()> {
+        let store = store
             .remap(remapper.clone())
             // Every shard lacks the other shards' tensors, so each is partial; completeness is judged on the
             // aggregate below. Validation is ours too, to keep the errors typed.
@@ -291,25 +361,31 @@ pub fn load_files<M: Module>(
         if let Some(error) = result.errors.first() {
             return Err(apply_error(file, error));
         }
-        not_applied.extend(result.missing.into_iter().map(|(path, _)| path));
-        unused.extend(result.unused);
-        report.applied.extend(result.applied);
+        self.not_applied.extend(result.missing.into_iter().map(|(path, _)| path));
+        self.unused.extend(result.unused);
+        self.report.applied.extend(result.applied);
+        Ok(())
     }
-    let applied: BTreeSet<&String> = report.applied.iter().collect();
-    report.missing = not_applied
-        .into_iter()
-        .filter(|path| !applied.contains(path))
-        .collect();
-    report.unused = unused.into_iter().collect();
 
-    if !opts.allow_partial && !report.is_complete() {
-        return Err(Error::PartialLoad {
-            component: component.to_owned(),
-            missing: report.missing,
-            unused: report.unused,
-        });
+    /// The aggregate report, or [`Error::PartialLoad`] unless partial loads are allowed.
+    fn finish(self, opts: &LoadOptions) -> Result<LoadReport> {
+        let mut report = self.report;
+        let applied: BTreeSet<&String> = report.applied.iter().collect();
+        report.missing = self
+            .not_applied
+            .into_iter()
+            .filter(|path| !applied.contains(path))
+            .collect();
+        report.unused = self.unused.into_iter().collect();
+        if !opts.allow_partial && !report.is_complete() {
+            return Err(Error::PartialLoad {
+                component: report.component,
+                missing: report.missing,
+                unused: report.unused,
+            });
+        }
+        Ok(report)
     }
-    Ok(report)
 }
 
 fn store_error(file: &Path, error: SafetensorsStoreError) -> Error {

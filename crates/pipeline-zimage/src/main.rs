@@ -1,5 +1,12 @@
 //! `pipeline-zimage generate`: make an image with Z-Image(-Turbo) from a diffusers checkpoint directory, on the
-//! CPU or a CUDA device, optionally on a simulated smaller card, with auto or group offload.
+//! CPU or a CUDA device, optionally on a simulated smaller card, with every component routed by an offload preset
+//! (`--preset`, planned and explained) or by hand (`--offload auto|group`).
+//!
+//! Settings of the planner come, in precedence order, from explicit arguments (`--preset`, `--reserve`,
+//! `--profile-name`, `--profile-dir`, `--set key=value`), then `OFFLOAD_*` environment variables, then the TOML
+//! file of `--config` (or `OFFLOAD_CONFIG`), then the preset's defaults. `--preset` takes precedence over
+//! `--offload`; without `--preset`, the planner is used when `--offload` is absent and a settings source is given
+//! (`--config`, `--set`, `--profile-name`, `--profile-dir`, `OFFLOAD_PRESET`, `OFFLOAD_CONFIG`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -8,10 +15,12 @@ use anyhow::{Context, bail};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use clap::{Parser, Subcommand, ValueEnum};
 use memory_sim::{CardSpec, Mode, SimCard};
-use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, parse_size};
+use offload_core::plan::{HostMemory, Settings, SettingsLayer};
+use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
+use pipeline_zimage::presets::{DeviceFacts, enable_pipeline_offload, exact_reserve, generate_profiled};
 
 /// Z-Image(-Turbo) on burn.
 #[derive(Parser)]
@@ -29,7 +38,7 @@ enum Command {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Offload {
-    /// Every component stays where it is loaded: on the execution device.
+    /// Every component is moved onto the execution device on its first run and stays there.
     None,
     /// Components move onto the device when they run; the strategy evicts others to make room.
     Auto,
@@ -88,12 +97,33 @@ struct Generate {
     /// Simulate a card of this size (or a catalogue name) on the device: hard mode, allocations past it fail.
     #[arg(long)]
     card: Option<String>,
-    /// How components are offloaded.
-    #[arg(long, value_enum, default_value_t = Offload::None)]
-    offload: Offload,
-    /// Memory kept free for activations by auto offload.
-    #[arg(long, default_value = "3GB")]
-    reserve: String,
+    /// How components are offloaded by hand, without the planner; --preset takes precedence. Default: none.
+    #[arg(long, value_enum)]
+    offload: Option<Offload>,
+    /// Route every component with the offload planner and print its plan first: auto, one_shot_fast,
+    /// low_ram_safe, warm_process, diffusers_offload_compat, diffusers_leaf_offload_compat, no_pin, off. Needs
+    /// --card. Takes precedence over --offload.
+    #[arg(long)]
+    preset: Option<String>,
+    /// A TOML settings file for the planner (below explicit arguments and OFFLOAD_* variables); replaces
+    /// OFFLOAD_CONFIG.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Any planner setting as key=value (`--set resident_budget=4MB`); repeatable; explicit, so it beats
+    /// OFFLOAD_* variables and the file.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// Memory kept free for activations. With --offload: the manager's reserve (default 3GB). With the planner:
+    /// the `reserve` setting (default: each component's activation estimate plus a margin; on a simulated card,
+    /// the largest activation estimate, which is exactly what the card is charged).
+    #[arg(long)]
+    reserve: Option<String>,
+    /// Named calibration: the first run measures the peak and recommends a resident budget; later runs reuse it.
+    #[arg(long)]
+    profile_name: Option<String>,
+    /// Where capacity profiles are stored (default: the platform's data directory, offload/profiles).
+    #[arg(long)]
+    profile_dir: Option<PathBuf>,
     /// Load weights in bf16 instead of the checkpoint's dtype cast to f32.
     #[arg(long)]
     bf16: bool,
@@ -177,16 +207,89 @@ fn write_outputs(image: Tensor<4>, out: &Path, out_tensor: Option<&Path>) -> any
     Ok(())
 }
 
+/// The environment as text pairs (values that are not Unicode are read lossily, as `Settings::from_process` does).
+fn environment() -> Vec<(String, String)> {
+    std::env::vars_os().map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned())).collect()
+}
+
+/// Whether the planner routes the components: `--preset`, or no `--offload` and some settings source.
+fn uses_planner(args: &Generate, env: &[(String, String)]) -> bool {
+    if args.preset.is_some() {
+        return true;
+    }
+    let from_env = env.iter().any(|(k, _)| k == "OFFLOAD_PRESET" || k == "OFFLOAD_CONFIG");
+    args.offload.is_none()
+        && (args.config.is_some()
+            || !args.set.is_empty()
+            || args.profile_name.is_some()
+            || args.profile_dir.is_some()
+            || from_env)
+}
+
+/// The planner's settings: explicit arguments, then `OFFLOAD_*`, then the TOML file, then the preset. When
+/// nothing sets `reserve` and the card is simulated, `simulated_reserve` is passed as an explicit reserve (a
+/// simulated card charges exactly the estimates, so the planner's margin has nothing to cover). Returns whether
+/// it was.
+fn resolve_settings(
+    args: &Generate,
+    env: &[(String, String)],
+    simulated_reserve: Option<u64>,
+) -> anyhow::Result<(Settings, bool)> {
+    let mut explicit = SettingsLayer::default();
+    if let Some(preset) = &args.preset {
+        explicit.set("preset", preset)?;
+    }
+    if let Some(reserve) = &args.reserve {
+        explicit.set("reserve", reserve)?;
+    }
+    if let Some(name) = &args.profile_name {
+        explicit.set("profile_name", name)?;
+    }
+    if let Some(dir) = &args.profile_dir {
+        explicit.profile_dir = Some(dir.clone());
+    }
+    for pair in &args.set {
+        let Some((key, value)) = pair.split_once('=') else {
+            bail!("--set {pair:?} is not key=value; write it as --set resident_budget=4MB");
+        };
+        explicit.set(key.trim(), value.trim())?;
+    }
+    let config = args.config.clone().or_else(|| env.iter().find(|(k, _)| k == "OFFLOAD_CONFIG").map(|(_, v)| PathBuf::from(v)));
+    let file = config
+        .as_ref()
+        .map(|path| std::fs::read_to_string(path).with_context(|| format!("cannot read the settings file {}", path.display())))
+        .transpose()?;
+    let settings = Settings::resolve(&explicit, env.iter().cloned(), file.as_deref())?;
+    match simulated_reserve {
+        Some(reserve) if settings.reserve.is_none() => {
+            explicit.reserve = Some(reserve);
+            Ok((Settings::resolve(&explicit, env.iter().cloned(), file.as_deref())?, true))
+        }
+        _ => Ok((settings, false)),
+    }
+}
+
 fn generate(args: &Generate) -> anyhow::Result<()> {
     let weights = args.weights.clone().unwrap_or_else(default_weights);
-    let reserve = parse_size(&args.reserve).context("--reserve")?;
+    let env = environment();
+    let planner = uses_planner(args, &env);
+    if args.preset.is_some() && args.offload.is_some() {
+        eprintln!("--preset takes precedence over --offload: the planner routes every component");
+    }
+    let offload = if planner { Offload::None } else { args.offload.unwrap_or(Offload::None) };
+    let manual_reserve = match (&args.reserve, planner) {
+        (Some(reserve), false) => parse_size(reserve).context("--reserve")?,
+        _ => parse_size("3GB").context("the default reserve")?,
+    };
     let (exec, exec_name) = burn_device(&args.device)?;
     let card = args
         .card
         .as_deref()
         .map(|label| -> anyhow::Result<Arc<SimCard>> {
             let spec = CardSpec::parse(label)?.with_mode(Mode::Hard).with_context_overhead(0);
-            spec.check_reserve(reserve)?;
+            if offload != Offload::None {
+                spec.check_reserve(manual_reserve)?;
+            }
             Ok(SimCard::new(spec))
         })
         .transpose()?;
@@ -194,12 +297,16 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         Some(card) => (card.device(), card.clone()),
         None => (exec_name.clone(), Arc::new(NoLedger)),
     };
-    if args.offload != Offload::None && card.is_none() {
+    if (offload != Offload::None || planner) && card.is_none() {
         bail!(
-            "--offload {} needs device readings: pass --card SIZE (your card's size, or a smaller one to simulate); \
-             burn exposes no free-memory call",
-            if args.offload == Offload::Auto { "auto" } else { "group" }
+            "{} needs device readings: pass --card SIZE (your card's size, or a smaller one to simulate); burn \
+             exposes no free-memory call",
+            if planner { "the offload planner (--preset)" } else if offload == Offload::Auto { "--offload auto" } else { "--offload group" }
         );
+    }
+    if planner {
+        // Bad settings are reported before the weights load; the simulated card's reserve is added once they have.
+        resolve_settings(args, &env, None)?;
     }
     let placement = Placement { exec: exec.clone(), host: Device::flex(), name, ledger };
     let dtype = if args.bf16 { Some(DType::BF16) } else { Some(DType::F32) };
@@ -207,13 +314,6 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         .with_context(|| format!("loading {}", weights.display()))?;
     for report in pipeline.load_reports() {
         eprintln!("{report}");
-    }
-    if let Some(card) = &card {
-        if args.offload == Offload::Group {
-            pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1)?;
-        }
-        let memory: Arc<dyn DeviceMemory> = card.clone();
-        pipeline.enable_auto_offload(memory, reserve, true)?;
     }
     let mut opts = GenerateOptions::turbo(args.prompt.clone());
     opts.negative_prompt = args.negative_prompt.clone();
@@ -227,21 +327,79 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     opts.latents = args.latents.as_deref().map(read_latents).transpose()?;
     opts.image = args.image.as_deref().map(|p| read_image(p, args.height, args.width)).transpose()?;
     opts.validate()?;
+
+    let mut plan = None;
+    if let (Some(card), true) = (&card, planner) {
+        let (settings, simulated) = resolve_settings(args, &env, Some(exact_reserve(&pipeline, &opts)))?;
+        if simulated {
+            println!(
+                "reserve: {} (the largest activation estimate: the simulated card is charged exactly that, so no \
+                 margin is added; pass --reserve or set OFFLOAD_RESERVE to change it)",
+                format_size(settings.reserve.unwrap_or(0))
+            );
+        }
+        let host = match (HostMemory::read(), settings.host_available) {
+            (Ok(host), _) => host,
+            (Err(_), Some(available)) => HostMemory::new(available, available),
+            (Err(error), None) => return Err(error.into()),
+        };
+        let facts = DeviceFacts::simulated(card.clone(), host);
+        let applied = enable_pipeline_offload(&mut pipeline, settings, &facts, &opts)?;
+        println!("{applied}");
+        plan = Some(applied);
+    } else if let (Some(card), true) = (&card, offload != Offload::None) {
+        if offload == Offload::Group {
+            pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1)?;
+        }
+        let memory: Arc<dyn DeviceMemory> = card.clone();
+        pipeline.enable_auto_offload(memory, manual_reserve, true)?;
+    } else {
+        // No offload: every component is onloaded on its first run and stays (weights load on the host; on a
+        // real accelerator this is what moves them there). The moves still go through the manager's record.
+        let device = pipeline.placement().name.clone();
+        pipeline.enable_auto_offload(Arc::new(pipeline_zimage::offload::Unbounded { device }), 0, true)?;
+    }
+
     let bar = indicatif::ProgressBar::new(args.steps as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template("denoising {bar:40} {pos}/{len} [{elapsed_precise}]")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let image = pipeline.generate(&opts, &mut |step, total| {
+    let mut progress = |step: usize, total: usize| {
         bar.set_length(total as u64);
         bar.set_position(step as u64);
-    })?;
+    };
+    let (image, phases, record) = match &plan {
+        Some(plan) => {
+            for warning in plan.check_capacity(&opts)? {
+                eprintln!("capacity: {warning}");
+            }
+            let run = generate_profiled(&pipeline, plan, &opts, &mut progress)?;
+            (run.image, run.phases, Some(run.record))
+        }
+        None => {
+            let generated = pipeline.generate_with_report(&opts, &mut progress)?;
+            (generated.image, generated.phases, None)
+        }
+    };
     bar.finish();
     write_outputs(image, &args.out, args.out_tensor.as_deref())?;
     println!("wrote {}", args.out.display());
+    println!("\nphases:\n{phases}");
     if let Some(card) = &card {
         println!("\n{}", pipeline.manager().offload_record());
-        println!("\npeak on the simulated {} card: {}", card.spec().label, offload_core::format_size(card.peak()));
+        println!("\npeak on the simulated {} card: {}", card.spec().label, format_size(card.peak()));
+    }
+    if let Some(record) = record {
+        println!("capacity profile: {}", record.path.display());
+        if let Some(recommendation) = record.calibration {
+            println!(
+                "calibrated: peak {} of {} available, recommended resident budget {} for later runs",
+                format_size(recommendation.measured_peak),
+                format_size(recommendation.device_available),
+                format_size(recommendation.resident_budget)
+            );
+        }
     }
     Ok(())
 }
@@ -250,5 +408,72 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     match Cli::parse().command {
         Command::Generate(args) => generate(&args),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use offload_core::plan::{Origin, Preset};
+
+    fn args(extra: &[&str]) -> Generate {
+        let argv = ["pipeline-zimage", "generate"].iter().chain(extra).copied();
+        match Cli::try_parse_from(argv).map(|cli| cli.command) {
+            Ok(Command::Generate(args)) => *args,
+            Err(error) => panic!("{error}"),
+        }
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn the_planner_runs_for_a_preset_or_a_settings_source_without_offload() {
+        assert!(uses_planner(&args(&["--preset", "auto"]), &[]));
+        assert!(uses_planner(&args(&["--preset", "auto", "--offload", "group"]), &[]));
+        assert!(!uses_planner(&args(&[]), &[]));
+        assert!(!uses_planner(&args(&["--offload", "auto"]), &env(&[("OFFLOAD_PRESET", "no_pin")])));
+        assert!(uses_planner(&args(&[]), &env(&[("OFFLOAD_PRESET", "no_pin")])));
+        assert!(uses_planner(&args(&["--set", "prefetch=false"]), &[]));
+    }
+
+    #[test]
+    fn explicit_arguments_beat_the_environment_which_beats_the_file() {
+        let dir = std::env::temp_dir().join(format!("pipeline-zimage-cli-settings-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        let file = dir.join("offload.toml");
+        std::fs::write(&file, "preset = \"one_shot_fast\"\nprefetch_depth = 3\nblocks_per_group = 2\n").expect("written");
+        let config = file.display().to_string();
+        let environment = env(&[("OFFLOAD_PRESET", "no_pin"), ("OFFLOAD_PREFETCH_DEPTH", "2")]);
+
+        let (settings, simulated) =
+            resolve_settings(&args(&["--config", &config, "--set", "prefetch_depth=4"]), &environment, None)
+                .expect("valid");
+        assert!(!simulated);
+        assert_eq!(settings.preset, Preset::NoPin);
+        assert_eq!(settings.prefetch_depth, 4);
+        assert_eq!(settings.blocks_per_group, 2);
+        assert_eq!(settings.origin("blocks_per_group"), Origin::File);
+        let (settings, _) = resolve_settings(&args(&["--config", &config, "--preset", "auto"]), &environment, None)
+            .expect("valid");
+        assert_eq!(settings.preset, Preset::Auto);
+        assert_eq!(settings.prefetch_depth, 2);
+
+        // The simulated card's reserve applies only when nothing sets one.
+        let (settings, simulated) = resolve_settings(&args(&["--preset", "auto"]), &[], Some(1234)).expect("valid");
+        assert!(simulated);
+        assert_eq!(settings.reserve, Some(1234));
+        let (settings, simulated) =
+            resolve_settings(&args(&["--preset", "auto"]), &env(&[("OFFLOAD_RESERVE", "2MB")]), Some(1234))
+                .expect("valid");
+        assert!(!simulated);
+        assert_eq!(settings.reserve, Some(2_000_000));
+
+        let error = resolve_settings(&args(&["--set", "prefetch"]), &[], None).expect_err("not key=value");
+        assert!(error.to_string().contains("is not key=value"), "{error}");
+        let error = resolve_settings(&args(&["--preset", "fast"]), &[], None).expect_err("unknown preset");
+        assert!(error.to_string().starts_with("invalid value \"fast\" for setting preset"), "{error}");
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -5,13 +5,20 @@
 //! `hidden_states[-2]` (valid rows) → flow-match Euler over the transformer's negated output, with classifier-free
 //! guidance when `guidance > 0` → VAE decode → `clamp(x / 2 + 0.5, 0, 1)`. Image-to-image encodes the image with
 //! the VAE (the latent mean), scales it, truncates the schedule by `strength` and noises it to the first sigma.
+//!
+//! Generation is phase-staged: `encode` (the prompt, and the input image for image-to-image), `denoise` and
+//! `decode` run one after the other under `offload_core::plan::Phases`, timed, with the execution device's memory
+//! released between them (`Device::memory_cleanup`). The pipeline keeps no caches of its own, so the cleanup is
+//! all a release has to do; which component leaves the device between phases is the manager's strategy's
+//! decision (the staged strategy of [`crate::presets`] offloads the finished phase's component).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 use group_offload::GroupOffloadConfig;
-use offload_core::{ComponentsManager, DeviceLedger, DeviceMemory};
+use offload_core::plan::{PhaseReport, Phases};
+use offload_core::{ComponentError, ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, Offloadable};
 
 use crate::config::TransformerConfig;
 use crate::error::{Error, Result};
@@ -71,7 +78,7 @@ impl GenerateOptions {
 
     /// Checks the arguments a user gives, with errors that say what to change.
     pub fn validate(&self) -> Result<()> {
-        if self.height == 0 || self.width == 0 || self.height % 16 != 0 || self.width % 16 != 0 {
+        if self.height == 0 || self.width == 0 || !self.height.is_multiple_of(16) || !self.width.is_multiple_of(16) {
             return Err(Error::InvalidSize { height: self.height, width: self.width, multiple: 16 });
         }
         if self.steps == 0 {
@@ -90,21 +97,21 @@ impl GenerateOptions {
             return Err(Error::InvalidArgument { name: "max_sequence_length", reason: "it must be at least 1".into() });
         }
         let [h, w] = self.latent_size();
-        if let Some(latents) = &self.latents {
-            if latents.dims() != [1, 16, h, w] {
-                return Err(Error::InvalidArgument {
-                    name: "latents",
-                    reason: format!("shape {:?} does not match {}x{} (expected [1, 16, {h}, {w}])", latents.dims(), self.height, self.width),
-                });
-            }
+        if let Some(latents) = &self.latents
+            && latents.dims() != [1, 16, h, w]
+        {
+            return Err(Error::InvalidArgument {
+                name: "latents",
+                reason: format!("shape {:?} does not match {}x{} (expected [1, 16, {h}, {w}])", latents.dims(), self.height, self.width),
+            });
         }
-        if let Some(image) = &self.image {
-            if image.dims() != [1, 3, self.height, self.width] {
-                return Err(Error::InvalidArgument {
-                    name: "image",
-                    reason: format!("shape {:?} is not [1, 3, {}, {}]; resize the image or pass its size", image.dims(), self.height, self.width),
-                });
-            }
+        if let Some(image) = &self.image
+            && image.dims() != [1, 3, self.height, self.width]
+        {
+            return Err(Error::InvalidArgument {
+                name: "image",
+                reason: format!("shape {:?} is not [1, 3, {}, {}]; resize the image or pass its size", image.dims(), self.height, self.width),
+            });
         }
         Ok(())
     }
@@ -129,6 +136,83 @@ pub struct ComponentIds {
     /// The VAE.
     pub vae: String,
 }
+
+/// How [`ZImagePipeline::enable_group_offload_with`] streams the transformer's blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransformerGroupOptions {
+    /// Consecutive blocks uploaded as one group (at least 1).
+    pub blocks_per_group: usize,
+    /// Whether the next groups are uploaded on the prefetch worker thread while the current one computes.
+    pub prefetch: bool,
+    /// Groups uploaded ahead of the running one when `prefetch` is on (at least 1).
+    pub prefetch_depth: usize,
+    /// Bytes of released groups that stay on the device (group offload's resident budget); the layers outside
+    /// the blocks are resident in any case.
+    pub resident_budget: u64,
+    /// Keep the groups' host copies as files in this directory instead of in host memory.
+    pub disk_store: Option<PathBuf>,
+    /// Whether the manager may release the transformer whole (every group, the resident ones included) when
+    /// another component comes onto the device. Phase-staged plans set it, so the decode phase gets the memory
+    /// the transformer's resident groups held; with `false` the manager never evicts it (group offload's
+    /// default).
+    pub releasable: bool,
+}
+
+impl Default for TransformerGroupOptions {
+    /// One block per group, prefetch depth 1, no resident budget, host memory store, never released whole.
+    fn default() -> Self {
+        Self { blocks_per_group: 1, prefetch: true, prefetch_depth: 1, resident_budget: 0, disk_store: None, releasable: false }
+    }
+}
+
+/// The grouped transformer as the manager holds it: group-offloaded (never evicted) unless `releasable`, in which
+/// case an eviction releases every group and the next onload uploads the resident parts again.
+struct TransformerGroups {
+    inner: GroupedTransformer,
+    releasable: bool,
+}
+
+impl Offloadable for TransformerGroups {
+    fn bytes(&self) -> u64 {
+        self.inner.bytes()
+    }
+
+    fn device(&self) -> DeviceName {
+        self.inner.device()
+    }
+
+    fn onload(&mut self, device: &DeviceName) -> std::result::Result<(), ComponentError> {
+        self.inner.onload(device)
+    }
+
+    fn offload(&mut self) -> std::result::Result<(), ComponentError> {
+        Offloadable::offload(&mut self.inner)
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        self.inner.resident_bytes()
+    }
+
+    fn group_offloaded(&self) -> bool {
+        !self.releasable
+    }
+
+    fn class_name(&self) -> String {
+        self.inner.class_name()
+    }
+}
+
+/// A generated image and the timings of the phases that made it.
+#[derive(Debug, Clone)]
+pub struct Generated {
+    /// The image `[1, 3, H, W]` in `[0, 1]` (f32).
+    pub image: Tensor<4>,
+    /// The `encode`, `denoise` and `decode` phases, in order, with the release after each.
+    pub phases: PhaseReport,
+}
+
+/// The names of the phases [`ZImagePipeline::generate_with_report`] runs, in order.
+pub const PHASES: [&str; 3] = ["encode", "denoise", "decode"];
 
 /// The Z-Image(-Turbo) pipeline, its components registered in a `ComponentsManager`.
 pub struct ZImagePipeline {
@@ -205,7 +289,9 @@ impl ZImagePipeline {
     /// (none when `prefetch_depth` is 0). Every group move is charged to `ledger` and recorded in the manager's
     /// record. The manager then holds it as a group-offloaded component, never evicted wholesale.
     ///
-    /// Call it before [`enable_auto_offload`](Self::enable_auto_offload).
+    /// Call it before [`enable_auto_offload`](Self::enable_auto_offload). See
+    /// [`enable_group_offload_with`](Self::enable_group_offload_with) for the resident budget, a disk store and
+    /// release between phases.
     pub fn enable_group_offload(
         &mut self,
         ledger: Arc<dyn DeviceLedger>,
@@ -213,8 +299,31 @@ impl ZImagePipeline {
         blocks_per_group: usize,
         prefetch_depth: usize,
     ) -> Result<()> {
+        let options = TransformerGroupOptions {
+            blocks_per_group,
+            prefetch: prefetch_depth > 0,
+            prefetch_depth: prefetch_depth.max(1),
+            ..TransformerGroupOptions::default()
+        };
+        self.enable_group_offload_with(ledger, memory, &options)
+    }
+
+    /// Puts the transformer under block-level group offload with every option of [`TransformerGroupOptions`].
+    /// Does nothing when it already is (the first options stay).
+    pub fn enable_group_offload_with(
+        &mut self,
+        ledger: Arc<dyn DeviceLedger>,
+        memory: Option<Arc<dyn DeviceMemory>>,
+        options: &TransformerGroupOptions,
+    ) -> Result<()> {
         if self.grouped {
             return Ok(());
+        }
+        if options.blocks_per_group == 0 {
+            return Err(Error::InvalidArgument {
+                name: "blocks_per_group",
+                reason: "it is 0; group at least 1 block".into(),
+            });
         }
         let component: Box<dyn std::any::Any> = self.manager.remove(&self.ids.transformer)?;
         let component = component
@@ -225,15 +334,35 @@ impl ZImagePipeline {
             .with_device_name(self.placement.name.clone())
             .with_ledger(ledger.clone())
             .with_record(self.manager.offload_record())
-            .with_prefetch(prefetch_depth > 0)
-            .with_prefetch_depth(prefetch_depth.max(1));
+            .with_prefetch(options.prefetch)
+            .with_prefetch_depth(options.prefetch_depth.max(1))
+            .with_resident_budget(options.resident_budget);
+        if let Some(dir) = &options.disk_store {
+            config = config.with_disk_store(dir.clone());
+        }
         if let Some(memory) = memory {
             config = config.with_memory(memory);
         }
-        let grouped = GroupedTransformer::new(transformer, config, blocks_per_group, ledger)?;
-        self.ids.transformer = self.manager.add("transformer", grouped, None)?;
+        let grouped = GroupedTransformer::new(transformer, config, options.blocks_per_group, ledger)?;
+        if options.releasable {
+            // Group offload uploads the resident layers at once; a releasable transformer holds nothing on the
+            // device until its phase onloads it, so the phases before it get the whole device.
+            grouped.offload().offload_all()?;
+        }
+        let slot = TransformerGroups { inner: grouped, releasable: options.releasable };
+        self.ids.transformer = self.manager.add("transformer", slot, None)?;
         self.grouped = true;
         Ok(())
+    }
+
+    /// Whether the transformer is under group offload.
+    pub fn transformer_grouped(&self) -> bool {
+        self.grouped
+    }
+
+    /// The dtype the transformer computes in, which the activation estimates assume.
+    pub fn dtype(&self) -> DType {
+        self.transformer_dtype
     }
 
     /// Group-offload statistics of the transformer (onloads, prefetch hits, misses), when it is grouped.
@@ -241,7 +370,12 @@ impl ZImagePipeline {
         if !self.grouped {
             return None;
         }
-        self.manager.inspect(&self.ids.transformer, |g: &GroupedTransformer| g.offload().stats()).ok()
+        self.manager.inspect(&self.ids.transformer, |g: &TransformerGroups| g.inner.offload().stats()).ok()
+    }
+
+    /// Where the components execute and what accounts for them.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
     }
 
     /// The manager holding the components.
@@ -293,36 +427,62 @@ impl ZImagePipeline {
 
     /// Generates an image `[1, 3, H, W]` in `[0, 1]` (f32), calling `progress(step, steps)` after each step.
     pub fn generate(&self, opts: &GenerateOptions, progress: &mut dyn FnMut(usize, usize)) -> Result<Tensor<4>> {
+        self.generate_with_report(opts, progress).map(|generated| generated.image)
+    }
+
+    /// Generates an image as [`generate`](Self::generate) does, in three timed phases ([`PHASES`]): `encode`
+    /// (the prompts, and the input image for image-to-image), `denoise` and `decode`. Between two phases the
+    /// execution device's memory is released (`Device::memory_cleanup`; a simulated card needs nothing more).
+    pub fn generate_with_report(
+        &self,
+        opts: &GenerateOptions,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Generated> {
         opts.validate()?;
         let device = self.placement.exec.clone();
-        let mut prompts = vec![opts.prompt.clone()];
-        if opts.guided() {
-            prompts.push(opts.negative_prompt.clone().unwrap_or_default());
-        }
-        let embeds = self.encode_prompts(&prompts, opts.max_sequence_length)?;
+        let release_device = device.clone();
+        let mut phases = Phases::new(move |finished: &str| {
+            tracing::debug!(phase = finished, "releasing device memory between phases");
+            release_device.memory_cleanup();
+        });
         let [h, w] = opts.latent_size();
-        let noise = match &opts.latents {
-            Some(latents) => latents.clone().cast(DType::F32).to_device(&device),
-            None => {
-                device.seed(opts.seed);
-                Tensor::random([1, 16, h, w], Distribution::Normal(0.0, 1.0), &device)
+        let vae_activations = self.activation_estimates(opts)[2];
+        let (embeds, schedule, latents) = phases.run(PHASES[0], || -> Result<_> {
+            let mut prompts = vec![opts.prompt.clone()];
+            if opts.guided() {
+                prompts.push(opts.negative_prompt.clone().unwrap_or_default());
             }
-        };
-        let full = self.scheduler.schedule(opts.steps, (h / 2) * (w / 2))?;
-        let (schedule, mut latents) = match &opts.image {
-            None => (full, noise),
-            Some(image) => {
-                let schedule = full.img2img(opts.strength)?;
-                let clean = self.encode_image(image.clone().to_device(&device), self.activation_estimates(opts)[2])?;
-                let noised = schedule.scale_noise(clean, noise);
-                (schedule, noised)
+            let embeds = self.encode_prompts(&prompts, opts.max_sequence_length)?;
+            let noise = match &opts.latents {
+                Some(latents) => latents.clone().cast(DType::F32).to_device(&device),
+                None => {
+                    device.seed(opts.seed);
+                    Tensor::random([1, 16, h, w], Distribution::Normal(0.0, 1.0), &device)
+                }
+            };
+            let full = self.scheduler.schedule(opts.steps, (h / 2) * (w / 2))?;
+            let (schedule, latents) = match &opts.image {
+                None => (full, noise),
+                Some(image) => {
+                    let schedule = full.img2img(opts.strength)?;
+                    let clean = self.encode_image(image.clone().to_device(&device), vae_activations)?;
+                    let noised = schedule.scale_noise(clean, noise);
+                    (schedule, noised)
+                }
+            };
+            Ok((embeds, schedule, latents))
+        })?;
+        let latents = phases.run(PHASES[1], || -> Result<_> {
+            let mut latents = latents;
+            for i in 0..schedule.len() {
+                latents = self.denoise_step(&schedule, i, latents, &embeds, opts)?;
+                progress(i + 1, schedule.len());
             }
-        };
-        for i in 0..schedule.len() {
-            latents = self.denoise_step(&schedule, i, latents, &embeds, opts)?;
-            progress(i + 1, schedule.len());
-        }
-        self.decode_with(latents, self.activation_estimates(opts)[2])
+            Ok(latents)
+        })?;
+        drop(embeds);
+        let image = phases.run(PHASES[2], || self.decode_with(latents, vae_activations))?;
+        Ok(Generated { image, phases: phases.finish() })
     }
 
     fn denoise_step(
@@ -346,8 +506,8 @@ impl ZImagePipeline {
             (items, time, caps)
         };
         let outs = if self.grouped {
-            self.manager.run(&self.ids.transformer, |c: &mut GroupedTransformer| {
-                c.run(activations, |model, device| {
+            self.manager.run(&self.ids.transformer, |c: &mut TransformerGroups| {
+                c.inner.run(activations, |model, device| {
                     let (items, time, caps) = inputs(self.transformer_dtype(), device);
                     model.forward_items(items, time, caps)
                 })

@@ -115,14 +115,30 @@ impl TextEncoderConfig {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_owned(), source })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates the text of the file; `path` is only used in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self> {
         let config: Self =
-            serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_owned(), source })?;
+            serde_json::from_str(text).map_err(|source| Error::Json { path: path.to_owned(), source })?;
         config.validate().map_err(|reason| Error::InvalidConfig { path: path.to_owned(), reason })?;
         Ok(config)
     }
 
-    /// Checks that the sizes are consistent and the options supported; the `Err` says what is wrong.
+    /// Checks that the sizes are consistent and within [`limits`](crate::config::limits), and the options
+    /// supported; the `Err` says what is wrong.
     pub fn validate(&self) -> std::result::Result<(), String> {
+        use crate::config::limits::{self, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH};
+        limits::check(&[
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
+            ("hidden_size", self.hidden_size, MAX_WIDTH),
+            ("intermediate_size", self.intermediate_size, MAX_WIDTH),
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", self.num_attention_heads, MAX_HEADS),
+            ("num_key_value_heads", self.num_kv_heads(), MAX_HEADS),
+            ("head_dim", self.head_dim(), MAX_WIDTH),
+        ])?;
         if self.hidden_act != "silu" {
             return Err(format!("hidden_act {:?} is not supported (only silu)", self.hidden_act));
         }

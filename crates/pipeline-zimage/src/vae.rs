@@ -121,14 +121,32 @@ impl VaeConfig {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_owned(), source })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates the text of the file; `path` is only used in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self> {
         let config: Self =
-            serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_owned(), source })?;
+            serde_json::from_str(text).map_err(|source| Error::Json { path: path.to_owned(), source })?;
         config.validate().map_err(|reason| Error::InvalidConfig { path: path.to_owned(), reason })?;
         Ok(config)
     }
 
-    /// Checks that the config describes a VAE this module implements; the `Err` says what does not fit.
+    /// Checks that the config describes a VAE this module implements, within
+    /// [`limits`](crate::config::limits); the `Err` says what does not fit.
     pub fn validate(&self) -> std::result::Result<(), String> {
+        use crate::config::limits::{self, MAX_LAYERS, MAX_LEVELS, MAX_WIDTH};
+        limits::check(&[
+            ("the number of block_out_channels", self.block_out_channels.len(), MAX_LEVELS),
+            ("layers_per_block", self.layers_per_block, MAX_LAYERS),
+            ("in_channels", self.in_channels, MAX_WIDTH),
+            ("out_channels", self.out_channels, MAX_WIDTH),
+            ("latent_channels", self.latent_channels, MAX_WIDTH),
+            ("norm_num_groups", self.norm_num_groups, MAX_WIDTH),
+        ])?;
+        limits::check(
+            &self.block_out_channels.iter().map(|c| ("a block_out_channels entry", *c, MAX_WIDTH)).collect::<Vec<_>>(),
+        )?;
         if self.block_out_channels.is_empty() {
             return Err("block_out_channels is empty".to_owned());
         }

@@ -353,3 +353,48 @@ fn without_the_remap_the_embedders_are_reported() {
         other => panic!("expected a refused partial load, got {other:?}"),
     }
 }
+
+#[test]
+fn oversized_header() {
+    let dir = scratch_copy("oversized-header");
+    let shard = dir.join("transformer/diffusion_pytorch_model-00002-of-00003.safetensors");
+    let mut bytes = std::fs::read(&shard).expect("readable");
+    // A header length of 1 TiB: safetensors refuses it before allocating (its limit is 100 MB).
+    bytes[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    std::fs::write(&shard, bytes).expect("written");
+    let checkpoint = Checkpoint::open(&dir).expect("opens");
+    let mut model = new_model(&checkpoint);
+    let result = checkpoint.load("transformer", &mut model, &transformer_opts());
+    match result {
+        Err(Error::CorruptWeights { file, reason }) => {
+            assert_eq!(file, shard);
+            assert!(reason.to_lowercase().contains("header"), "{reason}");
+        }
+        other => panic!("expected a refused header, got {other:?}"),
+    }
+}
+
+#[test]
+fn index_pointing_outside_the_component() {
+    let dir = scratch_copy("index-escapes");
+    let index = dir.join("transformer/diffusion_pytorch_model.safetensors.index.json");
+    let text = std::fs::read_to_string(&index).expect("readable");
+    std::fs::write(&index, text.replacen("\"diffusion_pytorch_model-00001-of-00003.safetensors\"", "\"../model_index.json\"", 1))
+        .expect("written");
+    let checkpoint = Checkpoint::open(&dir).expect("opens");
+    let result = checkpoint.weight_files("transformer");
+    assert!(
+        matches!(result, Err(Error::InvalidConfig { ref path, ref reason }) if *path == index && reason.contains("../model_index.json")),
+        "{result:?}"
+    );
+}
+
+#[test]
+fn broken_shard_index() {
+    let dir = scratch_copy("broken-index");
+    let index = dir.join("transformer/diffusion_pytorch_model.safetensors.index.json");
+    std::fs::write(&index, r#"{"metadata": {}, "weight_map": ["#).expect("written");
+    let checkpoint = Checkpoint::open(&dir).expect("opens");
+    let result = checkpoint.weight_files("transformer");
+    assert!(matches!(result, Err(Error::Json { ref path, .. }) if *path == index), "{result:?}");
+}

@@ -207,3 +207,35 @@ fn memory_sim_profile_sizes_come_from_the_configs() {
     assert_eq!(TextEncoderConfig::z_image_turbo().bytes(2), bytes("text_encoder"));
     assert_eq!(VaeConfig::z_image_turbo().bytes(2), bytes("vae"));
 }
+
+/// The card declarations that `cargo xtask integration` checks for the simulated Z-Image-Turbo serve the real
+/// pipeline too: the tiny checkpoint's runs on two hard simulated cards, declared the same way.
+#[test]
+fn the_tiny_pipeline_meets_its_card_declarations() {
+    use memory_sim::expect::{CardExpectation, diff, observed};
+    let declarations = memory_sim::Expectations::parse(
+        r#"
+        pipeline = "tiny-z-image-turbo"
+        reserve = "0"
+        steps = 4
+
+        # The transformer's activations leave no room for the text encoder: one OOM retry evicts it.
+        [cards.oom]
+        offload = { text_encoder = 1 }
+        oom = { transformer = 1 }
+        final_device = { text_encoder = "cpu", transformer = "cuda", vae = "cuda" }
+        "#,
+    )
+    .expect("valid declarations");
+    let (opts, _) = turbo_options();
+    let probe = load(resident_placement());
+    let ids = probe.ids().clone();
+    let size = |id: &str| probe.manager().component_info(id).expect("info").bytes;
+    let (te, tr) = (size(&ids.text_encoder), size(&ids.transformer));
+    let card_bytes = tr + probe.activation_estimates(&opts)[1] + te / 2;
+    let (pipeline, _) = simulated(false, card_bytes, 0);
+    pipeline.generate(&opts, &mut |_, _| {}).expect("the run completes");
+    let seen: CardExpectation = observed(&pipeline.manager().offload_record().events(), &pipeline.manager().placement());
+    let declared = &declarations.cards["oom"];
+    assert_eq!(diff(declared, &seen), None, "{}", pipeline.manager().offload_record());
+}

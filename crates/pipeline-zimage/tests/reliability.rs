@@ -1,0 +1,521 @@
+//! Faults injected at every allocation and every transfer of the tiny real Z-Image-Turbo flow (text-to-image,
+//! 64x64, 4 steps, guidance 0, diffusers' latents) on a simulated card in hard mode, with and without group
+//! offload of the transformer.
+//!
+//! A fault-free run counts the allocations (and transfers) the flow makes; then the flow runs once per point,
+//! on a fresh pipeline and card, with exactly that allocation (or transfer) failing. Every run must end with an
+//! image equal to the fault-free one (max abs diff ≤ 1e-6) or with a typed error that names the component and
+//! the fix. Afterwards, whatever the outcome:
+//! - every component is on a known device: the manager's placement, its component info and the component itself
+//!   agree;
+//! - the card holds exactly the weights the placement says are resident (nothing leaked, nothing lost);
+//! - every component's weights are intact: a checksum of every float parameter (of the host copies of the
+//!   grouped transformer's groups) equals the one taken before the run;
+//! - the record explains what happened: the manager's moves add up to the final placement, and a run that
+//!   recovered from an out-of-memory shows an `oom_retry` row (or, under group offload, a failed prefetch that
+//!   was loaded again when taken);
+//! - the same pipeline, with the fault cleared, generates the fault-free image again.
+
+#![allow(clippy::unwrap_used)] // A test fails loudly at the first unexpected error.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use memory_sim::{CardSpec, Faults, Mode, SimCard};
+use offload_core::{
+    Action, ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, NoLedger, OffloadRecord, Offloadable,
+    Reason,
+};
+use pipeline_zimage::loading::LoadOptions;
+use pipeline_zimage::offload::{BurnComponent, Placement};
+use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
+use pipeline_zimage::text_encoder::TextEncoder;
+use pipeline_zimage::transformer::ZImageTransformer2DModel;
+use pipeline_zimage::vae::AutoencoderKl;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+/// The initial latents of diffusers' Turbo run, `[1, 16, 8, 8]`, and its image.
+fn golden() -> (Tensor<4>, Vec<f32>) {
+    let bytes = std::fs::read(fixtures().join("golden/pipeline_t2i_turbo.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let read = |name: &str| {
+        let view = file.tensor(name).unwrap();
+        let values: Vec<f32> =
+            view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        (view.shape().to_vec(), values)
+    };
+    let (shape, values) = read("latents");
+    let shape: [usize; 4] = shape.try_into().unwrap();
+    let latents = Tensor::from_data(TensorData::new(values, shape), (&Device::flex(), DType::F32));
+    (latents, read("image").1)
+}
+
+fn options() -> GenerateOptions {
+    let mut opts = GenerateOptions::turbo("a red fox in the snow");
+    opts.steps = 4;
+    opts.guidance = 0.0;
+    opts.height = 64;
+    opts.width = 64;
+    opts.max_sequence_length = 32;
+    opts.latents = Some(golden().0);
+    opts
+}
+
+fn load(placement: Placement) -> ZImagePipeline {
+    ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new())
+        .expect("the tiny checkpoint loads")
+}
+
+fn values(image: Tensor<4>) -> Vec<f32> {
+    image.into_data().try_into_vec_as::<f32>().expect("f32 data")
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// FNV-1a over the shape and the f32 bits of every float parameter, in visit order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Checksum {
+    hash: u64,
+    params: usize,
+}
+
+fn checksum<M: Module>(module: &M) -> Checksum {
+    struct Visitor(Checksum);
+    impl Visitor {
+        fn eat(&mut self, bytes: &[u8]) {
+            for byte in bytes {
+                self.0.hash ^= u64::from(*byte);
+                self.0.hash = self.0.hash.wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+    }
+    impl ModuleVisitor for Visitor {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let tensor = param.val();
+            for dim in tensor.dims() {
+                self.eat(&dim.to_le_bytes());
+            }
+            let data = tensor.into_data().try_into_vec_as::<f32>().expect("f32 parameters");
+            for value in data {
+                self.eat(&value.to_bits().to_le_bytes());
+            }
+            self.0.params += 1;
+        }
+    }
+    let mut visitor = Visitor(Checksum { hash: 0xcbf2_9ce4_8422_2325, params: 0 });
+    module.visit(&mut visitor);
+    visitor.0
+}
+
+/// A checksum per component of every float parameter. The grouped transformer's groups are inside the
+/// pipeline's private component type, which no public accessor reaches yet, so its weights are checked by
+/// generating again after the fault (see [`check_again`]) instead of by the groups' host checksums.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Weights {
+    text_encoder: Checksum,
+    transformer: Option<Checksum>,
+    vae: Checksum,
+}
+
+fn weights(pipeline: &ZImagePipeline) -> Weights {
+    let manager = pipeline.manager();
+    let ids = pipeline.ids();
+    let text_encoder =
+        manager.inspect(&ids.text_encoder, |c: &BurnComponent<TextEncoder>| checksum(c.module())).unwrap();
+    let vae = manager.inspect(&ids.vae, |c: &BurnComponent<AutoencoderKl>| checksum(c.module())).unwrap();
+    let transformer = if pipeline.transformer_grouped() {
+        None
+    } else {
+        Some(
+            manager
+                .inspect(&ids.transformer, |c: &BurnComponent<ZImageTransformer2DModel>| checksum(c.module()))
+                .unwrap(),
+        )
+    };
+    Weights { text_encoder, transformer, vae }
+}
+
+/// Every component is on a known device, and the card holds exactly the resident weights: the plain
+/// components the placement puts on the card, and the groups of the grouped transformer on it (the bytes its
+/// offloader uploaded less those it dropped, once no prefetch is in flight).
+fn check_placement(pipeline: &ZImagePipeline, card: &SimCard, context: &str) {
+    let manager = pipeline.manager();
+    let ids = pipeline.ids();
+    let placement = manager.placement();
+    assert_eq!(placement.len(), 3, "{context}: every component is still registered: {placement:?}");
+    let mut resident = 0;
+    for (id, device) in &placement {
+        let info = manager.component_info(id).unwrap();
+        assert_eq!(&info.device, device, "{context}: {id}: placement and component info disagree");
+        assert!(device.is_cpu() || *device == card.device(), "{context}: {id} is on an unknown device {device}");
+        let own = if *id == ids.text_encoder {
+            Some(manager.inspect(id, |c: &BurnComponent<TextEncoder>| c.device()).unwrap())
+        } else if *id == ids.vae {
+            Some(manager.inspect(id, |c: &BurnComponent<AutoencoderKl>| c.device()).unwrap())
+        } else if !pipeline.transformer_grouped() {
+            Some(manager.inspect(id, |c: &BurnComponent<ZImageTransformer2DModel>| c.device()).unwrap())
+        } else {
+            None
+        };
+        if let Some(own) = own {
+            assert_eq!(&own, device, "{context}: the manager says {id} is on {device}, the component says {own}");
+        }
+        if !info.group_offloaded && !device.is_cpu() {
+            resident += info.bytes;
+        }
+    }
+    let groups = || pipeline.group_stats().map_or(0, |s| s.bytes_onloaded - s.bytes_offloaded);
+    // A prefetch of the next forward's first group may still be in flight: its bytes are allocated before
+    // the offloader counts them.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while card.allocated() != resident + groups() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(
+        card.allocated(),
+        resident + groups(),
+        "{context}: the card holds {} bytes, the resident weights are {resident} plus {} of groups",
+        card.allocated(),
+        groups()
+    );
+}
+
+/// With the fault gone, the same pipeline generates the fault-free image again: whatever the fault left is
+/// usable, and no weight that the image depends on changed.
+fn check_again(pipeline: &ZImagePipeline, card: &SimCard, reference: &[f32], before: &Weights, context: &str) {
+    card.set_faults(Faults::default());
+    let again = values(
+        pipeline
+            .generate(&options(), &mut |_, _| {})
+            .unwrap_or_else(|e| panic!("{context}: the run after the fault failed: {e}")),
+    );
+    let diff = max_abs_diff(&again, reference);
+    assert!(diff <= 1e-6, "{context}: the run after the fault differs by {diff}");
+    check_placement(pipeline, card, context);
+    check_record(pipeline, context);
+    assert_eq!(&weights(pipeline), before, "{context}: weights changed after the second run");
+}
+
+/// The manager's own moves (not the groups', whose ids carry a `/`) replayed from the record give the
+/// placement. Returns the number of `oom_retry` rows.
+fn check_record(pipeline: &ZImagePipeline, context: &str) -> usize {
+    let manager = pipeline.manager();
+    let events = manager.offload_record().events();
+    let mut replayed: HashMap<String, bool> = HashMap::new();
+    for event in events.iter().filter(|e| !e.id.contains('/')) {
+        replayed.insert(event.id.clone(), event.action == Action::Onload);
+    }
+    for (id, device) in manager.placement() {
+        if manager.component_info(&id).unwrap().group_offloaded {
+            continue;
+        }
+        let resident = replayed.get(&id).copied().unwrap_or(false);
+        assert_eq!(
+            resident,
+            !device.is_cpu(),
+            "{context}: the record's moves of {id} do not add up to {device}\n{}",
+            manager.offload_record()
+        );
+    }
+    events.iter().filter(|e| matches!(e.reason, Some(Reason::OomRetry(_)))).count()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    Allocation,
+    Transfer,
+}
+
+/// One allocation or transfer the flow made, as the card saw it.
+#[derive(Debug, Clone)]
+struct Point {
+    fault: Fault,
+    /// The card's 1-based ordinal of this allocation or transfer.
+    ordinal: u64,
+    bytes: u64,
+    /// Made by the group offloader's prefetch worker rather than the thread that runs the pipeline.
+    prefetch: bool,
+    failed: bool,
+    /// An allocation larger than what was available: it fails in hard mode with or without injection.
+    natural: bool,
+    /// Events in the record when it was made.
+    record_len: usize,
+}
+
+/// The card's ledger, logging every allocation and transfer with its ordinal. One lock around the card's call
+/// and the reading of its counters keeps ordinals exact when the prefetch worker allocates concurrently.
+struct Traced {
+    card: Arc<SimCard>,
+    record: OnceLock<OffloadRecord>,
+    log: Mutex<Vec<Point>>,
+}
+
+impl Traced {
+    fn log(
+        &self,
+        fault: Fault,
+        bytes: u64,
+        call: impl FnOnce() -> Result<(), ComponentError>,
+    ) -> Result<(), ComponentError> {
+        let mut log = self.log.lock().unwrap();
+        let result = call();
+        let stats = self.card.stats();
+        let natural =
+            matches!(result, Err(ComponentError::OutOfMemory { requested, available, .. }) if requested > available);
+        log.push(Point {
+            fault,
+            ordinal: if fault == Fault::Allocation { stats.allocations } else { stats.transfers },
+            bytes,
+            prefetch: std::thread::current().name().is_some_and(|n| n.starts_with("group-offload-")),
+            failed: result.is_err(),
+            natural,
+            record_len: self.record.get().map_or(0, OffloadRecord::len),
+        });
+        result
+    }
+
+    fn point(&self, fault: Fault, ordinal: u64) -> Option<Point> {
+        self.log.lock().unwrap().iter().find(|p| p.fault == fault && p.ordinal == ordinal).cloned()
+    }
+}
+
+impl DeviceLedger for Traced {
+    fn allocate(&self, bytes: u64) -> Result<(), ComponentError> {
+        self.log(Fault::Allocation, bytes, || self.card.allocate(bytes))
+    }
+
+    fn free(&self, bytes: u64) {
+        self.card.free(bytes);
+    }
+
+    fn transfer(&self, bytes: u64, direction: Direction) -> Result<(), ComponentError> {
+        self.log(Fault::Transfer, bytes, || self.card.transfer(bytes, direction))
+    }
+}
+
+/// A pipeline on a fresh hard card of `capacity` bytes (no context overhead, no reserve, OOM retry on), with
+/// the transformer under block-level group offload (one block per group, prefetch depth 1) when `group`.
+/// Faults are set before anything is placed, so setup allocations count too.
+fn pipeline_on_card(
+    group: bool,
+    capacity: u64,
+    faults: Faults,
+) -> (Result<ZImagePipeline, pipeline_zimage::Error>, Arc<SimCard>, Arc<Traced>) {
+    let card =
+        SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
+    card.set_faults(faults);
+    let traced = Arc::new(Traced { card: card.clone(), record: OnceLock::new(), log: Mutex::new(Vec::new()) });
+    let placement =
+        Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: traced.clone() };
+    let mut pipeline = load(placement);
+    let _ = traced.record.set(pipeline.manager().offload_record());
+    let enabled = (|| {
+        if group {
+            pipeline.enable_group_offload(traced.clone(), Some(card.clone()), 1, 1)?;
+        }
+        pipeline.enable_auto_offload(card.clone(), 0, true)
+    })();
+    (enabled.map(|()| pipeline), card, traced)
+}
+
+/// A card too small to hold the transformer with its activations beside the text encoder: the flow needs the
+/// manager to offload.
+fn card_capacity() -> u64 {
+    let resident =
+        Placement { exec: Device::flex(), host: Device::flex(), name: DeviceName::cpu(), ledger: Arc::new(NoLedger) };
+    let probe = load(resident);
+    let ids = probe.ids().clone();
+    let bytes = |id: &str| probe.manager().component_info(id).unwrap().bytes;
+    let activations = probe.activation_estimates(&options());
+    bytes(&ids.transformer) + activations[1] + bytes(&ids.text_encoder) / 2
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    points: u64,
+    recovered: u64,
+    recovered_by_retry: u64,
+    recovered_by_prefetch_fallback: u64,
+    does_not_fit: u64,
+    component_errors: u64,
+    /// Allocations larger than what was available: they fail in hard mode with or without the injection.
+    would_fail_anyway: u64,
+}
+
+/// Runs the flow once per injection point of `fault` after the setup and checks every outcome.
+fn every_point(group: bool, fault: Fault) -> Tally {
+    let capacity = card_capacity();
+    let opts = options();
+    let mode = if group { "group offload" } else { "auto offload" };
+
+    // The fault-free run: its image, its weights, and how many points the flow has after the setup.
+    let (clean, card, _) = pipeline_on_card(group, capacity, Faults::default());
+    let clean = clean.expect("the fault-free setup succeeds");
+    let before = weights(&clean);
+    let setup = card.stats();
+    let reference = values(clean.generate(&opts, &mut |_, _| {}).expect("the fault-free run completes"));
+    let (_, expected) = golden();
+    assert!(max_abs_diff(&reference, &expected) <= 1e-3, "{mode}: the fault-free run matches diffusers");
+    check_placement(&clean, &card, mode);
+    check_record(&clean, mode);
+    assert_eq!(weights(&clean), before, "{mode}: the fault-free run changed the weights");
+    let stats = card.stats();
+    let (first, count) = match fault {
+        Fault::Allocation => (setup.allocations, stats.allocations - setup.allocations),
+        Fault::Transfer => (setup.transfers, stats.transfers - setup.transfers),
+    };
+    assert!(count > 0, "{mode}: the flow makes no {fault:?}");
+
+    let mut tally = Tally { points: count, ..Tally::default() };
+    for n in first + 1..=first + count {
+        let context = format!("{mode}, {fault:?} #{n} failed");
+        let faults = match fault {
+            Fault::Allocation => Faults { fail_allocation: Some(n), ..Faults::default() },
+            Fault::Transfer => Faults { fail_transfer: Some(n), ..Faults::default() },
+        };
+        let (pipeline, card, traced) = pipeline_on_card(group, capacity, faults);
+        let pipeline =
+            pipeline.unwrap_or_else(|e| panic!("{context}: the setup failed before the injection point: {e}"));
+        let outcome = pipeline.generate(&opts, &mut |_, _| {});
+        let point = traced.point(fault, n).unwrap_or_else(|| panic!("{context}: the flow never reached the point"));
+        assert!(point.failed, "{context}: the injected fault did not fail {point:?}");
+        let context = format!("{context} ({} bytes{})", point.bytes, if point.prefetch { ", a prefetch" } else { "" });
+        tally.would_fail_anyway += u64::from(point.natural);
+        check_placement(&pipeline, &card, &context);
+        check_record(&pipeline, &context);
+        assert_eq!(weights(&pipeline), before, "{context}: weights changed");
+        let events = pipeline.manager().offload_record().events();
+        let retried_after = events.iter().skip(point.record_len).any(|e| matches!(e.reason, Some(Reason::OomRetry(_))));
+        match outcome {
+            Ok(image) => {
+                let diff = max_abs_diff(&values(image), &reference);
+                assert!(diff <= 1e-6, "{context}: the image differs from the fault-free one by {diff}");
+                tally.recovered += 1;
+                if point.prefetch {
+                    // A failed prefetch is absorbed: the group is loaded again, synchronously, when taken.
+                    let stats = pipeline.group_stats().unwrap();
+                    assert!(stats.failed_prefetches >= 1, "{context}: a failed prefetch is not counted: {stats:?}");
+                    tally.recovered_by_prefetch_fallback += 1;
+                } else {
+                    assert_eq!(
+                        fault,
+                        Fault::Allocation,
+                        "{context}: a failed transfer on the running thread was absorbed"
+                    );
+                    // The manager offloaded a component and ran again: the record says so after the failure.
+                    assert!(
+                        retried_after,
+                        "{context}: recovered, but no oom_retry row follows the failure\n{}",
+                        pipeline.manager().offload_record()
+                    );
+                    tally.recovered_by_retry += 1;
+                }
+            }
+            Err(error) => {
+                assert!(!point.prefetch, "{context}: a failed prefetch surfaced as an error: {error}");
+                let message = error.to_string();
+                let ids = pipeline.ids();
+                let names_component =
+                    [&ids.text_encoder, &ids.transformer, &ids.vae].iter().any(|id| message.contains(id.as_str()));
+                assert!(names_component, "{context}: the error names no component: {message}");
+                match &error {
+                    pipeline_zimage::Error::Offload(offload_core::Error::DoesNotFit { .. }) => {
+                        assert_eq!(fault, Fault::Allocation, "{context}: {message}");
+                        assert!(
+                            message.contains("use group offloading") && message.contains("larger card"),
+                            "{context}: no fix in {message}"
+                        );
+                        tally.does_not_fit += 1;
+                    }
+                    pipeline_zimage::Error::Offload(offload_core::Error::Component { .. }) => {
+                        assert_eq!(fault, Fault::Transfer, "{context}: {message}");
+                        assert!(message.contains("host copy is intact"), "{context}: no fix in {message}");
+                        tally.component_errors += 1;
+                    }
+                    other => panic!("{context}: unexpected error {other:?}"),
+                }
+            }
+        }
+        check_again(&pipeline, &card, &reference, &before, &context);
+    }
+    assert_eq!(tally.recovered + tally.does_not_fit + tally.component_errors, tally.points);
+    println!(
+        "{mode}, {fault:?}: {} injection points: {} recovered with the fault-free image ({} by an OOM retry, {} by a \
+         synchronous load after a failed prefetch), {} DoesNotFit, {} typed transfer errors; {} of the points \
+         fail without injection too",
+        tally.points,
+        tally.recovered,
+        tally.recovered_by_retry,
+        tally.recovered_by_prefetch_fallback,
+        tally.does_not_fit,
+        tally.component_errors,
+        tally.would_fail_anyway
+    );
+    tally
+}
+
+#[test]
+fn an_out_of_memory_at_every_allocation_under_auto_offload() {
+    let tally = every_point(false, Fault::Allocation);
+    assert!(tally.recovered_by_retry > 0, "{tally:?}");
+}
+
+#[test]
+fn an_out_of_memory_at_every_allocation_under_group_offload() {
+    let tally = every_point(true, Fault::Allocation);
+    assert!(tally.recovered > 0, "{tally:?}");
+}
+
+#[test]
+fn a_failed_transfer_at_every_point_under_auto_offload() {
+    every_point(false, Fault::Transfer);
+}
+
+#[test]
+fn a_failed_transfer_at_every_point_under_group_offload() {
+    every_point(true, Fault::Transfer);
+}
+
+/// The allocations of the setup itself: putting the transformer under group offload uploads its resident
+/// layers (embedders, final layer, pad tokens) at once. A failure there must be a typed error that leaves the
+/// transformer registered, so the pipeline still runs (without group offload, or after a retry).
+#[test]
+#[ignore = "known gap: ZImagePipeline::enable_group_offload_with removes the transformer from the manager before \
+            GroupedTransformer::new, which consumes it, so a failed upload of the resident layers loses it"]
+fn an_out_of_memory_while_enabling_group_offload() {
+    let capacity = card_capacity();
+    let (_, card, _) = pipeline_on_card(true, capacity, Faults::default());
+    let setup = card.stats().allocations;
+    assert!(setup > 0, "group offload uploads the resident layers when it is enabled");
+    for n in 1..=setup {
+        let context = format!("setup allocation #{n} failed");
+        let card = SimCard::new(
+            CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0),
+        );
+        card.set_faults(Faults { fail_allocation: Some(n), ..Faults::default() });
+        let placement =
+            Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+        let mut pipeline = load(placement);
+        let error =
+            pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1).expect_err("the upload fails");
+        assert!(
+            matches!(error, pipeline_zimage::Error::GroupOffload(group_offload::Error::Onload { .. })),
+            "{context}: {error:?}"
+        );
+        assert!(error.to_string().contains("transformer/"), "{context}: the error names the group: {error}");
+        assert_eq!(pipeline.manager().placement().len(), 3, "{context}: the transformer left the manager");
+        pipeline.enable_auto_offload(card.clone(), 0, true).unwrap();
+        pipeline
+            .generate(&options(), &mut |_, _| {})
+            .unwrap_or_else(|e| panic!("{context}: the pipeline cannot run: {e}"));
+    }
+}
