@@ -278,11 +278,6 @@ struct World {
     standalone_host: Vec<(String, Result<u64, String>)>,
     grouped_host: Vec<(String, Result<u64, String>)>,
     counts: Counts,
-    /// Keeps `inspect` and `remove` apart. `ComponentsManager::inspect` holds the component's slot without a
-    /// claim, and a `remove` that finds the slot still shared returns `InUse` after it has already taken the
-    /// entry out of the registry, so the component is lost (see the ignored test below). Until the manager
-    /// fixes that, this test does not race the two.
-    gate: parking_lot::RwLock<()>,
 }
 
 /// The errors an operation may end with: a typed refusal, never a panic or a silent corruption.
@@ -296,7 +291,6 @@ fn allowed(error: &Error) -> bool {
 impl World {
     fn check_plain_host(&self, slot: &Slot) {
         let Some(id) = slot.id.lock().clone() else { return };
-        let _gate = self.gate.read();
         // The slot may have been removed since: an unknown id is fine, a changed checksum is not.
         if let Ok((host, device)) =
             self.manager.inspect(&id, |w: &Weights| (w.host_checksum(), w.device_copy.as_ref().map(checksum)))
@@ -382,10 +376,7 @@ impl World {
                 let index = rng.below(self.plain.len() as u64 + 1) as usize;
                 let slot = self.plain.get(index).unwrap_or(&self.grouped_slot);
                 let Some(id) = slot.id.lock().take() else { return };
-                let removed = {
-                    let _gate = self.gate.write();
-                    self.manager.remove(&id)
-                };
+                let removed = { self.manager.remove(&id) };
                 match removed {
                     Ok(component) => {
                         let component: Box<dyn Any> = component;
@@ -493,7 +484,6 @@ fn ten_thousand_random_operations_leave_every_weight_intact() {
         grouped,
         standalone,
         counts: Counts::default(),
-        gate: parking_lot::RwLock::new(()),
     });
     assert!(world.standalone_host.iter().chain(&world.grouped_host).all(|(_, sum)| sum.is_ok()));
 
@@ -584,14 +574,10 @@ fn ten_thousand_random_operations_leave_every_weight_intact() {
 }
 
 /// A removal racing an inspection of the same component: the removal either succeeds (and hands the component
-/// back) or fails with the component still registered. Today the manager can take the entry out of its registry,
-/// fail to unwrap the slot an inspection still holds, and return `InUse` with the component dropped.
-///
-/// The fix, in `ComponentsManager::remove_locked`: refuse before moving anything when the slot is shared
-/// (`Arc::strong_count(&entry.slot) > 1` under the state lock; every clone of a slot is made under that lock),
-/// or take a claim in `inspect` as `run` does.
+/// back) or fails with `InUse` and the component still registered. (This test found a race: `inspect` held the
+/// slot without a claim, and `remove` took the entry out before finding the slot shared. `inspect` now claims
+/// the component as `run` does, and `remove` refuses before moving anything while any handle is out.)
 #[test]
-#[ignore = "known race in ComponentsManager::remove versus inspect: the component is dropped from the registry"]
 fn a_removal_racing_an_inspection_never_loses_the_component() {
     let card = SimCard::new(CardSpec::parse("1GiB").unwrap().with_mode(Mode::Hard).with_context_overhead(0));
     let manager = Arc::new(ComponentsManager::new());

@@ -1,8 +1,14 @@
 //! `cargo xtask fuzz`: the parsers that take user input, each run on at least a million mutated inputs.
+//!
+//! The size, settings and card parsers run in this process. The checkpoint readers (`model_index.json`, the
+//! shard index, the component configs, safetensors files) need burn, which xtask does not build, so they run
+//! afterwards as a child process: `pipeline-zimage`'s `fuzz_readers` example, in release mode with overflow
+//! checks on for that crate, so an overflowing size is a crash rather than a silently wrong number.
 
 use std::path::PathBuf;
+use std::process::Command;
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use tests::fuzz::{FuzzReport, corpus, fuzz};
 
 /// Arguments of `cargo xtask fuzz`.
@@ -14,7 +20,9 @@ pub struct Args {
     /// The generator's seed, for reproducing a run.
     #[arg(long, default_value_t = 0x5eed)]
     pub seed: u64,
-    /// Only this target (size, card, settings); default: all.
+    /// Only this target: an in-process one (size, card, settings) or a checkpoint reader (model_index,
+    /// shard_index, transformer_config, text_encoder_config, vae_config, scheduler_config, safetensors);
+    /// default: all.
     #[arg(long)]
     pub target: Option<String>,
 }
@@ -58,19 +66,27 @@ pub fn targets() -> Vec<Target> {
     ]
 }
 
+/// The checkpoint readers' targets, as `pipeline-zimage/examples/fuzz_readers/targets.rs` names them (kept in
+/// step by hand: xtask cannot link that crate).
+pub const READERS: &[&str] =
+    &["model_index", "shard_index", "transformer_config", "text_encoder_config", "vae_config", "scheduler_config", "safetensors"];
+
 /// Runs `cargo xtask fuzz`.
 pub fn run(args: &Args) -> anyhow::Result<()> {
+    let in_process = targets();
+    let only_in_process = args.target.as_deref().is_some_and(|t| in_process.iter().any(|(name, _)| *name == t));
+    if let Some(target) = args.target.as_deref().filter(|t| !only_in_process && !READERS.contains(t)) {
+        let names: Vec<&str> = in_process.iter().map(|(name, _)| *name).chain(READERS.iter().copied()).collect();
+        bail!("no fuzz target named {target:?}; the targets are: {}", names.join(", "));
+    }
     let mut reports: Vec<FuzzReport> = Vec::new();
-    for (name, target) in targets() {
+    for (name, target) in in_process {
         if args.target.as_deref().is_some_and(|t| t != name) {
             continue;
         }
         let report = fuzz(name, &corpus_of(name), args.executions, args.seed, target);
         println!("{report}");
         reports.push(report);
-    }
-    if reports.is_empty() {
-        bail!("no fuzz target named {:?}; the targets are: {}", args.target, targets().iter().map(|t| t.0).collect::<Vec<_>>().join(", "));
     }
     let crashes: Vec<&FuzzReport> = reports.iter().filter(|r| !r.crashes.is_empty()).collect();
     for report in &crashes {
@@ -80,6 +96,27 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     }
     if !crashes.is_empty() {
         bail!("{} target(s) crashed; add each input above as a regression test", crashes.len());
+    }
+    if !only_in_process {
+        readers(args)?;
+    }
+    Ok(())
+}
+
+/// Runs the checkpoint readers' targets in `pipeline-zimage`'s `fuzz_readers` example.
+fn readers(args: &Args) -> anyhow::Result<()> {
+    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    command
+        .args(["run", "--release", "-q", "-p", "pipeline-zimage", "--example", "fuzz_readers"])
+        .args(["--config", "profile.release.package.pipeline-zimage.overflow-checks=true", "--"])
+        .args(["--executions", &args.executions.to_string(), "--seed", &args.seed.to_string()]);
+    if let Some(target) = &args.target {
+        command.args(["--target", target]);
+    }
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let status = command.current_dir(root).status().context("cannot start cargo for the checkpoint readers' fuzz targets")?;
+    if !status.success() {
+        bail!("the checkpoint readers' fuzz run failed with {status}");
     }
     Ok(())
 }

@@ -5,7 +5,9 @@
 //!   offline optimum, peak and OOM retries. This is the README's main job.
 //! - `compare`: bytes moved by each strategy against the optimum, for several prompts in a row.
 //! - `bench overlap`: group offload's prefetch against serial transfers, side by side (runs cargo).
-//! - `fuzz`: a million mutated inputs into each parser of user input (sizes, card names, settings).
+//! - `fuzz`: a million mutated inputs into each parser of user input (sizes, card names, settings) and, through
+//!   `pipeline-zimage`'s `fuzz_readers` example, into each checkpoint reader (model index, shard index,
+//!   component configs, safetensors files).
 //! - `setup-cuda`: installs the LLVM bundle that burn's `cuda` feature needs, from the Python registry.
 //! - `plan --card 8GB --ram 32GB --preset auto`: the offload plan for Z-Image-Turbo at real sizes: each
 //!   component's route, resident and pinned bytes, bytes streamed and predicted time per step, and why.
@@ -13,6 +15,8 @@
 //!
 //! xtask depends on no burn crate, so the simulation commands build in seconds; commands that need burn or
 //! Python run them as child processes.
+
+#![forbid(unsafe_code)]
 
 mod fuzz;
 mod integration;
@@ -41,7 +45,7 @@ enum Command {
     Plan(plan::Args),
     /// Regenerate the tiny Z-Image fixtures with the reference Python implementation.
     Fixtures(tasks::FixturesArgs),
-    /// Fuzz the parsers of user input (sizes, card names, settings) with a million inputs each.
+    /// Fuzz the parsers of user input and the checkpoint readers with a million inputs each.
     Fuzz(fuzz::Args),
     /// Install the LLVM bundle burn's `cuda` feature builds against, from the Python registry.
     SetupCuda(tasks::SetupCudaArgs),

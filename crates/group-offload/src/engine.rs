@@ -302,9 +302,9 @@ impl Engine {
             });
             state.groups.len() - 1
         };
-        if pinned {
-            self.onload_pinned(index)?;
-        }
+        // A resident group is uploaded by `onload_resident` (the manager's onload of the model) or at its first
+        // use, not here: building the offloader touches no device memory, so it cannot fail half-way with an
+        // out-of-memory and lose a model that was taken apart.
         Ok(index)
     }
 

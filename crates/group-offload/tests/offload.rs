@@ -164,6 +164,7 @@ fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
         let card = Arc::new(FakeCard::new(GIB));
         let offload = GroupOffload::new(config(&card, false)).unwrap();
         let _whole = offload.module("all", model.clone(), Placement::Resident).unwrap();
+        offload.onload_resident().unwrap();
         card.peak()
     };
 
@@ -311,6 +312,9 @@ fn failed_upload_keeps_the_host_copy_and_allocates_nothing() {
     for fail_transfer in [false, true] {
         let card = Arc::new(FakeCard::new(GIB));
         let offloaded = BlockModel::new(model.clone(), config(&card, false), 1, Placement::Resident);
+        // Resident parts upload when the model is onloaded (or first used), never while it is built.
+        assert_eq!(card.allocations(), 0, "building the offloader allocates nothing");
+        offloaded.offload.onload_resident().unwrap();
         let before = offloaded.offload.host_checksums();
         let allocated = card.allocated();
         // The top is resident (1 allocation); fail the first block's upload.

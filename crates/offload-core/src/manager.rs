@@ -201,14 +201,25 @@ impl fmt::Debug for ComponentsManager {
     }
 }
 
-/// Decrements a claim when a run ends, however it ends.
+/// A claim on a component: taken under `state` with a clone of its slot, released when a run or an inspection
+/// ends, however it ends. The slot handle is dropped before the claim is, so a component without claims has
+/// no slot handle outside the registry, and `remove` can always take it back.
 struct Claim<'a> {
     manager: &'a ComponentsManager,
     id: String,
+    slot: Option<Slot>,
+}
+
+impl Claim<'_> {
+    fn slot(&self) -> &Slot {
+        // Set at construction and taken only in `drop`.
+        self.slot.as_ref().unwrap_or_else(|| unreachable!("a live claim holds its slot"))
+    }
 }
 
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
+        drop(self.slot.take());
         let mut state = self.manager.state.lock();
         if let Some(entry) = state.entries.iter_mut().find(|e| e.id == self.id) {
             entry.claims = entry.claims.saturating_sub(1);
@@ -283,7 +294,9 @@ impl ComponentsManager {
 
     fn remove_locked(state: &mut State, id: &str) -> Result<Box<dyn Offloadable>> {
         let index = state.index(id)?;
-        if state.entries[index].claims > 0 {
+        // Slot handles are cloned only under `state` with a claim, and dropped before the claim: with no claim
+        // and no other handle, nobody can reach the component while it is taken out.
+        if state.entries[index].claims > 0 || Arc::strong_count(&state.entries[index].slot) > 1 {
             return Err(Error::InUse { id: id.to_string(), operation: "remove" });
         }
         {
@@ -481,14 +494,8 @@ impl ComponentsManager {
         check: impl FnOnce(&dyn Offloadable) -> Result<()>,
         mut f: impl FnMut(&mut dyn Offloadable) -> Result<R, ComponentError>,
     ) -> Result<R> {
-        let slot = {
-            let mut state = self.state.lock();
-            let index = state.index(id)?;
-            state.entries[index].claims += 1;
-            state.entries[index].slot.clone()
-        };
-        let _claim = Claim { manager: self, id: id.to_string() };
-        let mut component = slot.lock();
+        let claim = self.claim(id)?;
+        let mut component = claim.slot().lock();
         // Nothing moves until the type is known to be right.
         check(component.as_ref())?;
         let mut offloaded_for_retry: Vec<String> = Vec::new();
@@ -641,14 +648,19 @@ impl ComponentsManager {
         Ok(())
     }
 
-    /// Reads a component without moving it.
+    /// Claims a component for a run or an inspection: it will not be moved by others or removed meanwhile.
+    fn claim(&self, id: &str) -> Result<Claim<'_>> {
+        let mut state = self.state.lock();
+        let index = state.index(id)?;
+        state.entries[index].claims += 1;
+        Ok(Claim { manager: self, id: id.to_string(), slot: Some(state.entries[index].slot.clone()) })
+    }
+
+    /// Reads a component without moving it. While `f` runs the component is claimed: it is not moved or
+    /// removed by other threads.
     pub fn inspect<C: Offloadable, R>(&self, id: &str, f: impl FnOnce(&C) -> R) -> Result<R> {
-        let slot = {
-            let state = self.state.lock();
-            let index = state.index(id)?;
-            state.entries[index].slot.clone()
-        };
-        let component = slot.lock();
+        let claim = self.claim(id)?;
+        let component = claim.slot().lock();
         let any: &dyn std::any::Any = component.as_ref();
         match any.downcast_ref::<C>() {
             Some(typed) => Ok(f(typed)),

@@ -325,11 +325,21 @@ impl ZImagePipeline {
                 reason: "it is 0; group at least 1 block".into(),
             });
         }
-        let component: Box<dyn std::any::Any> = self.manager.remove(&self.ids.transformer)?;
-        let component = component
-            .downcast::<BurnComponent<ZImageTransformer2DModel>>()
-            .map_err(|_| Error::Shape { op: "group offload".into(), reason: "the transformer component has another type".into() })?;
-        let transformer = component.into_module();
+        // Nothing may be lost if this fails. Taking the model apart into an in-memory store touches no device and
+        // cannot fail (resident layers upload later, when the manager onloads the model), so the registered
+        // transformer is taken out and consumed: its host tensors become the group store without a copy. A disk
+        // store can fail (a full or read-only disk), so then the store is built from a copy of the handles while
+        // the registered transformer stays where it is, and is removed only once the store exists.
+        let transformer = if options.disk_store.is_some() {
+            self.manager.inspect(&self.ids.transformer, |c: &BurnComponent<ZImageTransformer2DModel>| c.module().clone())?
+        } else {
+            let component: Box<dyn std::any::Any> = self.manager.remove(&self.ids.transformer)?;
+            let component = component.downcast::<BurnComponent<ZImageTransformer2DModel>>().map_err(|_| Error::Shape {
+                op: "group offload".into(),
+                reason: "the transformer component has another type".into(),
+            })?;
+            component.into_module()
+        };
         let mut config = GroupOffloadConfig::new("transformer", self.placement.exec.clone())
             .with_device_name(self.placement.name.clone())
             .with_ledger(ledger.clone())
@@ -344,10 +354,8 @@ impl ZImagePipeline {
             config = config.with_memory(memory);
         }
         let grouped = GroupedTransformer::new(transformer, config, options.blocks_per_group, ledger)?;
-        if options.releasable {
-            // Group offload uploads the resident layers at once; a releasable transformer holds nothing on the
-            // device until its phase onloads it, so the phases before it get the whole device.
-            grouped.offload().offload_all()?;
+        if options.disk_store.is_some() {
+            self.manager.remove(&self.ids.transformer)?;
         }
         let slot = TransformerGroups { inner: grouped, releasable: options.releasable };
         self.ids.transformer = self.manager.add("transformer", slot, None)?;
