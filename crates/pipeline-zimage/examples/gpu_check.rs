@@ -54,7 +54,7 @@ fn device(name: &str) -> anyhow::Result<Device> {
     match parsed.kind() {
         "cpu" => Ok(Device::flex()),
         #[cfg(feature = "cuda")]
-        "cuda" => Ok(Device::cuda(parsed.as_str().split(':').nth(1).unwrap_or("0").parse()?)),
+        "cuda" => Ok(Device::cuda(parsed.as_str().split(':').nth(1).unwrap_or("0").parse::<u32>()?)),
         other => anyhow::bail!("device {other} is not available in this build (cuda needs --features cuda)"),
     }
 }

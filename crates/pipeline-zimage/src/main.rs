@@ -144,7 +144,7 @@ fn burn_device(name: &str) -> anyhow::Result<(Device, DeviceName)> {
 
 #[cfg(feature = "cuda")]
 fn cuda_device(name: &DeviceName) -> anyhow::Result<(Device, DeviceName)> {
-    let index: usize = name.as_str().split(':').nth(1).unwrap_or("0").parse()?;
+    let index: u32 = name.as_str().split(':').nth(1).unwrap_or("0").parse()?;
     Ok((Device::cuda(index), name.clone()))
 }
 
