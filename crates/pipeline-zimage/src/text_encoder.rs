@@ -114,16 +114,12 @@ impl TextEncoderConfig {
     /// Reads and validates `config.json`.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_owned(), source })?;
-        Self::parse(&text, path)
+        Self::parse(&crate::config::read_text(path)?, path)
     }
 
     /// Parses and validates the text of the file; `path` is only used in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
-        let config: Self =
-            serde_json::from_str(text).map_err(|source| Error::Json { path: path.to_owned(), source })?;
-        config.validate().map_err(|reason| Error::InvalidConfig { path: path.to_owned(), reason })?;
-        Ok(config)
+        crate::config::parse_json(text, path, Self::validate)
     }
 
     /// Checks that the sizes are consistent and within [`limits`](crate::config::limits), and the options
