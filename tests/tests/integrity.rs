@@ -621,3 +621,32 @@ fn a_removal_racing_an_inspection_never_loses_the_component() {
     let _ = (inspector.join(), remover.join());
     assert!(passed, "a failed removal lost the component");
 }
+
+/// The record of a group offloader adds up to what is on the device, failed uploads included: replaying its
+/// onloads and offloads per group gives exactly the groups on the device. Today `Shared::upload` records the
+/// onload before it allocates, so an upload that fails leaves an onload row for a group that never arrived.
+#[test]
+fn a_failed_group_upload_leaves_no_onload_in_the_record() {
+    let card = SimCard::new(CardSpec::parse("1GiB").unwrap().with_mode(Mode::Hard).with_context_overhead(0));
+    let record = offload_core::OffloadRecord::new();
+    let config = GroupOffloadConfig::new("m", Device::flex())
+        .with_device_name(card.device())
+        .with_ledger(card.clone())
+        .with_record(record.clone())
+        .with_prefetch(false);
+    let offload = GroupOffload::new(config).unwrap();
+    let blocks = offload.blocks("blocks", (0..3).map(|_| Mlp::new(&Device::flex())).collect(), 1).unwrap();
+    card.set_faults(Faults { fail_allocation: Some(2), ..Faults::default() });
+    let first = blocks.group(0).unwrap();
+    assert!(blocks.group(1).is_err(), "the injected allocation fails the second group's upload");
+    let mut balance: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
+    for event in record.events() {
+        *balance.entry(event.id.clone()).or_default() +=
+            if event.action == offload_core::Action::Onload { 1 } else { -1 };
+    }
+    let on_device = offload.on_device();
+    for (group, moves) in &balance {
+        assert_eq!(*moves, i64::from(on_device.contains(group)), "{group}: the record's moves do not add up\n{record}");
+    }
+    drop(first);
+}

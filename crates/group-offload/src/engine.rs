@@ -182,8 +182,13 @@ impl Drop for Engine {
 
 impl Shared {
     fn record(&self, action: Action, id: &str, bytes: u64, reason: &str) {
-        let Some(record) = &self.config.record else { return };
         let reading = self.config.memory.as_ref().map(|m| m.reading());
+        self.record_with(action, id, bytes, reason, reading);
+    }
+
+    /// Records a move with a reading taken earlier (just before the move started).
+    fn record_with(&self, action: Action, id: &str, bytes: u64, reason: &str, reading: Option<offload_core::offload_strategy::MemoryReading>) {
+        let Some(record) = &self.config.record else { return };
         record.add(OffloadEvent {
             action,
             id: id.to_string(),
@@ -206,7 +211,9 @@ impl Shared {
     /// One upload: allocate on the ledger, pay the transfer, build the device tensors. Called without the lock.
     /// On any failure nothing stays allocated and the host copy is untouched.
     fn upload(&self, host: &GroupHost, reason: &str) -> Result<Arc<[Tensor<1>]>> {
-        self.record(Action::Onload, &host.id, host.bytes, reason);
+        // The reading is taken before the move and the event recorded once it succeeded, as the manager does,
+        // so a failed upload leaves no onload row for a group that never arrived.
+        let reading = self.config.memory.as_ref().map(|m| m.reading());
         let ledger = &self.config.ledger;
         ledger.allocate(host.bytes).map_err(|e| self.onload_error(host, e))?;
         if let Err(e) = ledger.transfer(host.bytes, Direction::HostToDevice) {
@@ -229,6 +236,7 @@ impl Shared {
                 Tensor::<1>::from_data(d, (device, dtype))
             })
             .collect();
+        self.record_with(Action::Onload, &host.id, host.bytes, reason, reading);
         Ok(tensors.into())
     }
 

@@ -440,6 +440,23 @@ impl ModelIndex {
     }
 }
 
+/// Reads a configuration file's text; a read failure names the file.
+pub(crate) fn read_text(path: &Path) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })
+}
+
+/// Deserialises a component's `config.json` text and validates it; `path` is only used in errors, which name
+/// the file and what is wrong (bad JSON, or a value `validate` refuses).
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
+    text: &str,
+    path: &Path,
+    validate: impl FnOnce(&T) -> std::result::Result<(), String>,
+) -> Result<T> {
+    let config: T = serde_json::from_str(text).map_err(|source| Error::Json { path: path.to_path_buf(), source })?;
+    validate(&config).map_err(|reason| Error::InvalidConfig { path: path.to_path_buf(), reason })?;
+    Ok(config)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -516,21 +533,4 @@ mod tests {
             Err(Error::NotZImageCheckpoint { .. })
         ));
     }
-}
-
-/// Reads a configuration file's text; a read failure names the file.
-pub(crate) fn read_text(path: &Path) -> Result<String> {
-    std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })
-}
-
-/// Deserialises a component's `config.json` text and validates it; `path` is only used in errors, which name
-/// the file and what is wrong (bad JSON, or a value `validate` refuses).
-pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
-    text: &str,
-    path: &Path,
-    validate: impl FnOnce(&T) -> std::result::Result<(), String>,
-) -> Result<T> {
-    let config: T = serde_json::from_str(text).map_err(|source| Error::Json { path: path.to_path_buf(), source })?;
-    validate(&config).map_err(|reason| Error::InvalidConfig { path: path.to_path_buf(), reason })?;
-    Ok(config)
 }

@@ -8,6 +8,8 @@
 //! `--offload`; without `--preset`, the planner is used when `--offload` is absent and a settings source is given
 //! (`--config`, `--set`, `--profile-name`, `--profile-dir`, `OFFLOAD_PRESET`, `OFFLOAD_CONFIG`).
 
+
+#![forbid(unsafe_code)]
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -9,8 +9,9 @@
 //! - every component is on a known device: the manager's placement, its component info and the component itself
 //!   agree;
 //! - the card holds exactly the weights the placement says are resident (nothing leaked, nothing lost);
-//! - every component's weights are intact: a checksum of every float parameter (of the host copies of the
-//!   grouped transformer's groups) equals the one taken before the run;
+//! - every component's weights are intact: a checksum of every float parameter of the text encoder, the VAE and
+//!   the plain transformer equals the one taken before the run (the grouped transformer sits in a private
+//!   wrapper of the pipeline, so its weights are checked by the run after the fault, below);
 //! - the record explains what happened: the manager's moves add up to the final placement, and a run that
 //!   recovered from an out-of-memory shows an `oom_retry` row (or, under group offload, a failed prefetch that
 //!   was loaded again when taken);

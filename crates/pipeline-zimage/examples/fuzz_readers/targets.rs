@@ -398,10 +398,10 @@ pub fn structured_safetensors(seed: &[u8], input: &[u8]) -> Vec<u8> {
                 }
             }
             (3, _) => {
-                if let Some(value) = object.remove(&key) {
-                    if arg % 2 == 0 {
-                        object.insert(format!("{key}.x"), value);
-                    }
+                if let Some(value) = object.remove(&key)
+                    && arg % 2 == 0
+                {
+                    object.insert(format!("{key}.x"), value);
                 }
             }
             (4, _) => {
