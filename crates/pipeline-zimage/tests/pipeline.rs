@@ -2,50 +2,18 @@
 //! the same images under every offload mode on a simulated card in hard mode: real decisions, real OOM retries,
 //! real output equivalence against the fully resident run.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, NoLedger, Reason};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
+mod common;
 
-/// Reads the f32 tensors of a golden file.
-fn golden(name: &str) -> safetensors_map::Map {
-    safetensors_map::read(&fixtures().join("golden").join(name))
-}
-
-mod safetensors_map {
-    use std::collections::HashMap;
-    use std::path::Path;
-
-    pub type Map = HashMap<String, (Vec<usize>, Vec<f32>)>;
-
-    pub fn read(path: &Path) -> Map {
-        let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let file = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
-        file.tensors()
-            .into_iter()
-            .filter(|(_, view)| view.dtype() == safetensors::Dtype::F32)
-            .map(|(name, view)| {
-                let values = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                (name, (view.shape().to_vec(), values))
-            })
-            .collect()
-    }
-}
-
-fn tensor4(map: &safetensors_map::Map, name: &str) -> Tensor<4> {
-    let (shape, values) = map.get(name).unwrap_or_else(|| panic!("golden tensor {name} missing"));
-    let shape: [usize; 4] = shape.clone().try_into().expect("4 dimensions");
-    Tensor::from_data(TensorData::new(values.clone(), shape), (&Device::flex(), DType::F32))
-}
+use common::{fixtures, golden, tensor4};
 
 fn max_abs_diff(a: &Tensor<4>, expected: &[f32]) -> f32 {
     let got: Vec<f32> = a.clone().into_data().try_into_vec_as::<f32>().expect("f32 data");

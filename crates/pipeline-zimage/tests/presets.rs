@@ -3,7 +3,7 @@
 //! generation runs in three timed phases; capacity profiles round-trip and warn; named calibration reuses the
 //! budget it measured.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -19,24 +19,9 @@ use pipeline_zimage::presets::{
     exact_reserve, generate_profiled,
 };
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
+mod common;
 
-/// The f32 tensors of a golden file.
-fn golden(name: &str) -> std::collections::HashMap<String, (Vec<usize>, Vec<f32>)> {
-    let path = fixtures().join("golden").join(name);
-    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let file = safetensors::SafeTensors::deserialize(&bytes).expect("a safetensors file");
-    file.tensors()
-        .into_iter()
-        .filter(|(_, view)| view.dtype() == safetensors::Dtype::F32)
-        .map(|(name, view)| {
-            let values = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-            (name, (view.shape().to_vec(), values))
-        })
-        .collect()
-}
+use common::{fixtures, golden};
 
 /// The Turbo golden's options (64x64, 4 steps, its latents) and its image.
 fn turbo_options() -> (GenerateOptions, Vec<f32>) {

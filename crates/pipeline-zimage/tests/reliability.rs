@@ -20,11 +20,11 @@
 #![allow(clippy::unwrap_used)] // A test fails loudly at the first unexpected error.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+
 use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use memory_sim::{CardSpec, Faults, Mode, SimCard};
 use offload_core::{
     Action, ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, NoLedger, OffloadRecord, Offloadable,
@@ -37,24 +37,14 @@ use pipeline_zimage::text_encoder::TextEncoder;
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 use pipeline_zimage::vae::AutoencoderKl;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
+mod common;
+
+use common::fixtures;
 
 /// The initial latents of diffusers' Turbo run, `[1, 16, 8, 8]`, and its image.
 fn golden() -> (Tensor<4>, Vec<f32>) {
-    let bytes = std::fs::read(fixtures().join("golden/pipeline_t2i_turbo.safetensors")).unwrap();
-    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let read = |name: &str| {
-        let view = file.tensor(name).unwrap();
-        let values: Vec<f32> =
-            view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        (view.shape().to_vec(), values)
-    };
-    let (shape, values) = read("latents");
-    let shape: [usize; 4] = shape.try_into().unwrap();
-    let latents = Tensor::from_data(TensorData::new(values, shape), (&Device::flex(), DType::F32));
-    (latents, read("image").1)
+    let turbo = common::golden("pipeline_t2i_turbo.safetensors");
+    (common::tensor4(&turbo, "latents"), turbo["image"].1.clone())
 }
 
 fn options() -> GenerateOptions {
