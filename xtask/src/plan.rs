@@ -40,9 +40,16 @@ const MODULATED_BLOCK: u64 = 180_910_336 * 2;
 const CONTEXT_BLOCK: u64 = 176_962_816 * 2;
 /// Bytes per Qwen3 layer of the text encoder (bf16).
 const TEXT_LAYER: u64 = 100_930_816 * 2;
-/// The largest leaves: the text encoder's token embedding and the transformer's feed-forward `w1`.
+/// The text encoder's token embedding (outside its layers).
 const TEXT_EMBEDDING: u64 = 151_936 * 2560 * 2;
+/// The largest leaves inside the blocks: the text encoder's `mlp.gate_proj` and the transformer's
+/// feed-forward `w1`.
+const TEXT_GATE_PROJ: u64 = 9728 * 2560 * 2;
 const TRANSFORMER_W1: u64 = 10_240 * 3840 * 2;
+/// Leaves inside the blocks: 7 linear layers per Qwen3 layer; 8 per modulated transformer block (with
+/// `adaLN_modulation`), 7 per context-refiner block.
+const TEXT_LEAVES: usize = 36 * 7;
+const TRANSFORMER_LEAVES: usize = 32 * 8 + 2 * 7;
 
 fn layout(
     name: &str,
@@ -70,12 +77,12 @@ pub fn z_image_turbo(steps: u32) -> anyhow::Result<Vec<ComponentSpec>> {
             .with_cost(component.flops, calls);
         let spec = match component.name.as_str() {
             "text_encoder" => {
-                spec.with_layout(layout(&component.name, component.bytes, vec![TEXT_LAYER; 36], TEXT_EMBEDDING, 398)?)
+                spec.with_layout(layout(&component.name, component.bytes, vec![TEXT_LAYER; 36], TEXT_GATE_PROJ, TEXT_LEAVES)?)
             }
             "transformer" => {
                 // Execution order: 2 noise_refiner, 2 context_refiner, then 30 layers.
                 let blocks = [vec![MODULATED_BLOCK; 2], vec![CONTEXT_BLOCK; 2], vec![MODULATED_BLOCK; 30]].concat();
-                spec.with_layout(layout(&component.name, component.bytes, blocks, TRANSFORMER_W1, 481)?)
+                spec.with_layout(layout(&component.name, component.bytes, blocks, TRANSFORMER_W1, TRANSFORMER_LEAVES)?)
             }
             _ => spec,
         };

@@ -60,62 +60,62 @@ fn auto_over_cards_and_host_ram() {
         expect![[r#"
             == 8GB card, 16GB RAM: 5.57 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 11.41 GB usable, 0 B pinned, 1 warning(s)
             component     route                  resident  pinned  streamed/step  time/step     peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s  1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s  1.25 GB
             transformer   block x1, prefetch 1    5.40 GB     0 B        6.74 GB    0.620 s  6.58 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
             == 8GB card, 32GB RAM: 5.57 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
             component     route                  resident  pinned  streamed/step  time/step     peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s  1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s  1.25 GB
             transformer   block x1, prefetch 1    5.40 GB     0 B        6.74 GB    0.620 s  6.58 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
             == 8GB card, 64GB RAM: 5.57 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 46.19 GB usable, 0 B pinned, 0 warning(s)
             component     route                  resident  pinned  streamed/step  time/step     peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s  1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s  1.25 GB
             transformer   block x1, prefetch 1    5.40 GB     0 B        6.74 GB    0.620 s  6.58 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
             == 12GB card, 16GB RAM: 5.57 s/image, peak 10.29 GB of 10.57 GB, host 19.11 GB of 11.41 GB usable, 0 B pinned, 1 warning(s)
             component     route                  resident  pinned  streamed/step  time/step      peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s   1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
             transformer   block x1, prefetch 1    9.11 GB     0 B        3.50 GB    0.620 s  10.29 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
             == 12GB card, 32GB RAM: 5.57 s/image, peak 10.29 GB of 10.57 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
             component     route                  resident  pinned  streamed/step  time/step      peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s   1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
             transformer   block x1, prefetch 1    9.11 GB     0 B        3.50 GB    0.620 s  10.29 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
             == 12GB card, 64GB RAM: 5.57 s/image, peak 10.29 GB of 10.57 GB, host 19.11 GB of 46.19 GB usable, 0 B pinned, 0 warning(s)
             component     route                  resident  pinned  streamed/step  time/step      peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s   1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
             transformer   block x1, prefetch 1    9.11 GB     0 B        3.50 GB    0.620 s  10.29 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
             == 16GB card, 16GB RAM: 5.57 s/image, peak 12.65 GB of 14.30 GB, host 19.11 GB of 11.41 GB usable, 0 B pinned, 1 warning(s)
             component     route                  resident  pinned  streamed/step  time/step      peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s   1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
             transformer   block x1, prefetch 1   11.46 GB     0 B        1.43 GB    0.620 s  12.65 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
             == 16GB card, 32GB RAM: 5.57 s/image, peak 12.65 GB of 14.30 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
             component     route                  resident  pinned  streamed/step  time/step      peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s   1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
             transformer   block x1, prefetch 1   11.46 GB     0 B        1.43 GB    0.620 s  12.65 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
             == 16GB card, 64GB RAM: 5.57 s/image, peak 12.65 GB of 14.30 GB, host 19.11 GB of 46.19 GB usable, 0 B pinned, 0 warning(s)
             component     route                  resident  pinned  streamed/step  time/step      peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s   1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
             transformer   block x1, prefetch 1   11.46 GB     0 B        1.43 GB    0.620 s  12.65 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
             == 24GB card, 16GB RAM: 5.57 s/image, peak 12.65 GB of 21.75 GB, host 19.11 GB of 11.41 GB usable, 0 B pinned, 1 warning(s)
             component     route                  resident  pinned  streamed/step  time/step      peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s   1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
             transformer   block x1, prefetch 1   11.46 GB     0 B        1.43 GB    0.620 s  12.65 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
             == 24GB card, 32GB RAM: 5.57 s/image, peak 12.65 GB of 21.75 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
             component     route                  resident  pinned  streamed/step  time/step      peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s   1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
             transformer   block x1, prefetch 1   11.46 GB     0 B        1.43 GB    0.620 s  12.65 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
             == 24GB card, 64GB RAM: 5.57 s/image, peak 12.65 GB of 21.75 GB, host 19.11 GB of 46.19 GB usable, 0 B pinned, 0 warning(s)
             component     route                  resident  pinned  streamed/step  time/step      peak
-            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s   1.53 GB
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
             transformer   block x1, prefetch 1   11.46 GB     0 B        1.43 GB    0.620 s  12.65 GB
             vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
         "#]],
@@ -201,47 +201,47 @@ fn every_preset_on_an_8gb_card_with_32gb_of_ram() {
     check(
         out,
         expect![[r#"
-        == auto: 5.57 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
-        component     route                  resident  pinned  streamed/step  time/step     peak
-        text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s  1.53 GB
-        transformer   block x1, prefetch 1    5.40 GB     0 B        6.74 GB    0.620 s  6.58 GB
-        vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
-        == one_shot_fast: 5.39 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 6.07 GB pinned, 0 warning(s)
-        component     route                  resident   pinned  streamed/step  time/step     peak
-        text_encoder  block x1, prefetch 1  741.88 MB      0 B        7.49 GB    0.511 s  1.53 GB
-        transformer   block x1, prefetch 1    5.40 GB  6.07 GB        6.74 GB    0.597 s  6.58 GB
-        vae           component offload     159.87 MB      0 B      159.87 MB    0.099 s  2.49 GB
-        == low_ram_safe: 6.85 s/image, peak 2.49 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
-        component     route                  resident  pinned  streamed/step  time/step     peak
-        text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s  1.53 GB
-        transformer   block x1, prefetch 1   22.61 MB     0 B       11.45 GB    0.781 s  1.21 GB
-        vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
-        == warm_process: 5.13 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 19.11 GB pinned, 0 warning(s)
-        component     route                  resident     pinned  streamed/step  time/step     peak
-        text_encoder  block x1, prefetch 1  741.88 MB    7.49 GB        7.49 GB    0.256 s  1.53 GB
-        transformer   block x1, prefetch 1    5.40 GB   11.46 GB        6.74 GB    0.597 s  6.58 GB
-        vae           component offload     159.87 MB  159.87 MB      159.87 MB    0.093 s  2.49 GB
-        == diffusers_offload_compat: 6.85 s/image, peak 2.49 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
-        component     route                  resident  pinned  streamed/step  time/step     peak
-        text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s  1.53 GB
-        transformer   block x1, prefetch 1   22.61 MB     0 B       11.45 GB    0.781 s  1.21 GB
-        vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
-        == diffusers_leaf_offload_compat: 6.90 s/image, peak 2.49 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
-        component     route               resident  pinned  streamed/step  time/step       peak
-        text_encoder  leaf, prefetch           0 B     0 B        7.49 GB    0.515 s    1.88 GB
-        transformer   leaf, prefetch           0 B     0 B       11.46 GB    0.786 s  672.24 MB
-        vae           component offload  159.87 MB     0 B      159.87 MB    0.099 s    2.49 GB
-        == no_pin: 8.95 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
-        component     route                   resident  pinned  streamed/step  time/step     peak
-        text_encoder  block x1, no prefetch  741.88 MB     0 B        7.49 GB    0.554 s  1.34 GB
-        transformer   block x1, no prefetch    5.74 GB     0 B        6.45 GB    1.037 s  6.58 GB
-        vae           component offload      159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
-        == off: 4.91 s/image, peak 21.45 GB of 6.84 GB, host 0 B of 23.10 GB usable, 0 B pinned, 0 warning(s)
-        component     route   resident  pinned  streamed/step  time/step      peak
-        text_encoder  off      7.49 GB     0 B            0 B    0.043 s  19.54 GB
-        transformer   off     11.46 GB     0 B            0 B    0.597 s  19.62 GB
-        vae           off    159.87 MB     0 B            0 B    0.088 s  21.45 GB
-    "#]],
+            == auto: 5.57 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
+            component     route                  resident  pinned  streamed/step  time/step     peak
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s  1.25 GB
+            transformer   block x1, prefetch 1    5.40 GB     0 B        6.74 GB    0.620 s  6.58 GB
+            vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+            == one_shot_fast: 5.39 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 6.07 GB pinned, 0 warning(s)
+            component     route                  resident   pinned  streamed/step  time/step     peak
+            text_encoder  block x1, prefetch 1  741.88 MB      0 B        7.49 GB    0.511 s  1.53 GB
+            transformer   block x1, prefetch 1    5.40 GB  6.07 GB        6.74 GB    0.597 s  6.58 GB
+            vae           component offload     159.87 MB      0 B      159.87 MB    0.099 s  2.49 GB
+            == low_ram_safe: 6.85 s/image, peak 2.49 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
+            component     route                  resident  pinned  streamed/step  time/step     peak
+            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s  1.53 GB
+            transformer   block x1, prefetch 1   22.61 MB     0 B       11.45 GB    0.781 s  1.21 GB
+            vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+            == warm_process: 5.13 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 19.11 GB pinned, 0 warning(s)
+            component     route                  resident     pinned  streamed/step  time/step     peak
+            text_encoder  block x1, prefetch 1  741.88 MB    7.49 GB        7.49 GB    0.256 s  1.53 GB
+            transformer   block x1, prefetch 1    5.40 GB   11.46 GB        6.74 GB    0.597 s  6.58 GB
+            vae           component offload     159.87 MB  159.87 MB      159.87 MB    0.093 s  2.49 GB
+            == diffusers_offload_compat: 6.85 s/image, peak 2.49 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
+            component     route                  resident  pinned  streamed/step  time/step     peak
+            text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s  1.53 GB
+            transformer   block x1, prefetch 1   22.61 MB     0 B       11.45 GB    0.781 s  1.21 GB
+            vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+            == diffusers_leaf_offload_compat: 6.88 s/image, peak 2.49 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
+            component     route               resident  pinned  streamed/step  time/step       peak
+            text_encoder  leaf, prefetch     741.88 MB     0 B        7.49 GB    0.513 s    1.25 GB
+            transformer   leaf, prefetch      22.61 MB     0 B       11.45 GB    0.783 s  694.85 MB
+            vae           component offload  159.87 MB     0 B      159.87 MB    0.099 s    2.49 GB
+            == no_pin: 8.95 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
+            component     route                   resident  pinned  streamed/step  time/step     peak
+            text_encoder  block x1, no prefetch  741.88 MB     0 B        7.49 GB    0.554 s  1.34 GB
+            transformer   block x1, no prefetch    5.74 GB     0 B        6.45 GB    1.037 s  6.58 GB
+            vae           component offload      159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+            == off: 4.91 s/image, peak 21.45 GB of 6.84 GB, host 0 B of 23.10 GB usable, 0 B pinned, 0 warning(s)
+            component     route   resident  pinned  streamed/step  time/step      peak
+            text_encoder  off      7.49 GB     0 B            0 B    0.043 s  19.54 GB
+            transformer   off     11.46 GB     0 B            0 B    0.597 s  19.62 GB
+            vae           off    159.87 MB     0 B            0 B    0.088 s  21.45 GB
+        "#]],
     );
 }
 
@@ -251,17 +251,17 @@ fn the_full_plan_explains_every_choice() {
     check(
         plan.to_string(),
         expect![[r#"
-        plan for preset auto: device 6.84 GB available of 7.45 GB; host 26.82 GB available of 29.80 GB (23.10 GB usable)
-        component     route                  resident  pinned  streamed/step  time/step     peak
-        text_encoder  block x1, prefetch 1  741.88 MB     0 B        7.49 GB    0.511 s  1.53 GB
-        transformer   block x1, prefetch 1    5.40 GB     0 B        6.74 GB    0.620 s  6.58 GB
-        vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
-        per image (8 steps): 5.57 s predicted, peak 6.58 GB of 6.84 GB available, host copies 19.11 GB of 23.10 GB usable, 0 B pinned
-        why:
-          text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; it runs once per image, so a resident budget would save nothing: only the 741.88 MB outside the blocks stay; 7.49 GB stream in its one call; predicted 0.511 s per call (copies 0.511 s, compute 0.043 s); nothing pinned: it crosses the link once per image; chosen at 0.51 s per image before pinning, over component does not fit (needs 8.17 GB), leaf 0.51 s per image
-          transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; predicted 0.620 s per step (copies 0.414 s, compute 0.597 s); nothing pinned: pinning would save 0.18 s of 4.96 s per image, under 5%, as pageable copies (0.414 s a step) mostly hide under compute (0.597 s); chosen at 4.96 s per image before pinning, over component does not fit (needs 12.22 GB), leaf 6.29 s per image
-          vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); predicted 0.099 s per call (copies 0.011 s, compute 0.088 s); nothing pinned: it crosses the link once per image
-    "#]],
+            plan for preset auto: device 6.84 GB available of 7.45 GB; host 26.82 GB available of 29.80 GB (23.10 GB usable)
+            component     route                  resident  pinned  streamed/step  time/step     peak
+            text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s  1.25 GB
+            transformer   block x1, prefetch 1    5.40 GB     0 B        6.74 GB    0.620 s  6.58 GB
+            vae           component offload     159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+            per image (8 steps): 5.57 s predicted, peak 6.58 GB of 6.84 GB available, host copies 19.11 GB of 23.10 GB usable, 0 B pinned
+            why:
+              text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: 6.77 GB every call, at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; predicted 0.513 s per call (copies 0.513 s, compute 0.043 s); nothing pinned: it crosses the link once per image; chosen at 0.51 s per image before pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image
+              transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; predicted 0.620 s per step (copies 0.414 s, compute 0.597 s); nothing pinned: pinning would save 0.18 s of 4.96 s per image, under 5%, as pageable copies (0.414 s a step) mostly hide under compute (0.597 s); chosen at 4.96 s per image before pinning, over component does not fit (needs 12.22 GB), leaf 6.26 s per image
+              vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); predicted 0.099 s per call (copies 0.011 s, compute 0.088 s); nothing pinned: it crosses the link once per image
+        "#]],
     );
 }
 

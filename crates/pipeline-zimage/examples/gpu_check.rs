@@ -22,7 +22,7 @@ use group_offload::GroupOffloadConfig;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, DeviceName, parse_size};
 use pipeline_zimage::config::TransformerConfig;
-use pipeline_zimage::grouped::GroupedTransformer;
+use pipeline_zimage::grouped::{GroupLevel, GroupOptions, GroupedTransformer};
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 
 struct Args {
@@ -179,7 +179,12 @@ fn bench(args: &Args) -> anyhow::Result<()> {
     exec.memory_cleanup();
 
     let cap_bytes = parse_size(&args.cap)?;
-    for (mode, prefetch) in [("group_block1_prefetch", 1usize), ("group_block1_no_prefetch", 0)] {
+    let block = GroupLevel::Block { blocks_per_group: 1 };
+    for (mode, level, prefetch) in [
+        ("group_block1_prefetch", block, 1usize),
+        ("group_block1_no_prefetch", block, 0),
+        ("group_leaf_prefetch", GroupLevel::Leaf, 1),
+    ] {
         let card = SimCard::new(CardSpec::parse(&cap_bytes.to_string())?.with_mode(Mode::Hard).with_context_overhead(0));
         let model = ZImageTransformer2DModel::new(&config, &exec);
         let offload = GroupOffloadConfig::new("transformer", exec.clone())
@@ -187,7 +192,13 @@ fn bench(args: &Args) -> anyhow::Result<()> {
             .with_memory(card.clone())
             .with_prefetch(prefetch > 0)
             .with_prefetch_depth(prefetch.max(1));
-        let grouped = GroupedTransformer::new(model, offload, 1, card.clone())?;
+        let options = GroupOptions {
+            level,
+            prefetch: prefetch > 0,
+            prefetch_depth: prefetch.max(1),
+            ..GroupOptions::default()
+        };
+        let grouped = GroupedTransformer::new(model, offload, &options, card.clone())?;
         let (x, t, cap) = inputs(&exec);
         let timing = time(&exec, args, || {
             grouped.forward(x.clone(), t.clone(), cap.clone())?;

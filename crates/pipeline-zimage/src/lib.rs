@@ -22,6 +22,7 @@
 pub mod config;
 pub mod error;
 pub mod grouped;
+pub mod layer;
 pub mod loading;
 pub mod nn;
 pub mod offload;

@@ -12,17 +12,17 @@
 //! all a release has to do; which component leaves the device between phases is the manager's strategy's
 //! decision (the staged strategy of [`crate::presets`] offloads the finished phase's component).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 use group_offload::GroupOffloadConfig;
 use offload_core::plan::{PhaseReport, Phases};
-use offload_core::{ComponentError, ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, Offloadable};
+use offload_core::{ComponentsManager, DeviceLedger, DeviceMemory};
 
 use crate::config::TransformerConfig;
 use crate::error::{Error, Result};
-use crate::grouped::GroupedTransformer;
+use crate::grouped::{GroupLevel, GroupOptions, GroupedModel, GroupedTextEncoder, GroupedTransformer};
 use crate::loading::{Checkpoint, LoadOptions, LoadReport};
 use crate::offload::{BurnComponent, Placement};
 use crate::scheduler::{Schedule, SchedulerConfig};
@@ -137,68 +137,45 @@ pub struct ComponentIds {
     pub vae: String,
 }
 
-/// How [`ZImagePipeline::enable_group_offload_with`] streams the transformer's blocks.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransformerGroupOptions {
-    /// Consecutive blocks uploaded as one group (at least 1).
-    pub blocks_per_group: usize,
-    /// Whether the next groups are uploaded on the prefetch worker thread while the current one computes.
-    pub prefetch: bool,
-    /// Groups uploaded ahead of the running one when `prefetch` is on (at least 1).
-    pub prefetch_depth: usize,
-    /// Bytes of released groups that stay on the device (group offload's resident budget); the layers outside
-    /// the blocks are resident in any case.
-    pub resident_budget: u64,
-    /// Keep the groups' host copies as files in this directory instead of in host memory.
-    pub disk_store: Option<PathBuf>,
-    /// Whether the manager may release the transformer whole (every group, the resident ones included) when
-    /// another component comes onto the device. Phase-staged plans set it, so the decode phase gets the memory
-    /// the transformer's resident groups held; with `false` the manager never evicts it (group offload's
-    /// default).
-    pub releasable: bool,
+/// The pipeline's components, by the names the planner and the manager use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PipelineComponent {
+    /// The Qwen3 text encoder (`text_encoder`).
+    TextEncoder,
+    /// The Z-Image transformer (`transformer`).
+    Transformer,
+    /// The VAE (`vae`).
+    Vae,
 }
 
-impl Default for TransformerGroupOptions {
-    /// One block per group, prefetch depth 1, no resident budget, host memory store, never released whole.
-    fn default() -> Self {
-        Self { blocks_per_group: 1, prefetch: true, prefetch_depth: 1, resident_budget: 0, disk_store: None, releasable: false }
+impl PipelineComponent {
+    /// Every component, in the order the pipeline runs them.
+    pub const ALL: [PipelineComponent; 3] =
+        [PipelineComponent::TextEncoder, PipelineComponent::Transformer, PipelineComponent::Vae];
+
+    /// The component's name: `text_encoder`, `transformer`, `vae`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PipelineComponent::TextEncoder => "text_encoder",
+            PipelineComponent::Transformer => "transformer",
+            PipelineComponent::Vae => "vae",
+        }
+    }
+
+    /// Its id in `pipeline`'s manager.
+    pub fn id(self, pipeline: &ZImagePipeline) -> &str {
+        let ids = pipeline.ids();
+        match self {
+            PipelineComponent::TextEncoder => &ids.text_encoder,
+            PipelineComponent::Transformer => &ids.transformer,
+            PipelineComponent::Vae => &ids.vae,
+        }
     }
 }
 
-/// The grouped transformer as the manager holds it: group-offloaded (never evicted) unless `releasable`, in which
-/// case an eviction releases every group and the next onload uploads the resident parts again.
-struct TransformerGroups {
-    inner: GroupedTransformer,
-    releasable: bool,
-}
-
-impl Offloadable for TransformerGroups {
-    fn bytes(&self) -> u64 {
-        self.inner.bytes()
-    }
-
-    fn device(&self) -> DeviceName {
-        self.inner.device()
-    }
-
-    fn onload(&mut self, device: &DeviceName) -> std::result::Result<(), ComponentError> {
-        self.inner.onload(device)
-    }
-
-    fn offload(&mut self) -> std::result::Result<(), ComponentError> {
-        Offloadable::offload(&mut self.inner)
-    }
-
-    fn resident_bytes(&self) -> u64 {
-        self.inner.resident_bytes()
-    }
-
-    fn group_offloaded(&self) -> bool {
-        !self.releasable
-    }
-
-    fn class_name(&self) -> String {
-        self.inner.class_name()
+impl std::fmt::Display for PipelineComponent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.name())
     }
 }
 
@@ -225,7 +202,10 @@ pub struct ZImagePipeline {
     vae_config: VaeConfig,
     placement: Placement,
     reports: Vec<LoadReport>,
-    grouped: bool,
+    /// Whether the text encoder is under group offload.
+    grouped_text_encoder: bool,
+    /// Whether the transformer is under group offload.
+    grouped_transformer: bool,
     transformer_dtype: DType,
 }
 
@@ -279,7 +259,8 @@ impl ZImagePipeline {
             vae_config: parts.vae_config,
             placement,
             reports,
-            grouped: false,
+            grouped_text_encoder: false,
+            grouped_transformer: false,
             transformer_dtype: dtype,
         })
     }
@@ -290,8 +271,8 @@ impl ZImagePipeline {
     /// record. The manager then holds it as a group-offloaded component, never evicted wholesale.
     ///
     /// Call it before [`enable_auto_offload`](Self::enable_auto_offload). See
-    /// [`enable_group_offload_with`](Self::enable_group_offload_with) for the resident budget, a disk store and
-    /// release between phases.
+    /// [`enable_group_offload_with`](Self::enable_group_offload_with) for the text encoder, leaf level, the
+    /// resident budget, a disk store and release between phases.
     pub fn enable_group_offload(
         &mut self,
         ledger: Arc<dyn DeviceLedger>,
@@ -299,48 +280,33 @@ impl ZImagePipeline {
         blocks_per_group: usize,
         prefetch_depth: usize,
     ) -> Result<()> {
-        let options = TransformerGroupOptions {
-            blocks_per_group,
+        let options = GroupOptions {
+            level: GroupLevel::Block { blocks_per_group },
             prefetch: prefetch_depth > 0,
             prefetch_depth: prefetch_depth.max(1),
-            ..TransformerGroupOptions::default()
+            ..GroupOptions::default()
         };
-        self.enable_group_offload_with(ledger, memory, &options)
+        self.enable_group_offload_with(PipelineComponent::Transformer, ledger, memory, &options)
     }
 
-    /// Puts the transformer under block-level group offload with every option of [`TransformerGroupOptions`].
-    /// Does nothing when it already is (the first options stay).
+    /// Puts the transformer or the text encoder under group offload, at block or leaf level, with every option
+    /// of [`GroupOptions`]. Does nothing when the component already is (the first options stay). The VAE has no
+    /// blocks to stream: it is refused with [`Error::RouteUnsupported`] (after the options are checked).
+    ///
+    /// Nothing is lost when it fails: the options and the offloader's configuration are checked before the
+    /// component is touched, and the component stays registered as it was.
     pub fn enable_group_offload_with(
         &mut self,
+        component: PipelineComponent,
         ledger: Arc<dyn DeviceLedger>,
         memory: Option<Arc<dyn DeviceMemory>>,
-        options: &TransformerGroupOptions,
+        options: &GroupOptions,
     ) -> Result<()> {
-        if self.grouped {
+        if self.is_grouped(component) {
             return Ok(());
         }
-        if options.blocks_per_group == 0 {
-            return Err(Error::InvalidArgument {
-                name: "blocks_per_group",
-                reason: "it is 0; group at least 1 block".into(),
-            });
-        }
-        // Nothing may be lost if this fails. Taking the model apart into an in-memory store touches no device and
-        // cannot fail (resident layers upload later, when the manager onloads the model), so the registered
-        // transformer is taken out and consumed: its host tensors become the group store without a copy. A disk
-        // store can fail (a full or read-only disk), so then the store is built from a copy of the handles while
-        // the registered transformer stays where it is, and is removed only once the store exists.
-        let transformer = if options.disk_store.is_some() {
-            self.manager.inspect(&self.ids.transformer, |c: &BurnComponent<ZImageTransformer2DModel>| c.module().clone())?
-        } else {
-            let component: Box<dyn std::any::Any> = self.manager.remove(&self.ids.transformer)?;
-            let component = component.downcast::<BurnComponent<ZImageTransformer2DModel>>().map_err(|_| Error::Shape {
-                op: "group offload".into(),
-                reason: "the transformer component has another type".into(),
-            })?;
-            component.into_module()
-        };
-        let mut config = GroupOffloadConfig::new("transformer", self.placement.exec.clone())
+        options.validate()?;
+        let mut config = GroupOffloadConfig::new(component.name(), self.placement.exec.clone())
             .with_device_name(self.placement.name.clone())
             .with_ledger(ledger.clone())
             .with_record(self.manager.offload_record())
@@ -353,19 +319,82 @@ impl ZImagePipeline {
         if let Some(memory) = memory {
             config = config.with_memory(memory);
         }
-        let grouped = GroupedTransformer::new(transformer, config, options.blocks_per_group, ledger)?;
-        if options.disk_store.is_some() {
-            self.manager.remove(&self.ids.transformer)?;
+        config.validate()?;
+        // Taking the model apart into an in-memory store touches no device and cannot fail once the options
+        // are valid (resident layers upload later, when the manager onloads the model), so the registered
+        // component is taken out and consumed: its host tensors become the group store without a copy. A disk
+        // store can fail (a full or read-only disk), so then the store is built from a copy of the handles while
+        // the registered component stays where it is, and is removed only once the store exists.
+        let copy = options.disk_store.is_some();
+        let id = component.id(self).to_string();
+        let new_id = match component {
+            PipelineComponent::Transformer => {
+                let module: ZImageTransformer2DModel = self.take_module(&id, copy)?;
+                let grouped = GroupedTransformer::new(module, config, options, ledger)?;
+                self.register_grouped(&id, copy, component, grouped)?
+            }
+            PipelineComponent::TextEncoder => {
+                let module: TextEncoder = self.take_module(&id, copy)?;
+                let grouped = GroupedTextEncoder::new(module, config, options, ledger)?;
+                self.register_grouped(&id, copy, component, grouped)?
+            }
+            PipelineComponent::Vae => {
+                return Err(Error::RouteUnsupported {
+                    component: "vae".into(),
+                    route: "group offload".into(),
+                    reason: "the VAE is not cut into blocks in this pipeline; it moves whole under component offload \
+                             (the default when auto offload is on)"
+                        .into(),
+                });
+            }
+        };
+        match component {
+            PipelineComponent::Transformer => {
+                self.ids.transformer = new_id;
+                self.grouped_transformer = true;
+            }
+            _ => {
+                self.ids.text_encoder = new_id;
+                self.grouped_text_encoder = true;
+            }
         }
-        let slot = TransformerGroups { inner: grouped, releasable: options.releasable };
-        self.ids.transformer = self.manager.add("transformer", slot, None)?;
-        self.grouped = true;
         Ok(())
     }
 
-    /// Whether the transformer is under group offload.
-    pub fn transformer_grouped(&self) -> bool {
-        self.grouped
+    /// The registered module of `id`: a copy of its handles (`copy`), or the module itself, unregistered.
+    fn take_module<M: burn::module::Module + Clone + 'static>(&self, id: &str, copy: bool) -> Result<M> {
+        if copy {
+            return Ok(self.manager.inspect(id, |c: &BurnComponent<M>| c.module().clone())?);
+        }
+        let component: Box<dyn std::any::Any> = self.manager.remove(id)?;
+        let component = component.downcast::<BurnComponent<M>>().map_err(|_| Error::Shape {
+            op: "group offload".into(),
+            reason: format!("the component {id} has another type"),
+        })?;
+        Ok(component.into_module())
+    }
+
+    /// Registers a grouped component in place of `id` (removed first when it was copied); returns the new id.
+    fn register_grouped<P: Send + 'static>(
+        &self,
+        id: &str,
+        copied: bool,
+        component: PipelineComponent,
+        grouped: GroupedModel<P>,
+    ) -> Result<String> {
+        if copied {
+            self.manager.remove(id)?;
+        }
+        Ok(self.manager.add(component.name(), grouped, None)?)
+    }
+
+    /// Whether `component` is under group offload.
+    pub fn is_grouped(&self, component: PipelineComponent) -> bool {
+        match component {
+            PipelineComponent::TextEncoder => self.grouped_text_encoder,
+            PipelineComponent::Transformer => self.grouped_transformer,
+            PipelineComponent::Vae => false,
+        }
     }
 
     /// The dtype the transformer computes in, which the activation estimates assume.
@@ -373,12 +402,18 @@ impl ZImagePipeline {
         self.transformer_dtype
     }
 
-    /// Group-offload statistics of the transformer (onloads, prefetch hits, misses), when it is grouped.
-    pub fn group_stats(&self) -> Option<group_offload::GroupStats> {
-        if !self.grouped {
-            return None;
+    /// Group-offload statistics of `component` (onloads, prefetch hits, misses, stray loads), when it is grouped.
+    pub fn group_stats(&self, component: PipelineComponent) -> Option<group_offload::GroupStats> {
+        let id = component.id(self);
+        match component {
+            PipelineComponent::Transformer if self.grouped_transformer => {
+                self.manager.inspect(id, |g: &GroupedTransformer| g.offload().stats()).ok()
+            }
+            PipelineComponent::TextEncoder if self.grouped_text_encoder => {
+                self.manager.inspect(id, |g: &GroupedTextEncoder| g.offload().stats()).ok()
+            }
+            _ => None,
         }
-        self.manager.inspect(&self.ids.transformer, |g: &TransformerGroups| g.inner.offload().stats()).ok()
     }
 
     /// Where the components execute and what accounts for them.
@@ -427,6 +462,13 @@ impl ZImagePipeline {
         let tokenizer = self.tokenizer.with_max_sequence_length(max_sequence_length);
         let tokens = tokenizer.encode(prompts)?;
         let activations = text_encoder_activation_bytes(&self.text_encoder_config, max_sequence_length, self.transformer_dtype);
+        if self.grouped_text_encoder {
+            return Ok(self.manager.run(&self.ids.text_encoder, |c: &mut GroupedTextEncoder| {
+                c.run(activations, |model, device| {
+                    model.encode(tokens.input_ids_tensor(device), tokens.attention_mask_tensor(device))
+                })
+            })?);
+        }
         let run = self.manager.run(&self.ids.text_encoder, |c: &mut BurnComponent<TextEncoder>| {
             c.run(activations, |module, device| module.encode(tokens.input_ids_tensor(device), tokens.attention_mask_tensor(device)))
         });
@@ -513,9 +555,9 @@ impl ZImagePipeline {
             let time = Tensor::<1>::from_data(TensorData::new(vec![t; caps.len()], [caps.len()]), (device, DType::F32)).cast(dtype);
             (items, time, caps)
         };
-        let outs = if self.grouped {
-            self.manager.run(&self.ids.transformer, |c: &mut TransformerGroups| {
-                c.inner.run(activations, |model, device| {
+        let outs = if self.grouped_transformer {
+            self.manager.run(&self.ids.transformer, |c: &mut GroupedTransformer| {
+                c.run(activations, |model, device| {
                     let (items, time, caps) = inputs(self.transformer_dtype(), device);
                     model.forward_items(items, time, caps)
                 })

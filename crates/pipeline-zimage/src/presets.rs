@@ -8,14 +8,14 @@
 //! [`Plan`]. This module is the mechanism that feeds and applies it:
 //!
 //! - [`component_specs`] describes the loaded components at their loaded sizes: the manager's weight bytes, the
-//!   transformer's blocks in execution order (`noise_refiner`, `context_refiner`, `layers`) measured from its
-//!   parameters, the activation estimates of [`ZImagePipeline::activation_estimates`] for the workload, and FLOPs
-//!   from the configs. The text encoder and the VAE are described without blocks: only the transformer is wired
-//!   to group offload in this pipeline, so they are routed resident or component-offloaded.
+//!   text encoder's decoder layers and the transformer's blocks in execution order (`noise_refiner`,
+//!   `context_refiner`, `layers`) measured from their parameters, the activation estimates of
+//!   [`ZImagePipeline::activation_estimates`] for the workload, and FLOPs from the configs. The VAE is described
+//!   without blocks (it is not cut into blocks here), so it is routed resident or component-offloaded.
 //! - [`enable_pipeline_offload`] plans and applies: `resident` components are onloaded once and kept,
-//!   `component offload` moves a component whole through the manager, `block` puts the transformer under group
-//!   offload with the plan's resident budget, prefetch depth and disk store, and `leaf` falls back to block
-//!   level with one block per group (the transformer's forward is not cut at its leaves yet); `off` is refused
+//!   `component offload` moves a component whole through the manager, `block` puts the text encoder or the
+//!   transformer under block-level group offload with the plan's resident budget, prefetch depth and disk store,
+//!   and `leaf` under leaf-level group offload (one linear layer at a time, [`crate::layer`]); `off` is refused
 //!   with [`Error::Unmanaged`]. The manager runs the [`Staged`] strategy: when a component comes onto the
 //!   device, every other one that is not planned resident leaves, which is the phase staging the planner
 //!   assumes (each component is priced against the whole device less the resident ones).
@@ -35,7 +35,6 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
 use memory_sim::SimCard;
 use offload_core::offload_strategy::{OffloadStrategy, OffloadView};
-use offload_core::plan::budget::streaming_window;
 use offload_core::plan::{
     BlockLayout, CapacityProfile, CapacityWarning, ComponentPlan, ComponentSpec, HostMemory, Machine, Observation,
     Outcome, PhaseReport, Plan, ProfileStore, Recommendation, Route, Settings, TimeModel, Workload, plan_pipeline,
@@ -44,49 +43,12 @@ use offload_core::{DeviceMemory, format_size};
 
 use crate::error::{Error, Result};
 use crate::offload::{BurnComponent, module_bytes};
-use crate::pipeline::{GenerateOptions, TransformerGroupOptions, ZImagePipeline};
+use crate::grouped::{GroupLevel, GroupOptions};
+use crate::pipeline::{GenerateOptions, ZImagePipeline};
+use crate::text_encoder::TextEncoder;
 use crate::transformer::ZImageTransformer2DModel;
 
-/// The pipeline's components, by the names the planner and the manager use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PipelineComponent {
-    /// The Qwen3 text encoder (`text_encoder`).
-    TextEncoder,
-    /// The Z-Image transformer (`transformer`).
-    Transformer,
-    /// The VAE (`vae`).
-    Vae,
-}
-
-impl PipelineComponent {
-    /// Every component, in the order the pipeline runs them.
-    pub const ALL: [PipelineComponent; 3] =
-        [PipelineComponent::TextEncoder, PipelineComponent::Transformer, PipelineComponent::Vae];
-
-    /// The component's name: `text_encoder`, `transformer`, `vae`.
-    pub fn name(self) -> &'static str {
-        match self {
-            PipelineComponent::TextEncoder => "text_encoder",
-            PipelineComponent::Transformer => "transformer",
-            PipelineComponent::Vae => "vae",
-        }
-    }
-
-    fn id(self, pipeline: &ZImagePipeline) -> String {
-        let ids = pipeline.ids();
-        match self {
-            PipelineComponent::TextEncoder => ids.text_encoder.clone(),
-            PipelineComponent::Transformer => ids.transformer.clone(),
-            PipelineComponent::Vae => ids.vae.clone(),
-        }
-    }
-}
-
-impl fmt::Display for PipelineComponent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.pad(self.name())
-    }
-}
+pub use crate::pipeline::PipelineComponent;
 
 /// The facts about the execution device a plan is made from: its memory readings, the host's RAM, the time
 /// model of its link and compute, and a label that identifies it in capacity profiles.
@@ -144,36 +106,57 @@ impl DeviceFacts {
 
 /// The transformer's block structure, measured from its loaded parameters: the bytes of each block in the order
 /// the forward runs them (`noise_refiner`, `context_refiner`, then `layers`), the bytes outside the blocks
-/// (embedders, final layer, pad tokens), and its leaves (every parameter of two or more dimensions: the linear
-/// weights).
+/// (embedders, final layer, pad tokens), and its leaves ([`leaves`]).
 ///
 /// Fails with [`Error::OffloadAlreadyApplied`] once the transformer is under group offload: its parameters have
 /// moved into the group store.
 pub fn transformer_layout(pipeline: &ZImagePipeline) -> Result<BlockLayout> {
-    if pipeline.transformer_grouped() {
+    not_grouped(pipeline, PipelineComponent::Transformer)?;
+    let id = &pipeline.ids().transformer;
+    Ok(pipeline.manager().inspect(id, |c: &BurnComponent<ZImageTransformer2DModel>| {
+        let model = c.module();
+        measure_layout(model, model.noise_refiner.iter().chain(&model.context_refiner).chain(&model.layers))
+    })?)
+}
+
+/// The text encoder's block structure, measured from its loaded parameters: the bytes of each decoder layer,
+/// the bytes outside them (the token embedding) and its leaves ([`leaves`]).
+///
+/// Fails with [`Error::OffloadAlreadyApplied`] once the text encoder is under group offload.
+pub fn text_encoder_layout(pipeline: &ZImagePipeline) -> Result<BlockLayout> {
+    not_grouped(pipeline, PipelineComponent::TextEncoder)?;
+    let id = &pipeline.ids().text_encoder;
+    Ok(pipeline
+        .manager()
+        .inspect(id, |c: &BurnComponent<TextEncoder>| measure_layout(c.module(), c.module().layers.iter()))?)
+}
+
+fn not_grouped(pipeline: &ZImagePipeline, component: PipelineComponent) -> Result<()> {
+    if pipeline.is_grouped(component) {
         return Err(Error::OffloadAlreadyApplied {
-            component: "transformer".into(),
+            component: component.name().into(),
             reason: "it is already under group offload, so its blocks cannot be measured again".into(),
         });
     }
-    let id = &pipeline.ids().transformer;
-    let layout = pipeline.manager().inspect(id, |c: &BurnComponent<ZImageTransformer2DModel>| {
-        let model = c.module();
-        let block_bytes: Vec<u64> =
-            model.noise_refiner.iter().chain(&model.context_refiner).chain(&model.layers).map(module_bytes).collect();
-        let total = module_bytes(model);
-        let (largest_leaf_bytes, leaf_count) = leaves(model);
-        BlockLayout {
-            outside_bytes: total.saturating_sub(block_bytes.iter().sum()),
-            block_bytes,
-            largest_leaf_bytes,
-            leaf_count,
-        }
-    })?;
-    Ok(layout)
+    Ok(())
 }
 
-/// The largest parameter of two or more dimensions and how many there are.
+/// The layout of `model` with `blocks` in execution order; the leaves are those inside the blocks (leaf level
+/// keeps the layers outside the blocks resident, as block level does).
+fn measure_layout<'a, M: Module, B: Module + 'a>(model: &M, blocks: impl Iterator<Item = &'a B>) -> BlockLayout {
+    let (mut block_bytes, mut largest_leaf_bytes, mut leaf_count) = (Vec::new(), 0, 0);
+    for block in blocks {
+        block_bytes.push(module_bytes(block));
+        let (largest, count) = leaves(block);
+        largest_leaf_bytes = largest_leaf_bytes.max(largest);
+        leaf_count += count;
+    }
+    let outside_bytes = module_bytes(model).saturating_sub(block_bytes.iter().sum());
+    BlockLayout { outside_bytes, block_bytes, largest_leaf_bytes, leaf_count }
+}
+
+/// The largest parameter of two or more dimensions (a linear layer's or an embedding's weight: what leaf level
+/// moves one at a time) and how many there are.
 fn leaves<M: Module>(module: &M) -> (u64, usize) {
     struct Leaves {
         largest: u64,
@@ -193,12 +176,12 @@ fn leaves<M: Module>(module: &M) -> (u64, usize) {
     (visitor.largest, visitor.count)
 }
 
-/// The three components as plan input, for the workload `opts`: weight bytes from the manager, the transformer's
-/// [`transformer_layout`], the activation estimates of [`ZImagePipeline::activation_estimates`], FLOPs per call
-/// from the configs (for the time model only), the denoising steps as the transformer's calls per image, and
-/// `quantized = false`.
+/// The three components as plan input, for the workload `opts`: weight bytes from the manager, the text
+/// encoder's and the transformer's layouts ([`text_encoder_layout`], [`transformer_layout`]), the activation
+/// estimates of [`ZImagePipeline::activation_estimates`], FLOPs per call from the configs (for the time model
+/// only), the denoising steps as the transformer's calls per image, and `quantized = false`.
 ///
-/// The text encoder and the VAE have no layout: only the transformer supports group offload in this pipeline.
+/// The VAE has no layout: it is not cut into blocks in this pipeline, so it is resident or component-offloaded.
 pub fn component_specs(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Result<Vec<ComponentSpec>> {
     opts.validate()?;
     let manager = pipeline.manager();
@@ -209,6 +192,7 @@ pub fn component_specs(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Res
     let steps = u32::try_from(opts.steps).unwrap_or(u32::MAX);
     Ok(vec![
         ComponentSpec::new("text_encoder", bytes(&ids.text_encoder)?)
+            .with_layout(text_encoder_layout(pipeline)?)
             .with_activation(text_activation)
             .with_cost(text_flops, 1)
             .quantized(false),
@@ -529,16 +513,14 @@ fn plan_and_apply(
     }
     let transformer_outside =
         specs.iter().find(|s| s.name == "transformer").and_then(|s| s.layout.as_ref()).map_or(0, |l| l.outside_bytes);
-    let mut notes = Vec::new();
-    if specs.iter().any(|s| s.name == "text_encoder") {
-        notes.push(
-            "text_encoder: planned without blocks, so resident or component offload only: its layers are not wired \
-             to group offload in this pipeline yet"
-                .to_string(),
-        );
+    let mut streamed = Vec::new();
+    for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
+        let layout = specs.iter().find(|s| s.name == component.name()).and_then(|s| s.layout.clone());
+        if let Some(applied) = apply_group_offload(pipeline, component, &plan, &settings, device, layout.as_ref())? {
+            streamed.push((component, applied));
+        }
     }
-    let layout = specs.iter().find(|s| s.name == "transformer").and_then(|s| s.layout.clone());
-    let applied_transformer = apply_transformer(pipeline, &plan, &settings, device, layout.as_ref(), &mut notes)?;
+    let mut notes = Vec::new();
     let pinned = plan.pinned_bytes();
     if pinned > 0 {
         notes.push(format!(
@@ -555,12 +537,11 @@ fn plan_and_apply(
     let mut applied = Vec::new();
     let mut keep = Vec::new();
     for component in PipelineComponent::ALL {
-        let id = component.id(pipeline);
+        let id = component.id(pipeline).to_string();
         let planned = plan.component(component.name()).map(|c| c.route);
-        let (route, how) = match (component, planned) {
-            (PipelineComponent::Transformer, Some(route)) if route.is_group_offload() => {
-                applied_transformer.clone().unwrap_or((route, String::new()))
-            }
+        let group = streamed.iter().find(|(c, _)| *c == component).map(|(_, applied)| applied.clone());
+        let (route, how) = match (group, planned) {
+            (Some(applied), _) => applied,
             (_, Some(Route::Resident)) => {
                 keep.push(id.clone());
                 (Route::Resident, "resident: onloaded now and kept; the staged strategy never offloads it".to_string())
@@ -603,93 +584,61 @@ fn plan_and_apply(
     })
 }
 
-/// Puts the transformer under group offload when its route streams it; returns the applied route and how.
-fn apply_transformer(
+/// Puts `component` under group offload when its planned route streams it (block or leaf level, with the plan's
+/// resident budget, prefetch and disk store; the layers outside the blocks kept resident unless the plan streams
+/// them); returns the applied route and how.
+fn apply_group_offload(
     pipeline: &mut ZImagePipeline,
+    component: PipelineComponent,
     plan: &Plan,
     settings: &Settings,
     device: &DeviceFacts,
     layout: Option<&BlockLayout>,
-    notes: &mut Vec<String>,
 ) -> Result<Option<(Route, String)>> {
-    let (Some(transformer), Some(layout)) = (plan.component("transformer"), layout) else { return Ok(None) };
+    let (Some(planned), Some(layout)) = (plan.component(component.name()), layout) else { return Ok(None) };
     let outside = layout.outside_bytes;
-    let disk_store = if transformer.on_disk { settings.disk_store_dir.clone() } else { None };
-    let (options, route, fallback) = match transformer.route {
+    let disk_store = if planned.on_disk { settings.disk_store_dir.clone() } else { None };
+    let options = match planned.route {
         Route::BlockGroupOffload { blocks_per_group, prefetch, depth } => {
-            let options = TransformerGroupOptions {
-                blocks_per_group,
+            // The plan's resident bytes are the kept groups plus the outside layers, unless the full-pin rule
+            // streams those too (then it keeps nothing).
+            let keep_outside = planned.resident_bytes >= outside;
+            GroupOptions {
+                level: GroupLevel::Block { blocks_per_group },
                 prefetch,
                 prefetch_depth: depth,
-                resident_budget: transformer.resident_bytes.saturating_sub(outside),
+                resident_budget: planned.resident_bytes.saturating_sub(if keep_outside { outside } else { 0 }),
                 disk_store,
                 releasable: true,
-            };
-            (options, transformer.route, None)
+                keep_outside,
+            }
         }
         Route::LeafGroupOffload { prefetch } => {
-            let route = Route::BlockGroupOffload { blocks_per_group: 1, prefetch, depth: 1 };
-            // The fallback holds the outside bytes and a window of blocks rather than of leaves: it must fit.
-            let window = streaming_window(layout.largest_group(1), prefetch, 1);
-            let needs = outside.saturating_add(window).saturating_add(transformer.headroom_bytes);
-            let available = plan.machine.device_available;
-            if needs > available {
-                return Err(Error::RouteUnsupported {
-                    component: "transformer".into(),
-                    route: transformer.route.to_string(),
-                    reason: format!(
-                        "its forward is not cut at its leaves yet, and the fallback, {route}, needs {} with the \
-                         activations, {} available",
-                        format_size(needs),
-                        format_size(available)
-                    ),
-                });
-            }
-            let options = TransformerGroupOptions {
-                blocks_per_group: 1,
-                prefetch,
-                prefetch_depth: 1,
-                resident_budget: 0,
-                disk_store,
-                releasable: true,
-            };
-            let note = format!(
-                "transformer: planned leaf by leaf, applied as {route} with nothing resident beyond the layers \
-                 outside the blocks: the transformer's forward is not cut at its leaves yet, so one block per group \
-                 is the finest grain it streams (its window is a block, not a leaf)"
-            );
-            (options, route, Some(note))
+            GroupOptions { prefetch, disk_store, releasable: true, ..GroupOptions::leaf() }
         }
         _ => return Ok(None),
     };
     // Group moves are charged to the ledger the pipeline's components are charged to (the simulated card).
     let ledger = pipeline.placement().ledger.clone();
-    pipeline.enable_group_offload_with(ledger, Some(device.memory.clone()), &options)?;
-    let mut how = format!(
-        "group offload: {} block{} per group, {}, resident budget {} of blocks beside the {} outside them, host \
-         copies {}; the staged strategy releases every group when the decode or encode phase comes",
-        options.blocks_per_group,
-        if options.blocks_per_group == 1 { "" } else { "s" },
+    pipeline.enable_group_offload_with(component, ledger, Some(device.memory.clone()), &options)?;
+    let level = match options.level {
+        GroupLevel::Block { blocks_per_group: 1 } => "block level, 1 block per group".to_string(),
+        GroupLevel::Block { blocks_per_group } => format!("block level, {blocks_per_group} blocks per group"),
+        GroupLevel::Leaf => "leaf level, one linear layer at a time".to_string(),
+    };
+    let how = format!(
+        "group offload: {level}, {}, resident budget {} of groups, the {} outside the blocks {}, host copies {}; \
+         the staged strategy releases every group when the next phase's component comes",
         if options.prefetch { format!("prefetch depth {}", options.prefetch_depth) } else { "no prefetch".into() },
         format_size(options.resident_budget),
         format_size(outside),
+        if options.keep_outside { "resident" } else { "streamed as one group" },
         match &options.disk_store {
             Some(dir) => format!("as files in {}", dir.display()),
             None => "in host memory".to_string(),
         }
     );
-    if matches!(transformer.route, Route::BlockGroupOffload { .. }) && transformer.resident_bytes < outside {
-        notes.push(format!(
-            "transformer: the plan streams the {} outside the blocks too (full-pin rule), but the grouped \
-             transformer keeps them resident",
-            format_size(outside)
-        ));
-    }
-    if let Some(note) = fallback {
-        how.push_str("; leaf level falls back to block level, see the notes");
-        notes.push(note);
-    }
-    Ok(Some((route, how)))
+    Ok(Some((planned.route, how)))
 }
 
 /// The workload identity shared by every run of a plan.

@@ -21,6 +21,7 @@ use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use serde::Deserialize;
 
 use crate::loading::{LoadOptions, LoadReport, load_component};
+use crate::layer::{Layer, whole};
 use crate::nn::{PtLinear, RmsNorm};
 use crate::{Error, Result};
 
@@ -253,26 +254,50 @@ impl SelfAttention {
     /// Causal attention over `x` `[batch, seq, hidden]` -> `[batch, seq, hidden]`; `cos`/`sin` are
     /// `[seq, head_dim]` in `x`'s dtype.
     pub fn forward(&self, x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>) -> Tensor<3> {
-        let [b, l, _] = x.dims();
-        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        let q = self.q_norm.forward(self.q_proj.forward(x.clone()).reshape([b, l, nh, hd]));
-        let k = self.k_norm.forward(self.k_proj.forward(x.clone()).reshape([b, l, nkv, hd]));
-        let v = self.v_proj.forward(x).reshape([b, l, nkv, hd]);
-        let cos = cos.unsqueeze_dims::<4>(&[0, 1]);
-        let sin = sin.unsqueeze_dims::<4>(&[0, 1]);
-        let q = rope(q.swap_dims(1, 2), cos.clone(), sin.clone());
-        let k = repeat_kv(rope(k.swap_dims(1, 2), cos, sin), nh / nkv);
-        let v = repeat_kv(v.swap_dims(1, 2), nh / nkv);
-        let out = attention(
-            q,
-            k,
-            v,
-            None,
-            None,
-            AttentionModuleOptions { scale: Some(1.0 / (hd as f64).sqrt()), softcap: None, is_causal: true },
-        );
-        self.o_proj.forward(out.swap_dims(1, 2).reshape([b, l, nh * hd]))
+        whole(self_attention(Layer::Whole(self), "", |a| a, x, cos, sin))
     }
+}
+
+/// The self-attention of a layer `M` at `prefix` inside it (`"self_attn."` in a decoder layer), taking
+/// `{prefix}q_proj`, `k_proj`, `v_proj`, the part holding the query and key norms (`self_attn`), then `o_proj`.
+fn self_attention<M: Module>(
+    layer: Layer<'_, M>,
+    prefix: &str,
+    attention_of: fn(&M) -> &SelfAttention,
+    x: Tensor<3>,
+    cos: Tensor<2>,
+    sin: Tensor<2>,
+) -> Result<Tensor<3>> {
+    let [b, l, _] = x.dims();
+    let project = |leaf: &str, select: fn(&SelfAttention) -> &PtLinear, x: Tensor<3>| -> Result<(Tensor<3>, [usize; 3])> {
+        let part = layer.part(&format!("{prefix}{leaf}"))?;
+        let attention = attention_of(&part);
+        Ok((select(attention).forward(x), [attention.num_heads, attention.num_kv_heads, attention.head_dim]))
+    };
+    let (q, [nh, nkv, hd]) = project("q_proj", |a| &a.q_proj, x.clone())?;
+    let (k, _) = project("k_proj", |a| &a.k_proj, x.clone())?;
+    let (v, _) = project("v_proj", |a| &a.v_proj, x)?;
+    let (q, k) = {
+        let part = layer.part(prefix.trim_end_matches('.'))?;
+        let attention = attention_of(&part);
+        (attention.q_norm.forward(q.reshape([b, l, nh, hd])), attention.k_norm.forward(k.reshape([b, l, nkv, hd])))
+    };
+    let v = v.reshape([b, l, nkv, hd]);
+    let cos = cos.unsqueeze_dims::<4>(&[0, 1]);
+    let sin = sin.unsqueeze_dims::<4>(&[0, 1]);
+    let q = rope(q.swap_dims(1, 2), cos.clone(), sin.clone());
+    let k = repeat_kv(rope(k.swap_dims(1, 2), cos, sin), nh / nkv);
+    let v = repeat_kv(v.swap_dims(1, 2), nh / nkv);
+    let out = attention(
+        q,
+        k,
+        v,
+        None,
+        None,
+        AttentionModuleOptions { scale: Some(1.0 / (hd as f64).sqrt()), softcap: None, is_causal: true },
+    );
+    let (out, _) = project("o_proj", |a| &a.o_proj, out.swap_dims(1, 2).reshape([b, l, nh * hd]))?;
+    Ok(out)
 }
 
 /// `x·cos + rotate_half(x)·sin` with `rotate_half([x1, x2]) = [−x2, x1]` (halves of the last dimension).
@@ -309,8 +334,19 @@ pub struct Mlp {
 impl Mlp {
     /// `[..., hidden]` -> `[..., hidden]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.down_proj.forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+        whole(mlp(Layer::Whole(self), "", |m| m, x))
     }
+}
+
+/// The MLP of a layer `M` at `prefix` inside it, taking `{prefix}gate_proj`, `up_proj`, then `down_proj`.
+fn mlp<M: Module>(layer: Layer<'_, M>, prefix: &str, mlp: fn(&M) -> &Mlp, x: Tensor<3>) -> Result<Tensor<3>> {
+    let linear = |leaf: &str, select: fn(&Mlp) -> &PtLinear, x: Tensor<3>| -> Result<Tensor<3>> {
+        let part = layer.part(&format!("{prefix}{leaf}"))?;
+        Ok(select(mlp(&part)).forward(x))
+    };
+    let gate = silu(linear("gate_proj", |m| &m.gate_proj, x.clone())?);
+    let up = linear("up_proj", |m| &m.up_proj, x)?;
+    linear("down_proj", |m| &m.down_proj, gate * up)
 }
 
 /// One pre-norm Qwen3 decoder layer.
@@ -329,9 +365,24 @@ pub struct DecoderLayer {
 impl DecoderLayer {
     /// `x` `[batch, seq, hidden]` -> same; `cos`/`sin` `[seq, head_dim]`.
     pub fn forward(&self, x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>) -> Tensor<3> {
-        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), cos, sin);
-        h.clone() + self.mlp.forward(self.post_attention_layernorm.forward(h))
+        whole(decoder_layer_forward(Layer::Whole(self), x, cos, sin))
     }
+}
+
+/// [`DecoderLayer::forward`] over a [`Layer`]: the same computation, taking one part at a time in call order
+/// (the layer's norms `""`, `self_attn.q_proj`, `k_proj`, `v_proj`, `self_attn`, `o_proj`, `mlp.gate_proj`,
+/// `up_proj`, `down_proj`). Under leaf-level group offload only the part in use (and the norms) is on the device.
+pub fn decoder_layer_forward(
+    layer: Layer<'_, DecoderLayer>,
+    x: Tensor<3>,
+    cos: Tensor<2>,
+    sin: Tensor<2>,
+) -> Result<Tensor<3>> {
+    let norms = layer.part("")?;
+    let attended = self_attention(layer, "self_attn.", |l| &l.self_attn, norms.input_layernorm.forward(x.clone()), cos, sin)?;
+    let h = x + attended;
+    let mlp_out = mlp(layer, "mlp.", |l| &l.mlp, norms.post_attention_layernorm.forward(h.clone()))?;
+    Ok(h + mlp_out)
 }
 
 /// The part of `Qwen3Model` that produces `hidden_states[-2]`: embeddings and all decoder layers but the last.
@@ -421,15 +472,27 @@ impl TextEncoder {
     /// Shapes: `input_ids` `[batch, seq]` -> `[batch, seq, hidden]`. Attention is causal, so with right padding the
     /// rows of real tokens never depend on the pads; pad rows are computed but meaningless.
     pub fn forward(&self, input_ids: Tensor<2, Int>) -> Tensor<3> {
-        let device = input_ids.device();
-        let seq = input_ids.dims()[1];
-        let mut x = self.embed_tokens.forward(input_ids);
-        let (cos, sin) = self.rope_tables(seq, &device);
-        let (cos, sin) = (cos.cast(x.dtype()), sin.cast(x.dtype()));
+        let (mut x, cos, sin) = self.embed(input_ids);
         for layer in &self.layers {
             x = layer.forward(x, cos.clone(), sin.clone());
         }
         x
+    }
+
+    /// The token embeddings of `input_ids` `[batch, seq]` and the RoPE tables for their positions, in the
+    /// weights' dtype: what every decoder layer takes.
+    pub fn embed(&self, input_ids: Tensor<2, Int>) -> (Tensor<3>, Tensor<2>, Tensor<2>) {
+        let device = input_ids.device();
+        let seq = input_ids.dims()[1];
+        let x = self.embed_tokens.forward(input_ids);
+        let (cos, sin) = self.rope_tables(seq, &device);
+        let (cos, sin) = (cos.cast(x.dtype()), sin.cast(x.dtype()));
+        (x, cos, sin)
+    }
+
+    /// The embedding width (`hidden_size`).
+    pub fn hidden_size(&self) -> usize {
+        self.embed_tokens.weight.shape().dims::<2>()[1]
     }
 
     /// The prompt embeddings exactly as `ZImagePipeline.encode_prompt` returns them: for each prompt, the rows of
@@ -439,57 +502,68 @@ impl TextEncoder {
     /// `max_i len_i` positions are computed (trailing pads cannot influence real tokens under causal attention).
     /// Errors if the shapes differ or a mask row is not right-padded (ones, then zeros).
     pub fn encode(&self, input_ids: Tensor<2, Int>, attention_mask: Tensor<2, Bool>) -> Result<Vec<Tensor<2>>> {
-        let [b, seq] = input_ids.dims();
-        if attention_mask.dims() != [b, seq] {
-            return Err(Error::Shape {
-                op: "text encoder".to_owned(),
-                reason: format!("attention_mask has shape {:?}, input_ids {:?}", attention_mask.dims(), [b, seq]),
-            });
-        }
-        let mask: Vec<bool> = attention_mask
-            .int()
-            .into_data()
-            .try_into_vec_as::<i64>()
-            .map(|bits| bits.into_iter().map(|bit| bit != 0).collect())
-            .map_err(|e| Error::Shape {
-                op: "text encoder".to_owned(),
-                reason: format!("cannot read attention_mask: {e:?}"),
-            })?;
-        let mut lengths = Vec::with_capacity(b);
-        for (i, row) in mask.chunks(seq.max(1)).take(b).enumerate() {
-            let len = row.iter().take_while(|&&on| on).count();
-            if row[len..].iter().any(|&on| on) {
-                return Err(Error::Shape {
-                    op: "text encoder".to_owned(),
-                    reason: format!("attention_mask row {i} is not right-padded"),
-                });
-            }
-            lengths.push(len);
-        }
-        let longest = lengths.iter().copied().max().unwrap_or(0);
-        if longest == 0 {
-            let device = input_ids.device();
-            let hidden = self.embed_tokens.weight.shape().dims::<2>()[1];
-            return Ok(lengths.iter().map(|_| Tensor::zeros([0, hidden], &device)).collect());
-        }
-        let hidden = self.forward(input_ids.narrow(1, 0, longest));
-        let hidden_size = hidden.dims()[2];
-        Ok(lengths
-            .iter()
-            .enumerate()
-            .map(|(i, &len)| {
-                if len == 0 {
-                    return Tensor::zeros([0, hidden_size], &hidden.device());
-                }
-                hidden.clone().narrow(0, i, 1).narrow(1, 0, len).reshape([len, hidden_size])
-            })
-            .collect())
+        encode_valid_rows(input_ids, attention_mask, self.hidden_size(), |ids| Ok(self.forward(ids)))
     }
 
     /// The dtype of the weights (and of the embeddings this module returns).
     pub fn dtype(&self) -> DType {
         self.embed_tokens.weight.val().dtype()
     }
+}
+
+/// [`TextEncoder::encode`] with the forward given: validates the mask (right-padded rows), runs `forward` over
+/// the first `max len` positions and returns each prompt's valid rows `[len_i, hidden]`. Shared with the
+/// grouped text encoder.
+pub(crate) fn encode_valid_rows(
+    input_ids: Tensor<2, Int>,
+    attention_mask: Tensor<2, Bool>,
+    hidden: usize,
+    forward: impl FnOnce(Tensor<2, Int>) -> Result<Tensor<3>>,
+) -> Result<Vec<Tensor<2>>> {
+    let [b, seq] = input_ids.dims();
+    if attention_mask.dims() != [b, seq] {
+        return Err(Error::Shape {
+            op: "text encoder".to_owned(),
+            reason: format!("attention_mask has shape {:?}, input_ids {:?}", attention_mask.dims(), [b, seq]),
+        });
+    }
+    let mask: Vec<bool> = attention_mask
+        .int()
+        .into_data()
+        .try_into_vec_as::<i64>()
+        .map(|bits| bits.into_iter().map(|bit| bit != 0).collect())
+        .map_err(|e| Error::Shape {
+            op: "text encoder".to_owned(),
+            reason: format!("cannot read attention_mask: {e:?}"),
+        })?;
+    let mut lengths = Vec::with_capacity(b);
+    for (i, row) in mask.chunks(seq.max(1)).take(b).enumerate() {
+        let len = row.iter().take_while(|&&on| on).count();
+        if row[len..].iter().any(|&on| on) {
+            return Err(Error::Shape {
+                op: "text encoder".to_owned(),
+                reason: format!("attention_mask row {i} is not right-padded"),
+            });
+        }
+        lengths.push(len);
+    }
+    let longest = lengths.iter().copied().max().unwrap_or(0);
+    if longest == 0 {
+        let device = input_ids.device();
+        return Ok(lengths.iter().map(|_| Tensor::zeros([0, hidden], &device)).collect());
+    }
+    let hidden = forward(input_ids.narrow(1, 0, longest))?;
+    let hidden_size = hidden.dims()[2];
+    Ok(lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| {
+            if len == 0 {
+                return Tensor::zeros([0, hidden_size], &hidden.device());
+            }
+            hidden.clone().narrow(0, i, 1).narrow(1, 0, len).reshape([len, hidden_size])
+        })
+        .collect())
 }
 
 /// The checkpoint key renames for transformers exports that keep the `Qwen3ForCausalLM` layout (`model.` prefix).

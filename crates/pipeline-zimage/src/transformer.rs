@@ -40,6 +40,7 @@ use crate::config::{
     TransformerConfig,
 };
 use crate::error::{Error, Result};
+use crate::layer::{Layer, whole};
 use crate::nn::{PtLinear, RmsNorm, layer_norm_no_affine};
 
 /// Checkpoint key renames applied when loading a diffusers transformer: `(regex, replacement)`.
@@ -134,34 +135,51 @@ impl Attention {
 
     /// Attends over `x` `[B, S, dim]` with `rope` for its `S` positions; returns `[B, S, dim]`.
     pub fn forward(&self, x: Tensor<3>, rope: &Rope) -> Tensor<3> {
-        let [b, s, d] = x.dims();
-        let h = self.n_heads;
-        let head_dim = d / h;
-        let heads = |t: Tensor<3>| t.reshape([b, s, h, head_dim]);
-        let mut q = heads(self.to_q.forward(x.clone()));
-        let mut k = heads(self.to_k.forward(x.clone()));
-        let v = heads(self.to_v.forward(x));
-        if let Some(norm) = &self.norm_q {
+        whole(attention_forward(Layer::Whole(self), "", |a| a, x, rope))
+    }
+}
+
+/// The attention of a layer `M`, at `prefix` inside it (`"attention."` in a block) and reached by `attention`,
+/// taking each projection's part in turn: `{prefix}to_q`, `to_k`, `to_v`, the part holding the query and key
+/// norms (`attention` in a block, when the config has them) and `{prefix}to_out.0`.
+fn attention_forward<M: Module>(
+    layer: Layer<'_, M>,
+    prefix: &str,
+    attention: fn(&M) -> &Attention,
+    x: Tensor<3>,
+    rope: &Rope,
+) -> Result<Tensor<3>> {
+    let [b, s, d] = x.dims();
+    let project = |leaf: &str, select: fn(&Attention) -> &PtLinear, x: Tensor<3>| -> Result<(Tensor<3>, usize, usize)> {
+        let part = layer.part(&format!("{prefix}{leaf}"))?;
+        let attention = attention(&part);
+        Ok((select(attention).forward(x), attention.n_heads, attention.to_out.len()))
+    };
+    let (q, h, outs) = project("to_q", |a| &a.to_q, x.clone())?;
+    let (k, _, _) = project("to_k", |a| &a.to_k, x.clone())?;
+    let (v, _, _) = project("to_v", |a| &a.to_v, x)?;
+    let head_dim = d / h;
+    let heads = |t: Tensor<3>| t.reshape([b, s, h, head_dim]);
+    let (mut q, mut k, v) = (heads(q), heads(k), heads(v));
+    if let Some(part) = layer.optional_part(prefix.trim_end_matches('.'))? {
+        let attention = attention(&part);
+        if let Some(norm) = &attention.norm_q {
             q = norm.forward(q);
         }
-        if let Some(norm) = &self.norm_k {
+        if let Some(norm) = &attention.norm_k {
             k = norm.forward(k);
         }
-        let q = rope.apply(q).swap_dims(1, 2);
-        let k = rope.apply(k).swap_dims(1, 2);
-        let v = v.swap_dims(1, 2);
-        let options = AttentionModuleOptions {
-            scale: Some(1.0 / (head_dim as f64).sqrt()),
-            softcap: None,
-            is_causal: false,
-        };
-        let out = burn::tensor::module::attention(q, k, v, None, None, options)
-            .swap_dims(1, 2)
-            .reshape([b, s, d]);
-        self.to_out
-            .iter()
-            .fold(out, |out, projection| projection.forward(out))
     }
+    let q = rope.apply(q).swap_dims(1, 2);
+    let k = rope.apply(k).swap_dims(1, 2);
+    let v = v.swap_dims(1, 2);
+    let options = AttentionModuleOptions { scale: Some(1.0 / (head_dim as f64).sqrt()), softcap: None, is_causal: false };
+    let mut out = burn::tensor::module::attention(q, k, v, None, None, options).swap_dims(1, 2).reshape([b, s, d]);
+    for i in 0..outs {
+        let part = layer.part(&format!("{prefix}to_out.{i}"))?;
+        out = attention(&part).to_out[i].forward(out);
+    }
+    Ok(out)
 }
 
 /// The SwiGLU feed-forward `w2(silu(w1 x) · w3 x)` (`feed_forward`), no biases.
@@ -186,9 +204,24 @@ impl FeedForward {
 
     /// `[..., dim] -> [..., dim]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let gate = silu(self.w1.forward(x.clone()));
-        self.w2.forward(gate * self.w3.forward(x))
+        whole(feed_forward(Layer::Whole(self), "", |f| f, x))
     }
+}
+
+/// The feed-forward of a layer `M` at `prefix` inside it, taking `{prefix}w1`, `w3`, then `w2`.
+fn feed_forward<M: Module>(
+    layer: Layer<'_, M>,
+    prefix: &str,
+    feed_forward: fn(&M) -> &FeedForward,
+    x: Tensor<3>,
+) -> Result<Tensor<3>> {
+    let linear = |leaf: &str, select: fn(&FeedForward) -> &PtLinear, x: Tensor<3>| -> Result<Tensor<3>> {
+        let part = layer.part(&format!("{prefix}{leaf}"))?;
+        Ok(select(feed_forward(&part)).forward(x))
+    };
+    let gate = silu(linear("w1", |f| &f.w1, x.clone())?);
+    let up = linear("w3", |f| &f.w3, x)?;
+    linear("w2", |f| &f.w2, gate * up)
 }
 
 /// One `ZImageTransformerBlock`: sandwich-normed attention and SwiGLU, modulated by the timestep when it has an
@@ -244,35 +277,48 @@ impl ZImageBlock {
     /// Modulated: `x += tanh(g_msa)·norm2(attn(norm1(x)·(1+s_msa)))`, then the same with the feed-forward,
     /// where `(s_msa, g_msa, s_mlp, g_mlp)` are the four chunks of `adaLN_modulation(adaln)`.
     pub fn forward(&self, x: Tensor<3>, rope: &Rope, adaln: Option<&Tensor<2>>) -> Tensor<3> {
-        match (self.adaLN_modulation.first(), adaln) {
-            (Some(modulation), Some(adaln)) => {
-                let [b, _, d] = x.dims();
-                let chunk = |m: &Tensor<3>, i: usize| m.clone().narrow(2, i * d, d);
-                let m = modulation.forward(adaln.clone()).reshape([b, 1, 4 * d]);
-                let scale_msa = chunk(&m, 0) + 1.0;
-                let gate_msa = chunk(&m, 1).tanh();
-                let scale_mlp = chunk(&m, 2) + 1.0;
-                let gate_mlp = chunk(&m, 3).tanh();
-
-                let attn = self
-                    .attention
-                    .forward(self.attention_norm1.forward(x.clone()) * scale_msa, rope);
-                let x = x + gate_msa * self.attention_norm2.forward(attn);
-                let ffn = self
-                    .feed_forward
-                    .forward(self.ffn_norm1.forward(x.clone()) * scale_mlp);
-                x + gate_mlp * self.ffn_norm2.forward(ffn)
-            }
-            _ => {
-                let attn = self
-                    .attention
-                    .forward(self.attention_norm1.forward(x.clone()), rope);
-                let x = x + self.attention_norm2.forward(attn);
-                let ffn = self.feed_forward.forward(self.ffn_norm1.forward(x.clone()));
-                x + self.ffn_norm2.forward(ffn)
-            }
-        }
+        whole(block_layer_forward(Layer::Whole(self), x, rope, adaln))
     }
+}
+
+/// [`ZImageBlock::forward`] over a [`Layer`]: the same computation, taking one part at a time in call order
+/// (`adaLN_modulation.0`, the block's norms `""`, the attention's projections and norms, `feed_forward.w1`,
+/// `w3`, `w2`). Under leaf-level group offload only the part in use (and the norms) is on the device.
+pub fn block_layer_forward(
+    block: Layer<'_, ZImageBlock>,
+    x: Tensor<3>,
+    rope: &Rope,
+    adaln: Option<&Tensor<2>>,
+) -> Result<Tensor<3>> {
+    let [b, _, d] = x.dims();
+    let modulation = match adaln {
+        Some(adaln) => block
+            .optional_part("adaLN_modulation.0")?
+            .and_then(|part| part.adaLN_modulation.first().map(|m| m.forward(adaln.clone()).reshape([b, 1, 4 * d]))),
+        None => None,
+    };
+    let chunk = |m: &Tensor<3>, i: usize| m.clone().narrow(2, i * d, d);
+    let norms = block.part("")?;
+    let h = norms.attention_norm1.forward(x.clone());
+    let h = match &modulation {
+        Some(m) => h * (chunk(m, 0) + 1.0),
+        None => h,
+    };
+    let attn = norms.attention_norm2.forward(attention_forward(block, "attention.", |b| &b.attention, h, rope)?);
+    let x = match &modulation {
+        Some(m) => x + chunk(m, 1).tanh() * attn,
+        None => x + attn,
+    };
+    let h = norms.ffn_norm1.forward(x.clone());
+    let h = match &modulation {
+        Some(m) => h * (chunk(m, 2) + 1.0),
+        None => h,
+    };
+    let ffn = norms.ffn_norm2.forward(feed_forward(block, "feed_forward.", |b| &b.feed_forward, h)?);
+    Ok(match &modulation {
+        Some(m) => x + chunk(m, 3).tanh() * ffn,
+        None => x + ffn,
+    })
 }
 
 /// The output head (`all_final_layer.2-1`, field `final_layer`): `linear(LayerNorm(x)·(1 + scale(adaln)))`.

@@ -9,7 +9,7 @@ use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, NoLedger, Reason};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::offload::Placement;
-use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
+use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
 
 mod common;
 
@@ -156,7 +156,7 @@ fn the_same_image_under_auto_and_group_offload_on_a_small_card() {
                 assert!(record.events().iter().any(|e| expected(&e.reason)), "{name}: not the expected move\n{record}");
             }
             assert!(card.peak() <= card_bytes, "{name}, group={group}: the hard card exceeded its capacity");
-            if let Some(stats) = pipeline.group_stats() {
+            if let Some(stats) = pipeline.group_stats(PipelineComponent::Transformer) {
                 assert_eq!(stats.misses, 0, "{name}: steady steps prefetch every group: {stats:?}");
             }
         }

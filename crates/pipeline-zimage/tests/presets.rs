@@ -89,7 +89,11 @@ fn sizes(opts: &GenerateOptions) -> Sizes {
     let (probe, _) = on_card(1 << 30);
     let specs = component_specs(&probe, opts).expect("specs");
     let weight = |name: &str| specs.iter().find(|s| s.name == name).map(|s| s.weight_bytes).expect("a component");
-    let layout = specs.iter().find_map(|s| s.layout.clone()).expect("the transformer has blocks");
+    let layout = specs
+        .iter()
+        .find(|s| s.name == "transformer")
+        .and_then(|s| s.layout.clone())
+        .expect("the transformer has blocks");
     Sizes {
         text_encoder: weight("text_encoder"),
         transformer: weight("transformer"),
@@ -190,13 +194,15 @@ fn every_preset_gives_the_resident_image_on_a_card_that_must_stream_the_transfor
         }
         let transformer = plan.applied("transformer").expect("applied");
         assert!(
-            matches!(transformer.applied, Route::BlockGroupOffload { .. }),
+            transformer.applied.is_group_offload(),
             "{preset}: the transformer does not fit whole, yet it was {}",
             transformer.applied
         );
+        for applied in &plan.applied {
+            assert_eq!(Some(applied.applied), applied.planned, "{preset}: {} ran another route than planned", applied.component);
+        }
         if preset == Preset::DiffusersLeafOffloadCompat {
-            assert!(matches!(transformer.planned, Some(Route::LeafGroupOffload { .. })));
-            assert!(plan.notes.iter().any(|n| n.contains("planned leaf by leaf, applied as block x1")), "{plan}");
+            assert!(matches!(transformer.applied, Route::LeafGroupOffload { .. }), "{plan}");
         }
         let run =
             generate_profiled(&pipeline, &plan, &opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{preset}: {e}"));
@@ -204,8 +210,13 @@ fn every_preset_gives_the_resident_image_on_a_card_that_must_stream_the_transfor
         assert!(error <= 1e-6, "{preset}: the image differs from the resident run's by {error}");
         assert!(card.peak() <= card_bytes, "{preset}: the hard card went past its capacity");
         assert_eq!(run.peak_device, card.peak());
-        let stats = pipeline.group_stats().expect("grouped");
+        let stats = pipeline.group_stats(PipelineComponent::Transformer).expect("grouped");
         assert!(stats.onloads + stats.prefetches > 0, "{preset}: no group moved: {stats:?}");
+        for component in PipelineComponent::ALL {
+            if let Some(stats) = pipeline.group_stats(component) {
+                assert_eq!(stats.stray_loads, 0, "{preset}: {component} touched a weight it had not taken: {stats:?}");
+            }
+        }
     }
 }
 
@@ -383,7 +394,7 @@ fn a_card_too_small_for_any_route_is_a_typed_planning_error() {
     let (_, _, plan) = plan_on(sizes.reserve + sizes.outside, &[("reserve", sizes.reserve.to_string())], &opts);
     let err = plan.expect_err("nothing fits");
     assert!(matches!(err, pipeline_zimage::Error::Plan(_)), "{err:?}");
-    assert!(err.to_string().starts_with("cannot plan transformer: block x1, prefetch 1 needs"), "{err}");
+    assert!(err.to_string().starts_with("cannot plan transformer: leaf, prefetch needs"), "{err}");
     // Planning again after group offload was applied is refused rather than half-done.
     let (mut pipeline, card, plan) = plan_on(sizes.streaming_card(), &[("reserve", sizes.reserve.to_string())], &opts);
     plan.expect("plans");

@@ -33,6 +33,7 @@ use offload_core::{
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::offload::{BurnComponent, Placement};
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
+use pipeline_zimage::pipeline::PipelineComponent;
 use pipeline_zimage::text_encoder::TextEncoder;
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 use pipeline_zimage::vae::AutoencoderKl;
@@ -123,7 +124,7 @@ fn weights(pipeline: &ZImagePipeline) -> Weights {
     let text_encoder =
         manager.inspect(&ids.text_encoder, |c: &BurnComponent<TextEncoder>| checksum(c.module())).unwrap();
     let vae = manager.inspect(&ids.vae, |c: &BurnComponent<AutoencoderKl>| checksum(c.module())).unwrap();
-    let transformer = if pipeline.transformer_grouped() {
+    let transformer = if pipeline.is_grouped(PipelineComponent::Transformer) {
         None
     } else {
         Some(
@@ -152,7 +153,7 @@ fn check_placement(pipeline: &ZImagePipeline, card: &SimCard, context: &str) {
             Some(manager.inspect(id, |c: &BurnComponent<TextEncoder>| c.device()).unwrap())
         } else if *id == ids.vae {
             Some(manager.inspect(id, |c: &BurnComponent<AutoencoderKl>| c.device()).unwrap())
-        } else if !pipeline.transformer_grouped() {
+        } else if !pipeline.is_grouped(PipelineComponent::Transformer) {
             Some(manager.inspect(id, |c: &BurnComponent<ZImageTransformer2DModel>| c.device()).unwrap())
         } else {
             None
@@ -164,7 +165,13 @@ fn check_placement(pipeline: &ZImagePipeline, card: &SimCard, context: &str) {
             resident += info.bytes;
         }
     }
-    let groups = || pipeline.group_stats().map_or(0, |s| s.bytes_onloaded - s.bytes_offloaded);
+    let groups = || {
+        PipelineComponent::ALL
+            .into_iter()
+            .filter_map(|c| pipeline.group_stats(c))
+            .map(|s| s.bytes_onloaded - s.bytes_offloaded)
+            .sum::<u64>()
+    };
     // A prefetch of the next forward's first group may still be in flight: its bytes are allocated before
     // the offloader counts them.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -393,7 +400,7 @@ fn every_point(group: bool, fault: Fault) -> Tally {
                 tally.recovered += 1;
                 if point.prefetch {
                     // A failed prefetch is absorbed: the group is loaded again, synchronously, when taken.
-                    let stats = pipeline.group_stats().unwrap();
+                    let stats = pipeline.group_stats(PipelineComponent::Transformer).unwrap();
                     assert!(stats.failed_prefetches >= 1, "{context}: a failed prefetch is not counted: {stats:?}");
                     tally.recovered_by_prefetch_fallback += 1;
                 } else {
@@ -494,11 +501,12 @@ fn enabling_group_offload_loses_nothing() {
     // A file where the store's directory should be: the store cannot be created.
     let blocked = std::env::temp_dir().join(format!("zimage-blocked-store-{}", std::process::id()));
     std::fs::write(&blocked, b"not a directory").unwrap();
-    let options_with_store = pipeline_zimage::pipeline::TransformerGroupOptions {
+    let options_with_store = pipeline_zimage::grouped::GroupOptions {
         disk_store: Some(blocked.join("groups")),
         ..Default::default()
     };
-    let error = pipeline.enable_group_offload_with(card.clone(), Some(card.clone()), &options_with_store).unwrap_err();
+    let error = pipeline
+        .enable_group_offload_with(PipelineComponent::Transformer, card.clone(), Some(card.clone()), &options_with_store).unwrap_err();
     assert!(matches!(error, pipeline_zimage::Error::GroupOffload(group_offload::Error::Disk { .. })), "{error:?}");
     assert_eq!(pipeline.manager().placement().len(), 3, "the transformer is still registered");
     pipeline.enable_auto_offload(card.clone(), 0, true).unwrap();

@@ -8,16 +8,17 @@ use crate::size::format_size;
 /// How a component's weights are split into blocks and leaves, for group offload.
 ///
 /// Block bytes are in execution order; `outside_bytes` is everything not in a block (embedders, final layers),
-/// which block offload keeps resident. Leaves are the layers leaf offload streams one at a time.
+/// which block and leaf offload keep resident. Leaves are the layers inside the blocks that leaf offload streams
+/// one at a time.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockLayout {
     /// Bytes of each block, in the order the forward runs them.
     pub block_bytes: Vec<u64>,
     /// Bytes outside the blocks.
     pub outside_bytes: u64,
-    /// The largest leaf layer (a linear or embedding weight) in bytes.
+    /// The largest leaf layer inside the blocks (a linear weight, with its bias) in bytes.
     pub largest_leaf_bytes: u64,
-    /// How many leaf layers there are.
+    /// How many leaf layers the blocks hold.
     pub leaf_count: usize,
 }
 

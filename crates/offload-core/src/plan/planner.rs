@@ -396,16 +396,21 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
             eval.steady_seconds = overlap(prefetch, eval.steady_transfer);
         }
         Route::LeafGroupOffload { prefetch } => {
-            let (largest, leaves) =
-                spec.layout.as_ref().map_or((weight, 1), |l| (l.largest_leaf_bytes, l.leaf_count as u64));
+            // The layers outside the blocks stay resident, as under block offload; the blocks stream leaf by leaf.
+            let (largest, leaves, outside) = spec
+                .layout
+                .as_ref()
+                .map_or((weight, 1, 0), |l| (l.largest_leaf_bytes, l.leaf_count as u64, l.outside_bytes));
+            let streamed = weight - outside.min(weight);
+            eval.resident = outside;
             eval.window = streaming_window(largest, prefetch, 1);
             eval.host = if shape.on_disk { 0 } else { weight };
             eval.first_streamed = weight;
-            eval.steady_streamed = weight;
-            eval.steady_transfer = copy(weight, leaves);
-            eval.first_transfer = eval.steady_transfer;
-            eval.first_seconds = overlap(prefetch, eval.steady_transfer);
-            eval.steady_seconds = eval.first_seconds;
+            eval.steady_streamed = streamed;
+            eval.steady_transfer = copy(streamed, leaves);
+            eval.first_transfer = copy(weight, leaves + 1);
+            eval.first_seconds = overlap(prefetch, eval.first_transfer);
+            eval.steady_seconds = overlap(prefetch, eval.steady_transfer);
         }
     }
     eval.need = eval.resident.saturating_add(eval.window).saturating_add(headroom);
@@ -965,11 +970,13 @@ impl Planner<'_> {
                 }
             }
             Route::LeafGroupOffload { prefetch } => why.push_str(&format!(
-                ", {} it streams leaf by leaf {}: all {} every call, at most {} of leaves on the device",
+                ", {} it streams its blocks leaf by leaf {}: {} every call, at most {} of leaves on the device beside \
+                 the {} outside the blocks, which stay resident",
                 if fits { "yet" } else { "so" },
                 if prefetch { "with prefetch" } else { "without prefetch" },
-                fs(weight),
-                fs(eval.window)
+                fs(eval.steady_streamed),
+                fs(eval.window),
+                fs(eval.resident)
             )),
             Route::Resident | Route::Off => why.push_str(", so it stays resident"),
         }

@@ -43,8 +43,9 @@ pub fn z_image_turbo() -> Vec<ComponentSpec> {
         .with_layout(BlockLayout {
             block_bytes: text_layers,
             outside_bytes: text_outside,
-            largest_leaf_bytes: 151_936 * 2560 * 2,
-            leaf_count: 398,
+            // The largest leaf inside a layer: mlp.gate_proj (9728 x 2560); 7 linear layers per layer.
+            largest_leaf_bytes: 9728 * 2560 * 2,
+            leaf_count: 36 * 7,
         })
         .with_activation(gib(0.28) + gib(0.15))
         .with_cost(text_flops, 1);
@@ -58,8 +59,9 @@ pub fn z_image_turbo() -> Vec<ComponentSpec> {
         .with_layout(BlockLayout {
             block_bytes: blocks,
             outside_bytes: transformer_outside,
+            // feed_forward.w1 (10240 x 3840); 8 linear layers per modulated block, 7 per context block.
             largest_leaf_bytes: 10_240 * 3840 * 2,
-            leaf_count: 481,
+            leaf_count: 32 * 8 + 2 * 7,
         })
         .with_activation(gib(0.46) + gib(0.05))
         .with_cost(transformer_flops, STEPS);
