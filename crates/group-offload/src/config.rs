@@ -29,6 +29,11 @@ pub struct GroupOffloadConfig {
     /// Bytes of streamed groups that may stay on the device once released (0 by default): the first groups to be
     /// released that fit stay resident for good, like diffusers' requested `pin_groups`.
     pub resident_budget: u64,
+    /// Bytes of streamed groups' host copies to pin (0 by default): groups are pinned in registration order
+    /// while they fit, through the device's staging (page-locked memory on CUDA, so uploads skip the driver's
+    /// bounce buffer; a no-op on a CPU backend), and their uploads are charged as pinned copies
+    /// ([`DeviceLedger::transfer_pinned`]). Host copies on disk are never pinned.
+    pub pinned_budget: u64,
     /// Where to keep each group's host copy as a safetensors file instead of in host memory; `None` keeps it in
     /// memory.
     pub disk_dir: Option<PathBuf>,
@@ -48,6 +53,7 @@ impl fmt::Debug for GroupOffloadConfig {
             .field("prefetch", &self.prefetch)
             .field("prefetch_depth", &self.prefetch_depth)
             .field("resident_budget", &self.resident_budget)
+            .field("pinned_budget", &self.pinned_budget)
             .field("disk_dir", &self.disk_dir)
             .field("memory", &self.memory.is_some())
             .field("record", &self.record.is_some())
@@ -70,6 +76,7 @@ impl GroupOffloadConfig {
             prefetch: true,
             prefetch_depth: 1,
             resident_budget: 0,
+            pinned_budget: 0,
             disk_dir: None,
             ledger: Arc::new(NoLedger),
             memory: None,
@@ -98,6 +105,12 @@ impl GroupOffloadConfig {
     /// Sets the bytes of released groups that may stay resident.
     pub fn with_resident_budget(mut self, bytes: u64) -> Self {
         self.resident_budget = bytes;
+        self
+    }
+
+    /// Pins up to `bytes` of the streamed groups' host copies.
+    pub fn with_pinned_budget(mut self, bytes: u64) -> Self {
+        self.pinned_budget = bytes;
         self
     }
 

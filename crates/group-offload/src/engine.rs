@@ -216,7 +216,12 @@ impl Shared {
         let reading = self.config.memory.as_ref().map(|m| m.reading());
         let ledger = &self.config.ledger;
         ledger.allocate(host.bytes).map_err(|e| self.onload_error(host, e))?;
-        if let Err(e) = ledger.transfer(host.bytes, Direction::HostToDevice) {
+        let copied = if host.pinned {
+            ledger.transfer_pinned(host.bytes)
+        } else {
+            ledger.transfer(host.bytes, Direction::HostToDevice)
+        };
+        if let Err(e) = copied {
             ledger.free(host.bytes);
             return Err(self.onload_error(host, e));
         }
@@ -564,6 +569,13 @@ impl Engine {
     }
 
     /// The largest group's bytes.
+    pub fn pinned_bytes(&self) -> (u64, u64) {
+        let state = self.shared.state.lock();
+        let pinned = state.groups.iter().filter(|g| g.host.pinned).map(|g| g.host.bytes).sum();
+        let locked = state.groups.iter().filter(|g| g.host.page_locked).map(|g| g.host.bytes).sum();
+        (pinned, locked)
+    }
+
     pub fn largest_group(&self) -> u64 {
         self.shared.state.lock().groups.iter().map(|g| g.host.bytes).max().unwrap_or(0)
     }

@@ -26,6 +26,8 @@ use crate::walk::{ExtractedParam, Installed, Slot, extract, install};
 pub struct GroupOffload {
     engine: Arc<Engine>,
     parts: Arc<Mutex<HashSet<String>>>,
+    /// What is left of the pinned budget for the groups still to be added.
+    pinned_left: Arc<Mutex<u64>>,
 }
 
 impl std::fmt::Debug for GroupOffload {
@@ -47,7 +49,8 @@ pub enum Placement {
 impl GroupOffload {
     /// Starts an offloader (and its prefetch worker thread) for one model.
     pub fn new(config: GroupOffloadConfig) -> Result<Self> {
-        Ok(Self { engine: Engine::start(config)?, parts: Arc::new(Mutex::new(HashSet::new())) })
+        let pinned_left = Arc::new(Mutex::new(config.pinned_budget));
+        Ok(Self { engine: Engine::start(config)?, parts: Arc::new(Mutex::new(HashSet::new())), pinned_left })
     }
 
     /// The configuration it was built with.
@@ -163,7 +166,20 @@ impl GroupOffload {
         let config = &self.engine.shared.config;
         let id = format!("{}/{group}", config.model);
         let host = match &config.disk_dir {
-            None => GroupHost::in_memory(id, params),
+            None => {
+                // Streamed groups are pinned in registration order while they fit in the pinned budget; a
+                // resident part is uploaded once and gains nothing from it.
+                let bytes: u64 = params.iter().map(ExtractedParam::bytes_len).sum();
+                let stage = !pinned && {
+                    let mut left = self.pinned_left.lock();
+                    let fits = bytes <= *left;
+                    if fits {
+                        *left -= bytes;
+                    }
+                    fits
+                };
+                GroupHost::in_memory(id, params, stage.then_some(&config.device))
+            }
             Some(dir) => GroupHost::on_disk(id.clone(), &config.model, params, dir)
                 .map_err(|message| Error::Disk { group: id, path: dir.display().to_string(), message })?,
         };
@@ -229,6 +245,13 @@ impl GroupOffload {
     /// Resident parts plus the resident budget: what the model keeps on the device between uses.
     pub fn resident_bytes(&self) -> u64 {
         self.engine.resident_bytes()
+    }
+
+    /// Bytes of host copies pinned within the pinned budget (uploads of these are copies from pinned memory),
+    /// and of those, the bytes that are page-locked memory now: all of them on CUDA, none on a CPU backend,
+    /// which has no page-locked memory.
+    pub fn pinned_bytes(&self) -> (u64, u64) {
+        self.engine.pinned_bytes()
     }
 
     /// The largest group's size: with resident bytes and prefetch depth `d`, the device holds at most

@@ -15,7 +15,7 @@ use std::collections::hash_map::DefaultHasher;
 use std::hash::Hasher;
 use std::path::{Path, PathBuf};
 
-use burn::tensor::{Bytes, DType, TensorData};
+use burn::tensor::{AllocationProperty, Bytes, DType, Device, TensorData};
 
 use crate::walk::{ExtractedParam, flat_data};
 
@@ -48,16 +48,33 @@ pub(crate) struct GroupHost {
     pub tensors: Vec<TensorMeta>,
     /// Sum of the tensors' byte sizes: what an upload allocates.
     pub bytes: u64,
+    /// Whether the host copy was staged for pinning (within the pinned budget): its uploads are copies from
+    /// pinned memory, charged with [`DeviceLedger::transfer_pinned`](offload_core::DeviceLedger::transfer_pinned).
+    pub pinned: bool,
+    /// Whether every tensor of the staged copy is page-locked memory (`AllocationProperty::Pinned`): true on a
+    /// CUDA device, false on a CPU backend, which has no page-locked memory and leaves the bytes as they are.
+    pub page_locked: bool,
     source: Source,
 }
 
 impl GroupHost {
-    /// A group kept in host memory.
-    pub fn in_memory(id: String, params: Vec<ExtractedParam>) -> Self {
+    /// A group kept in host memory; with `stage_on`, its bytes are first handed to that device's staging
+    /// ([`Device::staging`]), which moves them into page-locked memory on CUDA (one host copy still: the
+    /// pageable bytes are dropped) and is a no-op on a CPU backend.
+    pub fn in_memory(id: String, params: Vec<ExtractedParam>, stage_on: Option<&Device>) -> Self {
         let bytes = params.iter().map(ExtractedParam::bytes_len).sum();
-        let tensors = params.iter().map(|p| TensorMeta { name: p.dotted(), shape: p.shape.clone(), dtype: p.dtype }).collect();
-        let source = Source::Memory(params.into_iter().map(|p| p.bytes).collect());
-        Self { id, tensors, bytes, source }
+        let tensors: Vec<TensorMeta> =
+            params.iter().map(|p| TensorMeta { name: p.dotted(), shape: p.shape.clone(), dtype: p.dtype }).collect();
+        let mut data: Vec<Bytes> = params.into_iter().map(|p| p.bytes).collect();
+        let pinned = stage_on.is_some();
+        if let Some(device) = stage_on {
+            let mut staged: Vec<TensorData> =
+                data.into_iter().zip(&tensors).map(|(bytes, meta)| flat_data(bytes, meta.elements(), meta.dtype)).collect();
+            device.staging(staged.iter_mut());
+            data = staged.into_iter().map(TensorData::into_bytes).collect();
+        }
+        let page_locked = pinned && data.iter().all(|b| b.property() == AllocationProperty::Pinned);
+        Self { id, tensors, bytes, pinned, page_locked, source: Source::Memory(data) }
     }
 
     /// A group kept in a safetensors file under `dir`, written unless a file with the same content exists.
@@ -86,7 +103,7 @@ impl GroupHost {
         } else {
             tracing::debug!(group = %id, path = %path.display(), "reusing group file with the same content hash");
         }
-        Ok(Self { id, tensors, bytes, source: Source::Disk(path) })
+        Ok(Self { id, tensors, bytes, pinned: false, page_locked: false, source: Source::Disk(path) })
     }
 
     /// The file backing the group, if it is on disk.

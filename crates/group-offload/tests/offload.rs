@@ -456,6 +456,39 @@ fn streamed_top_level_and_resident_budget() {
 }
 
 #[test]
+fn the_pinned_budget_pins_streamed_groups_in_order_and_their_uploads_are_pinned_copies() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    let probe = BlockModel::new(model.clone(), config(&Arc::new(FakeCard::new(GIB)), false), 1, Placement::Resident);
+    let groups = probe.offload.groups();
+    let block = groups.iter().find(|(id, _)| id == "m/blocks_0_0").map(|(_, b)| *b).unwrap();
+    let streamed: u64 = groups.iter().filter(|(id, _)| id.starts_with("m/blocks")).map(|(_, b)| b).sum();
+
+    // Room for two and a half blocks: the first two blocks in registration order are pinned.
+    let card = Arc::new(FakeCard::new(GIB));
+    let offloaded =
+        BlockModel::new(model.clone(), config(&card, false).with_pinned_budget(block * 5 / 2), 1, Placement::Resident);
+    let (pinned, page_locked) = offloaded.offload.pinned_bytes();
+    assert_eq!(pinned, 2 * block);
+    assert_eq!(page_locked, 0, "the CPU backend has no page-locked memory");
+    for pass in 0..3 {
+        let diff = max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected);
+        assert!(diff <= 1e-6, "pass {pass}: {diff}");
+    }
+    // Without prefetch every forward uploads each streamed group once: the two pinned ones as pinned copies.
+    assert_eq!(card.pinned_bytes(), 3 * 2 * block);
+
+    // A budget larger than the model pins every streamed group, never the resident top layers.
+    let card = Arc::new(FakeCard::new(GIB));
+    let offloaded = BlockModel::new(model, config(&card, false).with_pinned_budget(u64::MAX), 1, Placement::Resident);
+    assert_eq!(offloaded.offload.pinned_bytes().0, streamed);
+    offloaded.forward(x).unwrap();
+    assert_eq!(card.pinned_bytes(), streamed);
+}
+
+#[test]
 fn disk_store_writes_one_file_per_group_and_reuses_only_same_content() {
     let device = Device::flex();
     let model = Model::new(&device);

@@ -34,16 +34,31 @@ pub struct Timing {
     pub link_latency: Duration,
     /// Dense bf16 throughput in FLOP per second.
     pub flops_per_second: f64,
+    /// The share of the link rate a host-to-device copy from pageable host memory reaches (0 to 1]; a copy
+    /// from pinned memory ([`DeviceLedger::transfer_pinned`]) always reaches the full rate. 1 by default:
+    /// every copy at the link rate, as the anchor's records were calibrated; set it (for example to 0.5, the
+    /// planner's default) with [`CardSpec::with_pageable_fraction`] to see what pinning buys.
+    pub pageable_fraction: f64,
 }
 
 impl Timing {
     /// A PCIe 4.0 x16 link (31.5 GB/s each way, 10 µs per transfer) and 100 TFLOP/s, for cards given by size.
-    pub const GENERIC: Timing =
-        Timing { link_bytes_per_second: 31.5e9, link_latency: Duration::from_micros(10), flops_per_second: 100e12 };
+    pub const GENERIC: Timing = Timing {
+        link_bytes_per_second: 31.5e9,
+        link_latency: Duration::from_micros(10),
+        flops_per_second: 100e12,
+        pageable_fraction: 1.0,
+    };
 
-    /// Simulated seconds to move `bytes` across the link once.
+    /// Simulated seconds to move `bytes` across the link once at the full rate (pinned host memory, or a copy
+    /// back to the host).
     pub fn transfer_seconds(&self, bytes: u64) -> f64 {
         bytes as f64 / self.link_bytes_per_second + self.link_latency.as_secs_f64()
+    }
+
+    /// Simulated seconds to move `bytes` from pageable host memory to the device once.
+    pub fn pageable_transfer_seconds(&self, bytes: u64) -> f64 {
+        bytes as f64 / (self.link_bytes_per_second * self.pageable_fraction) + self.link_latency.as_secs_f64()
     }
 
     /// Simulated seconds to compute `flops`.
@@ -68,7 +83,12 @@ pub struct CatalogueCard {
 const MIB: u64 = 1 << 20;
 
 const fn timing(link_gb_per_s: f64, tflops: f64) -> Timing {
-    Timing { link_bytes_per_second: link_gb_per_s * 1e9, link_latency: Duration::from_micros(10), flops_per_second: tflops * 1e12 }
+    Timing {
+        link_bytes_per_second: link_gb_per_s * 1e9,
+        link_latency: Duration::from_micros(10),
+        flops_per_second: tflops * 1e12,
+        pageable_fraction: 1.0,
+    }
 }
 
 /// Real cards. Memory is the driver's total (`nvidia-smi`), the link is the PCIe generation and width of the
@@ -149,6 +169,19 @@ impl CardSpec {
         self
     }
 
+    /// The same card with copies from pageable host memory reaching `fraction` of the link rate (pinned copies
+    /// reach all of it). Fails unless `fraction` is a number in (0, 1].
+    pub fn with_pageable_fraction(mut self, fraction: f64) -> Result<Self, SimError> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(SimError::ImpossibleCard {
+                label: self.label,
+                problem: format!("pageable fraction {fraction} is not in (0, 1]; use 0.5 for half the link rate"),
+            });
+        }
+        self.timing.pageable_fraction = fraction;
+        Ok(self)
+    }
+
     /// Checks that a reserve leaves room on this card; a reserve as large as the usable memory is an error.
     pub fn check_reserve(&self, reserve: u64) -> Result<(), SimError> {
         let usable = self.capacity - self.context_overhead;
@@ -187,6 +220,8 @@ pub struct CardStats {
     pub bytes_to_device: u64,
     /// Bytes copied device to host.
     pub bytes_to_host: u64,
+    /// Of `bytes_to_device`, those copied from pinned host memory.
+    pub bytes_pinned_to_device: u64,
     /// Simulated seconds spent on the link.
     pub transfer_seconds: f64,
     /// Simulated seconds spent computing.
@@ -314,6 +349,18 @@ impl DeviceLedger for SimCard {
     }
 
     fn transfer(&self, bytes: u64, direction: Direction) -> Result<(), ComponentError> {
+        self.copy(bytes, direction, false)
+    }
+
+    fn transfer_pinned(&self, bytes: u64) -> Result<(), ComponentError> {
+        self.copy(bytes, Direction::HostToDevice, true)
+    }
+}
+
+impl SimCard {
+    /// One copy across the simulated link: counted, failed when injected, priced at the link rate (pinned, or
+    /// back to the host) or at the pageable rate, and slept for when real time is asked for.
+    fn copy(&self, bytes: u64, direction: Direction, pinned: bool) -> Result<(), ComponentError> {
         let sleep = {
             let mut state = self.state.lock();
             state.stats.transfers += 1;
@@ -323,11 +370,18 @@ impl DeviceLedger for SimCard {
                     message: format!("injected fault on transfer #{}", state.stats.transfers),
                 });
             }
-            let seconds = self.spec.timing.transfer_seconds(bytes) * state.faults.link_slowdown.unwrap_or(1.0);
+            let timing = &self.spec.timing;
+            let seconds = match direction {
+                Direction::HostToDevice if !pinned => timing.pageable_transfer_seconds(bytes),
+                _ => timing.transfer_seconds(bytes),
+            } * state.faults.link_slowdown.unwrap_or(1.0);
             state.stats.transfer_seconds += seconds;
             match direction {
                 Direction::HostToDevice => state.stats.bytes_to_device += bytes,
                 Direction::DeviceToHost => state.stats.bytes_to_host += bytes,
+            }
+            if pinned {
+                state.stats.bytes_pinned_to_device += bytes;
             }
             state.faults.real_time_scale.map(|scale| Duration::from_secs_f64(seconds * scale))
         };
@@ -362,6 +416,34 @@ mod tests {
         assert!(message.contains("rtx4090") && message.contains("h200") && message.contains("16GB"), "{message}");
         assert!(matches!(CardSpec::parse("16 bananas"), Err(SimError::Size(_))));
         assert!(matches!(CardSpec::parse("0GB"), Err(SimError::ImpossibleCard { .. })));
+    }
+
+    #[test]
+    fn pageable_copies_cost_more_than_pinned_ones_when_the_card_says_so() {
+        let spec = CardSpec::parse("1GiB").unwrap().with_context_overhead(0);
+        let same = SimCard::new(spec.clone());
+        same.transfer(1_000_000, Direction::HostToDevice).unwrap();
+        same.transfer_pinned(1_000_000).unwrap();
+        let stats = same.stats();
+        assert_eq!(stats.bytes_to_device, 2_000_000);
+        assert_eq!(stats.bytes_pinned_to_device, 1_000_000);
+        let each = Timing::GENERIC.transfer_seconds(1_000_000);
+        assert!((stats.transfer_seconds - 2.0 * each).abs() < 1e-15, "the default prices both at the link rate");
+
+        let half = SimCard::new(spec.clone().with_pageable_fraction(0.5).unwrap());
+        half.transfer(1_000_000, Direction::HostToDevice).unwrap();
+        let pageable = half.stats().transfer_seconds;
+        half.transfer_pinned(1_000_000).unwrap();
+        let pinned = half.stats().transfer_seconds - pageable;
+        let latency = Timing::GENERIC.link_latency.as_secs_f64();
+        assert!(((pageable - latency) / (pinned - latency) - 2.0).abs() < 1e-9, "{pageable} vs {pinned}");
+        // Copies back to the host are not staged: the link rate.
+        half.transfer(1_000_000, Direction::DeviceToHost).unwrap();
+        assert!((half.stats().transfer_seconds - pageable - 2.0 * pinned).abs() < 1e-15);
+
+        for bad in [0.0, -1.0, 1.5, f64::NAN] {
+            assert!(matches!(spec.clone().with_pageable_fraction(bad), Err(SimError::ImpossibleCard { .. })), "{bad}");
+        }
     }
 
     #[test]

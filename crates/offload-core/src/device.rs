@@ -144,7 +144,8 @@ pub enum Direction {
 /// - `allocate` either takes all `bytes` or fails with [`ComponentError::OutOfMemory`] and takes none.
 /// - `free` returns bytes a previous `allocate` took; it never fails.
 /// - `transfer` is called once per copy across the link, after the destination is allocated; an error there
-///   (a failed transfer) leaves the source intact, and the caller frees what it allocated.
+///   (a failed transfer) leaves the source intact, and the caller frees what it allocated. A host-to-device
+///   copy from page-locked (pinned) host memory calls `transfer_pinned` instead, with the same contract.
 pub trait DeviceLedger: Send + Sync {
     /// Takes `bytes` on the device.
     fn allocate(&self, bytes: u64) -> Result<(), crate::ComponentError>;
@@ -154,6 +155,12 @@ pub trait DeviceLedger: Send + Sync {
     fn transfer(&self, bytes: u64, direction: Direction) -> Result<(), crate::ComponentError> {
         let _ = (bytes, direction);
         Ok(())
+    }
+    /// Pays for a host-to-device copy of `bytes` from page-locked (pinned) host memory, which a device can read
+    /// directly, without the driver's bounce through its own staging buffer. Priced as any host-to-device
+    /// [`transfer`](Self::transfer) unless the ledger models the difference.
+    fn transfer_pinned(&self, bytes: u64) -> Result<(), crate::ComponentError> {
+        self.transfer(bytes, Direction::HostToDevice)
     }
 }
 

@@ -90,6 +90,10 @@ fn time<F: FnMut() -> anyhow::Result<()>>(device: &Device, args: &Args, mut forw
 }
 
 fn main() -> anyhow::Result<()> {
+    if std::env::args().any(|a| a == "--help" || a == "-h") {
+        println!("usage: gpu_check parity|bench [--device cuda:0] [--cap 16GB] [--size 1024] [--steps 6] [--tiny]");
+        return Ok(());
+    }
     match std::env::args().nth(1).as_deref() {
         Some("parity") => parity(&parse_args()),
         Some("bench") => bench(&parse_args()),
@@ -180,22 +184,23 @@ fn bench(args: &Args) -> anyhow::Result<()> {
 
     let cap_bytes = parse_size(&args.cap)?;
     let block = GroupLevel::Block { blocks_per_group: 1 };
-    for (mode, level, prefetch) in [
-        ("group_block1_prefetch", block, 1usize),
-        ("group_block1_no_prefetch", block, 0),
-        ("group_leaf_prefetch", GroupLevel::Leaf, 1),
+    for (mode, level, prefetch, pinned) in [
+        ("group_block1_prefetch", block, 1usize, false),
+        ("group_block1_prefetch_pinned", block, 1, true),
+        ("group_block1_no_prefetch", block, 0, false),
+        ("group_leaf_prefetch", GroupLevel::Leaf, 1, false),
     ] {
         let card = SimCard::new(CardSpec::parse(&cap_bytes.to_string())?.with_mode(Mode::Hard).with_context_overhead(0));
         let model = ZImageTransformer2DModel::new(&config, &exec);
         let offload = GroupOffloadConfig::new("transformer", exec.clone())
             .with_ledger(card.clone())
-            .with_memory(card.clone())
-            .with_prefetch(prefetch > 0)
-            .with_prefetch_depth(prefetch.max(1));
+            .with_memory(card.clone());
         let options = GroupOptions {
             level,
             prefetch: prefetch > 0,
             prefetch_depth: prefetch.max(1),
+            // Every streamed group's host copy page-locked through burn's staging.
+            pinned_budget: if pinned { u64::MAX } else { 0 },
             ..GroupOptions::default()
         };
         let grouped = GroupedTransformer::new(model, offload, &options, card.clone())?;
@@ -206,7 +211,8 @@ fn bench(args: &Args) -> anyhow::Result<()> {
         })?;
         row(mode, timing, Some(card.peak()));
         let stats = grouped.offload().stats();
-        eprintln!("{mode}: {stats:?}");
+        let (pinned_bytes, page_locked) = grouped.offload().pinned_bytes();
+        eprintln!("{mode}: {stats:?}; pinned {pinned_bytes} bytes, {page_locked} of them page-locked");
         drop(grouped);
         exec.memory_cleanup();
         let _: Arc<dyn DeviceMemory> = card;

@@ -55,6 +55,9 @@ pub struct GroupOptions {
     /// Bytes of released groups that stay on the device (group offload's resident budget), beside the layers
     /// outside the blocks when those are kept.
     pub resident_budget: u64,
+    /// Bytes of the streamed groups' host copies to pin (group offload's pinned budget: page-locked on CUDA,
+    /// uploads charged as pinned copies).
+    pub pinned_budget: u64,
     /// Keep the groups' host copies as files in this directory instead of in host memory.
     pub disk_store: Option<PathBuf>,
     /// Whether the manager may release the component whole (every group, the resident ones included) when
@@ -67,14 +70,15 @@ pub struct GroupOptions {
 }
 
 impl Default for GroupOptions {
-    /// Block level with one block per group, prefetch depth 1, no resident budget, host memory store, never
-    /// released whole, layers outside the blocks resident.
+    /// Block level with one block per group, prefetch depth 1, no resident or pinned budget, host memory store,
+    /// never released whole, layers outside the blocks resident.
     fn default() -> Self {
         Self {
             level: GroupLevel::Block { blocks_per_group: 1 },
             prefetch: true,
             prefetch_depth: 1,
             resident_budget: 0,
+            pinned_budget: 0,
             disk_store: None,
             releasable: false,
             keep_outside: true,
@@ -101,6 +105,19 @@ impl GroupOptions {
             });
         }
         Ok(())
+    }
+
+    /// `config` (device, ledger, readings, record) with these options' prefetch, budgets and disk store.
+    pub fn configure(&self, config: GroupOffloadConfig) -> GroupOffloadConfig {
+        let config = config
+            .with_prefetch(self.prefetch)
+            .with_prefetch_depth(self.prefetch_depth.max(1))
+            .with_resident_budget(self.resident_budget)
+            .with_pinned_budget(self.pinned_budget);
+        match &self.disk_store {
+            Some(dir) => config.with_disk_store(dir.clone()),
+            None => config,
+        }
     }
 
     /// Where the layers outside the blocks live: resident when kept, streamed as one group otherwise.
@@ -257,8 +274,9 @@ pub struct TransformerParts {
 pub type GroupedTransformer = GroupedModel<TransformerParts>;
 
 impl GroupedTransformer {
-    /// Takes `transformer` apart under `config` (its device, ledger, record and prefetch settings) at the level
-    /// and with the options of `options`; `ledger` is charged each forward's activations.
+    /// Takes `transformer` apart under `config` (its device, ledger, readings and record) with `options` (level,
+    /// prefetch, budgets, disk store: [`GroupOptions::configure`]); `ledger` is charged each forward's
+    /// activations.
     pub fn new(
         mut transformer: ZImageTransformer2DModel,
         config: GroupOffloadConfig,
@@ -266,7 +284,7 @@ impl GroupedTransformer {
         ledger: Arc<dyn DeviceLedger>,
     ) -> Result<Self> {
         options.validate()?;
-        let offload = GroupOffload::new(config)?;
+        let offload = GroupOffload::new(options.configure(config))?;
         let level = options.level;
         let noise_refiner = Streamed::new(&offload, "noise_refiner", std::mem::take(&mut transformer.noise_refiner), level)?;
         let context_refiner =
@@ -317,8 +335,8 @@ pub struct TextEncoderParts {
 pub type GroupedTextEncoder = GroupedModel<TextEncoderParts>;
 
 impl GroupedTextEncoder {
-    /// Takes `text_encoder` apart under `config` at the level and with the options of `options`; `ledger` is
-    /// charged each call's activations.
+    /// Takes `text_encoder` apart under `config` with `options`, as [`GroupedTransformer::new`] does; `ledger`
+    /// is charged each call's activations.
     pub fn new(
         mut text_encoder: TextEncoder,
         config: GroupOffloadConfig,
@@ -326,7 +344,7 @@ impl GroupedTextEncoder {
         ledger: Arc<dyn DeviceLedger>,
     ) -> Result<Self> {
         options.validate()?;
-        let offload = GroupOffload::new(config)?;
+        let offload = GroupOffload::new(options.configure(config))?;
         let hidden_size = text_encoder.hidden_size();
         let layers = Streamed::new(&offload, "layers", std::mem::take(&mut text_encoder.layers), options.level)?;
         let shell = offload.module("shell", text_encoder, options.outside())?;

@@ -99,6 +99,10 @@ struct Generate {
     /// Simulate a card of this size (or a catalogue name) on the device: hard mode, allocations past it fail.
     #[arg(long)]
     card: Option<String>,
+    /// On the simulated card, the share of the link rate a copy from pageable host memory reaches (pinned
+    /// copies reach all of it); 1 by default. Try 0.5 to see what the plan's pinned budget buys.
+    #[arg(long, default_value_t = 1.0)]
+    pageable_fraction: f64,
     /// How components are offloaded by hand, without the planner; --preset takes precedence. Default: none.
     #[arg(long, value_enum)]
     offload: Option<Offload>,
@@ -288,7 +292,10 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         .card
         .as_deref()
         .map(|label| -> anyhow::Result<Arc<SimCard>> {
-            let spec = CardSpec::parse(label)?.with_mode(Mode::Hard).with_context_overhead(0);
+            let spec = CardSpec::parse(label)?
+                .with_mode(Mode::Hard)
+                .with_context_overhead(0)
+                .with_pageable_fraction(args.pageable_fraction)?;
             if offload != Offload::None {
                 spec.check_reserve(manual_reserve)?;
             }
@@ -391,6 +398,13 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     if let Some(card) = &card {
         println!("\n{}", pipeline.manager().offload_record());
         println!("\npeak on the simulated {} card: {}", card.spec().label, format_size(card.peak()));
+        let stats = card.stats();
+        println!(
+            "link: {} to the device ({} of it from pinned host memory), {:.3} s simulated",
+            format_size(stats.bytes_to_device),
+            format_size(stats.bytes_pinned_to_device),
+            stats.transfer_seconds
+        );
     }
     if let Some(record) = record {
         println!("capacity profile: {}", record.path.display());

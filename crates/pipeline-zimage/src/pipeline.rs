@@ -309,17 +309,11 @@ impl ZImagePipeline {
         let mut config = GroupOffloadConfig::new(component.name(), self.placement.exec.clone())
             .with_device_name(self.placement.name.clone())
             .with_ledger(ledger.clone())
-            .with_record(self.manager.offload_record())
-            .with_prefetch(options.prefetch)
-            .with_prefetch_depth(options.prefetch_depth.max(1))
-            .with_resident_budget(options.resident_budget);
-        if let Some(dir) = &options.disk_store {
-            config = config.with_disk_store(dir.clone());
-        }
+            .with_record(self.manager.offload_record());
         if let Some(memory) = memory {
             config = config.with_memory(memory);
         }
-        config.validate()?;
+        options.configure(config.clone()).validate()?;
         // Taking the model apart into an in-memory store touches no device and cannot fail once the options
         // are valid (resident layers upload later, when the manager onloads the model), so the registered
         // component is taken out and consumed: its host tensors become the group store without a copy. A disk
@@ -402,18 +396,24 @@ impl ZImagePipeline {
         self.transformer_dtype
     }
 
-    /// Group-offload statistics of `component` (onloads, prefetch hits, misses, stray loads), when it is grouped.
-    pub fn group_stats(&self, component: PipelineComponent) -> Option<group_offload::GroupStats> {
+    /// The group offloader of `component`, when it is grouped: its statistics, groups, order and pinned bytes.
+    /// The handle shares the offloader.
+    pub fn group_offload(&self, component: PipelineComponent) -> Option<group_offload::GroupOffload> {
         let id = component.id(self);
         match component {
             PipelineComponent::Transformer if self.grouped_transformer => {
-                self.manager.inspect(id, |g: &GroupedTransformer| g.offload().stats()).ok()
+                self.manager.inspect(id, |g: &GroupedTransformer| g.offload().clone()).ok()
             }
             PipelineComponent::TextEncoder if self.grouped_text_encoder => {
-                self.manager.inspect(id, |g: &GroupedTextEncoder| g.offload().stats()).ok()
+                self.manager.inspect(id, |g: &GroupedTextEncoder| g.offload().clone()).ok()
             }
             _ => None,
         }
+    }
+
+    /// Group-offload statistics of `component` (onloads, prefetch hits, misses, stray loads), when it is grouped.
+    pub fn group_stats(&self, component: PipelineComponent) -> Option<group_offload::GroupStats> {
+        self.group_offload(component).map(|offload| offload.stats())
     }
 
     /// Where the components execute and what accounts for them.

@@ -83,11 +83,13 @@ impl DeviceFacts {
         Self { memory, host, time: TimeModel::generic(), label }
     }
 
-    /// Facts for a simulated card: its readings, its link and compute figures, its label.
+    /// Facts for a simulated card: its readings, its link and compute figures (its pageable fraction too, so
+    /// the predictions price pinned and pageable copies as the card does), its label.
     pub fn simulated(card: Arc<SimCard>, host: HostMemory) -> Self {
         let timing = card.spec().timing;
-        let time =
+        let mut time =
             TimeModel::new(timing.link_bytes_per_second, timing.link_latency.as_secs_f64(), timing.flops_per_second);
+        time.pageable_fraction = timing.pageable_fraction;
         let label = card.spec().label.clone();
         Self { memory: card, host, time, label }
     }
@@ -521,14 +523,29 @@ fn plan_and_apply(
         }
     }
     let mut notes = Vec::new();
-    let pinned = plan.pinned_bytes();
-    if pinned > 0 {
-        notes.push(format!(
-            "the plan pins {}, but every host copy stays in pageable memory (group offload's pinned staging is not \
-             wired yet, and whole components move with burn's to_device): copies run at the pageable rate, so the \
-             predicted times are optimistic",
-            format_size(pinned)
-        ));
+    for planned in &plan.components {
+        let streams = streamed.iter().any(|(c, _)| c.name() == planned.component);
+        if planned.pinned_bytes > 0 && !streams {
+            notes.push(format!(
+                "{}: the plan pins {} of its host copy, but a component that moves whole goes with burn's to_device \
+                 from its own host tensors, which are not pinned (on CUDA, burn stages copies under 100 MiB through \
+                 its pinned pool by itself): its copies run at the pageable rate, so its predicted time is optimistic",
+                planned.component,
+                format_size(planned.pinned_bytes)
+            ));
+        }
+    }
+    for (component, _) in &streamed {
+        let Some(offload) = pipeline.group_offload(*component) else { continue };
+        let (pinned, page_locked) = offload.pinned_bytes();
+        if pinned > page_locked {
+            notes.push(format!(
+                "{component}: {} of host copies pinned through the device's staging, {} of them page-locked: this \
+                 backend has no page-locked memory, so only the simulated card's pricing sees the difference",
+                format_size(pinned),
+                format_size(page_locked)
+            ));
+        }
     }
 
     let manager = pipeline.manager().clone();
@@ -608,13 +625,20 @@ fn apply_group_offload(
                 prefetch,
                 prefetch_depth: depth,
                 resident_budget: planned.resident_bytes.saturating_sub(if keep_outside { outside } else { 0 }),
+                pinned_budget: planned.pinned_bytes,
                 disk_store,
                 releasable: true,
                 keep_outside,
             }
         }
         Route::LeafGroupOffload { prefetch } => {
-            GroupOptions { prefetch, disk_store, releasable: true, ..GroupOptions::leaf() }
+            GroupOptions {
+                prefetch,
+                pinned_budget: planned.pinned_bytes,
+                disk_store,
+                releasable: true,
+                ..GroupOptions::leaf()
+            }
         }
         _ => return Ok(None),
     };
@@ -626,11 +650,16 @@ fn apply_group_offload(
         GroupLevel::Block { blocks_per_group } => format!("block level, {blocks_per_group} blocks per group"),
         GroupLevel::Leaf => "leaf level, one linear layer at a time".to_string(),
     };
+    let offload = pipeline.group_offload(component);
+    let (pinned, page_locked) = offload.map_or((0, 0), |o| o.pinned_bytes());
     let how = format!(
-        "group offload: {level}, {}, resident budget {} of groups, the {} outside the blocks {}, host copies {}; \
-         the staged strategy releases every group when the next phase's component comes",
+        "group offload: {level}, {}, resident budget {} of groups, {} of host copies pinned ({} page-locked), the {} \
+         outside the blocks {}, host copies {}; the staged strategy releases every group when the next phase's \
+         component comes",
         if options.prefetch { format!("prefetch depth {}", options.prefetch_depth) } else { "no prefetch".into() },
         format_size(options.resident_budget),
+        format_size(pinned),
+        format_size(page_locked),
         format_size(outside),
         if options.keep_outside { "resident" } else { "streamed as one group" },
         match &options.disk_store {

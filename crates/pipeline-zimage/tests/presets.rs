@@ -427,3 +427,48 @@ fn a_plan_that_keeps_host_copies_on_disk_streams_them_from_files() {
     let image = pipeline.generate(&opts, &mut |_, _| {}).expect("runs");
     assert!(max_abs_diff(&values(image), &resident) <= 1e-6);
 }
+
+#[test]
+fn pinned_host_copies_are_staged_and_priced_as_pinned_copies_on_the_card() {
+    let (opts, _) = turbo_options();
+    let resident = resident_image(&opts);
+    let sizes = sizes(&opts);
+    let card_bytes = sizes.streaming_card();
+    for (preset, pins) in [(Preset::WarmProcess, true), (Preset::NoPin, false)] {
+        let scratch = Scratch::new("pinned");
+        let spec = CardSpec::parse(&card_bytes.to_string())
+            .expect("a size")
+            .with_mode(Mode::Hard)
+            .with_context_overhead(0)
+            .with_pageable_fraction(0.5)
+            .expect("a fraction");
+        let card = SimCard::new(spec);
+        let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+        let mut pipeline = load(placement);
+        let facts = DeviceFacts::simulated(card.clone(), host());
+        let pairs = [
+            ("preset", preset.name().to_string()),
+            ("reserve", sizes.reserve.to_string()),
+            ("profile_dir", scratch.0.display().to_string()),
+        ];
+        let plan = enable_pipeline_offload(&mut pipeline, settings(&pairs), &facts, &opts).expect("plans");
+        let planned = plan.component("transformer").expect("planned").pinned_bytes;
+        let offload = pipeline.group_offload(PipelineComponent::Transformer).expect("the transformer streams");
+        let (pinned, page_locked) = offload.pinned_bytes();
+        assert_eq!(page_locked, 0, "{preset}: the CPU backend has no page-locked memory");
+        if pins {
+            assert!(pinned > 0 && pinned <= planned, "{preset}: pinned {pinned} of the planned {planned}\n{plan}");
+            assert!(plan.notes.iter().any(|n| n.contains("pinned through the device's staging")), "{plan}");
+        } else {
+            assert_eq!((planned, pinned), (0, 0), "{preset}: {plan}");
+        }
+        let image = pipeline.generate(&opts, &mut |_, _| {}).expect("runs");
+        assert!(max_abs_diff(&values(image), &resident) <= 1e-6, "{preset}");
+        let stats = card.stats();
+        if pins {
+            assert!(stats.bytes_pinned_to_device > 0, "{preset}: {stats:?}");
+        } else {
+            assert_eq!(stats.bytes_pinned_to_device, 0, "{preset}: {stats:?}");
+        }
+    }
+}

@@ -21,6 +21,8 @@ pub struct FakeCard {
     peak: AtomicU64,
     allocations: AtomicUsize,
     transfers: AtomicUsize,
+    /// Bytes copied from pinned host memory.
+    pinned: AtomicU64,
     /// 1-based index of the allocation that fails (0 = none).
     pub fail_allocation: AtomicUsize,
     /// 1-based index of the transfer that fails (0 = none).
@@ -44,6 +46,11 @@ impl FakeCard {
 
     pub fn allocations(&self) -> usize {
         self.allocations.load(Ordering::SeqCst)
+    }
+
+    /// Bytes copied from pinned host memory so far.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.pinned.load(Ordering::SeqCst)
     }
 
     pub fn reset_peak(&self) {
@@ -81,6 +88,12 @@ impl DeviceLedger for FakeCard {
             return Err(ComponentError::Transfer { what: format!("{bytes} bytes"), message: "link reset".into() });
         }
         self.log.lock().push(format!("transfer {bytes}"));
+        Ok(())
+    }
+
+    fn transfer_pinned(&self, bytes: u64) -> Result<(), ComponentError> {
+        self.transfer(bytes, Direction::HostToDevice)?;
+        self.pinned.fetch_add(bytes, Ordering::SeqCst);
         Ok(())
     }
 }
