@@ -58,6 +58,15 @@ impl ModuleMapper for Extractor<'_> {
         let tensor = param.into_value();
         let shape = tensor.shape().as_slice().to_vec();
         let (bytes, dtype) = match tensor.try_into_data() {
+            Ok(data) if matches!(data.dtype(), DType::QFloat(_)) => {
+                let path = self.stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".");
+                self.failure.get_or_insert(format!(
+                    "parameter {path} is quantized ({:?}); group offload streams float parameters only, so move a \
+                     quantized module whole (component offload), or stream it unquantized",
+                    data.dtype()
+                ));
+                (Bytes::from_bytes_vec(Vec::new()), DType::F32)
+            }
             Ok(data) => {
                 let (bytes, _, dtype) = data.into_parts();
                 (bytes.shared(), dtype)

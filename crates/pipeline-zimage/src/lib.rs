@@ -28,6 +28,7 @@ pub mod nn;
 pub mod offload;
 pub mod pipeline;
 pub mod presets;
+pub mod quantize;
 pub mod scheduler;
 pub mod text_encoder;
 pub mod tokenizer;

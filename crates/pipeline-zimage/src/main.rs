@@ -21,7 +21,7 @@ use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::offload::Placement;
-use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
+use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
 use pipeline_zimage::presets::{DeviceFacts, enable_pipeline_offload, exact_reserve, generate_profiled};
 
 /// Z-Image(-Turbo) on burn.
@@ -133,6 +133,10 @@ struct Generate {
     /// Load weights in bf16 instead of the checkpoint's dtype cast to f32.
     #[arg(long)]
     bf16: bool,
+    /// Quantize the text encoder's and the transformer's linear weights to 8 bits (burn quantized tensors, their
+    /// own kernels). Quantized components move only whole: the planner never streams them by blocks or leaves.
+    #[arg(long)]
+    quantize: bool,
 }
 
 fn default_weights() -> PathBuf {
@@ -323,6 +327,12 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         .with_context(|| format!("loading {}", weights.display()))?;
     for report in pipeline.load_reports() {
         eprintln!("{report}");
+    }
+    if args.quantize {
+        for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
+            let count = pipeline.quantize(component)?;
+            eprintln!("{component}: {count} linear weights quantized to 8 bits");
+        }
     }
     let mut opts = GenerateOptions::turbo(args.prompt.clone());
     opts.negative_prompt = args.negative_prompt.clone();

@@ -45,6 +45,15 @@ impl PtLinear {
         Self { weight, bias }
     }
 
+    /// The dtype the layer computes in: its weight's, or when the weight is quantized its bias's (F32 without
+    /// a bias).
+    pub fn dtype(&self) -> DType {
+        match self.weight.val().dtype() {
+            DType::QFloat(_) => self.bias.as_ref().map_or(DType::F32, |bias| bias.val().dtype()),
+            dtype => dtype,
+        }
+    }
+
     /// The input width, `d_in`.
     pub fn d_in(&self) -> usize {
         self.weight.shape().dims::<2>()[1]

@@ -10,21 +10,32 @@
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::quantization::quantized_data_len;
+use burn::tensor::{DType, Device, Tensor};
 use offload_core::{ComponentError, DeviceLedger, DeviceName, Direction, Offloadable};
 
-/// Bytes of a module's float parameters, at their current dtypes.
+/// Bytes of a module's float parameters, at their current dtypes (a quantized tensor's values and scales).
 pub fn module_bytes<M: Module>(module: &M) -> u64 {
     struct Bytes(u64);
     impl ModuleVisitor for Bytes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let tensor = param.val();
-            self.0 += (tensor.shape().num_elements() * tensor.dtype().size()) as u64;
+            self.0 += tensor_bytes(&param.val());
         }
     }
     let mut bytes = Bytes(0);
     module.visit(&mut bytes);
     bytes.0
+}
+
+/// Bytes of one float tensor at its dtype; for a quantized tensor, its values and scales (its dtype's size is
+/// one storage word, not bytes per value).
+pub fn tensor_bytes<const D: usize>(tensor: &Tensor<D>) -> u64 {
+    let shape = tensor.shape();
+    let bytes = match tensor.dtype() {
+        DType::QFloat(scheme) => quantized_data_len(&scheme, &shape),
+        dtype => shape.num_elements() * dtype.size(),
+    };
+    bytes as u64
 }
 
 /// Where a component executes: the burn device that computes, the name the manager knows it by, and the

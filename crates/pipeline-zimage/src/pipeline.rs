@@ -206,6 +206,8 @@ pub struct ZImagePipeline {
     grouped_text_encoder: bool,
     /// Whether the transformer is under group offload.
     grouped_transformer: bool,
+    /// The components whose linear weights are quantized.
+    quantized: Vec<PipelineComponent>,
     transformer_dtype: DType,
 }
 
@@ -261,6 +263,7 @@ impl ZImagePipeline {
             reports,
             grouped_text_encoder: false,
             grouped_transformer: false,
+            quantized: Vec::new(),
             transformer_dtype: dtype,
         })
     }
@@ -304,6 +307,16 @@ impl ZImagePipeline {
     ) -> Result<()> {
         if self.is_grouped(component) {
             return Ok(());
+        }
+        if self.is_quantized(component) {
+            return Err(Error::RouteUnsupported {
+                component: component.name().into(),
+                route: "group offload".into(),
+                reason: "its linear weights are quantized, and group offload streams float parameters only: a \
+                         quantized component moves whole (component offload keeps its quantized tensors and \
+                         kernels); load it unquantized to stream it by blocks or leaves"
+                    .into(),
+            });
         }
         options.validate()?;
         let mut config = GroupOffloadConfig::new(component.name(), self.placement.exec.clone())
@@ -380,6 +393,70 @@ impl ZImagePipeline {
             self.manager.remove(id)?;
         }
         Ok(self.manager.add(component.name(), grouped, None)?)
+    }
+
+    /// Quantizes the linear weights of `component` to 8 bits with burn's quantized tensors
+    /// ([`crate::quantize`]): the weights stay quantized wherever the manager moves the component, and its
+    /// linear layers run burn's quantized kernels. Returns how many weights were quantized. Refused for a
+    /// component under group offload (quantize first: a quantized component then moves whole), and does nothing
+    /// the second time.
+    ///
+    /// The component is re-registered with its new size (its id changes, see [`ids`](Self::ids)); a failure
+    /// leaves it registered as it was.
+    pub fn quantize(&mut self, component: PipelineComponent) -> Result<usize> {
+        if self.is_grouped(component) {
+            return Err(Error::OffloadAlreadyApplied {
+                component: component.name().into(),
+                reason: "it is under group offload, whose host copies are float; quantize it before enabling \
+                         offload (a quantized component moves whole)"
+                    .into(),
+            });
+        }
+        if self.is_quantized(component) {
+            return Ok(0);
+        }
+        let id = component.id(self).to_string();
+        let scheme = crate::quantize::int8_scheme();
+        let (new_id, count) = match component {
+            PipelineComponent::TextEncoder => {
+                self.requantize::<TextEncoder>(&id, "text_encoder", "Qwen3Model", &scheme)?
+            }
+            PipelineComponent::Transformer => self.requantize::<ZImageTransformer2DModel>(
+                &id,
+                "transformer",
+                "ZImageTransformer2DModel",
+                &scheme,
+            )?,
+            PipelineComponent::Vae => self.requantize::<AutoencoderKl>(&id, "vae", "AutoencoderKL", &scheme)?,
+        };
+        match component {
+            PipelineComponent::TextEncoder => self.ids.text_encoder = new_id,
+            PipelineComponent::Transformer => self.ids.transformer = new_id,
+            PipelineComponent::Vae => self.ids.vae = new_id,
+        }
+        self.quantized.push(component);
+        Ok(count)
+    }
+
+    /// Replaces the registered module `id` with its quantized copy, registered as `name`.
+    fn requantize<M: burn::module::Module + Clone + 'static>(
+        &self,
+        id: &str,
+        name: &str,
+        class: &'static str,
+        scheme: &burn::tensor::quantization::QuantScheme,
+    ) -> Result<(String, usize)> {
+        // Quantize a copy of the handles first, so nothing is unregistered until the quantized module exists.
+        let module: M = self.take_module(id, true)?;
+        let (quantized, count) = crate::quantize::quantize_linear_weights(module, scheme);
+        self.manager.remove(id)?;
+        let new_id = self.manager.add(name, BurnComponent::new(quantized, class, self.placement.clone()), None)?;
+        Ok((new_id, count))
+    }
+
+    /// Whether `component`'s linear weights are quantized ([`quantize`](Self::quantize)).
+    pub fn is_quantized(&self, component: PipelineComponent) -> bool {
+        self.quantized.contains(&component)
     }
 
     /// Whether `component` is under group offload.

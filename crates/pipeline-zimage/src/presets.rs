@@ -24,8 +24,9 @@
 //!   whose recommended resident budget later plans reuse.
 //!
 //! Settings are validated once, by `Settings::resolve` (the edge); generation options by
-//! [`GenerateOptions::validate`]. Quantized weights are not exercised by this pipeline: every spec says
-//! `quantized = false` (see `docs/presets.md`).
+//! [`GenerateOptions::validate`]. A component quantized with [`ZImagePipeline::quantize`] is described as
+//! quantized, so the planner routes it resident or whole (component offload keeps burn's quantized tensors and
+//! kernels), never to block or leaf offload (see `docs/presets.md`).
 
 use std::fmt;
 use std::path::PathBuf;
@@ -42,7 +43,7 @@ use offload_core::plan::{
 use offload_core::{DeviceMemory, format_size};
 
 use crate::error::{Error, Result};
-use crate::offload::{BurnComponent, module_bytes};
+use crate::offload::{BurnComponent, module_bytes, tensor_bytes};
 use crate::grouped::{GroupLevel, GroupOptions};
 use crate::pipeline::{GenerateOptions, ZImagePipeline};
 use crate::text_encoder::TextEncoder;
@@ -167,8 +168,7 @@ fn leaves<M: Module>(module: &M) -> (u64, usize) {
     impl ModuleVisitor for Leaves {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if D >= 2 {
-                let tensor = param.val();
-                self.largest = self.largest.max((tensor.shape().num_elements() * tensor.dtype().size()) as u64);
+                self.largest = self.largest.max(tensor_bytes(&param.val()));
                 self.count += 1;
             }
         }
@@ -181,7 +181,8 @@ fn leaves<M: Module>(module: &M) -> (u64, usize) {
 /// The three components as plan input, for the workload `opts`: weight bytes from the manager, the text
 /// encoder's and the transformer's layouts ([`text_encoder_layout`], [`transformer_layout`]), the activation
 /// estimates of [`ZImagePipeline::activation_estimates`], FLOPs per call from the configs (for the time model
-/// only), the denoising steps as the transformer's calls per image, and `quantized = false`.
+/// only), the denoising steps as the transformer's calls per image, and whether each is quantized
+/// ([`ZImagePipeline::quantize`]: the planner then moves it only whole).
 ///
 /// The VAE has no layout: it is not cut into blocks in this pipeline, so it is resident or component-offloaded.
 pub fn component_specs(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Result<Vec<ComponentSpec>> {
@@ -197,16 +198,16 @@ pub fn component_specs(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Res
             .with_layout(text_encoder_layout(pipeline)?)
             .with_activation(text_activation)
             .with_cost(text_flops, 1)
-            .quantized(false),
+            .quantized(pipeline.is_quantized(PipelineComponent::TextEncoder)),
         ComponentSpec::new("transformer", bytes(&ids.transformer)?)
             .with_layout(transformer_layout(pipeline)?)
             .with_activation(transformer_activation)
             .with_cost(transformer_flops, steps)
-            .quantized(false),
+            .quantized(pipeline.is_quantized(PipelineComponent::Transformer)),
         ComponentSpec::new("vae", bytes(&ids.vae)?)
             .with_activation(vae_activation)
             .with_cost(vae_flops, 1)
-            .quantized(false),
+            .quantized(pipeline.is_quantized(PipelineComponent::Vae)),
     ])
 }
 

@@ -86,7 +86,7 @@ impl TimestepEmbedder {
         let args = t.cast(DType::F32).unsqueeze_dim::<2>(1) * freqs.unsqueeze_dim::<2>(0);
         let embedding = Tensor::cat(vec![args.clone().cos(), args.sin()], 1);
         let (first, _, second) = &self.mlp;
-        let dtype = first.weight.val().dtype();
+        let dtype = first.dtype();
         second.forward(silu(first.forward(embedding.cast(dtype))))
     }
 }
@@ -550,9 +550,9 @@ impl ZImageTransformer2DModel {
         }
     }
 
-    /// The dtype the model computes in (its weights').
+    /// The dtype the model computes in (its float weights'; the pad token is never quantized).
     pub fn dtype(&self) -> DType {
-        self.x_embedder.weight.val().dtype()
+        self.x_pad_token.val().dtype()
     }
 
     /// Checks a latent shape `[B, C, F, H, W]` and caption length against the config; the pipeline calls this
