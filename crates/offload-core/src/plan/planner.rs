@@ -969,15 +969,25 @@ impl Planner<'_> {
                     why.push_str(&format!("; {} stream in its one call", fs(eval.first_streamed)));
                 }
             }
-            Route::LeafGroupOffload { prefetch } => why.push_str(&format!(
-                ", {} it streams its blocks leaf by leaf {}: {} every call, at most {} of leaves on the device beside \
-                 the {} outside the blocks, which stay resident",
-                if fits { "yet" } else { "so" },
-                if prefetch { "with prefetch" } else { "without prefetch" },
-                fs(eval.steady_streamed),
-                fs(eval.window),
-                fs(eval.resident)
-            )),
+            Route::LeafGroupOffload { prefetch } => {
+                why.push_str(&format!(
+                    ", {} it streams its blocks leaf by leaf {}: at most {} of leaves on the device beside the {} \
+                     outside the blocks, which stay resident",
+                    if fits { "yet" } else { "so" },
+                    if prefetch { "with prefetch" } else { "without prefetch" },
+                    fs(eval.window),
+                    fs(eval.resident)
+                ));
+                if calls > 1 {
+                    why.push_str(&format!(
+                        "; {} stream on the first step, {} on each later one",
+                        fs(eval.first_streamed),
+                        fs(eval.steady_streamed)
+                    ));
+                } else {
+                    why.push_str(&format!("; {} stream in its one call", fs(eval.first_streamed)));
+                }
+            }
             Route::Resident | Route::Off => why.push_str(", so it stays resident"),
         }
         let seconds = eval.per_image_seconds(calls) / f64::from(calls);
