@@ -128,7 +128,9 @@ fn parity(args: &Args) -> anyhow::Result<()> {
     let placement = Placement { exec, host: Device::flex(), name: name.clone(), ledger: Arc::new(offload_core::NoLedger) };
     let pipeline = ZImagePipeline::load(&weights, placement, &pipeline_zimage::loading::LoadOptions::new())?;
     pipeline.enable_auto_offload(Arc::new(Unbounded { device: name }), 0, true)?;
-    let cases: [(&str, usize, f32, Option<&str>, &str, bool); 3] = [
+    // (golden file, steps, guidance, negative prompt, noise tensor, image-to-image)
+    type Case<'a> = (&'a str, usize, f32, Option<&'a str>, &'a str, bool);
+    let cases: [Case; 3] = [
         ("pipeline_t2i_turbo.safetensors", 4, 0.0, None, "latents", false),
         ("pipeline_t2i_cfg.safetensors", 3, 4.0, Some("blurry, low quality"), "latents", false),
         ("pipeline_img2img.safetensors", 4, 0.0, None, "noise", true),

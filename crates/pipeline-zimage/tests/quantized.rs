@@ -153,7 +153,7 @@ fn a_card_too_small_for_the_quantized_transformer_whole_is_a_typed_planning_erro
     let transformer = bytes(&probe, PipelineComponent::Transformer);
     let (mut pipeline, card) = quantized_on_card(transformer / 2 + reserve);
     let facts = DeviceFacts::simulated(card, HostMemory::new(64 << 30, 60 << 30));
-    let error = enable_pipeline_offload(&mut pipeline, settings(reserve), &facts, &opts).err().expect("does not fit");
+    let error = enable_pipeline_offload(&mut pipeline, settings(reserve), &facts, &opts).expect_err("does not fit");
     let message = error.to_string();
     assert!(message.contains("quantized weights keep their own kernels"), "{message}");
     assert!(matches!(pipeline.manager().placement().len(), 3), "nothing was lost");

@@ -1,6 +1,6 @@
 //! Faults injected at every allocation and every transfer of the tiny real Z-Image-Turbo flow (text-to-image,
-//! 64x64, 4 steps, guidance 0, diffusers' latents) on a simulated card in hard mode, with and without group
-//! offload of the transformer.
+//! 64x64, 4 steps, guidance 0, diffusers' latents) on a simulated card in hard mode: under auto offload alone,
+//! with the transformer under block-level group offload, and with both encoders under leaf-level group offload.
 //!
 //! A fault-free run counts the allocations (and transfers) the flow makes; then the flow runs once per point,
 //! on a fresh pipeline and card, with exactly that allocation (or transfer) failing. Every run must end with an
@@ -9,9 +9,8 @@
 //! - every component is on a known device: the manager's placement, its component info and the component itself
 //!   agree;
 //! - the card holds exactly the weights the placement says are resident (nothing leaked, nothing lost);
-//! - every component's weights are intact: a checksum of every float parameter of the text encoder, the VAE and
-//!   the plain transformer equals the one taken before the run (the grouped transformer sits in a private
-//!   wrapper of the pipeline, so its weights are checked by the run after the fault, below);
+//! - every component's weights are intact: a checksum of every float parameter of the plain components equals
+//!   the one taken before the run, and every group's host copy has the checksum it had (`host_checksums`);
 //! - the record explains what happened: the manager's moves add up to the final placement, and a run that
 //!   recovered from an out-of-memory shows an `oom_retry` row (or, under group offload, a failed prefetch that
 //!   was loaded again when taken);
@@ -113,16 +112,21 @@ fn checksum<M: Module>(module: &M) -> Checksum {
 /// generating again after the fault (see [`check_again`]) instead of by the groups' host checksums.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Weights {
-    text_encoder: Checksum,
+    text_encoder: Option<Checksum>,
     transformer: Option<Checksum>,
     vae: Checksum,
+    /// The host copies of every grouped component's groups.
+    groups: Vec<(String, Result<u64, String>)>,
 }
 
 fn weights(pipeline: &ZImagePipeline) -> Weights {
     let manager = pipeline.manager();
     let ids = pipeline.ids();
-    let text_encoder =
-        manager.inspect(&ids.text_encoder, |c: &BurnComponent<TextEncoder>| checksum(c.module())).unwrap();
+    let text_encoder = if pipeline.is_grouped(PipelineComponent::TextEncoder) {
+        None
+    } else {
+        Some(manager.inspect(&ids.text_encoder, |c: &BurnComponent<TextEncoder>| checksum(c.module())).unwrap())
+    };
     let vae = manager.inspect(&ids.vae, |c: &BurnComponent<AutoencoderKl>| checksum(c.module())).unwrap();
     let transformer = if pipeline.is_grouped(PipelineComponent::Transformer) {
         None
@@ -133,7 +137,12 @@ fn weights(pipeline: &ZImagePipeline) -> Weights {
                 .unwrap(),
         )
     };
-    Weights { text_encoder, transformer, vae }
+    let groups = PipelineComponent::ALL
+        .into_iter()
+        .filter_map(|c| pipeline.group_offload(c))
+        .flat_map(|offload| offload.host_checksums())
+        .collect();
+    Weights { text_encoder, transformer, vae, groups }
 }
 
 /// Every component is on a known device, and the card holds exactly the resident weights: the plain
@@ -149,8 +158,10 @@ fn check_placement(pipeline: &ZImagePipeline, card: &SimCard, context: &str) {
         let info = manager.component_info(id).unwrap();
         assert_eq!(&info.device, device, "{context}: {id}: placement and component info disagree");
         assert!(device.is_cpu() || *device == card.device(), "{context}: {id} is on an unknown device {device}");
-        let own = if *id == ids.text_encoder {
+        let own = if *id == ids.text_encoder && !pipeline.is_grouped(PipelineComponent::TextEncoder) {
             Some(manager.inspect(id, |c: &BurnComponent<TextEncoder>| c.device()).unwrap())
+        } else if *id == ids.text_encoder {
+            None
         } else if *id == ids.vae {
             Some(manager.inspect(id, |c: &BurnComponent<AutoencoderKl>| c.device()).unwrap())
         } else if !pipeline.is_grouped(PipelineComponent::Transformer) {
@@ -300,11 +311,21 @@ impl DeviceLedger for Traced {
     }
 }
 
-/// A pipeline on a fresh hard card of `capacity` bytes (no context overhead, no reserve, OOM retry on), with
-/// the transformer under block-level group offload (one block per group, prefetch depth 1) when `group`.
-/// Faults are set before anything is placed, so setup allocations count too.
+/// How the flow places its components.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Setup {
+    /// Auto offload only.
+    Auto,
+    /// The transformer under block-level group offload (one block per group, prefetch depth 1).
+    Block,
+    /// The text encoder and the transformer under leaf-level group offload (prefetch depth 1).
+    Leaf,
+}
+
+/// A pipeline on a fresh hard card of `capacity` bytes (no context overhead, no reserve, OOM retry on), placed
+/// as `setup` says. Faults are set before anything is placed, so setup allocations count too.
 fn pipeline_on_card(
-    group: bool,
+    setup: Setup,
     capacity: u64,
     faults: Faults,
 ) -> (Result<ZImagePipeline, pipeline_zimage::Error>, Arc<SimCard>, Arc<Traced>) {
@@ -317,8 +338,15 @@ fn pipeline_on_card(
     let mut pipeline = load(placement);
     let _ = traced.record.set(pipeline.manager().offload_record());
     let enabled = (|| {
-        if group {
-            pipeline.enable_group_offload(traced.clone(), Some(card.clone()), 1, 1)?;
+        match setup {
+            Setup::Auto => {}
+            Setup::Block => pipeline.enable_group_offload(traced.clone(), Some(card.clone()), 1, 1)?,
+            Setup::Leaf => {
+                for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
+                    let leaf = pipeline_zimage::grouped::GroupOptions::leaf();
+                    pipeline.enable_group_offload_with(component, traced.clone(), Some(card.clone()), &leaf)?;
+                }
+            }
         }
         pipeline.enable_auto_offload(card.clone(), 0, true)
     })();
@@ -350,16 +378,20 @@ struct Tally {
 }
 
 /// Runs the flow once per injection point of `fault` after the setup and checks every outcome.
-fn every_point(group: bool, fault: Fault) -> Tally {
+fn every_point(setup: Setup, fault: Fault) -> Tally {
     let capacity = card_capacity();
     let opts = options();
-    let mode = if group { "group offload" } else { "auto offload" };
+    let mode = match setup {
+        Setup::Auto => "auto offload",
+        Setup::Block => "block-level group offload",
+        Setup::Leaf => "leaf-level group offload of both encoders",
+    };
 
     // The fault-free run: its image, its weights, and how many points the flow has after the setup.
-    let (clean, card, _) = pipeline_on_card(group, capacity, Faults::default());
+    let (clean, card, _) = pipeline_on_card(setup, capacity, Faults::default());
     let clean = clean.expect("the fault-free setup succeeds");
     let before = weights(&clean);
-    let setup = card.stats();
+    let set_up = card.stats();
     let reference = values(clean.generate(&opts, &mut |_, _| {}).expect("the fault-free run completes"));
     let (_, expected) = golden();
     assert!(max_abs_diff(&reference, &expected) <= 1e-3, "{mode}: the fault-free run matches diffusers");
@@ -368,8 +400,8 @@ fn every_point(group: bool, fault: Fault) -> Tally {
     assert_eq!(weights(&clean), before, "{mode}: the fault-free run changed the weights");
     let stats = card.stats();
     let (first, count) = match fault {
-        Fault::Allocation => (setup.allocations, stats.allocations - setup.allocations),
-        Fault::Transfer => (setup.transfers, stats.transfers - setup.transfers),
+        Fault::Allocation => (set_up.allocations, stats.allocations - set_up.allocations),
+        Fault::Transfer => (set_up.transfers, stats.transfers - set_up.transfers),
     };
     assert!(count > 0, "{mode}: the flow makes no {fault:?}");
 
@@ -380,7 +412,7 @@ fn every_point(group: bool, fault: Fault) -> Tally {
             Fault::Allocation => Faults { fail_allocation: Some(n), ..Faults::default() },
             Fault::Transfer => Faults { fail_transfer: Some(n), ..Faults::default() },
         };
-        let (pipeline, card, traced) = pipeline_on_card(group, capacity, faults);
+        let (pipeline, card, traced) = pipeline_on_card(setup, capacity, faults);
         let pipeline =
             pipeline.unwrap_or_else(|e| panic!("{context}: the setup failed before the injection point: {e}"));
         let outcome = pipeline.generate(&opts, &mut |_, _| {});
@@ -400,8 +432,12 @@ fn every_point(group: bool, fault: Fault) -> Tally {
                 tally.recovered += 1;
                 if point.prefetch {
                     // A failed prefetch is absorbed: the group is loaded again, synchronously, when taken.
-                    let stats = pipeline.group_stats(PipelineComponent::Transformer).unwrap();
-                    assert!(stats.failed_prefetches >= 1, "{context}: a failed prefetch is not counted: {stats:?}");
+                    let failed: u64 = PipelineComponent::ALL
+                        .into_iter()
+                        .filter_map(|c| pipeline.group_stats(c))
+                        .map(|stats| stats.failed_prefetches)
+                        .sum();
+                    assert!(failed >= 1, "{context}: a failed prefetch is not counted");
                     tally.recovered_by_prefetch_fallback += 1;
                 } else {
                     assert_eq!(
@@ -463,24 +499,35 @@ fn every_point(group: bool, fault: Fault) -> Tally {
 
 #[test]
 fn an_out_of_memory_at_every_allocation_under_auto_offload() {
-    let tally = every_point(false, Fault::Allocation);
+    let tally = every_point(Setup::Auto, Fault::Allocation);
     assert!(tally.recovered_by_retry > 0, "{tally:?}");
 }
 
 #[test]
 fn an_out_of_memory_at_every_allocation_under_group_offload() {
-    let tally = every_point(true, Fault::Allocation);
+    let tally = every_point(Setup::Block, Fault::Allocation);
     assert!(tally.recovered > 0, "{tally:?}");
 }
 
 #[test]
 fn a_failed_transfer_at_every_point_under_auto_offload() {
-    every_point(false, Fault::Transfer);
+    every_point(Setup::Auto, Fault::Transfer);
 }
 
 #[test]
 fn a_failed_transfer_at_every_point_under_group_offload() {
-    every_point(true, Fault::Transfer);
+    every_point(Setup::Block, Fault::Transfer);
+}
+
+#[test]
+fn an_out_of_memory_at_every_allocation_under_leaf_level_offload_of_both_encoders() {
+    let tally = every_point(Setup::Leaf, Fault::Allocation);
+    assert!(tally.recovered > 0, "{tally:?}");
+}
+
+#[test]
+fn a_failed_transfer_at_every_point_under_leaf_level_offload_of_both_encoders() {
+    every_point(Setup::Leaf, Fault::Transfer);
 }
 
 /// Enabling group offload cannot fail half-way and lose the transformer: taking it apart touches no device
