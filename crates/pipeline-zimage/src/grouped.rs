@@ -96,7 +96,10 @@ impl GroupOptions {
     /// Checks what a caller can get wrong, before anything is taken apart.
     pub fn validate(&self) -> Result<()> {
         if self.level == (GroupLevel::Block { blocks_per_group: 0 }) {
-            return Err(Error::InvalidArgument { name: "blocks_per_group", reason: "it is 0; group at least 1 block".into() });
+            return Err(Error::InvalidArgument {
+                name: "blocks_per_group",
+                reason: "it is 0; group at least 1 block".into(),
+            });
         }
         if self.prefetch && self.prefetch_depth == 0 {
             return Err(Error::InvalidArgument {
@@ -118,6 +121,12 @@ impl GroupOptions {
             Some(dir) => config.with_disk_store(dir.clone()),
             None => config,
         }
+    }
+
+    /// Checks the options and starts the offloader they configure on `config`.
+    fn offloader(&self, config: GroupOffloadConfig) -> Result<GroupOffload> {
+        self.validate()?;
+        Ok(GroupOffload::new(self.configure(config))?)
     }
 
     /// Where the layers outside the blocks live: resident when kept, streamed as one group otherwise.
@@ -148,7 +157,9 @@ impl<M: Module> Streamed<M> {
     /// (leaf level, one per layer, cut by [`leaf_types`]).
     pub fn new(offload: &GroupOffload, name: &str, layers: Vec<M>, level: GroupLevel) -> Result<Self> {
         Ok(match level {
-            GroupLevel::Block { blocks_per_group } => Streamed::Blocks(offload.blocks(name, layers, blocks_per_group)?),
+            GroupLevel::Block { blocks_per_group } => {
+                Streamed::Blocks(offload.blocks(name, layers, blocks_per_group)?)
+            }
             GroupLevel::Leaf => {
                 let leaves = leaf_types();
                 let parts = layers
@@ -206,7 +217,13 @@ impl<P> std::fmt::Debug for GroupedModel<P> {
 }
 
 impl<P> GroupedModel<P> {
-    fn assemble(offload: GroupOffload, parts: P, ledger: Arc<dyn DeviceLedger>, class: &'static str, releasable: bool) -> Self {
+    fn assemble(
+        offload: GroupOffload,
+        parts: P,
+        ledger: Arc<dyn DeviceLedger>,
+        class: &'static str,
+        releasable: bool,
+    ) -> Self {
         let exec = offload.config().device.clone();
         Self { model: GroupOffloadedModel::new(offload), parts, ledger, exec, class, releasable }
     }
@@ -283,10 +300,10 @@ impl GroupedTransformer {
         options: &GroupOptions,
         ledger: Arc<dyn DeviceLedger>,
     ) -> Result<Self> {
-        options.validate()?;
-        let offload = GroupOffload::new(options.configure(config))?;
+        let offload = options.offloader(config)?;
         let level = options.level;
-        let noise_refiner = Streamed::new(&offload, "noise_refiner", std::mem::take(&mut transformer.noise_refiner), level)?;
+        let noise_refiner =
+            Streamed::new(&offload, "noise_refiner", std::mem::take(&mut transformer.noise_refiner), level)?;
         let context_refiner =
             Streamed::new(&offload, "context_refiner", std::mem::take(&mut transformer.context_refiner), level)?;
         let layers = Streamed::new(&offload, "layers", std::mem::take(&mut transformer.layers), level)?;
@@ -313,13 +330,16 @@ impl GroupedTransformer {
         let parts = &self.parts;
         let mut embedded = parts.shell.get()?.embed(x, t, cap_feats);
         let (rope, adaln) = (embedded.image_rope.clone(), embedded.adaln.clone());
-        embedded.image =
-            parts.noise_refiner.fold(embedded.image, |block, image| block_layer_forward(block, image, &rope, Some(&adaln)))?;
+        embedded.image = parts
+            .noise_refiner
+            .fold(embedded.image, |block, image| block_layer_forward(block, image, &rope, Some(&adaln)))?;
         let rope = embedded.caption_rope.clone();
-        embedded.caption =
-            parts.context_refiner.fold(embedded.caption, |block, caption| block_layer_forward(block, caption, &rope, None))?;
+        embedded.caption = parts
+            .context_refiner
+            .fold(embedded.caption, |block, caption| block_layer_forward(block, caption, &rope, None))?;
         let ZImageState { hidden, rope, adaln, layout } = embedded.unify();
-        let hidden = parts.layers.fold(hidden, |block, hidden| block_layer_forward(block, hidden, &rope, Some(&adaln)))?;
+        let hidden =
+            parts.layers.fold(hidden, |block, hidden| block_layer_forward(block, hidden, &rope, Some(&adaln)))?;
         Ok(parts.shell.get()?.finish(ZImageState { hidden, rope, adaln, layout }))
     }
 }
@@ -343,8 +363,7 @@ impl GroupedTextEncoder {
         options: &GroupOptions,
         ledger: Arc<dyn DeviceLedger>,
     ) -> Result<Self> {
-        options.validate()?;
-        let offload = GroupOffload::new(options.configure(config))?;
+        let offload = options.offloader(config)?;
         let hidden_size = text_encoder.hidden_size();
         let layers = Streamed::new(&offload, "layers", std::mem::take(&mut text_encoder.layers), options.level)?;
         let shell = offload.module("shell", text_encoder, options.outside())?;

@@ -11,25 +11,16 @@ use offload_core::{DeviceMemory, NoLedger, Offloadable};
 use pipeline_zimage::grouped::{GroupLevel, GroupOptions, GroupedTextEncoder, GroupedTransformer};
 use pipeline_zimage::loading::{Checkpoint, LoadOptions};
 use pipeline_zimage::offload::Placement;
-use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
+use pipeline_zimage::pipeline::PipelineComponent;
 use pipeline_zimage::text_encoder::TextEncoder;
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 
 mod common;
 
-use common::{fixtures, golden, tensor4};
+use common::{fixtures, golden, load_tiny, max_abs_diff, turbo_options, values};
 
 const LEVELS: [GroupLevel; 3] =
     [GroupLevel::Block { blocks_per_group: 1 }, GroupLevel::Block { blocks_per_group: 2 }, GroupLevel::Leaf];
-
-fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.cast(DType::F32).into_data().try_into_vec::<f32>().expect("f32 data")
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "element counts differ");
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
 
 fn transformer() -> ZImageTransformer2DModel {
     let checkpoint = Checkpoint::open(fixtures().join("tiny-z-image-turbo")).expect("the tiny checkpoint opens");
@@ -80,8 +71,9 @@ fn the_transformer_gives_the_resident_output_at_every_level_and_leaf_level_holds
     let mut peaks = Vec::new();
     for level in LEVELS {
         let card = card();
-        let mut grouped = GroupedTransformer::new(transformer(), config("transformer", &card), &options(level), card.clone())
-            .expect("groups");
+        let mut grouped =
+            GroupedTransformer::new(transformer(), config("transformer", &card), &options(level), card.clone())
+                .expect("groups");
         grouped.onload(&card.device()).expect("the shell uploads");
         for pass in 0..3 {
             let out = values(grouped.forward(x.clone(), t.clone(), cap.clone()).expect("forward"));
@@ -113,7 +105,8 @@ fn the_transformer_gives_the_resident_output_at_every_level_and_leaf_level_holds
 #[test]
 fn the_text_encoder_gives_the_resident_embeddings_at_every_level() {
     let device = Device::flex();
-    let ids: Tensor<2, Int> = Tensor::from_data(TensorData::new(vec![5i64, 9, 2, 7, 3, 1, 4, 8, 0, 0], [2, 5]), &device);
+    let ids: Tensor<2, Int> =
+        Tensor::from_data(TensorData::new(vec![5i64, 9, 2, 7, 3, 1, 4, 8, 0, 0], [2, 5]), &device);
     let mask = Tensor::<2, Int>::from_data(TensorData::new(vec![1i64, 1, 1, 1, 1, 1, 1, 1, 0, 0], [2, 5]), &device)
         .equal_elem(1);
     let resident: Vec<Vec<f32>> =
@@ -145,23 +138,18 @@ fn the_text_encoder_gives_the_resident_embeddings_at_every_level() {
 
 #[test]
 fn the_pipeline_streams_both_encoders_at_leaf_level_and_gives_the_golden_image() {
-    let g = golden("pipeline_t2i_turbo.safetensors");
-    let mut opts = GenerateOptions::turbo("a red fox in the snow");
-    opts.steps = 4;
-    opts.height = 64;
-    opts.width = 64;
-    opts.max_sequence_length = 32;
-    opts.latents = Some(tensor4(&g, "latents"));
-    let resident_placement =
-        Placement { exec: Device::flex(), host: Device::flex(), name: offload_core::DeviceName::cpu(), ledger: Arc::new(NoLedger) };
-    let load = |placement| {
-        ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new()).expect("loads")
+    let (opts, golden_image) = turbo_options();
+    let resident_placement = Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: offload_core::DeviceName::cpu(),
+        ledger: Arc::new(NoLedger),
     };
-    let resident = values(load(resident_placement).generate(&opts, &mut |_, _| {}).expect("resident run"));
+    let resident = values(load_tiny(resident_placement).generate(&opts, &mut |_, _| {}).expect("resident run"));
 
     let card = card();
     let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
-    let mut pipeline = load(placement);
+    let mut pipeline = load_tiny(placement);
     let leaf = GroupOptions { releasable: true, ..GroupOptions::leaf() };
     for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
         pipeline.enable_group_offload_with(component, card.clone(), Some(card.clone()), &leaf).expect("group offload");
@@ -176,7 +164,7 @@ fn the_pipeline_streams_both_encoders_at_leaf_level_and_gives_the_golden_image()
     pipeline.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
     let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("generate"));
     assert!(max_abs_diff(&image, &resident) <= 1e-6);
-    assert!(max_abs_diff(&image, &g["image"].1) <= 1e-3);
+    assert!(max_abs_diff(&image, &golden_image) <= 1e-3);
     for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
         let stats = pipeline.group_stats(component).expect("grouped");
         assert!(stats.onloads > 0, "{component}: {stats:?}");

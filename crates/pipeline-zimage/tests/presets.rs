@@ -7,11 +7,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::Device;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Outcome, Preset, Route, Settings, SettingsLayer, WarningKind};
 use offload_core::{DeviceMemory, NoLedger};
-use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, PHASES, ZImagePipeline};
 use pipeline_zimage::presets::{
@@ -21,36 +20,7 @@ use pipeline_zimage::presets::{
 
 mod common;
 
-use common::{fixtures, golden};
-
-/// The Turbo golden's options (64x64, 4 steps, its latents) and its image.
-fn turbo_options() -> (GenerateOptions, Vec<f32>) {
-    let g = golden("pipeline_t2i_turbo.safetensors");
-    let (shape, values) = g.get("latents").expect("golden latents");
-    let shape: [usize; 4] = shape.clone().try_into().expect("4 dimensions");
-    let latents = Tensor::from_data(TensorData::new(values.clone(), shape), (&Device::flex(), DType::F32));
-    let mut opts = GenerateOptions::turbo("a red fox in the snow");
-    opts.steps = 4;
-    opts.height = 64;
-    opts.width = 64;
-    opts.max_sequence_length = 32;
-    opts.latents = Some(latents);
-    (opts, g["image"].1.clone())
-}
-
-fn values(image: Tensor<4>) -> Vec<f32> {
-    image.into_data().try_into_vec_as::<f32>().expect("f32")
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
-fn load(placement: Placement) -> ZImagePipeline {
-    ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new())
-        .expect("the tiny checkpoint loads")
-}
+use common::{load_tiny as load, max_abs_diff, turbo_options, values};
 
 fn resident_image(opts: &GenerateOptions) -> Vec<f32> {
     let placement = Placement {
@@ -199,7 +169,12 @@ fn every_preset_gives_the_resident_image_on_a_card_that_must_stream_the_transfor
             transformer.applied
         );
         for applied in &plan.applied {
-            assert_eq!(Some(applied.applied), applied.planned, "{preset}: {} ran another route than planned", applied.component);
+            assert_eq!(
+                Some(applied.applied),
+                applied.planned,
+                "{preset}: {} ran another route than planned",
+                applied.component
+            );
         }
         if preset == Preset::DiffusersLeafOffloadCompat {
             assert!(matches!(transformer.applied, Route::LeafGroupOffload { .. }), "{plan}");
@@ -443,7 +418,8 @@ fn pinned_host_copies_are_staged_and_priced_as_pinned_copies_on_the_card() {
             .with_pageable_fraction(0.5)
             .expect("a fraction");
         let card = SimCard::new(spec);
-        let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+        let placement =
+            Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
         let mut pipeline = load(placement);
         let facts = DeviceFacts::simulated(card.clone(), host());
         let pairs = [

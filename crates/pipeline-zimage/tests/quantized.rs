@@ -3,12 +3,11 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Device;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{Action, DeviceMemory, NoLedger};
 use pipeline_zimage::grouped::GroupOptions;
-use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::offload::{BurnComponent, Placement};
 use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
 use pipeline_zimage::presets::{DeviceFacts, enable_pipeline_offload, exact_reserve};
@@ -17,39 +16,26 @@ use pipeline_zimage::transformer::ZImageTransformer2DModel;
 
 mod common;
 
-use common::{fixtures, golden, tensor4};
+use common::{load_tiny as load, max_abs_diff, turbo_options, values};
 
 fn options() -> GenerateOptions {
-    let g = golden("pipeline_t2i_turbo.safetensors");
-    let mut opts = GenerateOptions::turbo("a red fox in the snow");
-    opts.steps = 4;
-    opts.height = 64;
-    opts.width = 64;
-    opts.max_sequence_length = 32;
-    opts.latents = Some(tensor4(&g, "latents"));
-    opts
-}
-
-fn values(image: Tensor<4>) -> Vec<f32> {
-    image.into_data().try_into_vec_as::<f32>().expect("f32")
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
-
-fn load(placement: Placement) -> ZImagePipeline {
-    ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new()).expect("loads")
+    turbo_options().0
 }
 
 fn resident() -> Placement {
-    Placement { exec: Device::flex(), host: Device::flex(), name: offload_core::DeviceName::cpu(), ledger: Arc::new(NoLedger) }
+    Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: offload_core::DeviceName::cpu(),
+        ledger: Arc::new(NoLedger),
+    }
 }
 
 /// A pipeline on a hard simulated card of `bytes`, its text encoder and transformer quantized.
 fn quantized_on_card(bytes: u64) -> (ZImagePipeline, Arc<SimCard>) {
-    let card = SimCard::new(CardSpec::parse(&bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0));
+    let card = SimCard::new(
+        CardSpec::parse(&bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0),
+    );
     let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
     let mut pipeline = load(placement);
     for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
@@ -86,12 +72,16 @@ fn quantized_linear_weights_shrink_the_components_and_keep_the_image_close() {
     assert_eq!(text_linears, 7 * (pipeline.text_encoder_config().num_hidden_layers - 1));
     let counted = pipeline
         .manager()
-        .inspect(&pipeline.ids().transformer, |c: &BurnComponent<ZImageTransformer2DModel>| quantized_params(c.module()))
+        .inspect(&pipeline.ids().transformer, |c: &BurnComponent<ZImageTransformer2DModel>| {
+            quantized_params(c.module())
+        })
         .expect("inspects");
     assert_eq!(counted, transformer_linears);
     let transformer_after = bytes(&pipeline, PipelineComponent::Transformer);
     let text_after = bytes(&pipeline, PipelineComponent::TextEncoder);
-    println!("transformer {transformer_before} -> {transformer_after} bytes, text encoder {text_before} -> {text_after}");
+    println!(
+        "transformer {transformer_before} -> {transformer_after} bytes, text encoder {text_before} -> {text_after}"
+    );
     assert!(transformer_after < transformer_before / 2, "{transformer_before} -> {transformer_after}");
     assert!(text_after < text_before, "{text_before} -> {text_after}");
 
@@ -110,7 +100,8 @@ fn a_quantized_pipeline_moves_whole_under_the_plan_and_gives_the_same_image() {
     let quantized_image = values(probe.generate(&opts, &mut |_, _| {}).expect("resident quantized run"));
     let reserve = exact_reserve(&probe, &opts);
     let [text, transformer, vae] =
-        [PipelineComponent::TextEncoder, PipelineComponent::Transformer, PipelineComponent::Vae].map(|c| bytes(&probe, c));
+        [PipelineComponent::TextEncoder, PipelineComponent::Transformer, PipelineComponent::Vae]
+            .map(|c| bytes(&probe, c));
     let largest = text.max(transformer).max(vae);
 
     // Room for any one component whole beside the activations, not for all of them at once.

@@ -29,17 +29,16 @@ use offload_core::{
     Action, ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, NoLedger, OffloadRecord, Offloadable,
     Reason,
 };
-use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::offload::{BurnComponent, Placement};
-use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::pipeline::PipelineComponent;
+use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::text_encoder::TextEncoder;
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 use pipeline_zimage::vae::AutoencoderKl;
 
 mod common;
 
-use common::fixtures;
+use common::{load_tiny as load, max_abs_diff, values};
 
 /// The initial latents of diffusers' Turbo run, `[1, 16, 8, 8]`, and its image.
 fn golden() -> (Tensor<4>, Vec<f32>) {
@@ -56,20 +55,6 @@ fn options() -> GenerateOptions {
     opts.max_sequence_length = 32;
     opts.latents = Some(golden().0);
     opts
-}
-
-fn load(placement: Placement) -> ZImagePipeline {
-    ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new())
-        .expect("the tiny checkpoint loads")
-}
-
-fn values(image: Tensor<4>) -> Vec<f32> {
-    image.into_data().try_into_vec_as::<f32>().expect("f32 data")
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 /// FNV-1a over the shape and the f32 bits of every float parameter, in visit order.
@@ -536,24 +521,30 @@ fn a_failed_transfer_at_every_point_under_leaf_level_offload_of_both_encoders() 
 #[test]
 fn enabling_group_offload_loses_nothing() {
     let capacity = card_capacity();
-    let card = SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
+    let card =
+        SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
     let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
     let mut pipeline = load(placement);
     pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1).unwrap();
     assert_eq!(card.stats().allocations, 0, "building the groups allocates nothing on the device");
 
-    let card = SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
+    let card =
+        SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
     let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
     let mut pipeline = load(placement);
     // A file where the store's directory should be: the store cannot be created.
     let blocked = std::env::temp_dir().join(format!("zimage-blocked-store-{}", std::process::id()));
     std::fs::write(&blocked, b"not a directory").unwrap();
-    let options_with_store = pipeline_zimage::grouped::GroupOptions {
-        disk_store: Some(blocked.join("groups")),
-        ..Default::default()
-    };
+    let options_with_store =
+        pipeline_zimage::grouped::GroupOptions { disk_store: Some(blocked.join("groups")), ..Default::default() };
     let error = pipeline
-        .enable_group_offload_with(PipelineComponent::Transformer, card.clone(), Some(card.clone()), &options_with_store).unwrap_err();
+        .enable_group_offload_with(
+            PipelineComponent::Transformer,
+            card.clone(),
+            Some(card.clone()),
+            &options_with_store,
+        )
+        .unwrap_err();
     assert!(matches!(error, pipeline_zimage::Error::GroupOffload(group_offload::Error::Disk { .. })), "{error:?}");
     assert_eq!(pipeline.manager().placement().len(), 3, "the transformer is still registered");
     pipeline.enable_auto_offload(card.clone(), 0, true).unwrap();

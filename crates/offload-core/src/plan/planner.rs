@@ -437,6 +437,19 @@ struct Choice {
     warning: Option<String>,
 }
 
+/// What a streamed component moves per image: on its first and later steps, or in its one call.
+fn streamed_per_call(eval: &Eval, calls: u32) -> String {
+    if calls > 1 {
+        format!(
+            "; {} stream on the first step, {} on each later one",
+            fs(eval.first_streamed),
+            fs(eval.steady_streamed)
+        )
+    } else {
+        format!("; {} stream in its one call", fs(eval.first_streamed))
+    }
+}
+
 fn fs(bytes: u64) -> String {
     format_size(bytes)
 }
@@ -959,15 +972,7 @@ impl Planner<'_> {
                         fs(*peak)
                     ),
                 });
-                if calls > 1 {
-                    why.push_str(&format!(
-                        "; {} stream on the first step, {} on each later one",
-                        fs(eval.first_streamed),
-                        fs(eval.steady_streamed)
-                    ));
-                } else {
-                    why.push_str(&format!("; {} stream in its one call", fs(eval.first_streamed)));
-                }
+                why.push_str(&streamed_per_call(eval, calls));
             }
             Route::LeafGroupOffload { prefetch } => {
                 why.push_str(&format!(
@@ -978,15 +983,7 @@ impl Planner<'_> {
                     fs(eval.window),
                     fs(eval.resident)
                 ));
-                if calls > 1 {
-                    why.push_str(&format!(
-                        "; {} stream on the first step, {} on each later one",
-                        fs(eval.first_streamed),
-                        fs(eval.steady_streamed)
-                    ));
-                } else {
-                    why.push_str(&format!("; {} stream in its one call", fs(eval.first_streamed)));
-                }
+                why.push_str(&streamed_per_call(eval, calls));
             }
             Route::Resident | Route::Off => why.push_str(", so it stays resident"),
         }

@@ -6,6 +6,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
+use pipeline_zimage::loading::LoadOptions;
+use pipeline_zimage::offload::Placement;
+use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 
 /// The f32 tensors of a golden file, by name: shape and values.
 pub type Golden = HashMap<String, (Vec<usize>, Vec<f32>)>;
@@ -35,4 +38,33 @@ pub fn tensor4(golden: &Golden, name: &str) -> Tensor<4> {
     let (shape, values) = golden.get(name).unwrap_or_else(|| panic!("golden tensor {name} missing"));
     let shape: [usize; 4] = shape.clone().try_into().expect("4 dimensions");
     Tensor::from_data(TensorData::new(values.clone(), shape), (&Device::flex(), DType::F32))
+}
+
+/// The tiny checkpoint loaded onto `placement`.
+pub fn load_tiny(placement: Placement) -> ZImagePipeline {
+    ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new())
+        .expect("the tiny checkpoint loads")
+}
+
+/// The Turbo golden's options (64x64, 4 steps, 32 prompt tokens, its latents) and its image.
+pub fn turbo_options() -> (GenerateOptions, Vec<f32>) {
+    let g = golden("pipeline_t2i_turbo.safetensors");
+    let mut opts = GenerateOptions::turbo("a red fox in the snow");
+    opts.steps = 4;
+    opts.height = 64;
+    opts.width = 64;
+    opts.max_sequence_length = 32;
+    opts.latents = Some(tensor4(&g, "latents"));
+    (opts, g["image"].1.clone())
+}
+
+/// A tensor's values as f32.
+pub fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.cast(DType::F32).into_data().try_into_vec::<f32>().expect("f32 data")
+}
+
+/// The largest absolute difference between two equally long slices.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "element counts differ");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
