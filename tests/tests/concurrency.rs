@@ -8,7 +8,9 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use memory_sim::{CardSpec, Mode, SimCard};
-use offload_core::{Action, ComponentError, ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, Direction, Offloadable};
+use offload_core::{
+    Action, ComponentError, ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, Direction, Offloadable,
+};
 
 /// A component that checks the manager keeps its promises: onload only from the host, offload only from the
 /// device, never moved while running.

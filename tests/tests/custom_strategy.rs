@@ -8,7 +8,8 @@ use offload_core::ComponentsManager;
 use strategy_lru::Lru;
 
 fn component(name: &str, gib: u64, card: &Arc<SimCard>) -> VirtualComponent {
-    let profile = ComponentProfile { name: name.into(), bytes: gib << 30, activations: ActivationProfile::default(), flops: 0.0 };
+    let profile =
+        ComponentProfile { name: name.into(), bytes: gib << 30, activations: ActivationProfile::default(), flops: 0.0 };
     VirtualComponent::new(profile, card.clone())
 }
 

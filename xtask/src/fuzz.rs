@@ -68,8 +68,15 @@ pub fn targets() -> Vec<Target> {
 
 /// The checkpoint readers' targets, as `pipeline-zimage/examples/fuzz_readers/targets.rs` names them (kept in
 /// step by hand: xtask cannot link that crate).
-pub const READERS: &[&str] =
-    &["model_index", "shard_index", "transformer_config", "text_encoder_config", "vae_config", "scheduler_config", "safetensors"];
+pub const READERS: &[&str] = &[
+    "model_index",
+    "shard_index",
+    "transformer_config",
+    "text_encoder_config",
+    "vae_config",
+    "scheduler_config",
+    "safetensors",
+];
 
 /// Runs `cargo xtask fuzz`.
 pub fn run(args: &Args) -> anyhow::Result<()> {
@@ -114,7 +121,8 @@ fn readers(args: &Args) -> anyhow::Result<()> {
         command.args(["--target", target]);
     }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let status = command.current_dir(root).status().context("cannot start cargo for the checkpoint readers' fuzz targets")?;
+    let status =
+        command.current_dir(root).status().context("cannot start cargo for the checkpoint readers' fuzz targets")?;
     if !status.success() {
         bail!("the checkpoint readers' fuzz run failed with {status}");
     }

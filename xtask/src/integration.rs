@@ -66,7 +66,9 @@ fn strategy(
         "auto" => Arc::new(Auto),
         "sequential" => Arc::new(Sequential),
         // The denoiser and the decoder run back to back at the end of every prompt: keep them together.
-        "keep-together" => Arc::new(KeepTogether::new([profile.denoise.iter().chain(&profile.decode).cloned().collect::<Vec<_>>()])),
+        "keep-together" => {
+            Arc::new(KeepTogether::new([profile.denoise.iter().chain(&profile.decode).cloned().collect::<Vec<_>>()]))
+        }
         "lookahead" => {
             let capture = simulate(profile, card.clone(), &RunOptions { strategy: None, ..options.clone() })?;
             Arc::new(Lookahead::new(capture.uses[..capture.completed].to_vec()))
@@ -80,7 +82,13 @@ fn card_spec(label: &str, hard: bool) -> anyhow::Result<CardSpec> {
     Ok(if hard { spec.with_mode(Mode::Hard) } else { spec })
 }
 
-fn play(profile: &PipelineProfile, label: &str, hard: bool, strategy_name: &str, options: &RunOptions) -> anyhow::Result<SimRun> {
+fn play(
+    profile: &PipelineProfile,
+    label: &str,
+    hard: bool,
+    strategy_name: &str,
+    options: &RunOptions,
+) -> anyhow::Result<SimRun> {
     let card = card_spec(label, hard)?;
     card.check_reserve(options.reserve)?;
     let strategy = strategy(strategy_name, profile, &card, options)?;
@@ -155,7 +163,10 @@ pub fn compare(args: &CompareArgs) -> anyhow::Result<()> {
     let cards: Vec<String> =
         if args.cards.is_empty() { ["10GB", "16GB", "24GB"].map(String::from).to_vec() } else { args.cards.clone() };
     let options = RunOptions { reserve, prompts: args.prompts, retry_on_oom: true, strategy: None };
-    println!("Bytes moved (both ways) for {} prompt(s) of Z-Image-Turbo, {} steps, reserve {}, soft mode", args.prompts, args.steps, args.reserve);
+    println!(
+        "Bytes moved (both ways) for {} prompt(s) of Z-Image-Turbo, {} steps, reserve {}, soft mode",
+        args.prompts, args.steps, args.reserve
+    );
     println!("The optimum keeps the reserve (or the running component's needs, if larger) free; a strategy whose");
     println!("peak exceeds the card can move less than it only because soft mode lets it overcommit.");
     println!("{:<8} {:<14} {:>12} {:>12} {:>6} {:>10}  note", "card", "strategy", "moved", "optimum", "ratio", "peak");
@@ -163,7 +174,9 @@ pub fn compare(args: &CompareArgs) -> anyhow::Result<()> {
         for name in STRATEGIES {
             let run = play(&profile, label, false, name, &options)?;
             let optimum = run.optimum.map(|m| m.total());
-            let ratio = optimum.filter(|o| *o > 0).map_or_else(|| "-".to_string(), |o| format!("{:.2}", run.moved() as f64 / o as f64));
+            let ratio = optimum
+                .filter(|o| *o > 0)
+                .map_or_else(|| "-".to_string(), |o| format!("{:.2}", run.moved() as f64 / o as f64));
             let usable = run.card.capacity - run.card.context_overhead;
             let note = if run.peak > usable { "peak above the card: soft mode only" } else { "" };
             println!(

@@ -74,9 +74,13 @@ pub fn z_image_turbo(steps: u32) -> anyhow::Result<Vec<ComponentSpec>> {
             .with_activation(activation)
             .with_cost(component.flops, calls);
         let spec = match component.name.as_str() {
-            "text_encoder" => {
-                spec.with_layout(layout(&component.name, component.bytes, vec![TEXT_LAYER; 36], TEXT_GATE_PROJ, TEXT_LEAVES)?)
-            }
+            "text_encoder" => spec.with_layout(layout(
+                &component.name,
+                component.bytes,
+                vec![TEXT_LAYER; 36],
+                TEXT_GATE_PROJ,
+                TEXT_LEAVES,
+            )?),
             "transformer" => {
                 // Execution order: 2 noise_refiner, 2 context_refiner, then 30 layers.
                 let blocks = [vec![MODULATED_BLOCK; 2], vec![CONTEXT_BLOCK; 2], vec![MODULATED_BLOCK; 30]].concat();

@@ -105,7 +105,9 @@ pub fn setup_cuda(args: &SetupCudaArgs) -> anyhow::Result<()> {
     }
     let sdk = unpacked.join("mlc_llvm_static").join("static");
     if !sdk.join("bin").join("llvm-config").exists() {
-        bail!("the wheels did not contain mlc_llvm_static/static/bin/llvm-config; check the pinned versions {LLVM_WHEELS:?}");
+        bail!(
+            "the wheels did not contain mlc_llvm_static/static/bin/llvm-config; check the pinned versions {LLVM_WHEELS:?}"
+        );
     }
     copy_tree(&sdk, &target)?;
     make_executable(&target.join("bin"))?;
@@ -124,7 +126,8 @@ fn copy_tree(from: &std::path::Path, to: &std::path::Path) -> anyhow::Result<()>
         if entry.file_type()?.is_dir() {
             copy_tree(&entry.path(), &destination)?;
         } else {
-            std::fs::copy(entry.path(), &destination).with_context(|| format!("copying to {}", destination.display()))?;
+            std::fs::copy(entry.path(), &destination)
+                .with_context(|| format!("copying to {}", destination.display()))?;
         }
     }
     Ok(())

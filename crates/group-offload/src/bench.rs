@@ -137,7 +137,12 @@ fn blocks(config: &OverlapConfig, device: &Device) -> Vec<BenchBlock> {
     (0..config.groups).map(|_| BenchBlock::new(config.dim, config.matmuls_per_group, device)).collect()
 }
 
-fn streamed(config: &OverlapConfig, link: Duration, prefetch: bool, device: &Device) -> Result<(GroupOffload, BlockOffload<BenchBlock>)> {
+fn streamed(
+    config: &OverlapConfig,
+    link: Duration,
+    prefetch: bool,
+    device: &Device,
+) -> Result<(GroupOffload, BlockOffload<BenchBlock>)> {
     let offload = GroupOffload::new(
         GroupOffloadConfig::new("overlap", device.clone())
             .with_prefetch(prefetch)

@@ -187,7 +187,14 @@ impl Shared {
     }
 
     /// Records a move with a reading taken earlier (just before the move started).
-    fn record_with(&self, action: Action, id: &str, bytes: u64, reason: &str, reading: Option<offload_core::offload_strategy::MemoryReading>) {
+    fn record_with(
+        &self,
+        action: Action,
+        id: &str,
+        bytes: u64,
+        reason: &str,
+        reading: Option<offload_core::offload_strategy::MemoryReading>,
+    ) {
         let Some(record) = &self.config.record else { return };
         record.add(OffloadEvent {
             action,
@@ -200,12 +207,7 @@ impl Shared {
     }
 
     fn onload_error(&self, host: &GroupHost, source: ComponentError) -> Error {
-        Error::Onload {
-            group: host.id.clone(),
-            bytes: host.bytes,
-            device: self.config.device_name.to_string(),
-            source,
-        }
+        Error::Onload { group: host.id.clone(), bytes: host.bytes, device: self.config.device_name.to_string(), source }
     }
 
     /// One upload: allocate on the ledger, pay the transfer, build the device tensors. Called without the lock.
@@ -288,7 +290,10 @@ impl Engine {
         let handle = std::thread::Builder::new()
             .name(format!("group-offload-{model}"))
             .spawn(move || worker_loop(&worker_shared, &receiver))
-            .map_err(|e| Error::InvalidConfig { model: model.clone(), problem: format!("cannot start the prefetch worker: {e}") })?;
+            .map_err(|e| Error::InvalidConfig {
+                model: model.clone(),
+                problem: format!("cannot start the prefetch worker: {e}"),
+            })?;
         Ok(Arc::new(Self { shared, jobs: Mutex::new(Some(sender)), worker: Mutex::new(Some(handle)) }))
     }
 
@@ -445,7 +450,11 @@ impl Engine {
         let stale: Vec<usize> = (0..state.groups.len())
             .filter(|i| {
                 let slot = &state.groups[*i];
-                *i != group && slot.users == 0 && !slot.pinned && !window.contains(i) && matches!(slot.residency, Residency::OnDevice(_))
+                *i != group
+                    && slot.users == 0
+                    && !slot.pinned
+                    && !window.contains(i)
+                    && matches!(slot.residency, Residency::OnDevice(_))
             })
             .collect();
         for i in stale {
@@ -481,7 +490,8 @@ impl Engine {
             state.groups[group].pinned = true;
             return;
         }
-        let upcoming = !state.capturing && shared.config.prefetch && state.window(shared.config.prefetch_depth).contains(&group);
+        let upcoming =
+            !state.capturing && shared.config.prefetch && state.window(shared.config.prefetch_depth).contains(&group);
         if upcoming {
             // The group is among the next to run (a short order, or guards released out of order): keep it rather
             // than upload it again.
@@ -565,7 +575,8 @@ impl Engine {
     /// Bytes of resident parts plus the resident budget: what the model holds on the device between uses.
     pub fn resident_bytes(&self) -> u64 {
         let state = self.shared.state.lock();
-        state.groups.iter().filter(|g| g.pinned_at_start()).map(|g| g.host.bytes).sum::<u64>() + self.shared.config.resident_budget
+        state.groups.iter().filter(|g| g.pinned_at_start()).map(|g| g.host.bytes).sum::<u64>()
+            + self.shared.config.resident_budget
     }
 
     /// The largest group's bytes.
@@ -594,7 +605,12 @@ impl Engine {
     /// Ids of the groups on the device now.
     pub fn on_device(&self) -> Vec<String> {
         let state = self.shared.state.lock();
-        state.groups.iter().filter(|g| matches!(g.residency, Residency::OnDevice(_))).map(|g| g.host.id.clone()).collect()
+        state
+            .groups
+            .iter()
+            .filter(|g| matches!(g.residency, Residency::OnDevice(_)))
+            .map(|g| g.host.id.clone())
+            .collect()
     }
 
     pub fn wait_idle(&self) {

@@ -32,7 +32,10 @@ pub struct GroupOffload {
 
 impl std::fmt::Debug for GroupOffload {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GroupOffload").field("config", &self.engine.shared.config).field("stats", &self.stats()).finish()
+        f.debug_struct("GroupOffload")
+            .field("config", &self.engine.shared.config)
+            .field("stats", &self.stats())
+            .finish()
     }
 }
 
@@ -64,7 +67,12 @@ impl GroupOffload {
     /// The blocks' weights move into the host store here; the returned part hands out device copies. More than
     /// one block per group prefetches correctly: the unit of upload, prefetch and release is the group, so the
     /// hazard that makes diffusers force one block per group (a hook per block) does not arise.
-    pub fn blocks<M: Module>(&self, name: &str, blocks: Vec<M>, num_blocks_per_group: usize) -> Result<BlockOffload<M>> {
+    pub fn blocks<M: Module>(
+        &self,
+        name: &str,
+        blocks: Vec<M>,
+        num_blocks_per_group: usize,
+    ) -> Result<BlockOffload<M>> {
         if num_blocks_per_group == 0 {
             return Err(self.invalid(format!("num_blocks_per_group of {name} is 0; use 1 or more")));
         }
@@ -165,24 +173,25 @@ impl GroupOffload {
     fn add_group(&self, group: &str, params: Vec<ExtractedParam>, pinned: bool) -> Result<usize> {
         let config = &self.engine.shared.config;
         let id = format!("{}/{group}", config.model);
-        let host = match &config.disk_dir {
-            None => {
-                // Streamed groups are pinned in registration order while they fit in the pinned budget; a
-                // resident part is uploaded once and gains nothing from it.
-                let bytes: u64 = params.iter().map(ExtractedParam::bytes_len).sum();
-                let stage = !pinned && {
-                    let mut left = self.pinned_left.lock();
-                    let fits = bytes <= *left;
-                    if fits {
-                        *left -= bytes;
-                    }
-                    fits
-                };
-                GroupHost::in_memory(id, params, stage.then_some(&config.device))
-            }
-            Some(dir) => GroupHost::on_disk(id.clone(), &config.model, params, dir)
-                .map_err(|message| Error::Disk { group: id, path: dir.display().to_string(), message })?,
-        };
+        let host =
+            match &config.disk_dir {
+                None => {
+                    // Streamed groups are pinned in registration order while they fit in the pinned budget; a
+                    // resident part is uploaded once and gains nothing from it.
+                    let bytes: u64 = params.iter().map(ExtractedParam::bytes_len).sum();
+                    let stage = !pinned && {
+                        let mut left = self.pinned_left.lock();
+                        let fits = bytes <= *left;
+                        if fits {
+                            *left -= bytes;
+                        }
+                        fits
+                    };
+                    GroupHost::in_memory(id, params, stage.then_some(&config.device))
+                }
+                Some(dir) => GroupHost::on_disk(id.clone(), &config.model, params, dir)
+                    .map_err(|message| Error::Disk { group: id, path: dir.display().to_string(), message })?,
+            };
         self.engine.add_group(host, pinned)
     }
 
@@ -295,9 +304,9 @@ impl GroupOffload {
 /// For each parameter, the dotted path of the group it joins at leaf level ("" = the root).
 fn assign_leaves(params: &[ExtractedParam], leaves: &LeafPredicate) -> Vec<String> {
     // The module at prefix path[..k] has the type containers[k] (the struct whose field path[k] is).
-    let leaf_of = |p: &ExtractedParam| -> Option<usize> { (0..p.path.len()).find(|k| leaves.is_leaf(&p.containers[*k])) };
-    let leaf_paths: Vec<String> =
-        params.iter().filter_map(|p| leaf_of(p).map(|k| p.path[..k].join("."))).collect();
+    let leaf_of =
+        |p: &ExtractedParam| -> Option<usize> { (0..p.path.len()).find(|k| leaves.is_leaf(&p.containers[*k])) };
+    let leaf_paths: Vec<String> = params.iter().filter_map(|p| leaf_of(p).map(|k| p.path[..k].join("."))).collect();
     let holds_leaf = |prefix: &str| {
         leaf_paths.iter().any(|l| prefix.is_empty() || l == prefix || l.starts_with(&format!("{prefix}.")))
     };
@@ -345,7 +354,8 @@ impl PartCore {
     fn install<M: Module>(&self, skeleton: &M, slots: &[Slot], taken: &[(usize, Arc<[Tensor<1>]>)]) -> M {
         let engine = &self.engine;
         let hosts = |g: usize| engine.host(g);
-        let installed = Installed { groups: taken, hosts: &hosts, on_stray: self.on_stray.clone(), device: engine.device() };
+        let installed =
+            Installed { groups: taken, hosts: &hosts, on_stray: self.on_stray.clone(), device: engine.device() };
         install(skeleton, slots, &installed)
     }
 

@@ -68,8 +68,11 @@ impl GroupHost {
         let mut data: Vec<Bytes> = params.into_iter().map(|p| p.bytes).collect();
         let pinned = stage_on.is_some();
         if let Some(device) = stage_on {
-            let mut staged: Vec<TensorData> =
-                data.into_iter().zip(&tensors).map(|(bytes, meta)| flat_data(bytes, meta.elements(), meta.dtype)).collect();
+            let mut staged: Vec<TensorData> = data
+                .into_iter()
+                .zip(&tensors)
+                .map(|(bytes, meta)| flat_data(bytes, meta.elements(), meta.dtype))
+                .collect();
             device.staging(staged.iter_mut());
             data = staged.into_iter().map(TensorData::into_bytes).collect();
         }
@@ -90,7 +93,8 @@ impl GroupHost {
             std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
             let mut entries = Vec::with_capacity(tensors.len());
             for (i, (meta, data)) in tensors.iter().zip(views.iter().copied()).enumerate() {
-                let dtype = to_safetensors(meta.dtype).ok_or_else(|| format!("dtype {:?} of {} cannot be stored", meta.dtype, meta.name))?;
+                let dtype = to_safetensors(meta.dtype)
+                    .ok_or_else(|| format!("dtype {:?} of {} cannot be stored", meta.dtype, meta.name))?;
                 let view = safetensors::tensor::TensorView::new(dtype, meta.shape.clone(), data)
                     .map_err(|e| format!("{}: {e}", meta.name))?;
                 entries.push((key(i, &meta.name), view));
@@ -130,7 +134,8 @@ impl GroupHost {
                 .collect()),
             Source::Disk(path) => {
                 let file = std::fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-                let parsed = safetensors::SafeTensors::deserialize(&file).map_err(|e| format!("parsing {}: {e}", path.display()))?;
+                let parsed = safetensors::SafeTensors::deserialize(&file)
+                    .map_err(|e| format!("parsing {}: {e}", path.display()))?;
                 let mut out = Vec::with_capacity(self.tensors.len());
                 for (i, meta) in self.tensors.iter().enumerate() {
                     let view = parsed.tensor(&key(i, &meta.name)).map_err(|e| format!("{}: {e}", meta.name))?;
@@ -145,7 +150,8 @@ impl GroupHost {
     /// Tensor `index` with its real shape (used by stray loads).
     pub fn load_tensor(&self, index: usize) -> Result<TensorData, String> {
         let meta = self.tensors.get(index).ok_or_else(|| format!("no tensor {index} in {}", self.id))?;
-        let flat = self.load_flat()?.into_iter().nth(index).ok_or_else(|| format!("no tensor {index} in {}", self.id))?;
+        let flat =
+            self.load_flat()?.into_iter().nth(index).ok_or_else(|| format!("no tensor {index} in {}", self.id))?;
         let (bytes, _, dtype) = flat.into_parts();
         Ok(TensorData::from_bytes(bytes, meta.shape.clone(), dtype))
     }
@@ -153,9 +159,7 @@ impl GroupHost {
     /// A checksum of the host copy (the same content hash the disk store uses), to show it is unchanged.
     pub fn checksum(&self) -> Result<u64, String> {
         match &self.source {
-            Source::Memory(bytes) => {
-                Ok(content_hash(self.tensors.iter().zip(bytes.iter().map(|b| &**b))))
-            }
+            Source::Memory(bytes) => Ok(content_hash(self.tensors.iter().zip(bytes.iter().map(|b| &**b)))),
             Source::Disk(path) => {
                 let file = std::fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
                 file_hash(&file).ok_or_else(|| format!("{} does not parse", path.display()))
@@ -194,7 +198,11 @@ fn file_hash(file: &[u8]) -> Option<u64> {
     for name in &names {
         let view = parsed.tensor(name).ok()?;
         let (_, dotted) = name.split_once('.')?;
-        metas.push(TensorMeta { name: dotted.to_string(), shape: view.shape().to_vec(), dtype: from_safetensors(view.dtype())? });
+        metas.push(TensorMeta {
+            name: dotted.to_string(),
+            shape: view.shape().to_vec(),
+            dtype: from_safetensors(view.dtype())?,
+        });
         datas.push(view.data());
     }
     Some(content_hash(metas.iter().zip(datas.iter().copied())))

@@ -101,7 +101,13 @@ impl ModuleMapper for Extractor<'_> {
 /// A placeholder that is never initialised: the skeleton is private and every installation replaces it.
 fn empty_placeholder<const D: usize>(id: ParamId, shape: Vec<usize>, device: &Device) -> Param<Tensor<D>> {
     let lazy_shape = Shape::from(shape.clone());
-    Param::uninitialized(id, move |dev: &Device, _| Tensor::zeros(Shape::from(shape), dev), device.clone(), false, lazy_shape)
+    Param::uninitialized(
+        id,
+        move |dev: &Device, _| Tensor::zeros(Shape::from(shape), dev),
+        device.clone(),
+        false,
+        lazy_shape,
+    )
 }
 
 /// Takes `module` apart: returns its skeleton and its float parameters in visit order.
@@ -149,7 +155,8 @@ impl ModuleMapper for Installer<'_, '_> {
         let Some(slot) = self.slots.get(ordinal).copied() else {
             return param;
         };
-        let uploaded = self.installed.groups.iter().find(|(g, _)| *g == slot.group).and_then(|(_, t)| t.get(slot.index));
+        let uploaded =
+            self.installed.groups.iter().find(|(g, _)| *g == slot.group).and_then(|(_, t)| t.get(slot.index));
         if let Some(flat) = uploaded {
             let mut dims = [0usize; D];
             for (d, s) in dims.iter_mut().zip(shape.as_slice()) {

@@ -12,8 +12,8 @@ use burn::nn::Linear;
 use burn::tensor::{Device, Tensor};
 use common::{BLOCKS, Block, FakeCard, Model, Top, input, max_abs_diff};
 use group_offload::{
-    BlockOffload, Error, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, LeafOffload, LeafPredicate, ModuleOffload,
-    Placement,
+    BlockOffload, Error, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, LeafOffload, LeafPredicate,
+    ModuleOffload, Placement,
 };
 use offload_core::{Action, ComponentsManager, DeviceName, OffloadRecord, Offloadable, Reason};
 
@@ -176,7 +176,11 @@ fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
             leaf_forward(&leaf, x.clone()).unwrap();
         });
         let ring = if prefetch { 2 } else { 1 };
-        assert!(peak <= ring * offload.largest_group(), "leaf ring bound: {peak} > {ring} × {}", offload.largest_group());
+        assert!(
+            peak <= ring * offload.largest_group(),
+            "leaf ring bound: {peak} > {ring} × {}",
+            offload.largest_group()
+        );
         peak
     };
     let block_peak = |per_group: usize, prefetch: bool, depth: usize| {
@@ -194,10 +198,16 @@ fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
     };
     // Without prefetch, the anchor's order, strictly.
     let (leaf, block1, block3) = (leaf_peak(false), block_peak(1, false, 1), block_peak(3, false, 1));
-    assert!(leaf <= block1 && block1 < block3 && block3 < total, "leaf {leaf}, block/1 {block1}, block/3 {block3}, all {total}");
+    assert!(
+        leaf <= block1 && block1 < block3 && block3 < total,
+        "leaf {leaf}, block/1 {block1}, block/3 {block3}, all {total}"
+    );
     // With prefetch, one more group in flight: block/3 then holds both halves of the model, as much as resident.
     let (leaf, block1, block3) = (leaf_peak(true), block_peak(1, true, 1), block_peak(3, true, 1));
-    assert!(leaf <= block1 && block1 < block3 && block3 <= total, "leaf {leaf}, block/1 {block1}, block/3 {block3}, all {total}");
+    assert!(
+        leaf <= block1 && block1 < block3 && block3 <= total,
+        "leaf {leaf}, block/1 {block1}, block/3 {block3}, all {total}"
+    );
     // A deeper prefetch stays within its own bound (checked inside).
     block_peak(1, true, 2);
 }
@@ -216,7 +226,11 @@ fn steady_runs_have_no_misses_and_every_group_is_a_prefetch_hit() {
     }
     let stats = offloaded.offload.stats();
     assert_eq!(stats.misses, 0, "{stats:?}");
-    assert_eq!(stats.onloads, 1 + BLOCKS as u64, "only the resident top and the capture pass load synchronously: {stats:?}");
+    assert_eq!(
+        stats.onloads,
+        1 + BLOCKS as u64,
+        "only the resident top and the capture pass load synchronously: {stats:?}"
+    );
     assert_eq!(stats.prefetch_hits + stats.prefetch_waits, 4 * BLOCKS as u64, "{stats:?}");
     assert_eq!(stats.unused_prefetches, 0);
 }
@@ -228,7 +242,8 @@ fn order_comes_from_calls_not_declaration() {
     let card = Arc::new(FakeCard::new(GIB));
     let offload = GroupOffload::new(config(&card, true)).unwrap();
     let blocks = offload.blocks("blocks", (0..3).map(|_| Block::new(&device)).collect(), 1).unwrap();
-    let caption: Vec<Linear> = (0..2).map(|_| burn::nn::LinearConfig::new(common::DIM, common::DIM).init(&device)).collect();
+    let caption: Vec<Linear> =
+        (0..2).map(|_| burn::nn::LinearConfig::new(common::DIM, common::DIM).init(&device)).collect();
     let caption = offload.blocks("caption_projection", caption, 1).unwrap();
     let reference_caption: Vec<Linear> = (0..2).map(|k| caption.group(k).unwrap()[0].clone()).collect();
     let reference_blocks: Vec<Block> = (0..3).map(|k| blocks.group(k).unwrap()[0].clone()).collect();
@@ -370,7 +385,15 @@ fn every_move_is_on_the_ledger_and_in_the_record() {
     let lines: Vec<String> = record
         .events()
         .iter()
-        .map(|e| format!("{} {} {} {}", e.action, e.id, e.bytes, e.reason.as_ref().map(ToString::to_string).unwrap_or_default()))
+        .map(|e| {
+            format!(
+                "{} {} {} {}",
+                e.action,
+                e.id,
+                e.bytes,
+                e.reason.as_ref().map(ToString::to_string).unwrap_or_default()
+            )
+        })
         .collect();
     expect_test::expect![[r#"
         [
@@ -448,7 +471,8 @@ fn streamed_top_level_and_resident_budget() {
     // A budget of two blocks keeps the first two released blocks on the device for good.
     let card = Arc::new(FakeCard::new(GIB));
     let block_bytes = 4416;
-    let offloaded = BlockModel::new(model, config(&card, false).with_resident_budget(2 * block_bytes), 1, Placement::Resident);
+    let offloaded =
+        BlockModel::new(model, config(&card, false).with_resident_budget(2 * block_bytes), 1, Placement::Resident);
     offloaded.forward(x.clone()).unwrap();
     offloaded.forward(x.clone()).unwrap();
     let on_device = offloaded.offload.on_device();
@@ -498,7 +522,8 @@ fn disk_store_writes_one_file_per_group_and_reuses_only_same_content() {
     let _ = std::fs::remove_dir_all(&dir);
     let card = Arc::new(FakeCard::new(GIB));
     let files = {
-        let offloaded = BlockModel::new(model.clone(), config(&card, true).with_disk_store(&dir), 1, Placement::Resident);
+        let offloaded =
+            BlockModel::new(model.clone(), config(&card, true).with_disk_store(&dir), 1, Placement::Resident);
         for _ in 0..3 {
             assert!(max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected) <= 1e-6);
         }
@@ -525,7 +550,12 @@ fn disk_store_writes_one_file_per_group_and_reuses_only_same_content() {
     assert!(max_abs_diff(&repaired.forward(x.clone()).unwrap(), &expected) <= 1e-6);
 
     // Different content gets different files.
-    let other = BlockModel::new(Model::new(&device).clone_with_offset(), config(&card, false).with_disk_store(&dir), 1, Placement::Resident);
+    let other = BlockModel::new(
+        Model::new(&device).clone_with_offset(),
+        config(&card, false).with_disk_store(&dir),
+        1,
+        Placement::Resident,
+    );
     assert!(other.offload.disk_files().iter().all(|f| !files.contains(f)));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -95,14 +95,54 @@ const fn timing(link_gb_per_s: f64, tflops: f64) -> Timing {
 /// board's datasheet at its theoretical rate each way (gen4 x16 31.5 GB/s, gen4 x8 15.75 GB/s, gen5 x16 63
 /// GB/s), throughput is the datasheet's dense bf16 tensor rate (FP32 accumulate where GeForce boards halve it).
 pub const CATALOGUE: &[CatalogueCard] = &[
-    CatalogueCard { name: "rtx4060", description: "GeForce RTX 4060 8 GB, PCIe 4.0 x8, 30 TFLOP/s bf16", bytes: 8188 * MIB, timing: timing(15.75, 30.2) },
-    CatalogueCard { name: "rtx3060", description: "GeForce RTX 3060 12 GB, PCIe 4.0 x16, 25.6 TFLOP/s bf16", bytes: 12288 * MIB, timing: timing(31.5, 25.6) },
-    CatalogueCard { name: "rtx4080", description: "GeForce RTX 4080 16 GB, PCIe 4.0 x16, 97.5 TFLOP/s bf16", bytes: 16376 * MIB, timing: timing(31.5, 97.5) },
-    CatalogueCard { name: "rtx4090", description: "GeForce RTX 4090 24 GB, PCIe 4.0 x16, 165 TFLOP/s bf16", bytes: 24564 * MIB, timing: timing(31.5, 165.2) },
-    CatalogueCard { name: "a100-40gb", description: "A100 40 GB, PCIe 4.0 x16 host link, 312 TFLOP/s bf16", bytes: 40960 * MIB, timing: timing(31.5, 312.0) },
-    CatalogueCard { name: "a100-80gb", description: "A100 80 GB, PCIe 4.0 x16 host link, 312 TFLOP/s bf16", bytes: 81920 * MIB, timing: timing(31.5, 312.0) },
-    CatalogueCard { name: "h100-80gb", description: "H100 SXM 80 GB, PCIe 5.0 x16 host link, 989 TFLOP/s bf16", bytes: 81559 * MIB, timing: timing(63.0, 989.0) },
-    CatalogueCard { name: "h200", description: "H200 141 GB, PCIe 5.0 x16 host link, 989 TFLOP/s bf16", bytes: 143771 * MIB, timing: timing(63.0, 989.0) },
+    CatalogueCard {
+        name: "rtx4060",
+        description: "GeForce RTX 4060 8 GB, PCIe 4.0 x8, 30 TFLOP/s bf16",
+        bytes: 8188 * MIB,
+        timing: timing(15.75, 30.2),
+    },
+    CatalogueCard {
+        name: "rtx3060",
+        description: "GeForce RTX 3060 12 GB, PCIe 4.0 x16, 25.6 TFLOP/s bf16",
+        bytes: 12288 * MIB,
+        timing: timing(31.5, 25.6),
+    },
+    CatalogueCard {
+        name: "rtx4080",
+        description: "GeForce RTX 4080 16 GB, PCIe 4.0 x16, 97.5 TFLOP/s bf16",
+        bytes: 16376 * MIB,
+        timing: timing(31.5, 97.5),
+    },
+    CatalogueCard {
+        name: "rtx4090",
+        description: "GeForce RTX 4090 24 GB, PCIe 4.0 x16, 165 TFLOP/s bf16",
+        bytes: 24564 * MIB,
+        timing: timing(31.5, 165.2),
+    },
+    CatalogueCard {
+        name: "a100-40gb",
+        description: "A100 40 GB, PCIe 4.0 x16 host link, 312 TFLOP/s bf16",
+        bytes: 40960 * MIB,
+        timing: timing(31.5, 312.0),
+    },
+    CatalogueCard {
+        name: "a100-80gb",
+        description: "A100 80 GB, PCIe 4.0 x16 host link, 312 TFLOP/s bf16",
+        bytes: 81920 * MIB,
+        timing: timing(31.5, 312.0),
+    },
+    CatalogueCard {
+        name: "h100-80gb",
+        description: "H100 SXM 80 GB, PCIe 5.0 x16 host link, 989 TFLOP/s bf16",
+        bytes: 81559 * MIB,
+        timing: timing(63.0, 989.0),
+    },
+    CatalogueCard {
+        name: "h200",
+        description: "H200 141 GB, PCIe 5.0 x16 host link, 989 TFLOP/s bf16",
+        bytes: 143771 * MIB,
+        timing: timing(63.0, 989.0),
+    },
 ];
 
 /// How to build a card: a size or a catalogue name, a mode, the context overhead and the device name.
@@ -139,7 +179,10 @@ impl CardSpec {
             },
         };
         if capacity == 0 {
-            return Err(SimError::ImpossibleCard { label: trimmed.to_string(), problem: "its capacity is zero".into() });
+            return Err(SimError::ImpossibleCard {
+                label: trimmed.to_string(),
+                problem: "its capacity is zero".into(),
+            });
         }
         Ok(Self {
             label: trimmed.to_string(),
@@ -472,7 +515,12 @@ mod tests {
     #[test]
     fn faults_fail_the_nth_allocation_and_transfer_and_slow_the_link() {
         let card = SimCard::new(CardSpec::parse("1GiB").unwrap());
-        card.set_faults(Faults { fail_allocation: Some(2), fail_transfer: Some(1), link_slowdown: Some(2.0), ..Faults::default() });
+        card.set_faults(Faults {
+            fail_allocation: Some(2),
+            fail_transfer: Some(1),
+            link_slowdown: Some(2.0),
+            ..Faults::default()
+        });
         card.allocate(10).unwrap();
         assert!(card.allocate(10).unwrap_err().is_out_of_memory());
         card.allocate(10).unwrap();

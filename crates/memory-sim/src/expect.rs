@@ -56,7 +56,10 @@ impl Expectations {
     /// The declaration for a card label, compared by the size it names when both parse as sizes.
     pub fn for_card(&self, label: &str) -> Option<&CardExpectation> {
         let wanted = offload_core::parse_size(label).ok();
-        self.cards.iter().find(|(key, _)| *key == label || (wanted.is_some() && offload_core::parse_size(key).ok() == wanted)).map(|(_, e)| e)
+        self.cards
+            .iter()
+            .find(|(key, _)| *key == label || (wanted.is_some() && offload_core::parse_size(key).ok() == wanted))
+            .map(|(_, e)| e)
     }
 }
 
@@ -96,7 +99,9 @@ pub fn diff(expected: &CardExpectation, observed: &CardExpectation) -> Option<St
             }
         }
     };
-    let strings = |m: &BTreeMap<String, usize>| m.iter().filter(|(_, v)| **v > 0).map(|(k, v)| (k.clone(), v.to_string())).collect();
+    let strings = |m: &BTreeMap<String, usize>| {
+        m.iter().filter(|(_, v)| **v > 0).map(|(k, v)| (k.clone(), v.to_string())).collect()
+    };
     section("offload", &strings(&expected.offload), &strings(&observed.offload));
     section("oom", &strings(&expected.oom), &strings(&observed.oom));
     section("final_device", &expected.final_device, &observed.final_device);
@@ -131,6 +136,9 @@ mod tests {
         observed.offload.insert("transformer".into(), 1);
         observed.final_device.insert("vae".into(), "cpu".into());
         let text = diff(&expected, &observed).unwrap();
-        assert_eq!(text, "  offload.transformer: expected (none), observed 1\n  final_device.vae: expected cuda, observed cpu\n");
+        assert_eq!(
+            text,
+            "  offload.transformer: expected (none), observed 1\n  final_device.vae: expected cuda, observed cpu\n"
+        );
     }
 }

@@ -89,7 +89,10 @@ pub fn optimal_moves(sizes: &[u64], uses: &[usize], budget: impl Fn(usize) -> u6
         }
         best = next;
     }
-    best.iter().flatten().min_by_key(|(cost, _)| *cost).map(|&(cost, onloaded)| Moves { onloaded, offloaded: cost - onloaded })
+    best.iter()
+        .flatten()
+        .min_by_key(|(cost, _)| *cost)
+        .map(|&(cost, onloaded)| Moves { onloaded, offloaded: cost - onloaded })
 }
 
 #[cfg(test)]

@@ -57,13 +57,18 @@ impl PipelineProfile {
     /// The Z-Image-Turbo pipeline at 1024×1024 in bf16 with `steps` denoising steps (the anchor tests 4).
     pub fn z_image_turbo(steps: usize) -> Self {
         let transformer_tokens = 4096.0 + 32.0;
-        let transformer_flops = 2.0 * 6_154_908_736.0 * transformer_tokens + 34.0 * 4.0 * transformer_tokens * transformer_tokens * 3840.0;
+        let transformer_flops =
+            2.0 * 6_154_908_736.0 * transformer_tokens + 34.0 * 4.0 * transformer_tokens * transformer_tokens * 3840.0;
         let text_tokens = 512.0;
         let text_flops = 2.0 * 4_022_468_096.0 * text_tokens + 36.0 * 4.0 * text_tokens * text_tokens * 4096.0;
         // 3x3 convolutions: about six per resolution at (1024², 128 ch), (512², 256), (256², 512), (128², 512),
         // each 2 × 9 × channels² × pixels, plus the three upsampling convolutions.
         let conv = |pixels: f64, channels: f64| 2.0 * 9.0 * channels * channels * pixels;
-        let vae_flops = 6.0 * (conv(1024.0 * 1024.0, 128.0) + conv(512.0 * 512.0, 256.0) + conv(256.0 * 256.0, 512.0) + conv(128.0 * 128.0, 512.0))
+        let vae_flops = 6.0
+            * (conv(1024.0 * 1024.0, 128.0)
+                + conv(512.0 * 512.0, 256.0)
+                + conv(256.0 * 256.0, 512.0)
+                + conv(128.0 * 128.0, 512.0))
             + conv(1024.0 * 1024.0, 256.0)
             + conv(512.0 * 512.0, 512.0)
             + conv(256.0 * 256.0, 512.0);

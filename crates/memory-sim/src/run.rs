@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use offload_core::{ComponentsManager, DeviceMemory, DeviceName, Error as CoreError, OffloadEvent, OffloadRecord, format_size};
+use offload_core::{
+    ComponentsManager, DeviceMemory, DeviceName, Error as CoreError, OffloadEvent, OffloadRecord, format_size,
+};
 use offload_strategy::OffloadStrategy;
 
 use crate::card::{CardSpec, CardStats, SimCard};
@@ -135,9 +137,11 @@ pub fn simulate(profile: &PipelineProfile, card: CardSpec, options: &RunOptions)
     let mut completed = 0;
     let mut error = None;
     for name in &uses {
-        let index = profile.components.iter().position(|c| &c.name == name).ok_or_else(|| {
-            SimError::ImpossibleCard { label: card.label.clone(), problem: format!("the flow uses {name}, which the profile lacks") }
-        })?;
+        let index =
+            profile.components.iter().position(|c| &c.name == name).ok_or_else(|| SimError::ImpossibleCard {
+                label: card.label.clone(),
+                problem: format!("the flow uses {name}, which the profile lacks"),
+            })?;
         match manager.run(&ids[index], |component: &mut VirtualComponent| component.call()) {
             Ok(_) => completed += 1,
             Err(e @ (CoreError::DoesNotFit { .. } | CoreError::Component { .. })) => {

@@ -10,7 +10,8 @@ use offload_core::{Action, ComponentsManager, DeviceLedger, DeviceMemory, Error,
 const UNIT: u64 = 1 << 20;
 
 fn card(headroom_units: u64) -> Arc<SimCard> {
-    let spec = CardSpec::parse(&(headroom_units * UNIT).to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0);
+    let spec =
+        CardSpec::parse(&(headroom_units * UNIT).to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0);
     SimCard::new(spec)
 }
 

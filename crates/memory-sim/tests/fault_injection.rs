@@ -37,8 +37,9 @@ fn play(card_label: &str, faults: Faults) -> (Outcome, Arc<SimCard>) {
     let mut resident_weights = 0;
     let mut calls = Vec::new();
     for (id, device) in manager.placement() {
-        let (bytes, component_device, n) =
-            manager.inspect(&id, |v: &VirtualComponent| (v.profile().bytes, offload_core::Offloadable::device(v), v.calls())).unwrap();
+        let (bytes, component_device, n) = manager
+            .inspect(&id, |v: &VirtualComponent| (v.profile().bytes, offload_core::Offloadable::device(v), v.calls()))
+            .unwrap();
         assert_eq!(device, component_device, "{id}: the manager and the component disagree on its device");
         if !device.is_cpu() {
             resident_weights += bytes;
@@ -47,8 +48,14 @@ fn play(card_label: &str, faults: Faults) -> (Outcome, Arc<SimCard>) {
     }
     assert!(card.allocated() >= resident_weights, "resident weights are allocated on the card");
     let outputs: u64 = profile.components.iter().map(|c| c.activations.left_behind).sum();
-    assert!(card.allocated() <= resident_weights + outputs, "nothing leaked: {} > {}", card.allocated(), resident_weights + outputs);
-    let oom_rows = manager.offload_record().events().iter().filter(|e| matches!(e.reason, Some(Reason::OomRetry(_)))).count();
+    assert!(
+        card.allocated() <= resident_weights + outputs,
+        "nothing leaked: {} > {}",
+        card.allocated(),
+        resident_weights + outputs
+    );
+    let oom_rows =
+        manager.offload_record().events().iter().filter(|e| matches!(e.reason, Some(Reason::OomRetry(_)))).count();
     (Outcome { calls, error, oom_rows }, card)
 }
 
@@ -79,7 +86,9 @@ fn an_out_of_memory_at_every_allocation_point() {
             }
         }
         assert_eq!(recovered + typed_errors, points);
-        eprintln!("{card}: {points} injection points, {recovered} recovered with equal output, {typed_errors} typed errors");
+        eprintln!(
+            "{card}: {points} injection points, {recovered} recovered with equal output, {typed_errors} typed errors"
+        );
     }
 }
 

@@ -51,42 +51,54 @@ fn check_card(card: &str, record: Expect) {
 
 #[test]
 fn card_32gb() {
-    check_card("32GB", expect![[r#"
+    check_card(
+        "32GB",
+        expect![[r#"
         # | Onload                   | Offloaded | Available | Peak     | Reason
         ------------------------------------------------------------------------
         1 | text_encoder_1 (7.49 GB) | -         | 29.20 GB  | 0 B      |
         2 | transformer_2 (11.46 GB) | -         | 21.55 GB  | 7.77 GB  |
-        3 | vae_3 (159.87 MB)        | -         | 10.04 GB  | 19.57 GB |"#]]);
+        3 | vae_3 (159.87 MB)        | -         | 10.04 GB  | 19.57 GB |"#]],
+    );
 }
 
 #[test]
 fn card_24gb() {
-    check_card("24GB", expect![[r#"
+    check_card(
+        "24GB",
+        expect![[r#"
         # | Onload                   | Offloaded                | Available | Peak     | Reason
         ---------------------------------------------------------------------------------------
         1 | text_encoder_1 (7.49 GB) | -                        | 21.75 GB  | 0 B      |
         2 | transformer_2 (11.46 GB) | text_encoder_1 (7.49 GB) | 14.10 GB  | 7.77 GB  |
-        3 | vae_3 (159.87 MB)        | -                        | 10.08 GB  | 12.07 GB |"#]]);
+        3 | vae_3 (159.87 MB)        | -                        | 10.08 GB  | 12.07 GB |"#]],
+    );
 }
 
 #[test]
 fn card_16gb() {
-    check_card("16GB", expect![[r#"
+    check_card(
+        "16GB",
+        expect![[r#"
         # | Onload                   | Offloaded                | Available | Peak     | Reason
         ---------------------------------------------------------------------------------------
         1 | text_encoder_1 (7.49 GB) | -                        | 14.30 GB  | 0 B      |
         2 | transformer_2 (11.46 GB) | text_encoder_1 (7.49 GB) | 6.65 GB   | 7.77 GB  |
-        3 | vae_3 (159.87 MB)        | transformer_2 (11.46 GB) | 2.63 GB   | 12.07 GB |"#]]);
+        3 | vae_3 (159.87 MB)        | transformer_2 (11.46 GB) | 2.63 GB   | 12.07 GB |"#]],
+    );
 }
 
 #[test]
 fn card_10gb() {
-    check_card("10GB", expect![[r#"
+    check_card(
+        "10GB",
+        expect![[r#"
         # | Onload                   | Offloaded                | Available | Peak     | Reason
         ---------------------------------------------------------------------------------------
         1 | text_encoder_1 (7.49 GB) | -                        | 8.71 GB   | 0 B      |
         2 | transformer_2 (11.46 GB) | text_encoder_1 (7.49 GB) | 1.06 GB   | 7.77 GB  |
-        3 | vae_3 (159.87 MB)        | transformer_2 (11.46 GB) | 0 B       | 12.07 GB |"#]]);
+        3 | vae_3 (159.87 MB)        | transformer_2 (11.46 GB) | 0 B       | 12.07 GB |"#]],
+    );
 }
 
 /// In hard mode a 10GB card cannot hold the transformer at all: the run stops with the advice to use group

@@ -28,6 +28,9 @@ pub use device::{DeviceLedger, DeviceMemory, DeviceName, DeviceNameError, Direct
 pub use error::{Error, Result};
 pub use manager::{AutoOffloadSettings, ComponentInfo, ComponentsManager, Lookup};
 pub use offload_strategy;
-pub use plan::{ComponentPlan, ComponentSpec, HostMemory, Machine, Plan, PlanError, Preset, Route, Settings, enable_offload, plan_pipeline};
+pub use plan::{
+    ComponentPlan, ComponentSpec, HostMemory, Machine, Plan, PlanError, Preset, Route, Settings, enable_offload,
+    plan_pipeline,
+};
 pub use record::{Action, OffloadEvent, OffloadRecord, Reason, RecordRow};
 pub use size::{Size, SizeError, format_size, parse_size};

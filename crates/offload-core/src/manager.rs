@@ -254,7 +254,11 @@ impl ComponentsManager {
         let mut component: Box<dyn Offloadable> = Box::new(component);
         let mut state = self.state.lock();
         if state.auto.is_some() && !component.device().is_cpu() {
-            component.offload().map_err(|source| Error::Component { operation: "offload", id: name.to_string(), source })?;
+            component.offload().map_err(|source| Error::Component {
+                operation: "offload",
+                id: name.to_string(),
+                source,
+            })?;
         }
         if let Some(collection) = collection {
             let replaced = state
@@ -302,7 +306,11 @@ impl ComponentsManager {
         {
             let mut component = state.entries[index].slot.lock();
             if !component.device().is_cpu() {
-                component.offload().map_err(|source| Error::Component { operation: "offload", id: id.to_string(), source })?;
+                component.offload().map_err(|source| Error::Component {
+                    operation: "offload",
+                    id: id.to_string(),
+                    source,
+                })?;
             }
         }
         let entry = state.entries.remove(index);
@@ -409,7 +417,8 @@ impl ComponentsManager {
         self.record.clear();
         let device = memory.device();
         tracing::info!(%device, reserve = %format_size(reserve), retry_on_oom, "auto offload enabled");
-        state.auto = Some(AutoOffload { memory, device, reserve, retry_on_oom, strategy: Arc::new(Auto), use_index: 0 });
+        state.auto =
+            Some(AutoOffload { memory, device, reserve, retry_on_oom, strategy: Arc::new(Auto), use_index: 0 });
         Ok(())
     }
 
@@ -480,11 +489,7 @@ impl ComponentsManager {
     }
 
     /// Runs a component without knowing its type; see [`run`](Self::run).
-    pub fn run_any<R>(
-        &self,
-        id: &str,
-        f: impl FnMut(&mut dyn Offloadable) -> Result<R, ComponentError>,
-    ) -> Result<R> {
+    pub fn run_any<R>(&self, id: &str, f: impl FnMut(&mut dyn Offloadable) -> Result<R, ComponentError>) -> Result<R> {
         self.run_dyn(id, |_| Ok(()), f)
     }
 
@@ -509,7 +514,9 @@ impl ComponentsManager {
             count_use = false;
             match outcome {
                 Ok(value) => return Ok(value),
-                Err(error) if error.is_out_of_memory() => self.make_room_after_oom(id, error, &mut offloaded_for_retry)?,
+                Err(error) if error.is_out_of_memory() => {
+                    self.make_room_after_oom(id, error, &mut offloaded_for_retry)?
+                }
                 Err(source) => return Err(Error::Component { operation: "run", id: id.to_string(), source }),
             }
         }
@@ -596,13 +603,19 @@ impl ComponentsManager {
                 Ok(())
             }
             Err(error) if error.is_out_of_memory() => Err(PrepareFailure::OutOfMemory(error)),
-            Err(source) => Err(PrepareFailure::Manager(Error::Component { operation: "onload", id: id.to_string(), source })),
+            Err(source) => {
+                Err(PrepareFailure::Manager(Error::Component { operation: "onload", id: id.to_string(), source }))
+            }
         }
     }
 
     fn offload_entry(&self, entry: &mut Entry, memory: &dyn DeviceMemory, reason: Reason) -> Result<()> {
         let reading = memory.reading();
-        entry.slot.lock().offload().map_err(|source| Error::Component { operation: "offload", id: entry.id.clone(), source })?;
+        entry.slot.lock().offload().map_err(|source| Error::Component {
+            operation: "offload",
+            id: entry.id.clone(),
+            source,
+        })?;
         entry.device = DeviceName::cpu();
         tracing::info!(component = %entry.id, %reason, bytes = %format_size(entry.resident_bytes), "offload");
         self.record.add(OffloadEvent {

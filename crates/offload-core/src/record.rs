@@ -312,7 +312,14 @@ mod tests {
         let tr = "transformer_129824854851072";
         let vae = "vae_129824905851968";
         record.add(event(Action::Onload, te, 8_044_936_192, None, gib(18.02), 8704));
-        record.add(event(Action::Offload, te, 8_044_936_192, Some(Reason::ReleaseMemoryFor(tr.into())), gib(10.384), gib(7.77)));
+        record.add(event(
+            Action::Offload,
+            te,
+            8_044_936_192,
+            Some(Reason::ReleaseMemoryFor(tr.into())),
+            gib(10.384),
+            gib(7.77),
+        ));
         record.add(event(Action::Onload, tr, 12_309_817_472, None, gib(17.9), gib(7.8)));
         record.add(event(Action::Onload, vae, 167_639_366, None, gib(6.36), gib(12.07)));
         let expected = "\

@@ -80,7 +80,8 @@ pub fn parse_size(input: &str) -> Result<u64, SizeError> {
     let whole: u128 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| err("the number is too large"))? };
     let digits = fraction.len().min(30);
     let fraction = &fraction[..digits];
-    let numerator: u128 = if fraction.is_empty() { 0 } else { fraction.parse().map_err(|_| err("the number is malformed"))? };
+    let numerator: u128 =
+        if fraction.is_empty() { 0 } else { fraction.parse().map_err(|_| err("the number is malformed"))? };
     let scale = 10u128.pow(digits as u32);
     let multiplier = u128::from(multiplier);
     let bytes = whole
@@ -169,7 +170,9 @@ mod tests {
 
     #[test]
     fn refuses_malformed_sizes_with_the_accepted_forms() {
-        for input in ["", "GB", "3 bananas", "-3GB", "3.5", "1.2.3GB", "3GBs", "99999999999999999999", "20000000TB", "."] {
+        for input in
+            ["", "GB", "3 bananas", "-3GB", "3.5", "1.2.3GB", "3GBs", "99999999999999999999", "20000000TB", "."]
+        {
             let err = parse_size(input).unwrap_err();
             assert_eq!(err.input, input);
             let message = err.to_string();

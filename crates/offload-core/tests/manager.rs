@@ -215,7 +215,10 @@ fn record_captures_what_the_strategy_saw() {
     assert_eq!((events[1].action, events[1].id.as_str()), (Action::Offload, m1.as_str()));
     assert_eq!(events[1].reason, Some(Reason::ReleaseMemoryFor(m2.clone())));
     assert_eq!(events[1].available, Some(4 * UNIT));
-    assert_eq!((events[2].action, events[2].id.as_str(), events[2].available), (Action::Onload, m2.as_str(), Some(4 * UNIT)));
+    assert_eq!(
+        (events[2].action, events[2].id.as_str(), events[2].available),
+        (Action::Onload, m2.as_str(), Some(4 * UNIT))
+    );
     manager.disable_auto_offload().unwrap();
     let events = manager.offload_record().events();
     assert_eq!(events.len(), 4);
@@ -392,7 +395,8 @@ fn offloading_reduces_peak_memory() {
     let peak_on = |capacity: Option<u64>| {
         let card = FakeCard::hard(capacity.unwrap_or(1 << 40));
         let manager = ComponentsManager::new();
-        let ids: Vec<String> = ["a", "b", "c"].iter().map(|n| manager.add(n, Dummy::new(64 * UNIT, &card), None).unwrap()).collect();
+        let ids: Vec<String> =
+            ["a", "b", "c"].iter().map(|n| manager.add(n, Dummy::new(64 * UNIT, &card), None).unwrap()).collect();
         manager.enable_auto_offload(card.clone(), 0, true).unwrap();
         for id in &ids {
             manager.run(id, |m: &mut Dummy| m.forward(0.0, 8 * UNIT)).unwrap();

@@ -97,14 +97,17 @@ fn main() -> anyhow::Result<()> {
     match std::env::args().nth(1).as_deref() {
         Some("parity") => parity(&parse_args()),
         Some("bench") => bench(&parse_args()),
-        _ => anyhow::bail!("usage: gpu_check parity|bench [--device cuda:0] [--cap 16GB] [--size 1024] [--steps 6] [--tiny]"),
+        _ => anyhow::bail!(
+            "usage: gpu_check parity|bench [--device cuda:0] [--cap 16GB] [--size 1024] [--steps 6] [--tiny]"
+        ),
     }
 }
 
 /// The fixtures: at `$CARGO_MANIFEST_DIR/tests/fixtures` when that is set at run time (a binary carried to
 /// another machine), else where this crate was built.
 fn fixtures() -> std::path::PathBuf {
-    let crate_dir = std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| env!("CARGO_MANIFEST_DIR").into(), std::path::PathBuf::from);
+    let crate_dir = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| env!("CARGO_MANIFEST_DIR").into(), std::path::PathBuf::from);
     crate_dir.join("tests/fixtures")
 }
 
@@ -125,7 +128,8 @@ fn parity(args: &Args) -> anyhow::Result<()> {
     let exec = device(&args.device)?;
     let name = DeviceName::parse(&args.device)?;
     let weights = fixtures().join("tiny-z-image-turbo");
-    let placement = Placement { exec, host: Device::flex(), name: name.clone(), ledger: Arc::new(offload_core::NoLedger) };
+    let placement =
+        Placement { exec, host: Device::flex(), name: name.clone(), ledger: Arc::new(offload_core::NoLedger) };
     let pipeline = ZImagePipeline::load(&weights, placement, &pipeline_zimage::loading::LoadOptions::new())?;
     pipeline.enable_auto_offload(Arc::new(Unbounded { device: name }), 0, true)?;
     // (golden file, steps, guidance, negative prompt, noise tensor, image-to-image)
@@ -146,7 +150,11 @@ fn parity(args: &Args) -> anyhow::Result<()> {
         let image = pipeline.generate(&opts, &mut |_, _| {})?;
         let expected = golden(file, "image")?;
         let error: f32 = (image.to_device(&Device::flex()) - expected).abs().max().into_scalar();
-        println!("{{\"parity\": \"{file}\", \"device\": \"{}\", \"max_abs_error\": {error:e}, \"within_1e-3\": {}}}", args.device, error <= 1e-3);
+        println!(
+            "{{\"parity\": \"{file}\", \"device\": \"{}\", \"max_abs_error\": {error:e}, \"within_1e-3\": {}}}",
+            args.device,
+            error <= 1e-3
+        );
     }
     println!("{}", pipeline.manager().offload_record());
     Ok(())
@@ -160,7 +168,8 @@ fn bench(args: &Args) -> anyhow::Result<()> {
     let lat = args.size / 8;
     let inputs = |device: &Device| {
         let x = Tensor::<5>::random([1, 16, 1, lat, lat], Distribution::Normal(0.0, 1.0), device).cast(DType::BF16);
-        let cap = Tensor::<3>::random([1, args.cap_len, config.cap_feat_dim], Distribution::Normal(0.0, 1.0), device).cast(DType::BF16);
+        let cap = Tensor::<3>::random([1, args.cap_len, config.cap_feat_dim], Distribution::Normal(0.0, 1.0), device)
+            .cast(DType::BF16);
         let t = Tensor::<1>::from_floats([0.5], device).cast(DType::BF16);
         (x, t, cap)
     };
@@ -192,11 +201,11 @@ fn bench(args: &Args) -> anyhow::Result<()> {
         ("group_block1_no_prefetch", block, 0, false),
         ("group_leaf_prefetch", GroupLevel::Leaf, 1, false),
     ] {
-        let card = SimCard::new(CardSpec::parse(&cap_bytes.to_string())?.with_mode(Mode::Hard).with_context_overhead(0));
+        let card =
+            SimCard::new(CardSpec::parse(&cap_bytes.to_string())?.with_mode(Mode::Hard).with_context_overhead(0));
         let model = ZImageTransformer2DModel::new(&config, &exec);
-        let offload = GroupOffloadConfig::new("transformer", exec.clone())
-            .with_ledger(card.clone())
-            .with_memory(card.clone());
+        let offload =
+            GroupOffloadConfig::new("transformer", exec.clone()).with_ledger(card.clone()).with_memory(card.clone());
         let options = GroupOptions {
             level,
             prefetch: prefetch > 0,

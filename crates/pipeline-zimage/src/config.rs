@@ -169,10 +169,7 @@ impl TransformerConfig {
             return Err("patch sizes must be positive".into());
         }
         if !self.dim.is_multiple_of(self.n_heads) {
-            return Err(format!(
-                "dim {} is not divisible by n_heads {}",
-                self.dim, self.n_heads
-            ));
+            return Err(format!("dim {} is not divisible by n_heads {}", self.dim, self.n_heads));
         }
         if self.n_kv_heads != self.n_heads {
             return Err(format!(
@@ -251,8 +248,7 @@ impl TransformerConfig {
         let x_embedder = p * d + d;
         let final_layer = d * p + p + a * d + d;
         let cap_embedder = self.cap_feat_dim + self.cap_feat_dim * d + d;
-        let t_embedder =
-            FREQUENCY_EMBEDDING_SIZE * T_EMBED_MID_DIM + T_EMBED_MID_DIM + T_EMBED_MID_DIM * a + a;
+        let t_embedder = FREQUENCY_EMBEDDING_SIZE * T_EMBED_MID_DIM + T_EMBED_MID_DIM + T_EMBED_MID_DIM * a + a;
         let pad_tokens = 2 * d;
         x_embedder + final_layer + cap_embedder + t_embedder + pad_tokens
     }
@@ -299,22 +295,13 @@ impl TransformerConfig {
     /// - feed-forward: the normed input and output (`2·S·D·e`) and the `w1`, `w3` and gated products (`3·S·F·e`).
     ///
     /// Freed intermediates (norm statistics, modulation vectors) are ignored; allocator rounding is not modelled.
-    pub fn activation_bytes_for_tokens(
-        &self,
-        tokens: usize,
-        dtype: DType,
-        materialized_scores: bool,
-    ) -> u64 {
+    pub fn activation_bytes_for_tokens(&self, tokens: usize, dtype: DType, materialized_scores: bool) -> u64 {
         let s = tokens as u64;
         let d = self.dim as u64;
         let f = self.ffn_hidden_dim() as u64;
         let h = self.n_heads as u64;
         let e = dtype.size() as u64;
-        let scores = if materialized_scores {
-            2 * h * s * s * e
-        } else {
-            0
-        };
+        let scores = if materialized_scores { 2 * h * s * s * e } else { 0 };
         let attention = 5 * s * d * e + 2 * s * d * 4 + scores;
         let ffn = 2 * s * d * e + 3 * s * f * e;
         s * d * e + attention.max(ffn)
@@ -348,26 +335,15 @@ impl ModelIndex {
     /// Parses the text of a `model_index.json`; `path` is only used in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Self> {
         let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|source| Error::Json {
-                path: path.to_path_buf(),
-                source,
-            })?;
-        let not_zimage = |reason: String| Error::NotZImageCheckpoint {
-            path: path.to_path_buf(),
-            reason,
-        };
-        let object = value
-            .as_object()
-            .ok_or_else(|| not_zimage("model_index.json is not a json object".into()))?;
+            serde_json::from_str(text).map_err(|source| Error::Json { path: path.to_path_buf(), source })?;
+        let not_zimage = |reason: String| Error::NotZImageCheckpoint { path: path.to_path_buf(), reason };
+        let object = value.as_object().ok_or_else(|| not_zimage("model_index.json is not a json object".into()))?;
         let class_name = object
             .get("_class_name")
             .and_then(|v| v.as_str())
             .ok_or_else(|| not_zimage("model_index.json has no _class_name".into()))?
             .to_owned();
-        let diffusers_version = object
-            .get("_diffusers_version")
-            .and_then(|v| v.as_str())
-            .map(str::to_owned);
+        let diffusers_version = object.get("_diffusers_version").and_then(|v| v.as_str()).map(str::to_owned);
         let mut components = BTreeMap::new();
         for (name, entry) in object.iter().filter(|(k, _)| !k.starts_with('_')) {
             // Components are `[library, class]`; anything else (e.g. `requires_safety_checker: false`) is a flag.
@@ -377,26 +353,16 @@ impl ModelIndex {
                 components.insert(name.clone(), (library, class));
             }
         }
-        Ok(Self {
-            class_name,
-            diffusers_version,
-            components,
-        })
+        Ok(Self { class_name, diffusers_version, components })
     }
 
     /// Reads and parses `path`; a missing file is [`Error::NotZImageCheckpoint`].
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|source| {
             if source.kind() == std::io::ErrorKind::NotFound {
-                Error::NotZImageCheckpoint {
-                    path: path.to_path_buf(),
-                    reason: "model_index.json not found".into(),
-                }
+                Error::NotZImageCheckpoint { path: path.to_path_buf(), reason: "model_index.json not found".into() }
             } else {
-                Error::Io {
-                    path: path.to_path_buf(),
-                    source,
-                }
+                Error::Io { path: path.to_path_buf(), source }
             }
         })?;
         Self::parse(&text, path)
@@ -404,9 +370,7 @@ impl ModelIndex {
 
     /// The class declared for `component`, if any.
     pub fn class_of(&self, component: &str) -> Option<&str> {
-        self.components
-            .get(component)
-            .and_then(|(_, class)| class.as_deref())
+        self.components.get(component).and_then(|(_, class)| class.as_deref())
     }
 
     /// Checks that this is a `ZImagePipeline` whose components have the classes in [`EXPECTED_COMPONENTS`].
@@ -414,19 +378,14 @@ impl ModelIndex {
         if self.class_name != PIPELINE_CLASS {
             return Err(Error::NotZImageCheckpoint {
                 path: path.to_path_buf(),
-                reason: format!(
-                    "model_index.json declares {}, expected {PIPELINE_CLASS}",
-                    self.class_name
-                ),
+                reason: format!("model_index.json declares {}, expected {PIPELINE_CLASS}", self.class_name),
             });
         }
         for (component, accepted) in EXPECTED_COMPONENTS {
-            let found = self
-                .class_of(component)
-                .ok_or_else(|| Error::NotZImageCheckpoint {
-                    path: path.to_path_buf(),
-                    reason: format!("model_index.json declares no {component}"),
-                })?;
+            let found = self.class_of(component).ok_or_else(|| Error::NotZImageCheckpoint {
+                path: path.to_path_buf(),
+                reason: format!("model_index.json declares no {component}"),
+            })?;
             if !accepted.contains(&found) {
                 return Err(Error::WrongComponentClass {
                     component: (*component).to_owned(),
@@ -483,19 +442,12 @@ mod tests {
         let attention = 5 * s * d * e + 8 * s * d + 2 * h * s * s * e;
         let expected = s * d * e + attention.max(2 * s * d * e + 3 * s * f * e);
         assert_eq!(c.activation_bytes(1024, 1024, DType::BF16), expected);
-        assert!(
-            c.activation_bytes_for_tokens(4608, DType::BF16, false)
-                < c.activation_bytes(1024, 1024, DType::BF16)
-        );
+        assert!(c.activation_bytes_for_tokens(4608, DType::BF16, false) < c.activation_bytes(1024, 1024, DType::BF16));
     }
 
     #[test]
     fn ffn_width_rounds_like_python() {
-        let c = TransformerConfig {
-            dim: 64,
-            n_heads: 2,
-            ..TransformerConfig::z_image_turbo()
-        };
+        let c = TransformerConfig { dim: 64, n_heads: 2, ..TransformerConfig::z_image_turbo() };
         // int(64 / 3 * 8) == 170
         assert_eq!(c.ffn_hidden_dim(), 170);
     }
@@ -503,8 +455,7 @@ mod tests {
     #[test]
     fn config_json_defaults_fill_missing_fields() {
         let c: TransformerConfig =
-            serde_json::from_str(r#"{"_class_name":"ZImageTransformer2DModel","dim":3840}"#)
-                .expect("parses");
+            serde_json::from_str(r#"{"_class_name":"ZImageTransformer2DModel","dim":3840}"#).expect("parses");
         assert_eq!(c, TransformerConfig::z_image_turbo());
     }
 
@@ -528,9 +479,6 @@ mod tests {
 
         let other = good.replace("ZImagePipeline", "FluxPipeline");
         let index = ModelIndex::parse(&other, path).expect("parses");
-        assert!(matches!(
-            index.validate(path),
-            Err(Error::NotZImageCheckpoint { .. })
-        ));
+        assert!(matches!(index.validate(path), Err(Error::NotZImageCheckpoint { .. })));
     }
 }

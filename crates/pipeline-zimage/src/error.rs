@@ -178,9 +178,7 @@ pub enum Error {
     },
 
     /// An image size the model cannot generate.
-    #[error(
-        "cannot generate {width}x{height}: width and height must be positive multiples of {multiple}"
-    )]
+    #[error("cannot generate {width}x{height}: width and height must be positive multiples of {multiple}")]
     InvalidSize {
         /// The requested height in pixels.
         height: usize,
@@ -273,10 +271,7 @@ pub enum Error {
 
 /// Renders ` (first: NAME)` for a non-empty list, to keep messages short on large lists.
 fn first(names: &[String]) -> String {
-    names
-        .first()
-        .map(|name| format!(" (first: {name})"))
-        .unwrap_or_default()
+    names.first().map(|name| format!(" (first: {name})")).unwrap_or_default()
 }
 
 /// The crate's result type.

@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 
 use burn::module::Module;
 use burn::store::{
-    ApplyError, ApplyResult, FloatCastAdapter, IdentityAdapter, KeyRemapper, ModuleSnapshot,
-    SafetensorsStore, SafetensorsStoreError,
+    ApplyError, ApplyResult, FloatCastAdapter, IdentityAdapter, KeyRemapper, ModuleSnapshot, SafetensorsStore,
+    SafetensorsStoreError,
 };
 use burn::tensor::{DType, Device};
 use serde::Deserialize;
@@ -46,11 +46,7 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self {
-            dtype: Some(DType::F32),
-            allow_partial: false,
-            key_remap: Vec::new(),
-        }
+        Self { dtype: Some(DType::F32), allow_partial: false, key_remap: Vec::new() }
     }
 }
 
@@ -74,11 +70,7 @@ impl LoadOptions {
 
     /// Adds key renames.
     pub fn with_key_remap(mut self, remap: &[(&str, &str)]) -> Self {
-        self.key_remap.extend(
-            remap
-                .iter()
-                .map(|(from, to)| ((*from).to_owned(), (*to).to_owned())),
-        );
+        self.key_remap.extend(remap.iter().map(|(from, to)| ((*from).to_owned(), (*to).to_owned())));
         self
     }
 }
@@ -158,10 +150,7 @@ impl WeightFiles {
                     path: component_dir.to_path_buf(),
                 }
             } else {
-                Error::Io {
-                    path: component_dir.to_path_buf(),
-                    source,
-                }
+                Error::Io { path: component_dir.to_path_buf(), source }
             }
         })?;
         let mut names: Vec<String> = entries
@@ -172,8 +161,7 @@ impl WeightFiles {
         names.sort();
 
         let pick = |suffix: &str| -> Option<String> {
-            let mut candidates: Vec<&String> =
-                names.iter().filter(|n| n.ends_with(suffix)).collect();
+            let mut candidates: Vec<&String> = names.iter().filter(|n| n.ends_with(suffix)).collect();
             // Plain names (`model.safetensors`) before variants (`model.fp16.safetensors`).
             candidates.sort_by_key(|n| (n.trim_end_matches(suffix).contains('.'), (*n).clone()));
             candidates.first().map(|n| (*n).clone())
@@ -187,18 +175,11 @@ impl WeightFiles {
             for file in files {
                 let shard = component_dir.join(file);
                 if !shard.is_file() {
-                    return Err(Error::MissingShard {
-                        index: index.clone(),
-                        file: shard,
-                    });
+                    return Err(Error::MissingShard { index: index.clone(), file: shard });
                 }
                 shards.push(shard);
             }
-            return Ok(Self::Sharded {
-                index,
-                shards,
-                weight_map,
-            });
+            return Ok(Self::Sharded { index, shards, weight_map });
         }
         match pick(".safetensors") {
             Some(name) => Ok(Self::Single(component_dir.join(name))),
@@ -218,10 +199,7 @@ struct ShardIndex {
 }
 
 fn read_weight_map(index: &Path) -> Result<BTreeMap<String, String>> {
-    let text = std::fs::read_to_string(index).map_err(|source| Error::Io {
-        path: index.to_path_buf(),
-        source,
-    })?;
+    let text = std::fs::read_to_string(index).map_err(|source| Error::Io { path: index.to_path_buf(), source })?;
     parse_weight_map(&text, index)
 }
 
@@ -232,10 +210,8 @@ fn read_weight_map(index: &Path) -> Result<BTreeMap<String, String>> {
 /// drive or root prefix would make the loader read a file outside the checkpoint, so it is refused with
 /// [`Error::InvalidConfig`].
 pub fn parse_weight_map(text: &str, index: &Path) -> Result<BTreeMap<String, String>> {
-    let parsed: ShardIndex = serde_json::from_str(text).map_err(|source| Error::Json {
-        path: index.to_path_buf(),
-        source,
-    })?;
+    let parsed: ShardIndex =
+        serde_json::from_str(text).map_err(|source| Error::Json { path: index.to_path_buf(), source })?;
     if let Some((tensor, file)) = parsed.weight_map.iter().find(|(_, file)| !is_plain_file_name(file)) {
         return Err(Error::InvalidConfig {
             path: index.to_path_buf(),
@@ -256,20 +232,14 @@ fn is_plain_file_name(name: &str) -> bool {
 }
 
 fn component_name(dir: &Path) -> String {
-    dir.file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| dir.display().to_string())
+    dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| dir.display().to_string())
 }
 
 /// Loads the weights found in `component_dir` (see [`WeightFiles::find`]) into `module`.
 ///
 /// The module's parameter paths (field names joined by `.`) must equal the file's tensor names after
 /// [`LoadOptions::key_remap`]. On error the module may be partly loaded; drop it.
-pub fn load_component<M: Module>(
-    module: &mut M,
-    component_dir: &Path,
-    opts: &LoadOptions,
-) -> Result<LoadReport> {
+pub fn load_component<M: Module>(module: &mut M, component_dir: &Path, opts: &LoadOptions) -> Result<LoadReport> {
     let files = WeightFiles::find(component_dir)?.files();
     load_files(module, &component_name(component_dir), &files, opts)
 }
@@ -310,12 +280,7 @@ pub fn load_bytes<M: Module>(
 
 fn key_remapper(opts: &LoadOptions) -> Result<KeyRemapper> {
     KeyRemapper::from_patterns(opts.key_remap.clone()).map_err(|e| Error::InvalidKeyRemap {
-        pattern: opts
-            .key_remap
-            .iter()
-            .map(|(from, _)| from.as_str())
-            .collect::<Vec<_>>()
-            .join(", "),
+        pattern: opts.key_remap.iter().map(|(from, _)| from.as_str()).collect::<Vec<_>>().join(", "),
         reason: e.to_string(),
     })
 }
@@ -355,9 +320,7 @@ impl Loaded {
             Some(dtype) if dtype.is_float() => store.with_from_adapter(FloatCastAdapter::to(dtype)),
             _ => store.with_from_adapter(IdentityAdapter),
         };
-        let result: ApplyResult = module
-            .load_from(&mut store)
-            .map_err(|e| store_error(file, e))?;
+        let result: ApplyResult = module.load_from(&mut store).map_err(|e| store_error(file, e))?;
         if let Some(error) = result.errors.first() {
             return Err(apply_error(file, error));
         }
@@ -371,11 +334,7 @@ impl Loaded {
     fn finish(self, opts: &LoadOptions) -> Result<LoadReport> {
         let mut report = self.report;
         let applied: BTreeSet<&String> = report.applied.iter().collect();
-        report.missing = self
-            .not_applied
-            .into_iter()
-            .filter(|path| !applied.contains(path))
-            .collect();
+        report.missing = self.not_applied.into_iter().filter(|path| !applied.contains(path)).collect();
         report.unused = self.unused.into_iter().collect();
         if !opts.allow_partial && !report.is_complete() {
             return Err(Error::PartialLoad {
@@ -390,46 +349,25 @@ impl Loaded {
 
 fn store_error(file: &Path, error: SafetensorsStoreError) -> Error {
     match error {
-        SafetensorsStoreError::Io(source) => Error::Io {
-            path: file.to_path_buf(),
-            source,
-        },
-        other => Error::CorruptWeights {
-            file: file.to_path_buf(),
-            reason: other.to_string(),
-        },
+        SafetensorsStoreError::Io(source) => Error::Io { path: file.to_path_buf(), source },
+        other => Error::CorruptWeights { file: file.to_path_buf(), reason: other.to_string() },
     }
 }
 
 fn apply_error(file: &Path, error: &ApplyError) -> Error {
     let file = file.to_path_buf();
     match error {
-        ApplyError::ShapeMismatch {
-            path,
-            expected,
-            found,
-        } => Error::ShapeMismatch {
-            tensor: path.clone(),
-            file,
-            expected: expected.to_vec(),
-            found: found.to_vec(),
-        },
-        ApplyError::DTypeMismatch {
-            path,
-            expected,
-            found,
-        } => Error::DTypeMismatch {
+        ApplyError::ShapeMismatch { path, expected, found } => {
+            Error::ShapeMismatch { tensor: path.clone(), file, expected: expected.to_vec(), found: found.to_vec() }
+        }
+        ApplyError::DTypeMismatch { path, expected, found } => Error::DTypeMismatch {
             tensor: path.clone(),
             file,
             expected: format!("{expected:?}").to_lowercase(),
             found: format!("{found:?}").to_lowercase(),
         },
         ApplyError::AdapterError { path, message } | ApplyError::LoadError { path, message } => {
-            Error::TensorLoad {
-                tensor: path.clone(),
-                file,
-                reason: message.clone(),
-            }
+            Error::TensorLoad { tensor: path.clone(), file, reason: message.clone() }
         }
     }
 }
@@ -471,11 +409,7 @@ impl Checkpoint {
         if dir.is_dir() {
             Ok(dir)
         } else {
-            Err(Error::MissingFile {
-                component: component.to_owned(),
-                what: "component directory".into(),
-                path: dir,
-            })
+            Err(Error::MissingFile { component: component.to_owned(), what: "component directory".into(), path: dir })
         }
     }
 
@@ -495,16 +429,9 @@ impl Checkpoint {
         let path = self.config_path(component);
         let text = std::fs::read_to_string(&path).map_err(|source| {
             if source.kind() == std::io::ErrorKind::NotFound {
-                Error::MissingFile {
-                    component: component.to_owned(),
-                    what: "config".into(),
-                    path: path.clone(),
-                }
+                Error::MissingFile { component: component.to_owned(), what: "config".into(), path: path.clone() }
             } else {
-                Error::Io {
-                    path: path.clone(),
-                    source,
-                }
+                Error::Io { path: path.clone(), source }
             }
         })?;
         serde_json::from_str(&text).map_err(|source| Error::Json { path, source })
@@ -513,10 +440,7 @@ impl Checkpoint {
     /// The transformer's validated `config.json`.
     pub fn transformer_config(&self) -> Result<TransformerConfig> {
         let config: TransformerConfig = self.read_config("transformer")?;
-        config.validate().map_err(|reason| Error::InvalidConfig {
-            path: self.config_path("transformer"),
-            reason,
-        })?;
+        config.validate().map_err(|reason| Error::InvalidConfig { path: self.config_path("transformer"), reason })?;
         Ok(config)
     }
 
@@ -526,12 +450,7 @@ impl Checkpoint {
     }
 
     /// Loads `component`'s weights into `module` (see [`load_component`]).
-    pub fn load<M: Module>(
-        &self,
-        component: &str,
-        module: &mut M,
-        opts: &LoadOptions,
-    ) -> Result<LoadReport> {
+    pub fn load<M: Module>(&self, component: &str, module: &mut M, opts: &LoadOptions) -> Result<LoadReport> {
         load_component(module, &self.component_dir(component)?, opts)
     }
 

@@ -8,7 +8,6 @@
 //! `--offload`; without `--preset`, the planner is used when `--offload` is absent and a settings source is given
 //! (`--config`, `--set`, `--profile-name`, `--profile-dir`, `OFFLOAD_PRESET`, `OFFLOAD_CONFIG`).
 
-
 #![forbid(unsafe_code)]
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -169,11 +168,19 @@ fn read_latents(path: &Path) -> anyhow::Result<Tensor<4>> {
         .with_context(|| format!("{} is not a safetensors file", path.display()))?;
     let view = file.tensor("latents").with_context(|| format!("{} has no tensor named `latents`", path.display()))?;
     let shape: Vec<usize> = view.shape().to_vec();
-    let [a, b, c, d] = shape[..] else { bail!("`latents` in {} has shape {shape:?}, not 4 dimensions", path.display()) };
+    let [a, b, c, d] = shape[..] else {
+        bail!("`latents` in {} has shape {shape:?}, not 4 dimensions", path.display())
+    };
     let values: Vec<f32> = match view.dtype() {
-        safetensors::Dtype::F32 => view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        safetensors::Dtype::BF16 => view.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        safetensors::Dtype::F16 => view.data().chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        safetensors::Dtype::F32 => {
+            view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        }
+        safetensors::Dtype::BF16 => {
+            view.data().chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+        }
+        safetensors::Dtype::F16 => {
+            view.data().chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+        }
         other => bail!("`latents` in {} is {other:?}; write it as f32, bf16 or f16", path.display()),
     };
     Ok(Tensor::from_data(TensorData::new(values, [a, b, c, d]), (&Device::flex(), DType::F32)))
@@ -264,10 +271,13 @@ fn resolve_settings(
         };
         explicit.set(key.trim(), value.trim())?;
     }
-    let config = args.config.clone().or_else(|| env.iter().find(|(k, _)| k == "OFFLOAD_CONFIG").map(|(_, v)| PathBuf::from(v)));
+    let config =
+        args.config.clone().or_else(|| env.iter().find(|(k, _)| k == "OFFLOAD_CONFIG").map(|(_, v)| PathBuf::from(v)));
     let file = config
         .as_ref()
-        .map(|path| std::fs::read_to_string(path).with_context(|| format!("cannot read the settings file {}", path.display())))
+        .map(|path| {
+            std::fs::read_to_string(path).with_context(|| format!("cannot read the settings file {}", path.display()))
+        })
         .transpose()?;
     let settings = Settings::resolve(&explicit, env.iter().cloned(), file.as_deref())?;
     match simulated_reserve {
@@ -314,7 +324,13 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         bail!(
             "{} needs device readings: pass --card SIZE (your card's size, or a smaller one to simulate); burn \
              exposes no free-memory call",
-            if planner { "the offload planner (--preset)" } else if offload == Offload::Auto { "--offload auto" } else { "--offload group" }
+            if planner {
+                "the offload planner (--preset)"
+            } else if offload == Offload::Auto {
+                "--offload auto"
+            } else {
+                "--offload group"
+            }
         );
     }
     if planner {
@@ -431,7 +447,10 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     match Cli::parse().command {
         Command::Generate(args) => generate(&args),
     }
@@ -469,7 +488,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pipeline-zimage-cli-settings-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("a temporary directory");
         let file = dir.join("offload.toml");
-        std::fs::write(&file, "preset = \"one_shot_fast\"\nprefetch_depth = 3\nblocks_per_group = 2\n").expect("written");
+        std::fs::write(&file, "preset = \"one_shot_fast\"\nprefetch_depth = 3\nblocks_per_group = 2\n")
+            .expect("written");
         let config = file.display().to_string();
         let environment = env(&[("OFFLOAD_PRESET", "no_pin"), ("OFFLOAD_PREFETCH_DEPTH", "2")]);
 
@@ -481,8 +501,8 @@ mod tests {
         assert_eq!(settings.prefetch_depth, 4);
         assert_eq!(settings.blocks_per_group, 2);
         assert_eq!(settings.origin("blocks_per_group"), Origin::File);
-        let (settings, _) = resolve_settings(&args(&["--config", &config, "--preset", "auto"]), &environment, None)
-            .expect("valid");
+        let (settings, _) =
+            resolve_settings(&args(&["--config", &config, "--preset", "auto"]), &environment, None).expect("valid");
         assert_eq!(settings.preset, Preset::Auto);
         assert_eq!(settings.prefetch_depth, 2);
 

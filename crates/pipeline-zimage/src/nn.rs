@@ -36,11 +36,7 @@ pub struct PtLinear {
 impl PtLinear {
     /// Creates a layer with lazily initialised parameters (normal, std 0.02; bias zero) on `device`.
     pub fn new(d_in: usize, d_out: usize, bias: bool, device: &Device) -> Self {
-        let weight = Initializer::Normal {
-            mean: 0.0,
-            std: 0.02,
-        }
-        .init([d_out, d_in], device);
+        let weight = Initializer::Normal { mean: 0.0, std: 0.02 }.init([d_out, d_in], device);
         let bias = bias.then(|| Initializer::Zeros.init([d_out], device));
         Self { weight, bias }
     }
@@ -69,11 +65,7 @@ impl PtLinear {
     /// Shapes: `x` `[..., d_in]` -> `[..., d_out]`. `x` must have the weight's dtype; the result has it too.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         // The transpose is a stride view: the stored `[d_out, d_in]` bytes are never rewritten.
-        burn::tensor::module::linear(
-            x,
-            self.weight.val().transpose(),
-            self.bias.as_ref().map(Param::val),
-        )
+        burn::tensor::module::linear(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val))
     }
 }
 
@@ -95,10 +87,7 @@ pub struct RmsNorm {
 impl RmsNorm {
     /// Creates a norm over `dim` features with a lazily initialised scale of ones.
     pub fn new(dim: usize, eps: f64, device: &Device) -> Self {
-        Self {
-            weight: Initializer::Ones.init([dim], device),
-            eps,
-        }
+        Self { weight: Initializer::Ones.init([dim], device), eps }
     }
 
     /// Normalises the last dimension.
@@ -107,9 +96,7 @@ impl RmsNorm {
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         let weight = self.weight.val();
         let x = x.cast(DType::F32);
-        let inv_rms = (x.clone().square().mean_dim(D - 1) + self.eps)
-            .sqrt()
-            .recip();
+        let inv_rms = (x.clone().square().mean_dim(D - 1) + self.eps).sqrt().recip();
         (x * inv_rms).cast(weight.dtype()) * weight.unsqueeze()
     }
 }
@@ -165,9 +152,7 @@ impl GroupNorm {
         let grouped = x.cast(DType::F32).reshape([b, g, (c / g) * h * w]);
         let centered = grouped.clone() - grouped.mean_dim(2);
         let var = centered.clone().square().mean_dim(2);
-        let normed = (centered * (var + self.eps).sqrt().recip())
-            .reshape([b, c, h, w])
-            .cast(dtype);
+        let normed = (centered * (var + self.eps).sqrt().recip()).reshape([b, c, h, w]).cast(dtype);
         let scale = self.weight.val().cast(dtype).reshape([1, c, 1, 1]);
         let shift = self.bias.val().cast(dtype).reshape([1, c, 1, 1]);
         normed * scale + shift
@@ -184,10 +169,7 @@ mod tests {
     }
 
     fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-        t.cast(DType::F32)
-            .into_data()
-            .try_into_vec::<f32>()
-            .expect("f32 data")
+        t.cast(DType::F32).into_data().try_into_vec::<f32>().expect("f32 data")
     }
 
     #[test]
@@ -195,14 +177,8 @@ mod tests {
         let dev = device();
         let mut lin = PtLinear::new(2, 3, true, &dev);
         // weight [out=3, in=2]
-        lin.weight = Param::from_data(
-            TensorData::new(vec![1.0f32, 0.0, 0.0, 1.0, 1.0, 1.0], [3, 2]),
-            &dev,
-        );
-        lin.bias = Some(Param::from_data(
-            TensorData::new(vec![0.5f32, 0.0, -1.0], [3]),
-            &dev,
-        ));
+        lin.weight = Param::from_data(TensorData::new(vec![1.0f32, 0.0, 0.0, 1.0, 1.0, 1.0], [3, 2]), &dev);
+        lin.bias = Some(Param::from_data(TensorData::new(vec![0.5f32, 0.0, -1.0], [3]), &dev));
         let x = Tensor::<2>::from_data(TensorData::new(vec![2.0f32, 3.0], [1, 2]), &dev);
         assert_eq!(values(lin.forward(x)), vec![2.5, 3.0, 4.0]);
         assert_eq!((lin.d_in(), lin.d_out()), (2, 3));
@@ -231,10 +207,7 @@ mod tests {
         let dev = device();
         let norm = GroupNorm::new(2, 4, 0.0, &dev);
         let x = Tensor::<4>::from_data(
-            TensorData::new(
-                vec![1.0f32, 3.0, 10.0, 10.0, 0.0, 2.0, 5.0, 7.0],
-                [1, 4, 1, 2],
-            ),
+            TensorData::new(vec![1.0f32, 3.0, 10.0, 10.0, 0.0, 2.0, 5.0, 7.0], [1, 4, 1, 2]),
             &dev,
         );
         let got = values(norm.forward(x));

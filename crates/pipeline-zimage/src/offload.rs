@@ -95,7 +95,11 @@ impl<M: Module + 'static> BurnComponent<M> {
     ///
     /// On the ledger of a simulated card in hard mode the charge fails with out-of-memory when the card is
     /// full, exactly like a real allocation; the manager's OOM retry then makes room and calls again.
-    pub fn run<R>(&mut self, activation_bytes: u64, f: impl FnOnce(&M, &Device) -> crate::Result<R>) -> Result<R, ComponentError> {
+    pub fn run<R>(
+        &mut self,
+        activation_bytes: u64,
+        f: impl FnOnce(&M, &Device) -> crate::Result<R>,
+    ) -> Result<R, ComponentError> {
         self.placement.ledger.allocate(activation_bytes)?;
         let device = self.burn_device().clone();
         let result = f(&self.module, &device);
@@ -135,7 +139,11 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
             if let Err(error) = self.placement.exec.sync() {
                 ledger.free(self.bytes);
                 tracing::warn!(device = %device, "device sync after onload failed: {error:?}");
-                return Err(ComponentError::OutOfMemory { device: device.clone(), requested: self.bytes, available: 0 });
+                return Err(ComponentError::OutOfMemory {
+                    device: device.clone(),
+                    requested: self.bytes,
+                    available: 0,
+                });
             }
             self.module = moved;
         }

@@ -102,7 +102,12 @@ impl GenerateOptions {
         {
             return Err(Error::InvalidArgument {
                 name: "latents",
-                reason: format!("shape {:?} does not match {}x{} (expected [1, 16, {h}, {w}])", latents.dims(), self.height, self.width),
+                reason: format!(
+                    "shape {:?} does not match {}x{} (expected [1, 16, {h}, {w}])",
+                    latents.dims(),
+                    self.height,
+                    self.width
+                ),
             });
         }
         if let Some(image) = &self.image
@@ -110,7 +115,12 @@ impl GenerateOptions {
         {
             return Err(Error::InvalidArgument {
                 name: "image",
-                reason: format!("shape {:?} is not [1, 3, {}, {}]; resize the image or pass its size", image.dims(), self.height, self.width),
+                reason: format!(
+                    "shape {:?} is not [1, 3, {}, {}]; resize the image or pass its size",
+                    image.dims(),
+                    self.height,
+                    self.width
+                ),
             });
         }
         Ok(())
@@ -233,7 +243,16 @@ impl ZImagePipeline {
         let (vae_config, vae, vae_report) = AutoencoderKl::load(checkpoint.component_dir("vae")?, &host, opts)?;
         let reports = vec![te_report, tr_report, vae_report];
         Self::from_parts(
-            Parts { tokenizer, scheduler, text_encoder, text_encoder_config, transformer, transformer_config, vae, vae_config },
+            Parts {
+                tokenizer,
+                scheduler,
+                text_encoder,
+                text_encoder_config,
+                transformer,
+                transformer_config,
+                vae,
+                vae_config,
+            },
             placement,
             reports,
         )
@@ -243,8 +262,11 @@ impl ZImagePipeline {
     pub fn from_parts(parts: Parts, placement: Placement, reports: Vec<LoadReport>) -> Result<Self> {
         let manager = Arc::new(ComponentsManager::new());
         let dtype = parts.transformer.dtype();
-        let text_encoder =
-            manager.add("text_encoder", BurnComponent::new(parts.text_encoder, "Qwen3Model", placement.clone()), None)?;
+        let text_encoder = manager.add(
+            "text_encoder",
+            BurnComponent::new(parts.text_encoder, "Qwen3Model", placement.clone()),
+            None,
+        )?;
         let transformer = manager.add(
             "transformer",
             BurnComponent::new(parts.transformer, "ZImageTransformer2DModel", placement.clone()),
@@ -421,12 +443,9 @@ impl ZImagePipeline {
             PipelineComponent::TextEncoder => {
                 self.requantize::<TextEncoder>(&id, "text_encoder", "Qwen3Model", &scheme)?
             }
-            PipelineComponent::Transformer => self.requantize::<ZImageTransformer2DModel>(
-                &id,
-                "transformer",
-                "ZImageTransformer2DModel",
-                &scheme,
-            )?,
+            PipelineComponent::Transformer => {
+                self.requantize::<ZImageTransformer2DModel>(&id, "transformer", "ZImageTransformer2DModel", &scheme)?
+            }
             PipelineComponent::Vae => self.requantize::<AutoencoderKl>(&id, "vae", "AutoencoderKL", &scheme)?,
         };
         match component {
@@ -538,7 +557,8 @@ impl ZImagePipeline {
     pub fn encode_prompts(&self, prompts: &[String], max_sequence_length: usize) -> Result<Vec<Tensor<2>>> {
         let tokenizer = self.tokenizer.with_max_sequence_length(max_sequence_length);
         let tokens = tokenizer.encode(prompts)?;
-        let activations = text_encoder_activation_bytes(&self.text_encoder_config, max_sequence_length, self.transformer_dtype);
+        let activations =
+            text_encoder_activation_bytes(&self.text_encoder_config, max_sequence_length, self.transformer_dtype);
         if self.grouped_text_encoder {
             return Ok(self.manager.run(&self.ids.text_encoder, |c: &mut GroupedTextEncoder| {
                 c.run(activations, |model, device| {
@@ -547,7 +567,9 @@ impl ZImagePipeline {
             })?);
         }
         let run = self.manager.run(&self.ids.text_encoder, |c: &mut BurnComponent<TextEncoder>| {
-            c.run(activations, |module, device| module.encode(tokens.input_ids_tensor(device), tokens.attention_mask_tensor(device)))
+            c.run(activations, |module, device| {
+                module.encode(tokens.input_ids_tensor(device), tokens.attention_mask_tensor(device))
+            })
         });
         Ok(run?)
     }
@@ -626,10 +648,13 @@ impl ZImagePipeline {
         let x = latents.clone().unsqueeze_dim::<5>(2);
         let [_, channels, frames, h, w] = x.dims();
         let inputs = |dtype: DType, device: &Device| {
-            let items: Vec<Tensor<4>> =
-                embeds.iter().map(|_| x.clone().to_device(device).cast(dtype).reshape([channels, frames, h, w])).collect();
+            let items: Vec<Tensor<4>> = embeds
+                .iter()
+                .map(|_| x.clone().to_device(device).cast(dtype).reshape([channels, frames, h, w]))
+                .collect();
             let caps: Vec<Tensor<2>> = embeds.iter().map(|e| e.clone().to_device(device).cast(dtype)).collect();
-            let time = Tensor::<1>::from_data(TensorData::new(vec![t; caps.len()], [caps.len()]), (device, DType::F32)).cast(dtype);
+            let time = Tensor::<1>::from_data(TensorData::new(vec![t; caps.len()], [caps.len()]), (device, DType::F32))
+                .cast(dtype);
             (items, time, caps)
         };
         let outs = if self.grouped_transformer {
@@ -648,7 +673,8 @@ impl ZImagePipeline {
             })?
         };
         let mut outs = outs.into_iter().map(|o| o.cast(DType::F32));
-        let positive = outs.next().ok_or_else(|| Error::Shape { op: "transformer".into(), reason: "no output".into() })?;
+        let positive =
+            outs.next().ok_or_else(|| Error::Shape { op: "transformer".into(), reason: "no output".into() })?;
         let prediction = match outs.next() {
             Some(negative) => positive.clone() + (positive - negative) * guidance,
             None => positive,

@@ -43,8 +43,8 @@ use offload_core::plan::{
 use offload_core::{DeviceMemory, format_size};
 
 use crate::error::{Error, Result};
-use crate::offload::{BurnComponent, module_bytes, tensor_bytes};
 use crate::grouped::{GroupLevel, GroupOptions};
+use crate::offload::{BurnComponent, module_bytes, tensor_bytes};
 use crate::pipeline::{GenerateOptions, ZImagePipeline};
 use crate::text_encoder::TextEncoder;
 use crate::transformer::ZImageTransformer2DModel;
@@ -632,15 +632,13 @@ fn apply_group_offload(
                 keep_outside,
             }
         }
-        Route::LeafGroupOffload { prefetch } => {
-            GroupOptions {
-                prefetch,
-                pinned_budget: planned.pinned_bytes,
-                disk_store,
-                releasable: true,
-                ..GroupOptions::leaf()
-            }
-        }
+        Route::LeafGroupOffload { prefetch } => GroupOptions {
+            prefetch,
+            pinned_budget: planned.pinned_bytes,
+            disk_store,
+            releasable: true,
+            ..GroupOptions::leaf()
+        },
         _ => return Ok(None),
     };
     // Group moves are charged to the ledger the pipeline's components are charged to (the simulated card).

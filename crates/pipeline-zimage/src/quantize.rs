@@ -41,7 +41,8 @@ pub fn quantize_linear_weights<M: Module>(module: M, scheme: &QuantScheme) -> (M
         }
 
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let in_linear = self.stack.last().is_some_and(|(name, container)| name == "weight" && container == "Struct:PtLinear");
+            let in_linear =
+                self.stack.last().is_some_and(|(name, container)| name == "weight" && container == "Struct:PtLinear");
             if D != 2 || !in_linear || matches!(param.val().dtype(), DType::QFloat(_)) {
                 return param;
             }

@@ -20,8 +20,8 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use serde::Deserialize;
 
-use crate::loading::{LoadOptions, LoadReport, load_component};
 use crate::layer::{Layer, whole};
+use crate::loading::{LoadOptions, LoadReport, load_component};
 use crate::nn::{PtLinear, RmsNorm};
 use crate::{Error, Result};
 
@@ -269,11 +269,12 @@ fn self_attention<M: Module>(
     sin: Tensor<2>,
 ) -> Result<Tensor<3>> {
     let [b, l, _] = x.dims();
-    let project = |leaf: &str, select: fn(&SelfAttention) -> &PtLinear, x: Tensor<3>| -> Result<(Tensor<3>, [usize; 3])> {
-        let part = layer.part(&format!("{prefix}{leaf}"))?;
-        let attention = attention_of(&part);
-        Ok((select(attention).forward(x), [attention.num_heads, attention.num_kv_heads, attention.head_dim]))
-    };
+    let project =
+        |leaf: &str, select: fn(&SelfAttention) -> &PtLinear, x: Tensor<3>| -> Result<(Tensor<3>, [usize; 3])> {
+            let part = layer.part(&format!("{prefix}{leaf}"))?;
+            let attention = attention_of(&part);
+            Ok((select(attention).forward(x), [attention.num_heads, attention.num_kv_heads, attention.head_dim]))
+        };
     let (q, [nh, nkv, hd]) = project("q_proj", |a| &a.q_proj, x.clone())?;
     let (k, _) = project("k_proj", |a| &a.k_proj, x.clone())?;
     let (v, _) = project("v_proj", |a| &a.v_proj, x)?;
@@ -379,7 +380,8 @@ pub fn decoder_layer_forward(
     sin: Tensor<2>,
 ) -> Result<Tensor<3>> {
     let norms = layer.part("")?;
-    let attended = self_attention(layer, "self_attn.", |l| &l.self_attn, norms.input_layernorm.forward(x.clone()), cos, sin)?;
+    let attended =
+        self_attention(layer, "self_attn.", |l| &l.self_attn, norms.input_layernorm.forward(x.clone()), cos, sin)?;
     let h = x + attended;
     let mlp_out = mlp(layer, "mlp.", |l| &l.mlp, norms.post_attention_layernorm.forward(h.clone()))?;
     Ok(h + mlp_out)

@@ -36,8 +36,7 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use crate::config::{
-    FINAL_NORM_EPS, FREQUENCY_EMBEDDING_SIZE, QK_NORM_EPS, SEQ_MULTI_OF, T_EMBED_MID_DIM,
-    TransformerConfig,
+    FINAL_NORM_EPS, FREQUENCY_EMBEDDING_SIZE, QK_NORM_EPS, SEQ_MULTI_OF, T_EMBED_MID_DIM, TransformerConfig,
 };
 use crate::error::{Error, Result};
 use crate::layer::{Layer, whole};
@@ -47,10 +46,8 @@ use crate::nn::{PtLinear, RmsNorm, layer_norm_no_affine};
 ///
 /// `all_x_embedder.2-1.` becomes `x_embedder.` and `all_final_layer.2-1.` becomes `final_layer.`; every other
 /// key matches the module's field tree as is.
-pub const KEY_REMAP: &[(&str, &str)] = &[
-    (r"^all_x_embedder\.2-1\.", "x_embedder."),
-    (r"^all_final_layer\.2-1\.", "final_layer."),
-];
+pub const KEY_REMAP: &[(&str, &str)] =
+    &[(r"^all_x_embedder\.2-1\.", "x_embedder."), (r"^all_final_layer\.2-1\.", "final_layer.")];
 
 /// The sinusoidal timestep embedding followed by `Linear -> SiLU -> Linear` (`t_embedder`).
 ///
@@ -79,9 +76,7 @@ impl TimestepEmbedder {
         let half = FREQUENCY_EMBEDDING_SIZE / 2;
         let device = t.device();
         let ln_period = -(10000f64.ln()) as f32;
-        let freqs: Vec<f32> = (0..half)
-            .map(|i| (ln_period * i as f32 / half as f32).exp())
-            .collect();
+        let freqs: Vec<f32> = (0..half).map(|i| (ln_period * i as f32 / half as f32).exp()).collect();
         let freqs = Tensor::<1>::from_data(TensorData::new(freqs, [half]), (&device, DType::F32));
         let args = t.cast(DType::F32).unsqueeze_dim::<2>(1) * freqs.unsqueeze_dim::<2>(0);
         let embedding = Tensor::cat(vec![args.clone().cos(), args.sin()], 1);
@@ -117,11 +112,7 @@ impl Attention {
     fn new(config: &TransformerConfig, device: &Device) -> Self {
         let d = config.dim;
         let head_dim = config.head_dim();
-        let norm = || {
-            config
-                .qk_norm
-                .then(|| RmsNorm::new(head_dim, QK_NORM_EPS, device))
-        };
+        let norm = || config.qk_norm.then(|| RmsNorm::new(head_dim, QK_NORM_EPS, device));
         Self {
             to_q: PtLinear::new(d, d, false, device),
             to_k: PtLinear::new(d, d, false, device),
@@ -150,11 +141,12 @@ fn attention_forward<M: Module>(
     rope: &Rope,
 ) -> Result<Tensor<3>> {
     let [b, s, d] = x.dims();
-    let project = |leaf: &str, select: fn(&Attention) -> &PtLinear, x: Tensor<3>| -> Result<(Tensor<3>, usize, usize)> {
-        let part = layer.part(&format!("{prefix}{leaf}"))?;
-        let attention = attention(&part);
-        Ok((select(attention).forward(x), attention.n_heads, attention.to_out.len()))
-    };
+    let project =
+        |leaf: &str, select: fn(&Attention) -> &PtLinear, x: Tensor<3>| -> Result<(Tensor<3>, usize, usize)> {
+            let part = layer.part(&format!("{prefix}{leaf}"))?;
+            let attention = attention(&part);
+            Ok((select(attention).forward(x), attention.n_heads, attention.to_out.len()))
+        };
     let (q, h, outs) = project("to_q", |a| &a.to_q, x.clone())?;
     let (k, _, _) = project("to_k", |a| &a.to_k, x.clone())?;
     let (v, _, _) = project("to_v", |a| &a.to_v, x)?;
@@ -173,7 +165,8 @@ fn attention_forward<M: Module>(
     let q = rope.apply(q).swap_dims(1, 2);
     let k = rope.apply(k).swap_dims(1, 2);
     let v = v.swap_dims(1, 2);
-    let options = AttentionModuleOptions { scale: Some(1.0 / (head_dim as f64).sqrt()), softcap: None, is_causal: false };
+    let options =
+        AttentionModuleOptions { scale: Some(1.0 / (head_dim as f64).sqrt()), softcap: None, is_causal: false };
     let mut out = burn::tensor::module::attention(q, k, v, None, None, options).swap_dims(1, 2).reshape([b, s, d]);
     for i in 0..outs {
         let part = layer.part(&format!("{prefix}to_out.{i}"))?;
@@ -334,14 +327,8 @@ impl FinalLayer {
     /// Maps `x` `[B, S, dim]` to patches `[B, S, patch_dim]` under the conditioning `adaln` `[B, adaln_dim]`.
     pub fn forward(&self, x: Tensor<3>, adaln: &Tensor<2>) -> Tensor<3> {
         let [b, _, d] = x.dims();
-        let scale = self
-            .adaLN_modulation
-            .1
-            .forward(silu(adaln.clone()))
-            .reshape([b, 1, d])
-            + 1.0;
-        self.linear
-            .forward(layer_norm_no_affine(x, FINAL_NORM_EPS) * scale)
+        let scale = self.adaLN_modulation.1.forward(silu(adaln.clone())).reshape([b, 1, d]) + 1.0;
+        self.linear.forward(layer_norm_no_affine(x, FINAL_NORM_EPS) * scale)
     }
 }
 
@@ -365,11 +352,7 @@ impl Rope {
         let freqs: Vec<Vec<f64>> = config
             .axes_dims
             .iter()
-            .map(|&d| {
-                (0..d / 2)
-                    .map(|j| 1.0 / config.rope_theta.powf((2 * j) as f64 / d as f64))
-                    .collect()
-            })
+            .map(|&d| (0..d / 2).map(|j| 1.0 / config.rope_theta.powf((2 * j) as f64 / d as f64)).collect())
             .collect();
         let mut cos = Vec::with_capacity(ids.len() * half);
         let mut sin = Vec::with_capacity(ids.len() * half);
@@ -383,13 +366,8 @@ impl Rope {
                 }
             }
         }
-        let upload = |v: Vec<f32>| {
-            Tensor::<2>::from_data(TensorData::new(v, [ids.len(), half]), (device, DType::F32))
-        };
-        Self {
-            cos: upload(cos),
-            sin: upload(sin),
-        }
+        let upload = |v: Vec<f32>| Tensor::<2>::from_data(TensorData::new(v, [ids.len(), half]), (device, DType::F32));
+        Self { cos: upload(cos), sin: upload(sin) }
     }
 
     /// The angles of `self`'s positions followed by `other`'s.
@@ -421,9 +399,7 @@ impl Rope {
         let sin = self.sin.clone().reshape([1, s, 1, d / 2, 1]);
         let out_re = re.clone() * cos.clone() - im.clone() * sin.clone();
         let out_im = re * sin + im * cos;
-        Tensor::cat(vec![out_re, out_im], 4)
-            .reshape([b, s, h, d])
-            .cast(dtype)
+        Tensor::cat(vec![out_re, out_im], 4).reshape([b, s, h, d]).cast(dtype)
     }
 }
 
@@ -524,11 +500,7 @@ impl ZImageTransformer2DModel {
     /// `config` must pass [`TransformerConfig::validate`] (as [`TransformerConfig::from_file`] ensures).
     pub fn new(config: &TransformerConfig, device: &Device) -> Self {
         let d = config.dim;
-        let blocks = |n: usize, modulated: bool| {
-            (0..n)
-                .map(|_| ZImageBlock::new(config, modulated, device))
-                .collect()
-        };
+        let blocks = |n: usize, modulated: bool| (0..n).map(|_| ZImageBlock::new(config, modulated, device)).collect();
         let pad_token = || Initializer::Zeros.init([1, d], device);
         Self {
             x_embedder: PtLinear::new(config.patch_dim(), d, true, device),
@@ -560,20 +532,12 @@ impl ZImageTransformer2DModel {
     pub fn check_inputs(&self, latent: [usize; 5], caption_len: usize) -> Result<()> {
         let c = &self.config;
         let [b, ch, f, h, w] = latent;
-        let shape_error = |reason: String| Error::Shape {
-            op: "z-image transformer".into(),
-            reason,
-        };
+        let shape_error = |reason: String| Error::Shape { op: "z-image transformer".into(), reason };
         if b == 0 || caption_len == 0 {
-            return Err(shape_error(
-                "batch and caption length must be positive".into(),
-            ));
+            return Err(shape_error("batch and caption length must be positive".into()));
         }
         if ch != c.in_channels {
-            return Err(shape_error(format!(
-                "latent has {ch} channels, the model expects {}",
-                c.in_channels
-            )));
+            return Err(shape_error(format!("latent has {ch} channels, the model expects {}", c.in_channels)));
         }
         let (p, pf) = (c.patch_size(), c.f_patch_size());
         if f % pf != 0 || h % p != 0 || w % p != 0 || f == 0 || h == 0 || w == 0 {
@@ -610,10 +574,7 @@ impl ZImageTransformer2DModel {
         let l_pad = l.next_multiple_of(SEQ_MULTI_OF);
         let d = c.dim;
 
-        let adaln = self
-            .t_embedder
-            .forward(t.cast(DType::F32) * c.t_scale)
-            .cast(dtype);
+        let adaln = self.t_embedder.forward(t.cast(DType::F32) * c.t_scale).cast(dtype);
 
         // Patches in token order (f, h, w), features ordered (pf, ph, pw, c).
         let patches = x
@@ -665,8 +626,7 @@ impl ZImageTransformer2DModel {
     pub fn prepare(&self, x: Tensor<5>, t: Tensor<1>, cap_feats: Tensor<3>) -> ZImageState {
         let mut embedded = self.embed(x, t, cap_feats);
         for block in &self.noise_refiner {
-            embedded.image =
-                block.forward(embedded.image, &embedded.image_rope, Some(&embedded.adaln));
+            embedded.image = block.forward(embedded.image, &embedded.image_rope, Some(&embedded.adaln));
         }
         for block in &self.context_refiner {
             embedded.caption = block.forward(embedded.caption, &embedded.caption_rope, None);
@@ -694,21 +654,12 @@ impl ZImageTransformer2DModel {
     /// diffusers batches such items with padding and an attention mask that hides the padding completely, so
     /// each item's result equals a batch-1 forward; running them one by one gives the same numbers without a
     /// mask. Shapes: `xs[i]` `[C, F, H, W]`, `t` `[B]`, `caps[i]` `[L_i, cap_feat_dim]` -> `[C, F, H, W]` each.
-    pub fn forward_items(
-        &self,
-        xs: Vec<Tensor<4>>,
-        t: Tensor<1>,
-        caps: Vec<Tensor<2>>,
-    ) -> Vec<Tensor<4>> {
+    pub fn forward_items(&self, xs: Vec<Tensor<4>>, t: Tensor<1>, caps: Vec<Tensor<2>>) -> Vec<Tensor<4>> {
         xs.into_iter()
             .zip(caps)
             .enumerate()
             .map(|(i, (x, cap))| {
-                let out = self.forward(
-                    x.unsqueeze_dim(0),
-                    t.clone().narrow(0, i, 1),
-                    cap.unsqueeze_dim(0),
-                );
+                let out = self.forward(x.unsqueeze_dim(0), t.clone().narrow(0, i, 1), cap.unsqueeze_dim(0));
                 let [_, c, f, h, w] = out.dims();
                 out.reshape([c, f, h, w])
             })
@@ -721,10 +672,7 @@ impl ZImageTransformer2DModel {
     /// `[B, C, F, H, W]` in the model dtype (the model's prediction; the pipeline negates it into the velocity).
     pub fn forward(&self, x: Tensor<5>, t: Tensor<1>, cap_feats: Tensor<3>) -> Tensor<5> {
         let state = self.prepare(x, t, cap_feats);
-        let state = self
-            .layers
-            .iter()
-            .fold(state, |state, block| block_forward(block, state));
+        let state = self.layers.iter().fold(state, |state, block| block_forward(block, state));
         self.finish(state)
     }
 }
@@ -735,10 +683,6 @@ fn pad_rows(x: Tensor<3>, token: &Param<Tensor<2>>, padded: usize) -> Tensor<3> 
     if padded == rows {
         return x;
     }
-    let pad = token
-        .val()
-        .cast(x.dtype())
-        .reshape([1, 1, d])
-        .expand([b, padded - rows, d]);
+    let pad = token.val().cast(x.dtype()).reshape([1, 1, d]).expand([b, padded - rows, d]);
     Tensor::cat(vec![x, pad], 1)
 }

@@ -17,23 +17,15 @@ fn tiny() -> PathBuf {
 
 /// A fresh copy of the tiny checkpoint's `model_index.json` and `transformer/` in a directory named `name`.
 fn scratch_copy(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("pipeline-zimage-loading")
-        .join(name);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pipeline-zimage-loading").join(name);
     if dir.exists() {
         std::fs::remove_dir_all(&dir).expect("old scratch dir removed");
     }
     std::fs::create_dir_all(dir.join("transformer")).expect("scratch dir created");
-    std::fs::copy(
-        tiny().join("model_index.json"),
-        dir.join("model_index.json"),
-    )
-    .expect("model_index copied");
+    std::fs::copy(tiny().join("model_index.json"), dir.join("model_index.json")).expect("model_index copied");
     for entry in std::fs::read_dir(tiny().join("transformer")).expect("fixture readable") {
         let path = entry.expect("dir entry").path();
-        let target = dir
-            .join("transformer")
-            .join(path.file_name().expect("file name"));
+        let target = dir.join("transformer").join(path.file_name().expect("file name"));
         std::fs::copy(&path, target).expect("fixture file copied");
     }
     dir
@@ -55,12 +47,7 @@ fn read_all_tensors(dir: &Path) -> Vec<(String, safetensors::Dtype, Vec<usize>, 
         let bytes = std::fs::read(&shard).expect("shard readable");
         let file = safetensors::SafeTensors::deserialize(&bytes).expect("shard parses");
         for (name, view) in file.tensors() {
-            tensors.push((
-                name,
-                view.dtype(),
-                view.shape().to_vec(),
-                view.data().to_vec(),
-            ));
+            tensors.push((name, view.dtype(), view.shape().to_vec(), view.data().to_vec()));
         }
     }
     tensors
@@ -77,8 +64,7 @@ fn write_single_file(dir: &Path, tensors: &[(String, safetensors::Dtype, Vec<usi
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
         .map(|(name, dtype, shape, data)| {
-            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), data)
-                .expect("valid view");
+            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).expect("valid view");
             (name.clone(), view)
         })
         .collect();
@@ -89,20 +75,13 @@ fn write_single_file(dir: &Path, tensors: &[(String, safetensors::Dtype, Vec<usi
 #[test]
 fn sharded_load_applies_every_tensor() {
     let checkpoint = Checkpoint::open(tiny()).expect("opens");
-    let files = checkpoint
-        .weight_files("transformer")
-        .expect("weights found");
+    let files = checkpoint.weight_files("transformer").expect("weights found");
     assert!(matches!(files, WeightFiles::Sharded { ref shards, .. } if shards.len() == 3));
 
-    let (model, report) = checkpoint
-        .load_transformer(&Device::flex(), &LoadOptions::new())
-        .expect("loads");
+    let (model, report) = checkpoint.load_transformer(&Device::flex(), &LoadOptions::new()).expect("loads");
     assert_eq!(report.files.len(), 3);
     assert_eq!(report.applied.len(), 101);
-    assert!(
-        report.missing.is_empty() && report.unused.is_empty(),
-        "{report}"
-    );
+    assert!(report.missing.is_empty() && report.unused.is_empty(), "{report}");
     assert!(report.applied.iter().any(|p| p == "x_embedder.weight"));
     assert_eq!(model.dtype(), DType::F32);
 }
@@ -111,23 +90,15 @@ fn sharded_load_applies_every_tensor() {
 fn load_can_cast_to_bf16() {
     let checkpoint = Checkpoint::open(tiny()).expect("opens");
     let opts = LoadOptions::new().with_dtype(Some(DType::BF16));
-    let (model, _) = checkpoint
-        .load_transformer(&Device::flex(), &opts)
-        .expect("loads");
+    let (model, _) = checkpoint.load_transformer(&Device::flex(), &opts).expect("loads");
     assert_eq!(model.dtype(), DType::BF16);
-    assert_eq!(
-        model.layers[1].feed_forward.w2.weight.val().dtype(),
-        DType::BF16
-    );
+    assert_eq!(model.layers[1].feed_forward.w2.weight.val().dtype(), DType::BF16);
 }
 
 #[test]
 fn missing_directory() {
     let result = Checkpoint::open(tiny().join("does-not-exist"));
-    assert!(
-        matches!(result, Err(Error::MissingDirectory { .. })),
-        "{result:?}"
-    );
+    assert!(matches!(result, Err(Error::MissingDirectory { .. })), "{result:?}");
 }
 
 #[test]
@@ -135,10 +106,7 @@ fn missing_model_index() {
     let dir = scratch_copy("missing-model-index");
     std::fs::remove_file(dir.join("model_index.json")).expect("removed");
     let result = Checkpoint::open(&dir);
-    assert!(
-        matches!(result, Err(Error::NotZImageCheckpoint { .. })),
-        "{result:?}"
-    );
+    assert!(matches!(result, Err(Error::NotZImageCheckpoint { .. })), "{result:?}");
 }
 
 #[test]
@@ -162,10 +130,7 @@ fn wrong_pipeline_class() {
     let text = std::fs::read_to_string(&path).expect("readable");
     std::fs::write(&path, text.replace("ZImagePipeline", "FluxPipeline")).expect("written");
     let result = Checkpoint::open(&dir);
-    assert!(
-        matches!(result, Err(Error::NotZImageCheckpoint { .. })),
-        "{result:?}"
-    );
+    assert!(matches!(result, Err(Error::NotZImageCheckpoint { .. })), "{result:?}");
 }
 
 #[test]
@@ -194,10 +159,7 @@ fn missing_component_directory() {
     let checkpoint = Checkpoint::open(&dir).expect("opens");
     // The scratch copy has no vae/ directory.
     let result = checkpoint.weight_files("vae");
-    assert!(
-        matches!(result, Err(Error::MissingFile { .. })),
-        "{result:?}"
-    );
+    assert!(matches!(result, Err(Error::MissingFile { .. })), "{result:?}");
 }
 
 #[test]
@@ -208,10 +170,7 @@ fn missing_shard() {
     let checkpoint = Checkpoint::open(&dir).expect("opens");
     let mut model = new_model(&checkpoint);
     let result = checkpoint.load("transformer", &mut model, &transformer_opts());
-    assert!(
-        matches!(result, Err(Error::MissingShard { ref file, .. }) if *file == shard),
-        "{result:?}"
-    );
+    assert!(matches!(result, Err(Error::MissingShard { ref file, .. }) if *file == shard), "{result:?}");
 }
 
 #[test]
@@ -223,10 +182,7 @@ fn truncated_shard() {
     let checkpoint = Checkpoint::open(&dir).expect("opens");
     let mut model = new_model(&checkpoint);
     let result = checkpoint.load("transformer", &mut model, &transformer_opts());
-    assert!(
-        matches!(result, Err(Error::CorruptWeights { ref file, .. }) if *file == shard),
-        "{result:?}"
-    );
+    assert!(matches!(result, Err(Error::CorruptWeights { ref file, .. }) if *file == shard), "{result:?}");
 }
 
 #[test]
@@ -239,10 +195,7 @@ fn corrupt_header() {
     let checkpoint = Checkpoint::open(&dir).expect("opens");
     let mut model = new_model(&checkpoint);
     let result = checkpoint.load("transformer", &mut model, &transformer_opts());
-    assert!(
-        matches!(result, Err(Error::CorruptWeights { .. })),
-        "{result:?}"
-    );
+    assert!(matches!(result, Err(Error::CorruptWeights { .. })), "{result:?}");
 }
 
 #[test]
@@ -250,10 +203,7 @@ fn wrong_shape_names_tensor_and_file() {
     let dir = scratch_copy("wrong-shape");
     let component = dir.join("transformer");
     let mut tensors = read_all_tensors(&component);
-    let pad = tensors
-        .iter_mut()
-        .find(|(name, ..)| name == "x_pad_token")
-        .expect("x_pad_token present");
+    let pad = tensors.iter_mut().find(|(name, ..)| name == "x_pad_token").expect("x_pad_token present");
     // [1, 64] -> [2, 32]: same bytes, wrong shape.
     pad.2 = vec![2, 32];
     write_single_file(&component, &tensors);
@@ -262,12 +212,7 @@ fn wrong_shape_names_tensor_and_file() {
     let mut model = new_model(&checkpoint);
     let result = checkpoint.load("transformer", &mut model, &transformer_opts());
     match result {
-        Err(Error::ShapeMismatch {
-            tensor,
-            file,
-            expected,
-            found,
-        }) => {
+        Err(Error::ShapeMismatch { tensor, file, expected, found }) => {
             assert_eq!(tensor, "x_pad_token");
             assert_eq!(file, component.join("diffusion_pytorch_model.safetensors"));
             assert_eq!((expected, found), (vec![1, 64], vec![2, 32]));
@@ -281,10 +226,7 @@ fn wrong_dtype_kind() {
     let dir = scratch_copy("wrong-dtype");
     let component = dir.join("transformer");
     let mut tensors = read_all_tensors(&component);
-    let norm = tensors
-        .iter_mut()
-        .find(|(name, ..)| name == "cap_embedder.0.weight")
-        .expect("tensor present");
+    let norm = tensors.iter_mut().find(|(name, ..)| name == "cap_embedder.0.weight").expect("tensor present");
     // f32 bytes relabelled as i32: an integer tensor for a float parameter.
     norm.1 = safetensors::Dtype::I32;
     write_single_file(&component, &tensors);
@@ -317,9 +259,7 @@ fn partial_load_is_refused_unless_allowed() {
     let mut model = new_model(&checkpoint);
     let result = checkpoint.load("transformer", &mut model, &transformer_opts());
     match result {
-        Err(Error::PartialLoad {
-            missing, unused, ..
-        }) => {
+        Err(Error::PartialLoad { missing, unused, .. }) => {
             assert_eq!(missing, vec!["layers.1.ffn_norm2.weight".to_owned()]);
             assert_eq!(unused, vec!["extra.tensor".to_owned()]);
         }
@@ -327,12 +267,8 @@ fn partial_load_is_refused_unless_allowed() {
     }
 
     let mut model = new_model(&checkpoint);
-    let report = load_component(
-        &mut model,
-        &component,
-        &transformer_opts().with_allow_partial(true),
-    )
-    .expect("partial load allowed");
+    let report = load_component(&mut model, &component, &transformer_opts().with_allow_partial(true))
+        .expect("partial load allowed");
     assert_eq!(report.applied.len(), 100);
     assert_eq!(report.missing, vec!["layers.1.ffn_norm2.weight".to_owned()]);
     assert_eq!(report.unused, vec!["extra.tensor".to_owned()]);
@@ -344,9 +280,7 @@ fn without_the_remap_the_embedders_are_reported() {
     let mut model = new_model(&checkpoint);
     let result = checkpoint.load("transformer", &mut model, &LoadOptions::new());
     match result {
-        Err(Error::PartialLoad {
-            missing, unused, ..
-        }) => {
+        Err(Error::PartialLoad { missing, unused, .. }) => {
             assert!(missing.contains(&"x_embedder.weight".to_owned()));
             assert!(unused.contains(&"all_x_embedder.2-1.weight".to_owned()));
         }
@@ -379,8 +313,11 @@ fn index_pointing_outside_the_component() {
     let dir = scratch_copy("index-escapes");
     let index = dir.join("transformer/diffusion_pytorch_model.safetensors.index.json");
     let text = std::fs::read_to_string(&index).expect("readable");
-    std::fs::write(&index, text.replacen("\"diffusion_pytorch_model-00001-of-00003.safetensors\"", "\"../model_index.json\"", 1))
-        .expect("written");
+    std::fs::write(
+        &index,
+        text.replacen("\"diffusion_pytorch_model-00001-of-00003.safetensors\"", "\"../model_index.json\"", 1),
+    )
+    .expect("written");
     let checkpoint = Checkpoint::open(&dir).expect("opens");
     let result = checkpoint.weight_files("transformer");
     assert!(

@@ -22,11 +22,17 @@ fn max_abs_diff(a: &Tensor<4>, expected: &[f32]) -> f32 {
 }
 
 fn resident_placement() -> Placement {
-    Placement { exec: Device::flex(), host: Device::flex(), name: offload_core::DeviceName::cpu(), ledger: Arc::new(NoLedger) }
+    Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: offload_core::DeviceName::cpu(),
+        ledger: Arc::new(NoLedger),
+    }
 }
 
 fn load(placement: Placement) -> ZImagePipeline {
-    ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new()).expect("the tiny checkpoint loads")
+    ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new())
+        .expect("the tiny checkpoint loads")
 }
 
 fn options(meta_prompt: &str, steps: usize, guidance: f32, latents: Tensor<4>) -> GenerateOptions {
@@ -99,7 +105,9 @@ fn bad_arguments_are_typed_errors() {
 /// A simulated card in hard mode sized so the three tiny components do not fit together: the manager must
 /// evict, and its record must show it.
 fn simulated(group: bool, card_bytes: u64, reserve: u64) -> (ZImagePipeline, Arc<SimCard>) {
-    let card = SimCard::new(CardSpec::parse(&card_bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0));
+    let card = SimCard::new(
+        CardSpec::parse(&card_bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0),
+    );
     let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
     let mut pipeline = load(placement);
     if group {
@@ -119,7 +127,8 @@ fn the_same_image_under_auto_and_group_offload_on_a_small_card() {
     let (sizes, estimates) = {
         let probe = load(resident_placement());
         let ids = probe.ids().clone();
-        let sizes = [ids.text_encoder, ids.transformer, ids.vae].map(|id| probe.manager().component_info(&id).expect("info").bytes);
+        let sizes = [ids.text_encoder, ids.transformer, ids.vae]
+            .map(|id| probe.manager().component_info(&id).expect("info").bytes);
         (sizes, probe.activation_estimates(&opts))
     };
     let [te, tr, vae] = sizes;
@@ -128,11 +137,13 @@ fn the_same_image_under_auto_and_group_offload_on_a_small_card() {
     //   fails with out-of-memory and the manager retries after evicting the text encoder;
     // - a reserve as large as the transformer's activations, and no room for the VAE beside the transformer
     //   with that reserve: the strategy evicts the transformer before the VAE loads.
-    let scenarios = [("oom retry", tr + estimates[1] + te / 2, 0), ("reserve", tr + estimates[1] + vae / 2, estimates[1])];
+    let scenarios =
+        [("oom retry", tr + estimates[1] + te / 2, 0), ("reserve", tr + estimates[1] + vae / 2, estimates[1])];
     for group in [false, true] {
         for (name, card_bytes, reserve) in scenarios {
             let (pipeline, card) = simulated(group, card_bytes, reserve);
-            let image = pipeline.generate(&opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name}, group={group}: {e}"));
+            let image =
+                pipeline.generate(&opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{name}, group={group}: {e}"));
             let error = max_abs_diff(&image, &resident_values);
             assert!(error <= 1e-6, "{name}, group={group}: offloaded image differs by {error}");
             let record = pipeline.manager().offload_record();
@@ -203,7 +214,8 @@ fn the_tiny_pipeline_meets_its_card_declarations() {
     let card_bytes = tr + probe.activation_estimates(&opts)[1] + te / 2;
     let (pipeline, _) = simulated(false, card_bytes, 0);
     pipeline.generate(&opts, &mut |_, _| {}).expect("the run completes");
-    let seen: CardExpectation = observed(&pipeline.manager().offload_record().events(), &pipeline.manager().placement());
+    let seen: CardExpectation =
+        observed(&pipeline.manager().offload_record().events(), &pipeline.manager().placement());
     let declared = &declarations.cards["oom"];
     assert_eq!(diff(declared, &seen), None, "{}", pipeline.manager().offload_record());
 }

@@ -30,45 +30,28 @@ fn read_golden(name: &str) -> HashMap<String, Golden> {
         .into_iter()
         .filter(|(_, view)| view.dtype() == safetensors::Dtype::F32)
         .map(|(name, view)| {
-            let values = view
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            let golden = Golden {
-                shape: view.shape().to_vec(),
-                values,
-            };
+            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let golden = Golden { shape: view.shape().to_vec(), values };
             (name, golden)
         })
         .collect()
 }
 
 fn tensor<const D: usize>(golden: &Golden, device: &Device) -> Tensor<D> {
-    Tensor::from_data(
-        TensorData::new(golden.values.clone(), golden.shape.clone()),
-        (device, DType::F32),
-    )
+    Tensor::from_data(TensorData::new(golden.values.clone(), golden.shape.clone()), (device, DType::F32))
 }
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.cast(DType::F32)
-        .into_data()
-        .try_into_vec::<f32>()
-        .expect("f32 data")
+    t.cast(DType::F32).into_data().try_into_vec::<f32>().expect("f32 data")
 }
 
 fn max_abs_error(got: &[f32], expected: &[f32]) -> f32 {
     assert_eq!(got.len(), expected.len(), "element counts differ");
-    got.iter()
-        .zip(expected)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
+    got.iter().zip(expected).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
 }
 
 fn load(dtype: DType) -> ZImageTransformer2DModel {
-    let checkpoint =
-        Checkpoint::open(fixtures().join("tiny-z-image-turbo")).expect("tiny checkpoint opens");
+    let checkpoint = Checkpoint::open(fixtures().join("tiny-z-image-turbo")).expect("tiny checkpoint opens");
     let (model, report) = checkpoint
         .load_transformer(&Device::flex(), &LoadOptions::new().with_dtype(Some(dtype)))
         .expect("tiny transformer loads");
@@ -78,20 +61,12 @@ fn load(dtype: DType) -> ZImageTransformer2DModel {
 
 #[test]
 fn module_tree_matches_the_config_sizes() {
-    let config = TransformerConfig::from_file(
-        &fixtures().join("tiny-z-image-turbo/transformer/config.json"),
-    )
-    .expect("config parses");
+    let config = TransformerConfig::from_file(&fixtures().join("tiny-z-image-turbo/transformer/config.json"))
+        .expect("config parses");
     let model = ZImageTransformer2DModel::new(&config, &Device::flex());
     assert_eq!(model.num_params(), config.num_params());
-    assert_eq!(
-        model.layers[0].num_params(),
-        config.modulated_block_params()
-    );
-    assert_eq!(
-        model.context_refiner[0].num_params(),
-        config.context_block_params()
-    );
+    assert_eq!(model.layers[0].num_params(), config.modulated_block_params());
+    assert_eq!(model.context_refiner[0].num_params(), config.context_block_params());
 }
 
 #[test]
@@ -107,10 +82,7 @@ fn forward_matches_diffusers_in_f32() {
     assert_eq!(out.dims().to_vec()[1..], golden["out"].shape[..]);
     let error = max_abs_error(&values(out), &golden["out"].values);
     println!("transformer f32 max abs error: {error:e}");
-    assert!(
-        error <= F32_TOLERANCE,
-        "max abs error {error:e} > {F32_TOLERANCE:e}"
-    );
+    assert!(error <= F32_TOLERANCE, "max abs error {error:e} > {F32_TOLERANCE:e}");
 }
 
 #[test]
@@ -138,14 +110,8 @@ fn items_of_different_lengths_match_the_masked_batch() {
     let device = Device::flex();
     let model = load(DType::F32);
     let golden = read_golden("transformer_batch2.safetensors");
-    let xs = vec![
-        tensor(&golden["x_0"], &device),
-        tensor(&golden["x_1"], &device),
-    ];
-    let caps = vec![
-        tensor(&golden["cap_feats_0"], &device),
-        tensor(&golden["cap_feats_1"], &device),
-    ];
+    let xs = vec![tensor(&golden["x_0"], &device), tensor(&golden["x_1"], &device)];
+    let caps = vec![tensor(&golden["cap_feats_0"], &device), tensor(&golden["cap_feats_1"], &device)];
     let outs = model.forward_items(xs, tensor(&golden["t"], &device), caps);
     for (i, out) in outs.into_iter().enumerate() {
         let expected = &golden[&format!("out_{i}")];
@@ -172,18 +138,14 @@ fn bf16_forward_stays_close() {
     let scale = expected.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     println!("transformer bf16 max abs error: {error:e} (output scale {scale:e})");
     // bf16 keeps 8 mantissa bits; after a few blocks a few percent of the output scale is expected.
-    assert!(
-        error <= 0.05 * scale.max(1.0),
-        "bf16 max abs error {error:e}"
-    );
+    assert!(error <= 0.05 * scale.max(1.0), "bf16 max abs error {error:e}");
 }
 
 #[test]
 fn check_inputs_rejects_what_the_model_cannot_run() {
     let model = load(DType::F32);
     assert!(model.check_inputs([1, 16, 1, 8, 12], 13).is_ok());
-    let shape_error =
-        |r: pipeline_zimage::Result<()>| matches!(r, Err(pipeline_zimage::Error::Shape { .. }));
+    let shape_error = |r: pipeline_zimage::Result<()>| matches!(r, Err(pipeline_zimage::Error::Shape { .. }));
     // Odd latent height: not a whole number of 2x2 patches.
     assert!(shape_error(model.check_inputs([1, 16, 1, 7, 12], 13)));
     // Wrong channel count.

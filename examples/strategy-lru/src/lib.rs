@@ -77,13 +77,21 @@ mod tests {
                 let (spec, in_use) = spec.strip_suffix('!').map_or((spec, false), |s| (s, true));
                 let (id, rest) = spec.split_once(':').expect("id:bytes@use");
                 let (bytes, last_use) = rest.split_once('@').expect("bytes@use");
-                let mut r = ResidentComponent::new(id, id, bytes.parse().expect("bytes")).used_at(last_use.parse().expect("use"));
+                let mut r = ResidentComponent::new(id, id, bytes.parse().expect("bytes"))
+                    .used_at(last_use.parse().expect("use"));
                 r.in_use = in_use;
                 r
             })
             .collect();
         let reading = MemoryReading { available, total: 100, peak: 0 };
-        Lru.decide(&OffloadView { incoming: &incoming, resident: &resident, reading, reserve: 0, device: "cuda:0", use_index: 9 })
+        Lru.decide(&OffloadView {
+            incoming: &incoming,
+            resident: &resident,
+            reading,
+            reserve: 0,
+            device: "cuda:0",
+            use_index: 9,
+        })
     }
 
     #[test]

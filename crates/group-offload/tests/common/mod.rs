@@ -64,7 +64,11 @@ impl DeviceLedger for FakeCard {
         let available = self.capacity.saturating_sub(self.allocated());
         if n == self.fail_allocation.load(Ordering::SeqCst) || bytes > available {
             self.log.lock().push(format!("allocate {bytes} failed"));
-            return Err(ComponentError::OutOfMemory { device: DeviceName::parse("cuda").unwrap(), requested: bytes, available });
+            return Err(ComponentError::OutOfMemory {
+                device: DeviceName::parse("cuda").unwrap(),
+                requested: bytes,
+                available,
+            });
         }
         let now = self.allocated.fetch_add(bytes, Ordering::SeqCst) + bytes;
         self.peak.fetch_max(now, Ordering::SeqCst);
