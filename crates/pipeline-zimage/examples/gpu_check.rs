@@ -196,9 +196,10 @@ fn bench(args: &Args) -> anyhow::Result<()> {
     let cap_bytes = parse_size(&args.cap)?;
     let block = GroupLevel::Block { blocks_per_group: 1 };
     for (mode, level, prefetch, pinned) in [
+        // The peer's modes first, so a run cut short by its timeout still has them.
         ("group_block1_prefetch", block, 1usize, false),
-        ("group_block1_prefetch_pinned", block, 1, true),
         ("group_block1_no_prefetch", block, 0, false),
+        ("group_block1_prefetch_pinned", block, 1, true),
         ("group_leaf_prefetch", GroupLevel::Leaf, 1, false),
     ] {
         let card =
