@@ -174,3 +174,29 @@ fn the_pipeline_streams_both_encoders_at_leaf_level_and_gives_the_golden_image()
     assert!(record.events().iter().any(|e| e.id.starts_with("text_encoder/layers.0.self_attn.q_proj")), "{record}");
     assert!(record.events().iter().any(|e| e.id.starts_with("transformer/layers.0.feed_forward.w1")), "{record}");
 }
+
+#[test]
+fn bad_group_options_are_typed_errors_that_leave_the_component_registered() {
+    let card = card();
+    let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+    let mut pipeline = load_tiny(placement);
+    let bad = [
+        GroupOptions { level: GroupLevel::Block { blocks_per_group: 0 }, ..GroupOptions::default() },
+        GroupOptions { prefetch: true, prefetch_depth: 0, ..GroupOptions::leaf() },
+    ];
+    for options in bad {
+        for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
+            let error = pipeline
+                .enable_group_offload_with(component, card.clone(), None, &options)
+                .expect_err("the options are refused");
+            assert!(matches!(error, pipeline_zimage::Error::InvalidArgument { .. }), "{error:?}");
+            assert!(error.to_string().contains("use 1 or more") || error.to_string().contains("at least 1"), "{error}");
+            assert!(!pipeline.is_grouped(component));
+        }
+    }
+    assert_eq!(pipeline.manager().placement().len(), 3, "every component is still registered");
+    assert_eq!(card.stats().allocations, 0, "nothing was placed on the card");
+    let (opts, _) = turbo_options();
+    pipeline.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
+    pipeline.generate(&opts, &mut |_, _| {}).expect("the pipeline still runs");
+}
