@@ -28,7 +28,7 @@ use offload_core::{ComponentError, DeviceLedger, DeviceName, Offloadable};
 use crate::error::{Error, Result};
 use crate::layer::{Layer, leaf_types};
 use crate::text_encoder::{DecoderLayer, TextEncoder, decoder_layer_forward, encode_valid_rows};
-use crate::transformer::{ZImageBlock, ZImageState, ZImageTransformer2DModel, block_layer_forward};
+use crate::transformer::{ZImageBlock, ZImageState, ZImageTransformer2DModel, block_layer_forward, forward_each};
 
 /// How a component's layers are cut into groups.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -315,13 +315,7 @@ impl GroupedTransformer {
     /// The transformer's forward over items of possibly different sizes, one at a time (as
     /// [`ZImageTransformer2DModel::forward_items`]): `xs[i]` `[C, F, H, W]`, `t` `[n]`, `caps[i]` `[L_i, D_cap]`.
     pub fn forward_items(&self, xs: Vec<Tensor<4>>, t: Tensor<1>, caps: Vec<Tensor<2>>) -> Result<Vec<Tensor<4>>> {
-        let mut outs = Vec::with_capacity(xs.len());
-        for (i, (x, cap)) in xs.into_iter().zip(caps).enumerate() {
-            let out = self.forward(x.unsqueeze_dim(0), t.clone().narrow(0, i, 1), cap.unsqueeze_dim(0))?;
-            let [_, c, f, h, w] = out.dims();
-            outs.push(out.reshape([c, f, h, w]));
-        }
-        Ok(outs)
+        forward_each(xs, t, caps, |x, t, cap| self.forward(x, t, cap))
     }
 
     /// One forward: `x` `[B, C, F, H, W]`, `t` `[B]`, `cap_feats` `[B, L, D_cap]` → `[B, C, F, H, W]`.

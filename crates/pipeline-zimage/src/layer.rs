@@ -8,7 +8,7 @@
 //! the group is released (and the next one already prefetched) when the guard drops. That is what makes leaf
 //! level stream a leaf at a time, not a block at a time.
 //!
-//! The paths are the groups [`GroupOffload::leaves`](group_offload::GroupOffload::leaves) makes with
+//! The paths (given as `format_args!`, formatted only at leaf level) are the groups [`GroupOffload::leaves`](group_offload::GroupOffload::leaves) makes with
 //! [`leaf_types`]: each linear layer is a group, and the norms travel with the struct that holds them (the root
 //! group `""` for a block's sandwich norms, `"attention"` for the per-head query and key norms). A part the
 //! forward forgets to take still works, loaded on touch and counted in `GroupStats::stray_loads`; the tests
@@ -44,22 +44,29 @@ impl<M> Clone for Layer<'_, M> {
 impl<M> Copy for Layer<'_, M> {}
 
 impl<'a, M: Module> Layer<'a, M> {
-    /// The part at `path` (`""` for the layer's own norms): the whole layer, or a guard holding the leaf group
-    /// at `path` on the device while it lives.
-    pub fn part(self, path: &str) -> Result<LayerPart<'a, M>> {
+    /// The part at `path` (`format_args!("")` for the layer's own norms): the whole layer, or a guard holding
+    /// the leaf group at `path` on the device while it lives. The path is formatted only for a leaf-level layer,
+    /// so the resident forward builds no strings.
+    pub fn part(self, path: std::fmt::Arguments<'_>) -> Result<LayerPart<'a, M>> {
         match self {
             Layer::Whole(module) => Ok(LayerPart::Whole(module)),
-            Layer::Leaves(leaves) => Ok(LayerPart::Leaf(leaves.group(path)?)),
+            Layer::Leaves(leaves) => Ok(LayerPart::Leaf(leaves.group(&path.to_string())?)),
         }
     }
 
     /// The part at `path` when the layer has one there (the query and key norms are optional in some
     /// configurations); always the whole layer for [`Layer::Whole`].
-    pub fn optional_part(self, path: &str) -> Result<Option<LayerPart<'a, M>>> {
+    pub fn optional_part(self, path: std::fmt::Arguments<'_>) -> Result<Option<LayerPart<'a, M>>> {
         match self {
             Layer::Whole(module) => Ok(Some(LayerPart::Whole(module))),
-            Layer::Leaves(leaves) if leaves.group_paths().contains(&path) => Ok(Some(self.part(path)?)),
-            Layer::Leaves(_) => Ok(None),
+            Layer::Leaves(leaves) => {
+                let path = path.to_string();
+                if leaves.group_paths().contains(&path.as_str()) {
+                    Ok(Some(LayerPart::Leaf(leaves.group(&path)?)))
+                } else {
+                    Ok(None)
+                }
+            }
         }
     }
 }

@@ -271,7 +271,7 @@ fn self_attention<M: Module>(
     let [b, l, _] = x.dims();
     let project =
         |leaf: &str, select: fn(&SelfAttention) -> &PtLinear, x: Tensor<3>| -> Result<(Tensor<3>, [usize; 3])> {
-            let part = layer.part(&format!("{prefix}{leaf}"))?;
+            let part = layer.part(format_args!("{prefix}{leaf}"))?;
             let attention = attention_of(&part);
             Ok((select(attention).forward(x), [attention.num_heads, attention.num_kv_heads, attention.head_dim]))
         };
@@ -279,7 +279,7 @@ fn self_attention<M: Module>(
     let (k, _) = project("k_proj", |a| &a.k_proj, x.clone())?;
     let (v, _) = project("v_proj", |a| &a.v_proj, x)?;
     let (q, k) = {
-        let part = layer.part(prefix.trim_end_matches('.'))?;
+        let part = layer.part(format_args!("{}", prefix.trim_end_matches('.')))?;
         let attention = attention_of(&part);
         (attention.q_norm.forward(q.reshape([b, l, nh, hd])), attention.k_norm.forward(k.reshape([b, l, nkv, hd])))
     };
@@ -342,7 +342,7 @@ impl Mlp {
 /// The MLP of a layer `M` at `prefix` inside it, taking `{prefix}gate_proj`, `up_proj`, then `down_proj`.
 fn mlp<M: Module>(layer: Layer<'_, M>, prefix: &str, mlp: fn(&M) -> &Mlp, x: Tensor<3>) -> Result<Tensor<3>> {
     let linear = |leaf: &str, select: fn(&Mlp) -> &PtLinear, x: Tensor<3>| -> Result<Tensor<3>> {
-        let part = layer.part(&format!("{prefix}{leaf}"))?;
+        let part = layer.part(format_args!("{prefix}{leaf}"))?;
         Ok(select(mlp(&part)).forward(x))
     };
     let gate = silu(linear("gate_proj", |m| &m.gate_proj, x.clone())?);
@@ -379,7 +379,7 @@ pub fn decoder_layer_forward(
     cos: Tensor<2>,
     sin: Tensor<2>,
 ) -> Result<Tensor<3>> {
-    let norms = layer.part("")?;
+    let norms = layer.part(format_args!(""))?;
     let attended =
         self_attention(layer, "self_attn.", |l| &l.self_attn, norms.input_layernorm.forward(x.clone()), cos, sin)?;
     let h = x + attended;

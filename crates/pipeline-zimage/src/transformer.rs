@@ -143,7 +143,7 @@ fn attention_forward<M: Module>(
     let [b, s, d] = x.dims();
     let project =
         |leaf: &str, select: fn(&Attention) -> &PtLinear, x: Tensor<3>| -> Result<(Tensor<3>, usize, usize)> {
-            let part = layer.part(&format!("{prefix}{leaf}"))?;
+            let part = layer.part(format_args!("{prefix}{leaf}"))?;
             let attention = attention(&part);
             Ok((select(attention).forward(x), attention.n_heads, attention.to_out.len()))
         };
@@ -153,7 +153,7 @@ fn attention_forward<M: Module>(
     let head_dim = d / h;
     let heads = |t: Tensor<3>| t.reshape([b, s, h, head_dim]);
     let (mut q, mut k, v) = (heads(q), heads(k), heads(v));
-    if let Some(part) = layer.optional_part(prefix.trim_end_matches('.'))? {
+    if let Some(part) = layer.optional_part(format_args!("{}", prefix.trim_end_matches('.')))? {
         let attention = attention(&part);
         if let Some(norm) = &attention.norm_q {
             q = norm.forward(q);
@@ -169,7 +169,7 @@ fn attention_forward<M: Module>(
         AttentionModuleOptions { scale: Some(1.0 / (head_dim as f64).sqrt()), softcap: None, is_causal: false };
     let mut out = burn::tensor::module::attention(q, k, v, None, None, options).swap_dims(1, 2).reshape([b, s, d]);
     for i in 0..outs {
-        let part = layer.part(&format!("{prefix}to_out.{i}"))?;
+        let part = layer.part(format_args!("{prefix}to_out.{i}"))?;
         out = attention(&part).to_out[i].forward(out);
     }
     Ok(out)
@@ -209,7 +209,7 @@ fn feed_forward<M: Module>(
     x: Tensor<3>,
 ) -> Result<Tensor<3>> {
     let linear = |leaf: &str, select: fn(&FeedForward) -> &PtLinear, x: Tensor<3>| -> Result<Tensor<3>> {
-        let part = layer.part(&format!("{prefix}{leaf}"))?;
+        let part = layer.part(format_args!("{prefix}{leaf}"))?;
         Ok(select(feed_forward(&part)).forward(x))
     };
     let gate = silu(linear("w1", |f| &f.w1, x.clone())?);
@@ -286,12 +286,12 @@ pub fn block_layer_forward(
     let [b, _, d] = x.dims();
     let modulation = match adaln {
         Some(adaln) => block
-            .optional_part("adaLN_modulation.0")?
+            .optional_part(format_args!("adaLN_modulation.0"))?
             .and_then(|part| part.adaLN_modulation.first().map(|m| m.forward(adaln.clone()).reshape([b, 1, 4 * d]))),
         None => None,
     };
     let chunk = |m: &Tensor<3>, i: usize| m.clone().narrow(2, i * d, d);
-    let norms = block.part("")?;
+    let norms = block.part(format_args!(""))?;
     let h = norms.attention_norm1.forward(x.clone());
     let h = match &modulation {
         Some(m) => h * (chunk(m, 0) + 1.0),
@@ -460,6 +460,26 @@ pub struct ZImageState {
     pub adaln: Tensor<2>,
     /// The latent layout, for [`ZImageTransformer2DModel::finish`].
     pub layout: LatentLayout,
+}
+
+/// Runs `forward` once per item, as a batch of one (`xs[i]` `[C, F, H, W]` with `t[i]` and `caps[i]`
+/// `[L_i, cap_feat_dim]`), and returns each output `[C, F, H, W]`: the loop behind
+/// [`ZImageTransformer2DModel::forward_items`] and the grouped transformer's.
+pub fn forward_each(
+    xs: Vec<Tensor<4>>,
+    t: Tensor<1>,
+    caps: Vec<Tensor<2>>,
+    mut forward: impl FnMut(Tensor<5>, Tensor<1>, Tensor<3>) -> Result<Tensor<5>>,
+) -> Result<Vec<Tensor<4>>> {
+    xs.into_iter()
+        .zip(caps)
+        .enumerate()
+        .map(|(i, (x, cap))| {
+            let out = forward(x.unsqueeze_dim(0), t.clone().narrow(0, i, 1), cap.unsqueeze_dim(0))?;
+            let [_, c, f, h, w] = out.dims();
+            Ok(out.reshape([c, f, h, w]))
+        })
+        .collect()
 }
 
 /// Runs one main-loop block over the state. The block's weights must be on the state's device.
@@ -655,15 +675,7 @@ impl ZImageTransformer2DModel {
     /// each item's result equals a batch-1 forward; running them one by one gives the same numbers without a
     /// mask. Shapes: `xs[i]` `[C, F, H, W]`, `t` `[B]`, `caps[i]` `[L_i, cap_feat_dim]` -> `[C, F, H, W]` each.
     pub fn forward_items(&self, xs: Vec<Tensor<4>>, t: Tensor<1>, caps: Vec<Tensor<2>>) -> Vec<Tensor<4>> {
-        xs.into_iter()
-            .zip(caps)
-            .enumerate()
-            .map(|(i, (x, cap))| {
-                let out = self.forward(x.unsqueeze_dim(0), t.clone().narrow(0, i, 1), cap.unsqueeze_dim(0));
-                let [_, c, f, h, w] = out.dims();
-                out.reshape([c, f, h, w])
-            })
-            .collect()
+        whole(forward_each(xs, t, caps, |x, t, cap| Ok(self.forward(x, t, cap))))
     }
 
     /// The whole forward: [`Self::prepare`], every block of `layers`, [`Self::finish`].
