@@ -22,7 +22,13 @@ export CARGO_MANIFEST_DIR="$PWD/crates/pipeline-zimage"
 echo "== parity of the tiny checkpoint on cuda:0 (goal: max abs error <= 1e-3 per golden)"
 timeout 120 .gpu/gpu_check parity --device cuda:0 2>&1 | tee "$out/parity.txt"
 
-echo "== ours: the transformer at real size, bf16, resident and group offload under a 16GB cap"
+echo "== our readings on cuda:0 (burn's pool and the driver's cuMemGetInfo) beside nvidia-smi's, the tiny pipeline"
+echo "   under auto offload with no card, then under a hard 16GB cap over the real card"
+nvidia-smi --query-gpu=memory.used,memory.free,memory.total --format=csv,nounits | tee "$out/smi-before.txt"
+timeout 120 .gpu/gpu_check readings --device cuda:0 --cap 16GB 2>&1 | tee "$out/readings.txt"
+nvidia-smi --query-gpu=memory.used,memory.free,memory.total --format=csv,nounits | tee "$out/smi-after.txt"
+
+echo "== ours: the transformer at real size, bf16, resident and group offload under a hard 16GB cap over the card"
 timeout 240 .gpu/gpu_check bench --device cuda:0 --cap 16GB --size 1024 --steps 6 2>&1 | tee "$out/ours.jsonl"
 
 echo "== the peer: diffusers' own offloading of the same transformer"

@@ -24,6 +24,7 @@ use offload_core::{Action, ComponentError, Direction, OffloadEvent, Reason};
 use parking_lot::{Condvar, Mutex};
 
 use crate::config::GroupOffloadConfig;
+use crate::device::{catch_device_panic, check_device, check_outputs};
 use crate::error::{Error, Result};
 use crate::store::GroupHost;
 
@@ -236,13 +237,31 @@ impl Shared {
             }
         };
         let device = &self.config.device;
-        let tensors: Vec<Tensor<1>> = data
-            .into_iter()
-            .map(|d| {
-                let dtype = d.dtype();
-                Tensor::<1>::from_data(d, (device, dtype))
-            })
-            .collect();
+        let built = catch_device_panic(|| {
+            data.into_iter()
+                .map(|d| {
+                    let dtype = d.dtype();
+                    Tensor::<1>::from_data(d, (device, dtype))
+                })
+                .collect::<Vec<Tensor<1>>>()
+        });
+        let memory = self.config.memory.as_deref();
+        // The upload is complete, on this thread's stream, before the group is published as on the device: a
+        // sync and a read-back of one value per tensor surface a refused allocation as this group's, and no later
+        // reader races the copy.
+        let checked = match built {
+            Ok(tensors) => check_device(device, &self.config.device_name, "upload", memory)
+                .and_then(|()| check_outputs(&tensors, &self.config.device_name, "upload", memory))
+                .map(|()| tensors),
+            Err(panic) => Err(panic.with_device(&self.config.device_name, "upload", memory)),
+        };
+        let tensors = match checked {
+            Ok(tensors) => tensors,
+            Err(error) => {
+                ledger.free(host.bytes);
+                return Err(self.onload_error(host, error));
+            }
+        };
         self.record_with(Action::Onload, &host.id, host.bytes, reason, reading);
         Ok(tensors.into())
     }

@@ -78,6 +78,55 @@ pub enum Error {
         message: String,
     },
 
+    /// A device of a kind this build has no backend for.
+    #[error("{device} needs burn's {feature} backend, which this build does not include: {fix}")]
+    DeviceNotBuilt {
+        /// The device asked for.
+        device: String,
+        /// The cargo feature that brings its backend.
+        feature: &'static str,
+        /// What to do.
+        fix: &'static str,
+    },
+
+    /// The runtime found no device to open: no driver, or none that works.
+    #[error("cannot open {device}: {message}; {fix}")]
+    NoDriver {
+        /// The device asked for.
+        device: String,
+        /// The runtime's words.
+        message: String,
+        /// What to install or check.
+        fix: String,
+    },
+
+    /// A device kind no backend serves.
+    #[error("unknown device {kind}: use cpu, cuda:N (feature cuda) or wgpu:0 (feature wgpu)")]
+    UnknownDevice {
+        /// The kind as written.
+        kind: String,
+    },
+
+    /// Memory readings were asked of a backend without a memory pool.
+    #[error(
+        "{device} has no memory pool to read (burn's CPU backend keeps tensors in host memory); on the CPU, \
+         simulate a card's readings instead (memory-sim's SimCard, `--card SIZE` in the CLI)"
+    )]
+    NoPoolReadings {
+        /// The device.
+        device: String,
+    },
+
+    /// A runtime that reports no total memory was given none.
+    #[error(
+        "{device} reports no total memory (burn's wgpu runtime has no driver memory call): give the device's size \
+         (`--device-memory 8GB` in the CLI; on lavapipe, the host memory the device may use)"
+    )]
+    UnknownTotal {
+        /// The device.
+        device: String,
+    },
+
     /// The prefetch worker thread is gone (it panicked); the offloader cannot be used any more.
     #[error("the prefetch worker of {model} stopped; build a new offloader")]
     WorkerGone {
@@ -99,6 +148,9 @@ impl From<Error> for ComponentError {
         match error {
             Error::Onload { source: ComponentError::OutOfMemory { device, requested, available }, .. } => {
                 ComponentError::OutOfMemory { device, requested, available }
+            }
+            Error::Onload { source: ComponentError::Device { device, operation, message }, .. } => {
+                ComponentError::Device { device, operation, message }
             }
             other => ComponentError::other(other),
         }

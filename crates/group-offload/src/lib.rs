@@ -81,6 +81,7 @@
 pub mod bench;
 pub mod component;
 pub mod config;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod parts;
@@ -90,6 +91,10 @@ mod walk;
 pub use bench::{OverlapConfig, OverlapReport, overlap_benchmark};
 pub use component::GroupOffloadedModel;
 pub use config::{DEFAULT_LEAF_TYPES, GroupOffloadConfig, LeafPredicate};
+pub use device::{
+    CappedDevice, DeviceOutput, PagePolicy, PoolReadings, PoolSnapshot, check_device, check_outputs, open_device,
+    open_device_with, run_call,
+};
 pub use engine::GroupStats;
 pub use error::{Error, Result};
 pub use parts::{BlockOffload, GroupGuard, GroupOffload, LeafOffload, ModuleOffload, Placement};

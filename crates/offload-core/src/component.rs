@@ -30,6 +30,20 @@ pub enum ComponentError {
         /// What went wrong.
         message: String,
     },
+    /// The execution device failed for a reason other than memory (a kernel that faulted, a lost device, a
+    /// runtime error); never an out-of-memory, so the OOM retry does not handle it.
+    #[error(
+        "device {device} failed during {operation}: {message}; this is not an out-of-memory, so offloading more \
+         would not help: check the device's driver and logs, and restart the process if the device is poisoned"
+    )]
+    Device {
+        /// The device that failed.
+        device: DeviceName,
+        /// What was running: `onload`, `run`, `upload`.
+        operation: String,
+        /// The runtime's own words.
+        message: String,
+    },
     /// The component's own computation failed.
     #[error("{0}")]
     Other(Box<dyn std::error::Error + Send + Sync>),

@@ -146,6 +146,11 @@ pub enum Direction {
 /// - `transfer` is called once per copy across the link, after the destination is allocated; an error there
 ///   (a failed transfer) leaves the source intact, and the caller frees what it allocated. A host-to-device
 ///   copy from page-locked (pinned) host memory calls `transfer_pinned` instead, with the same contract.
+/// - A component's call (a forward, an encode, a decode) is bracketed by `begin_call` and `end_call` on the
+///   thread that runs it, `end_call` only once the call's device work has completed (after a sync). A simulated
+///   card charges the call's activation estimate between the two; a capped real device measures instead and
+///   fails `end_call` with [`ComponentError::OutOfMemory`] when the call's high-water passed the cap. Every
+///   `begin_call` that succeeded is matched by one `end_call`, whether the call succeeded or not.
 pub trait DeviceLedger: Send + Sync {
     /// Takes `bytes` on the device.
     fn allocate(&self, bytes: u64) -> Result<(), crate::ComponentError>;
@@ -161,6 +166,18 @@ pub trait DeviceLedger: Send + Sync {
     /// [`transfer`](Self::transfer) unless the ledger models the difference.
     fn transfer_pinned(&self, bytes: u64) -> Result<(), crate::ComponentError> {
         self.transfer(bytes, Direction::HostToDevice)
+    }
+    /// Opens the account of one call whose activations are estimated at `estimate` bytes: by default the
+    /// estimate is [`allocate`](Self::allocate)d, which fails with out-of-memory on a full hard card.
+    fn begin_call(&self, estimate: u64) -> Result<(), crate::ComponentError> {
+        self.allocate(estimate)
+    }
+    /// Closes the account [`begin_call`](Self::begin_call) opened, after the call's device work completed: by
+    /// default the estimate is freed and nothing fails. A ledger over a real device checks what the call really
+    /// held here.
+    fn end_call(&self, estimate: u64) -> Result<(), crate::ComponentError> {
+        self.free(estimate);
+        Ok(())
     }
 }
 

@@ -70,6 +70,17 @@ pub enum Error {
         requested: String,
     },
 
+    /// Auto offload was asked with the host as the execution device: there is nowhere to offload to.
+    #[error(
+        "cannot enable auto offload onto {device}: the execution device is the host, so there is nothing to \
+         offload to; run on an accelerator (a device such as cuda:0 or wgpu:0), or simulate one on the CPU with a \
+         simulated card's readings (memory-sim's SimCard, `--card 16GB` in the CLI)"
+    )]
+    HostExecution {
+        /// The device the readings were for.
+        device: DeviceName,
+    },
+
     /// An operation that needs auto offload was called before `enable_auto_offload`.
     #[error("auto offloading is not enabled; call `enable_auto_offload` first")]
     NotEnabled,

@@ -399,8 +399,12 @@ impl ComponentsManager {
     ///
     /// Every component moves to the host, the record is cleared and the strategy is [`Auto`]. Calling it again
     /// is safe: the previous session is disabled first (recording `offloading_disabled` for what was
-    /// resident), then the new one starts the same way. Fails with [`Error::InUse`] while a run is in flight.
+    /// resident), then the new one starts the same way. Fails with [`Error::InUse`] while a run is in flight,
+    /// and with [`Error::HostExecution`] when `memory` reads the host (`cpu`): there is nothing to offload to.
     pub fn enable_auto_offload(&self, memory: Arc<dyn DeviceMemory>, reserve: u64, retry_on_oom: bool) -> Result<()> {
+        if memory.device().is_cpu() {
+            return Err(Error::HostExecution { device: memory.device() });
+        }
         let mut state = self.state.lock();
         self.disable_locked(&mut state)?;
         for entry in &mut state.entries {

@@ -409,3 +409,38 @@ fn offloading_reduces_peak_memory() {
     let resident = peak_on(None);
     assert!(serialised < partial && partial < resident, "{serialised} {partial} {resident}");
 }
+
+/// Readings of the host itself: what a user passes when the execution device is the CPU.
+struct HostReadings;
+
+impl offload_core::DeviceMemory for HostReadings {
+    fn device(&self) -> DeviceName {
+        DeviceName::cpu()
+    }
+    fn total(&self) -> u64 {
+        64 * UNIT
+    }
+    fn available(&self) -> u64 {
+        64 * UNIT
+    }
+    fn allocated(&self) -> u64 {
+        0
+    }
+    fn peak(&self) -> u64 {
+        0
+    }
+}
+
+#[test]
+fn auto_offload_onto_the_host_is_refused_and_nothing_moves() {
+    // diffusers raises here too: with the host as the execution device there is nothing to offload to.
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let id = manager.add("unet", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let error = manager.enable_auto_offload(Arc::new(HostReadings), UNIT, true).expect_err("the host is refused");
+    assert!(matches!(&error, Error::HostExecution { device } if device.is_cpu()), "{error:?}");
+    assert!(error.to_string().contains("nothing to offload to"), "{error}");
+    assert!(manager.auto_offload().is_none());
+    assert_eq!(device_of(&manager, &id), "cpu");
+    assert_eq!(manager.offload_record().events().len(), 0);
+}

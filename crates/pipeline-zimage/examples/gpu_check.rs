@@ -3,12 +3,18 @@
 //! - `parity`: the three whole-pipeline goldens of the tiny checkpoint (text-to-image, with guidance,
 //!   image-to-image) on the given device, with every component onloaded there through the manager; prints the
 //!   max abs error of each against diffusers' output.
+//! - `readings`: the tiny pipeline under auto offload on the device's own readings (no card), then under a hard
+//!   cap over them (`--cap`): one JSON line per run with our readings (burn's pool, the driver's free and total
+//!   where the runtime has a call) beside the record, for comparison with `nvidia-smi`.
 //! - `bench`: the Z-Image transformer at its real size (or the peer's tiny one) with random bf16 weights,
-//!   timed resident and under block-level group offload with a simulated memory cap: our side of
-//!   `shared/gpu/diffusers_zimage_offload_bench.py`, one JSON line per mode with the peer's fields.
+//!   timed resident and under block-level group offload with a hard cap over the device's readings (a
+//!   simulated card on the CPU): our side of `shared/gpu/diffusers_zimage_offload_bench.py`, one JSON line per
+//!   mode with the peer's fields.
 //!
 //! ```text
 //! cargo run --release -p pipeline-zimage --features cuda --example gpu_check -- parity --device cuda:0
+//! cargo run --release -p pipeline-zimage --features cuda --example gpu_check -- readings --device cuda:0 --cap 16GB
+//! cargo run -p pipeline-zimage --features wgpu --example gpu_check -- readings --device wgpu --total 1GiB --cap 8MB
 //! cargo run --release -p pipeline-zimage --features cuda --example gpu_check -- bench --device cuda:0 --cap 16GB --size 1024 --steps 6
 //! cargo run -p pipeline-zimage --example gpu_check -- bench --tiny --size 256 --steps 2 --cap 20MB   # a CPU dry run
 //! cargo run -p pipeline-zimage --example gpu_check -- parity                                        # on the CPU
@@ -18,7 +24,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::{DType, Device, Distribution, FloatDType, Tensor};
-use group_offload::GroupOffloadConfig;
+use group_offload::{CappedDevice, GroupOffloadConfig, PoolReadings};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, DeviceName, parse_size};
 use pipeline_zimage::config::TransformerConfig;
@@ -33,6 +39,7 @@ struct Args {
     warmup: usize,
     cap_len: usize,
     tiny: bool,
+    total: Option<String>,
 }
 
 fn parse_args() -> Args {
@@ -46,17 +53,17 @@ fn parse_args() -> Args {
         warmup: value("--warmup").and_then(|v| v.parse().ok()).unwrap_or(1),
         cap_len: value("--cap-len").and_then(|v| v.parse().ok()).unwrap_or(128),
         tiny: args.iter().any(|a| a == "--tiny"),
+        total: value("--total"),
     }
 }
 
 fn device(name: &str) -> anyhow::Result<Device> {
-    let parsed = DeviceName::parse(name)?;
-    match parsed.kind() {
-        "cpu" => Ok(Device::flex()),
-        #[cfg(feature = "cuda")]
-        "cuda" => Ok(Device::cuda(parsed.as_str().split(':').nth(1).unwrap_or("0").parse::<u32>()?)),
-        other => anyhow::bail!("device {other} is not available in this build (cuda needs --features cuda)"),
-    }
+    Ok(group_offload::open_device(&DeviceName::parse(name)?)?)
+}
+
+/// The device's own readings (burn's pool, the driver where it has a call); `total` for a runtime without one.
+fn readings_of(exec: &Device, name: &str, total: Option<u64>) -> anyhow::Result<Arc<PoolReadings>> {
+    Ok(PoolReadings::open(exec.clone(), DeviceName::parse(name)?, total)?)
 }
 
 fn config(tiny: bool) -> TransformerConfig {
@@ -91,14 +98,17 @@ fn time<F: FnMut() -> anyhow::Result<()>>(device: &Device, args: &Args, mut forw
 
 fn main() -> anyhow::Result<()> {
     if std::env::args().any(|a| a == "--help" || a == "-h") {
-        println!("usage: gpu_check parity|bench [--device cuda:0] [--cap 16GB] [--size 1024] [--steps 6] [--tiny]");
+        println!(
+            "usage: gpu_check parity|readings|bench [--device cuda:0] [--cap 16GB] [--total SIZE] [--size 1024] [--steps 6] [--tiny]"
+        );
         return Ok(());
     }
     match std::env::args().nth(1).as_deref() {
         Some("parity") => parity(&parse_args()),
         Some("bench") => bench(&parse_args()),
+        Some("readings") => readings(&parse_args()),
         _ => anyhow::bail!(
-            "usage: gpu_check parity|bench [--device cuda:0] [--cap 16GB] [--size 1024] [--steps 6] [--tiny]"
+            "usage: gpu_check parity|readings|bench [--device cuda:0] [--cap 16GB] [--total SIZE] [--size 1024] [--steps 6] [--tiny]"
         ),
     }
 }
@@ -128,10 +138,18 @@ fn parity(args: &Args) -> anyhow::Result<()> {
     let exec = device(&args.device)?;
     let name = DeviceName::parse(&args.device)?;
     let weights = fixtures().join("tiny-z-image-turbo");
+    let memory: Option<Arc<dyn DeviceMemory>> = if name.is_cpu() {
+        None
+    } else {
+        let total = args.total.as_deref().map(parse_size).transpose()?;
+        Some(readings_of(&exec, &args.device, total)?)
+    };
     let placement =
-        Placement { exec, host: Device::flex(), name: name.clone(), ledger: Arc::new(offload_core::NoLedger) };
+        Placement { exec, host: Device::flex(), name: name.clone(), ledger: Arc::new(offload_core::NoLedger), memory };
     let pipeline = ZImagePipeline::load(&weights, placement, &pipeline_zimage::loading::LoadOptions::new())?;
-    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name }), 0, true)?;
+    if !name.is_cpu() {
+        pipeline.enable_auto_offload(Arc::new(Unbounded { device: name }), 0, true)?;
+    }
     // (golden file, steps, guidance, negative prompt, noise tensor, image-to-image)
     type Case<'a> = (&'a str, usize, f32, Option<&'a str>, &'a str, bool);
     let cases: [Case; 3] = [
@@ -160,6 +178,58 @@ fn parity(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The tiny pipeline under auto offload on the device's own readings, then under a hard cap over them.
+fn readings(args: &Args) -> anyhow::Result<()> {
+    use pipeline_zimage::offload::Placement;
+    use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
+    let exec = device(&args.device)?;
+    let name = DeviceName::parse(&args.device)?;
+    anyhow::ensure!(!name.is_cpu(), "readings needs a device with a memory pool: --device cuda:0 or wgpu");
+    let total = args.total.as_deref().map(parse_size).transpose()?;
+    let weights = fixtures().join("tiny-z-image-turbo");
+    for cap in [None, Some(parse_size(&args.cap)?)] {
+        exec.memory_cleanup();
+        let readings = readings_of(&exec, &args.device, total)?;
+        let capped = cap.map(|bytes| CappedDevice::new(readings.clone(), bytes, true, args.cap.clone()));
+        let (memory, ledger): (Arc<dyn DeviceMemory>, Arc<dyn offload_core::DeviceLedger>) = match &capped {
+            Some(capped) => (capped.clone(), capped.clone()),
+            None => (readings.clone(), Arc::new(offload_core::NoLedger)),
+        };
+        let placement = Placement {
+            exec: exec.clone(),
+            host: Device::flex(),
+            name: name.clone(),
+            ledger,
+            memory: Some(memory.clone()),
+        };
+        let pipeline = ZImagePipeline::load(&weights, placement, &pipeline_zimage::loading::LoadOptions::new())?;
+        pipeline.enable_auto_offload(memory.clone(), parse_size("1MB")?, true)?;
+        let mut opts = GenerateOptions::turbo("a red fox in the snow");
+        (opts.steps, opts.height, opts.width, opts.max_sequence_length) = (4, 64, 64, 32);
+        opts.latents = Some(golden("pipeline_t2i_turbo.safetensors", "latents")?);
+        let image = pipeline.generate(&opts, &mut |_, _| {})?;
+        let expected = golden("pipeline_t2i_turbo.safetensors", "image")?;
+        let error: f32 = (image.to_device(&Device::flex()) - expected).abs().max().into_scalar();
+        let now = readings.observe();
+        println!(
+            "{{\"readings\": \"{}\", \"device\": \"{name}\", \"max_abs_error\": {error:e}, \"in_use\": {}, \"reserved\": {}, \"padding\": {}, \"peak_in_use_sampled\": {}, \"reserved_high\": {}, \"available\": {}, \"available_under_cap\": {}, \"total\": {}, \"driver_free\": {}, \"outside_pool\": {}}}",
+            cap.map_or("own".to_string(), |_| format!("capped at {}", args.cap)),
+            now.in_use,
+            now.reserved,
+            now.padding,
+            readings.peak(),
+            readings.reserved_peak(),
+            now.available(),
+            memory.available(),
+            now.total,
+            now.driver_free.map_or_else(|| "null".to_string(), |free| free.to_string()),
+            now.outside_pool()
+        );
+        println!("{}", pipeline.manager().offload_record());
+    }
+    Ok(())
+}
+
 fn bench(args: &Args) -> anyhow::Result<()> {
     let mut exec = device(&args.device)?;
     // Weights and activations in bf16, as the peer runs them.
@@ -177,7 +247,7 @@ fn bench(args: &Args) -> anyhow::Result<()> {
     let row = |mode: &str, (median, min): (f64, f64), peak: Option<u64>| {
         let peak = peak.map_or_else(|| "null".to_string(), |p| p.to_string());
         println!(
-            "{{\"mode\": \"{mode}\", \"s_per_forward_median\": {median:.6}, \"s_per_forward_min\": {min:.6}, \"steps\": {}, \"size\": {}, \"cap_len\": {}, \"params\": {params}, \"peak_ledger\": {peak}}}",
+            "{{\"mode\": \"{mode}\", \"s_per_forward_median\": {median:.6}, \"s_per_forward_min\": {min:.6}, \"steps\": {}, \"size\": {}, \"cap_len\": {}, \"params\": {params}, \"peak\": {peak}}}",
             args.steps, args.size, args.cap_len
         );
     };
@@ -202,11 +272,26 @@ fn bench(args: &Args) -> anyhow::Result<()> {
         ("group_block1_prefetch_pinned", block, 1, true),
         ("group_leaf_prefetch", GroupLevel::Leaf, 1, false),
     ] {
-        let card =
-            SimCard::new(CardSpec::parse(&cap_bytes.to_string())?.with_mode(Mode::Hard).with_context_overhead(0));
+        // On a device, a hard cap over its own readings; on the CPU (a dry run), a simulated card.
+        let (ledger, memory, peak): (
+            Arc<dyn offload_core::DeviceLedger>,
+            Arc<dyn DeviceMemory>,
+            Arc<dyn DeviceMemory>,
+        ) = if DeviceName::parse(&args.device)?.is_cpu() {
+            let card =
+                SimCard::new(CardSpec::parse(&cap_bytes.to_string())?.with_mode(Mode::Hard).with_context_overhead(0));
+            (card.clone(), card.clone(), card)
+        } else {
+            let total = args.total.as_deref().map(parse_size).transpose()?;
+            let readings = readings_of(&exec, &args.device, total)?;
+            let capped = CappedDevice::new(readings.clone(), cap_bytes, true, args.cap.clone());
+            (capped.clone(), capped, readings)
+        };
         let model = ZImageTransformer2DModel::new(&config, &exec);
-        let offload =
-            GroupOffloadConfig::new("transformer", exec.clone()).with_ledger(card.clone()).with_memory(card.clone());
+        let offload = GroupOffloadConfig::new("transformer", exec.clone())
+            .with_device_name(DeviceName::parse(&args.device)?)
+            .with_ledger(ledger.clone())
+            .with_memory(memory.clone());
         let options = GroupOptions {
             level,
             prefetch: prefetch > 0,
@@ -215,19 +300,19 @@ fn bench(args: &Args) -> anyhow::Result<()> {
             pinned_budget: if pinned { u64::MAX } else { 0 },
             ..GroupOptions::default()
         };
-        let grouped = GroupedTransformer::new(model, offload, &options, card.clone())?;
+        let grouped = GroupedTransformer::new(model, offload, &options, ledger)?;
         let (x, t, cap) = inputs(&exec);
         let timing = time(&exec, args, || {
             grouped.forward(x.clone(), t.clone(), cap.clone())?;
             Ok(())
         })?;
-        row(mode, timing, Some(card.peak()));
+        row(mode, timing, Some(peak.peak()));
         let stats = grouped.offload().stats();
         let (pinned_bytes, page_locked) = grouped.offload().pinned_bytes();
         eprintln!("{mode}: {stats:?}; pinned {pinned_bytes} bytes, {page_locked} of them page-locked");
         drop(grouped);
         exec.memory_cleanup();
-        let _: Arc<dyn DeviceMemory> = card;
     }
+
     Ok(())
 }

@@ -276,3 +276,12 @@ fn first(names: &[String]) -> String {
 
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The error a failed component call reports to the manager: a group upload's out-of-memory or device failure
+/// stays typed (so the OOM retry sees it); anything else is the call's own error.
+pub fn into_component_error(error: Error) -> offload_core::ComponentError {
+    match error {
+        Error::GroupOffload(inner) => inner.into(),
+        other => offload_core::ComponentError::other(other),
+    }
+}

@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor};
+use group_offload::run_call;
 use group_offload::{
     BlockOffload, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, LeafOffload, ModuleOffload,
     Placement as Residency,
@@ -233,18 +234,18 @@ impl<P> GroupedModel<P> {
         self.model.offload()
     }
 
-    /// Runs `f` with `activation_bytes` charged to the ledger, as [`crate::offload::BurnComponent::run`] does.
-    pub fn run<R>(
+    /// Runs `f` with `activation_bytes` accounted on the ledger, as [`crate::offload::BurnComponent::run`] does
+    /// ([`group_offload::run_call`]: the call succeeds only once the device has done its work).
+    pub fn run<R: group_offload::DeviceOutput>(
         &mut self,
         activation_bytes: u64,
         f: impl FnOnce(&Self, &Device) -> Result<R>,
     ) -> std::result::Result<R, ComponentError> {
-        self.ledger.allocate(activation_bytes)?;
-        let result = f(self, &self.exec);
-        self.ledger.free(activation_bytes);
-        result.map_err(|error| match error {
-            Error::GroupOffload(inner) => ComponentError::from(inner),
-            other => ComponentError::other(other),
+        let config = self.model.offload().config();
+        let (name, memory) = (config.device_name.clone(), config.memory.clone());
+        let this = &*self;
+        run_call(&self.exec, &name, self.ledger.as_ref(), memory.as_deref(), activation_bytes, || {
+            f(this, &this.exec).map_err(crate::error::into_component_error)
         })
     }
 }

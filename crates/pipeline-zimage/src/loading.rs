@@ -33,9 +33,9 @@ use crate::transformer::{KEY_REMAP, ZImageTransformer2DModel};
 /// How to load a component's weights.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoadOptions {
-    /// The float dtype every loaded float tensor is cast to; `None` keeps each file's dtype. Default: f32, the
-    /// dtype of the test fixtures; for the real bf16 checkpoint pass `None` or `Some(DType::BF16)`, since f32
-    /// doubles the host memory (24.6 GB for the transformer).
+    /// The float dtype every loaded float tensor is cast to; `None` keeps each file's dtype. Default: `None`, so a
+    /// checkpoint runs in its stored dtype (bf16 for Z-Image-Turbo: f32 would double the host memory, 24.6 GB for
+    /// the transformer alone); ask for `Some(DType::F32)` on a device that cannot compute in bf16.
     pub dtype: Option<DType>,
     /// Accept a load that leaves parameters missing or file tensors unused (they are still reported).
     /// Default: `false`.
@@ -46,12 +46,12 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { dtype: Some(DType::F32), allow_partial: false, key_remap: Vec::new() }
+        Self { dtype: None, allow_partial: false, key_remap: Vec::new() }
     }
 }
 
 impl LoadOptions {
-    /// The defaults: cast to f32, refuse partial loads, no renames.
+    /// The defaults: each file's own dtype, refuse partial loads, no renames.
     pub fn new() -> Self {
         Self::default()
     }

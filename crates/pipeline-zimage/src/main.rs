@@ -1,6 +1,10 @@
 //! `pipeline-zimage generate`: make an image with Z-Image(-Turbo) from a diffusers checkpoint directory, on the
-//! CPU or a CUDA device, optionally on a simulated smaller card, with every component routed by an offload preset
-//! (`--preset`, planned and explained) or by hand (`--offload auto|group`).
+//! CPU, a CUDA device or a wgpu (Vulkan) device, with every component routed by an offload preset (`--preset`,
+//! planned and explained) or by hand (`--offload auto|group`).
+//!
+//! On a real device the manager reads the device's own memory (burn's pool, and the driver where it has a call);
+//! `--card SIZE` caps those readings at a smaller card. On the CPU, `--card SIZE` is a simulated card that gives
+//! the readings and accounts every byte, the weights staying in host memory.
 //!
 //! Settings of the planner come, in precedence order, from explicit arguments (`--preset`, `--reserve`,
 //! `--profile-name`, `--profile-dir`, `--set key=value`), then `OFFLOAD_*` environment variables, then the TOML
@@ -15,6 +19,8 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use clap::{Parser, Subcommand, ValueEnum};
+use group_offload::device::describe_device;
+use group_offload::{CappedDevice, PagePolicy, PoolReadings, open_device_with};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
@@ -45,6 +51,63 @@ enum Offload {
     Auto,
     /// Auto offload, with the transformer streamed block by block (group offload, prefetched).
     Group,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum CardMode {
+    /// Allocations past the card fail with out-of-memory, which the manager's OOM retry handles.
+    Hard,
+    /// Only the readings change.
+    Soft,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum WeightDtype {
+    /// The dtype each checkpoint file stores.
+    Stored,
+    /// 32-bit floats.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half precision.
+    F16,
+}
+
+impl WeightDtype {
+    fn load_dtype(self) -> Option<DType> {
+        match self {
+            WeightDtype::Stored => None,
+            WeightDtype::F32 => Some(DType::F32),
+            WeightDtype::Bf16 => Some(DType::BF16),
+            WeightDtype::F16 => Some(DType::F16),
+        }
+    }
+}
+
+/// Where components execute and what reads its memory.
+enum Target {
+    /// The CPU: weights stay in host memory; a simulated card, when given, gives the readings and the account.
+    Host { card: Option<Arc<SimCard>> },
+    /// A real device: its pool's readings, capped by `--card` when given.
+    Real { readings: Arc<PoolReadings>, cap: Option<Arc<CappedDevice>> },
+}
+
+impl Target {
+    fn memory(&self) -> Option<Arc<dyn DeviceMemory>> {
+        match self {
+            Target::Host { card } => card.clone().map(|card| card as Arc<dyn DeviceMemory>),
+            Target::Real { cap: Some(cap), .. } => Some(cap.clone()),
+            Target::Real { readings, cap: None } => Some(readings.clone()),
+        }
+    }
+
+    fn ledger(&self) -> Arc<dyn DeviceLedger> {
+        match self {
+            Target::Host { card: Some(card) } => card.clone(),
+            Target::Real { cap: Some(cap), .. } => cap.clone(),
+            _ => Arc::new(NoLedger),
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -92,12 +155,21 @@ struct Generate {
     /// Also write the image as a safetensors file with an f32 tensor `image` [1, 3, H, W] in [0, 1].
     #[arg(long)]
     out_tensor: Option<PathBuf>,
-    /// The execution device: cpu or cuda:N.
+    /// The execution device: cpu, cuda:N (built with --features cuda) or wgpu (built with --features wgpu: Vulkan,
+    /// on a CPU-only machine Mesa's lavapipe). On a real device the manager reads the device's own memory.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Simulate a card of this size (or a catalogue name) on the device: hard mode, allocations past it fail.
+    /// The device's total memory, for a runtime that reports none (wgpu); CUDA's comes from the driver.
+    #[arg(long, value_name = "SIZE")]
+    device_memory: Option<String>,
+    /// A card of this size (or a catalogue name). On the CPU a simulated card gives the readings; on a real
+    /// device it caps the device's own readings (hard mode by default: an allocation or a call past it fails
+    /// with out-of-memory, as diffusers' simulate_accelerator_memory does on a real GPU).
     #[arg(long)]
     card: Option<String>,
+    /// Whether allocations past --card fail (hard) or only the readings change (soft).
+    #[arg(long, value_enum, default_value = "hard")]
+    card_mode: CardMode,
     /// On the simulated card, the share of the link rate a copy from pageable host memory reaches (pinned
     /// copies reach all of it); 1 by default. Try 0.5 to see what the plan's pinned budget buys.
     #[arg(long, default_value_t = 1.0)]
@@ -106,8 +178,8 @@ struct Generate {
     #[arg(long, value_enum)]
     offload: Option<Offload>,
     /// Route every component with the offload planner and print its plan first: auto, one_shot_fast,
-    /// low_ram_safe, warm_process, diffusers_offload_compat, diffusers_leaf_offload_compat, no_pin, off. Needs
-    /// --card. Takes precedence over --offload.
+    /// low_ram_safe, warm_process, diffusers_offload_compat, diffusers_leaf_offload_compat, no_pin, off. Needs a
+    /// device to offload to: a real one (its own readings), or --card on the CPU. Takes precedence over --offload.
     #[arg(long)]
     preset: Option<String>,
     /// A TOML settings file for the planner (below explicit arguments and OFFLOAD_* variables); replaces
@@ -129,9 +201,10 @@ struct Generate {
     /// Where capacity profiles are stored (default: the platform's data directory, offload/profiles).
     #[arg(long)]
     profile_dir: Option<PathBuf>,
-    /// Load weights in bf16 instead of the checkpoint's dtype cast to f32.
-    #[arg(long)]
-    bf16: bool,
+    /// The float dtype the weights are loaded and run in: the checkpoint's own (bf16 for Z-Image-Turbo) by
+    /// default.
+    #[arg(long, value_enum, default_value = "stored")]
+    dtype: WeightDtype,
     /// Quantize the text encoder's and the transformer's linear weights to 8 bits (burn quantized tensors, their
     /// own kernels). Quantized components move only whole: the planner never streams them by blocks or leaves.
     #[arg(long)]
@@ -140,26 +213,6 @@ struct Generate {
 
 fn default_weights() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-z-image-turbo")
-}
-
-fn burn_device(name: &str) -> anyhow::Result<(Device, DeviceName)> {
-    let parsed = DeviceName::parse(name)?;
-    match parsed.kind() {
-        "cpu" => Ok((Device::flex(), parsed)),
-        "cuda" => cuda_device(&parsed),
-        other => bail!("unknown device kind {other:?}: use cpu or cuda:N"),
-    }
-}
-
-#[cfg(feature = "cuda")]
-fn cuda_device(name: &DeviceName) -> anyhow::Result<(Device, DeviceName)> {
-    let index: u32 = name.as_str().split(':').nth(1).unwrap_or("0").parse()?;
-    Ok((Device::cuda(index), name.clone()))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_device(_: &DeviceName) -> anyhow::Result<(Device, DeviceName)> {
-    bail!("this binary was built without CUDA: run `cargo xtask setup-cuda`, then build with `--features cuda`")
 }
 
 fn read_latents(path: &Path) -> anyhow::Result<Tensor<4>> {
@@ -207,7 +260,8 @@ fn read_image(path: &Path, height: usize, width: usize) -> anyhow::Result<Tensor
 
 fn write_outputs(image: Tensor<4>, out: &Path, out_tensor: Option<&Path>) -> anyhow::Result<()> {
     let [_, _, height, width] = image.dims();
-    let values: Vec<f32> = image.into_data().try_into_vec_as::<f32>().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let data = image.try_into_data().map_err(|e| anyhow::anyhow!("cannot read the image back from the device: {e}"))?;
+    let values: Vec<f32> = data.try_into_vec_as::<f32>().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     if let Some(path) = out_tensor {
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, 3, height, width], &bytes)?;
@@ -301,29 +355,43 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         (Some(reserve), false) => parse_size(reserve).context("--reserve")?,
         _ => parse_size("3GB").context("the default reserve")?,
     };
-    let (exec, exec_name) = burn_device(&args.device)?;
-    let card = args
+    let name = DeviceName::parse(&args.device)?;
+    // Under a card, the pool takes one page per allocation (where the runtime lets it choose), so a cap on its
+    // pages is a cap on what the calls allocate rather than on cubecl's page sizes.
+    let pages = if args.card.is_some() { PagePolicy::Exclusive } else { PagePolicy::Adaptive };
+    let exec = open_device_with(&name, pages)?;
+    if let Some(description) = describe_device(&name) {
+        println!("device {name}: {description}");
+    }
+    let spec = args
         .card
         .as_deref()
-        .map(|label| -> anyhow::Result<Arc<SimCard>> {
+        .map(|label| -> anyhow::Result<CardSpec> {
+            let mode = if args.card_mode == CardMode::Hard { Mode::Hard } else { Mode::Soft };
             let spec = CardSpec::parse(label)?
-                .with_mode(Mode::Hard)
+                .with_mode(mode)
                 .with_context_overhead(0)
                 .with_pageable_fraction(args.pageable_fraction)?;
             if offload != Offload::None {
                 spec.check_reserve(manual_reserve)?;
             }
-            Ok(SimCard::new(spec))
+            Ok(spec)
         })
         .transpose()?;
-    let (name, ledger): (DeviceName, Arc<dyn DeviceLedger>) = match &card {
-        Some(card) => (card.device(), card.clone()),
-        None => (exec_name.clone(), Arc::new(NoLedger)),
+    let target = if name.is_cpu() {
+        Target::Host { card: spec.map(SimCard::new) }
+    } else {
+        // A real device: the readings are its own; a card caps them and never stands in for them.
+        let total = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?;
+        let readings = PoolReadings::open(exec.clone(), name.clone(), total)?;
+        let cap =
+            spec.map(|spec| CappedDevice::new(readings.clone(), spec.capacity, spec.mode == Mode::Hard, spec.label));
+        Target::Real { readings, cap }
     };
-    if (offload != Offload::None || planner) && card.is_none() {
+    if (offload != Offload::None || planner) && matches!(target, Target::Host { card: None }) {
         bail!(
-            "{} needs device readings: pass --card SIZE (your card's size, or a smaller one to simulate); burn \
-             exposes no free-memory call",
+            "{} needs an execution device to offload to, but --device cpu runs everything in host memory: pass \
+             --card SIZE to simulate a card on the CPU, or run on a device (--device cuda:0, --device wgpu)",
             if planner {
                 "the offload planner (--preset)"
             } else if offload == Offload::Auto {
@@ -337,10 +405,26 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         // Bad settings are reported before the weights load; the simulated card's reserve is added once they have.
         resolve_settings(args, &env, None)?;
     }
-    let placement = Placement { exec: exec.clone(), host: Device::flex(), name, ledger };
-    let dtype = if args.bf16 { Some(DType::BF16) } else { Some(DType::F32) };
-    let mut pipeline = ZImagePipeline::load(&weights, placement, &LoadOptions::new().with_dtype(dtype))
-        .with_context(|| format!("loading {}", weights.display()))?;
+    let placement = Placement {
+        exec: exec.clone(),
+        host: Device::flex(),
+        name: match &target {
+            Target::Host { card: Some(card) } => card.device(),
+            _ => name.clone(),
+        },
+        ledger: target.ledger(),
+        memory: target.memory(),
+    };
+    let load = LoadOptions::new().with_dtype(args.dtype.load_dtype());
+    let mut pipeline =
+        ZImagePipeline::load(&weights, placement, &load).with_context(|| format!("loading {}", weights.display()))?;
+    if !exec.supports_dtype(pipeline.dtype()) {
+        bail!(
+            "{name} cannot compute in {:?}, the dtype the weights were loaded in (Vulkan devices often store bf16 \
+             but have no arithmetic for it): pass --dtype f32",
+            pipeline.dtype()
+        );
+    }
     for report in pipeline.load_reports() {
         eprintln!("{report}");
     }
@@ -364,9 +448,11 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     opts.validate()?;
 
     let mut plan = None;
-    if let (Some(card), true) = (&card, planner) {
-        let (settings, simulated) = resolve_settings(args, &env, Some(exact_reserve(&pipeline, &opts)))?;
-        if simulated {
+    if planner {
+        let simulated = matches!(target, Target::Host { card: Some(_) });
+        let exact = simulated.then(|| exact_reserve(&pipeline, &opts));
+        let (settings, exact_used) = resolve_settings(args, &env, exact)?;
+        if exact_used {
             println!(
                 "reserve: {} (the largest activation estimate: the simulated card is charged exactly that, so no \
                  margin is added; pass --reserve or set OFFLOAD_RESERVE to change it)",
@@ -378,19 +464,29 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             (Err(_), Some(available)) => HostMemory::new(available, available),
             (Err(error), None) => return Err(error.into()),
         };
-        let facts = DeviceFacts::simulated(card.clone(), host);
+        let facts = match &target {
+            Target::Host { card: Some(card) } => DeviceFacts::simulated(card.clone(), host),
+            Target::Real { cap, .. } => {
+                let memory = target.memory().context("a real device has readings")?;
+                let facts = DeviceFacts::new(memory, host);
+                match cap {
+                    Some(cap) => DeviceFacts { label: format!("{name} capped at {}", cap.label()), ..facts },
+                    None => facts,
+                }
+            }
+            Target::Host { card: None } => bail!("the offload planner needs a device to offload to (refused above)"),
+        };
         let applied = enable_pipeline_offload(&mut pipeline, settings, &facts, &opts)?;
         println!("{applied}");
         plan = Some(applied);
-    } else if let (Some(card), true) = (&card, offload != Offload::None) {
+    } else if let (Some(memory), true) = (target.memory(), offload != Offload::None) {
         if offload == Offload::Group {
-            pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1)?;
+            pipeline.enable_group_offload(target.ledger(), Some(memory.clone()), 1, 1)?;
         }
-        let memory: Arc<dyn DeviceMemory> = card.clone();
         pipeline.enable_auto_offload(memory, manual_reserve, true)?;
-    } else {
+    } else if !pipeline.placement().name.is_cpu() {
         // No offload: every component is onloaded on its first run and stays (weights load on the host; on a
-        // real accelerator this is what moves them there). The moves still go through the manager's record.
+        // device this is what moves them there). The moves still go through the manager's record.
         let device = pipeline.placement().name.clone();
         pipeline.enable_auto_offload(Arc::new(pipeline_zimage::offload::Unbounded { device }), 0, true)?;
     }
@@ -421,16 +517,43 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     write_outputs(image, &args.out, args.out_tensor.as_deref())?;
     println!("wrote {}", args.out.display());
     println!("\nphases:\n{phases}");
-    if let Some(card) = &card {
-        println!("\n{}", pipeline.manager().offload_record());
-        println!("\npeak on the simulated {} card: {}", card.spec().label, format_size(card.peak()));
-        let stats = card.stats();
-        println!(
-            "link: {} to the device ({} of it from pinned host memory), {:.3} s simulated",
-            format_size(stats.bytes_to_device),
-            format_size(stats.bytes_pinned_to_device),
-            stats.transfer_seconds
-        );
+    match &target {
+        Target::Host { card: Some(card) } => {
+            println!("\n{}", pipeline.manager().offload_record());
+            println!("\npeak on the simulated {} card: {}", card.spec().label, format_size(card.peak()));
+            let stats = card.stats();
+            println!(
+                "link: {} to the device ({} of it from pinned host memory), {:.3} s simulated",
+                format_size(stats.bytes_to_device),
+                format_size(stats.bytes_pinned_to_device),
+                stats.transfer_seconds
+            );
+        }
+        Target::Real { readings, cap } => {
+            println!("\n{}", pipeline.manager().offload_record());
+            let now = readings.observe();
+            println!(
+                "device memory on {name} (burn's pool{}): peak in use {} (sampled every {} µs), reserved \
+                 high-water {}, in use now {}, reserved now {}, available now {} of {}",
+                if readings.has_driver_readings() { " and the driver" } else { "" },
+                format_size(readings.peak()),
+                PoolReadings::SAMPLE_EVERY.as_micros(),
+                format_size(readings.reserved_peak()),
+                format_size(now.in_use),
+                format_size(now.reserved),
+                format_size(now.available()),
+                format_size(now.total)
+            );
+            if let Some(cap) = cap {
+                println!(
+                    "capped at {} ({}): available under the cap now {}",
+                    cap.label(),
+                    if cap.is_hard() { "hard" } else { "soft" },
+                    format_size(cap.available())
+                );
+            }
+        }
+        Target::Host { card: None } => {}
     }
     if let Some(record) = record {
         println!("capacity profile: {}", record.path.display());

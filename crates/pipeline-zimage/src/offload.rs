@@ -3,16 +3,19 @@
 //! device).
 //!
 //! On a real accelerator `onload` is `Module::to_device(accelerator)` followed by a sync, which is where burn's
-//! CUDA backend reports an out-of-memory; `offload` is `to_device(host)`. On the CPU with a simulated card
-//! (`--card 8GB`) the weights stay in host memory, and the card is charged for them and for each run's
-//! activations, so a tiny checkpoint exercises the manager's real decisions, real OOM retries and real output.
+//! cubecl backends report an out-of-memory ([`group_offload::device::check_device`] types it); `offload` is
+//! `to_device(host)`. Each call runs through [`group_offload::run_call`], so it reports success only once the
+//! device has done its work. On the CPU with a simulated card (`--card 8GB`) the weights stay in host memory,
+//! and the card is charged for them and for each run's activations, so a tiny checkpoint exercises the
+//! manager's real decisions, real OOM retries and real output.
 
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::quantization::quantized_data_len;
 use burn::tensor::{DType, Device, Tensor};
-use offload_core::{ComponentError, DeviceLedger, DeviceName, Direction, Offloadable};
+use group_offload::device::{DeviceOutput, catch_device_panic, check_device, check_outputs, run_call};
+use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, Offloadable};
 
 /// Bytes of a module's float parameters, at their current dtypes (a quantized tensor's values and scales).
 pub fn module_bytes<M: Module>(module: &M) -> u64 {
@@ -38,8 +41,29 @@ pub fn tensor_bytes<const D: usize>(tensor: &Tensor<D>) -> u64 {
     bytes as u64
 }
 
-/// Where a component executes: the burn device that computes, the name the manager knows it by, and the
-/// ledger that accounts for it.
+/// A module's float parameters as a call's output: reading one value of each back proves every upload landed.
+struct Parameters<'a, M>(&'a M);
+
+impl<M: Module> DeviceOutput for Parameters<'_, M> {
+    fn probes(&self) -> Vec<Tensor<1>> {
+        struct Probes(Vec<Tensor<1>>);
+        impl ModuleVisitor for Probes {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let tensor = param.val();
+                // A quantized tensor is read back by its own kernels; its bytes moved with the others.
+                if !matches!(tensor.dtype(), DType::QFloat(_)) {
+                    self.0.extend(tensor.probes());
+                }
+            }
+        }
+        let mut probes = Probes(Vec::new());
+        self.0.visit(&mut probes);
+        probes.0
+    }
+}
+
+/// Where a component executes: the burn device that computes, the name the manager knows it by, the ledger
+/// that accounts for it and the readings of its memory.
 #[derive(Clone)]
 pub struct Placement {
     /// The burn device that runs the component (`Device::cuda(0)`, or `Device::flex()` under a simulated card).
@@ -50,6 +74,28 @@ pub struct Placement {
     pub name: DeviceName,
     /// Accounting of the execution device.
     pub ledger: Arc<dyn DeviceLedger>,
+    /// Readings of the execution device's memory (a real device's pool, a cap over it, a simulated card), for
+    /// the available bytes an out-of-memory reports; `None` where nothing reads it.
+    pub memory: Option<Arc<dyn DeviceMemory>>,
+}
+
+impl Placement {
+    /// Everything on the host's CPU backend: nothing moves, nothing is accounted.
+    pub fn host_only() -> Self {
+        Self {
+            exec: Device::flex(),
+            host: Device::flex(),
+            name: DeviceName::cpu(),
+            ledger: Arc::new(offload_core::NoLedger),
+            memory: None,
+        }
+    }
+
+    /// The same placement with `memory` as its readings.
+    pub fn with_memory(mut self, memory: Arc<dyn DeviceMemory>) -> Self {
+        self.memory = Some(memory);
+        self
+    }
 }
 
 impl std::fmt::Debug for Placement {
@@ -59,8 +105,17 @@ impl std::fmt::Debug for Placement {
 }
 
 /// A burn module the manager can move: its weights, its size and where it is.
+///
+/// The host copy stays while the component is on a device: inference never changes weights, so an offload drops
+/// the device copy (no copy back, and the device memory is free at once) instead of moving the module back with
+/// `to_device`. That matters on burn 0.22: a cross-device `to_device` is lazy, and the host tensor it returns
+/// keeps the device buffer alive until it is first read (measured on wgpu: a 64 MiB tensor moved to the host and
+/// dropped on the device stayed in the pool's bytes in use, and reading it allocated 64 MiB more there).
 pub struct BurnComponent<M: Module> {
+    /// The host copy, always there.
     module: M,
+    /// The device copy while the component is on an execution device other than the host's backend.
+    resident: Option<M>,
     bytes: u64,
     placement: Placement,
     device: DeviceName,
@@ -77,12 +132,17 @@ impl<M: Module + 'static> BurnComponent<M> {
     /// Wraps a module that is on `placement.host`.
     pub fn new(module: M, class_name: &'static str, placement: Placement) -> Self {
         let bytes = module_bytes(&module);
-        Self { module, bytes, placement, device: DeviceName::cpu(), class_name }
+        Self { module, resident: None, bytes, placement, device: DeviceName::cpu(), class_name }
     }
 
-    /// The module, for reading.
+    /// The module's host copy, for reading.
     pub fn module(&self) -> &M {
         &self.module
+    }
+
+    /// The copy that computes now: the device copy while resident on a device, the host copy otherwise.
+    fn active(&self) -> &M {
+        self.resident.as_ref().unwrap_or(&self.module)
     }
 
     /// The burn device the module computes on now.
@@ -90,21 +150,29 @@ impl<M: Module + 'static> BurnComponent<M> {
         if self.device.is_cpu() { &self.placement.host } else { &self.placement.exec }
     }
 
-    /// Runs `f` on the module with `activation_bytes` charged to the ledger for the call: the entry point the
-    /// manager wraps.
+    /// Runs `f` on the module with `activation_bytes` accounted on the ledger for the call: the entry point the
+    /// manager wraps ([`group_offload::run_call`]).
     ///
     /// On the ledger of a simulated card in hard mode the charge fails with out-of-memory when the card is
-    /// full, exactly like a real allocation; the manager's OOM retry then makes room and calls again.
-    pub fn run<R>(
+    /// full, exactly like a real allocation; on a real device the call succeeds only once the device has done
+    /// its work, and its out-of-memory (or a hard cap's) is typed. The manager's OOM retry then makes room and
+    /// calls again.
+    pub fn run<R: DeviceOutput>(
         &mut self,
         activation_bytes: u64,
         f: impl FnOnce(&M, &Device) -> crate::Result<R>,
     ) -> Result<R, ComponentError> {
-        self.placement.ledger.allocate(activation_bytes)?;
         let device = self.burn_device().clone();
-        let result = f(&self.module, &device);
-        self.placement.ledger.free(activation_bytes);
-        result.map_err(ComponentError::other)
+        let placement = &self.placement;
+        let module = self.active();
+        run_call(
+            &device,
+            &placement.name,
+            placement.ledger.as_ref(),
+            placement.memory.as_deref(),
+            activation_bytes,
+            || f(module, &device).map_err(crate::error::into_component_error),
+        )
     }
 
     /// Takes the module back, for use outside the manager.
@@ -134,18 +202,30 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
             return Err(error);
         }
         if !self.same_burn_device() {
-            let moved = self.module.clone().to_device(&self.placement.exec);
-            // burn's CUDA backend reports an allocation failure at the next sync, not at the allocating call.
-            if let Err(error) = self.placement.exec.sync() {
-                ledger.free(self.bytes);
-                tracing::warn!(device = %device, "device sync after onload failed: {error:?}");
-                return Err(ComponentError::OutOfMemory {
-                    device: device.clone(),
-                    requested: self.bytes,
-                    available: 0,
-                });
+            let exec = &self.placement.exec;
+            let memory = self.placement.memory.as_deref();
+            let moved = catch_device_panic(|| self.module.clone().to_device(exec));
+            // cubecl reports an allocation failure at the next sync, not at the allocating call.
+            let checked = match moved {
+                Ok(moved) => check_device(exec, device, "onload", memory)
+                    .and_then(|()| check_outputs(&Parameters(&moved), device, "onload", memory))
+                    .map(|()| moved),
+                Err(panic) => Err(panic.with_device(device, "onload", memory)),
+            };
+            match checked {
+                Ok(moved) => self.resident = Some(moved),
+                Err(error) => {
+                    ledger.free(self.bytes);
+                    tracing::warn!(device = %device, "onload failed: {error}");
+                    // The component's size is what this onload asked for, whatever allocation failed first.
+                    return Err(match error {
+                        ComponentError::OutOfMemory { device, available, .. } => {
+                            ComponentError::OutOfMemory { device, requested: self.bytes, available }
+                        }
+                        other => other,
+                    });
+                }
             }
-            self.module = moved;
         }
         self.device = device.clone();
         Ok(())
@@ -153,8 +233,10 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
 
     fn offload(&mut self) -> Result<(), ComponentError> {
         self.placement.ledger.transfer(self.bytes, Direction::DeviceToHost)?;
-        if !self.same_burn_device() {
-            self.module = self.module.clone().to_device(&self.placement.host);
+        if self.resident.take().is_some() {
+            // As diffusers clears the device cache after an offload: the pages the weights held go back to the
+            // device, so the next component (or a capped device's next call) can have them.
+            self.placement.exec.memory_cleanup();
         }
         self.placement.ledger.free(self.bytes);
         self.device = DeviceName::cpu();

@@ -604,10 +604,7 @@ impl ZImagePipeline {
             let embeds = self.encode_prompts(&prompts, opts.max_sequence_length)?;
             let noise = match &opts.latents {
                 Some(latents) => latents.clone().cast(DType::F32).to_device(&device),
-                None => {
-                    device.seed(opts.seed);
-                    Tensor::random([1, 16, h, w], Distribution::Normal(0.0, 1.0), &device)
-                }
+                None => initial_noise(opts.seed, [1, 16, h, w], &self.placement.host).to_device(&device),
             };
             let full = self.scheduler.schedule(opts.steps, (h / 2) * (w / 2))?;
             let (schedule, latents) = match &opts.image {
@@ -760,6 +757,14 @@ fn vae_dtype(vae: &AutoencoderKl) -> DType {
     }
     burn::module::Module::visit(vae, &mut First(&mut dtype, false));
     dtype
+}
+
+/// The initial noise of a seeded run, drawn on the host (`host`, burn's CPU backend) from `seed` and moved to the
+/// execution device by the caller: one seed gives one image on every device, as diffusers advises with a CPU
+/// generator, since each device's own generator draws other numbers from the same seed.
+pub fn initial_noise(seed: u64, shape: [usize; 4], host: &Device) -> Tensor<4> {
+    host.seed(seed);
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), (host, DType::F32))
 }
 
 /// Activation bytes of one text-encoder call over `tokens` tokens: the residual stream, the attention scores

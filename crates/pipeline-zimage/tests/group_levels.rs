@@ -144,11 +144,18 @@ fn the_pipeline_streams_both_encoders_at_leaf_level_and_gives_the_golden_image()
         host: Device::flex(),
         name: offload_core::DeviceName::cpu(),
         ledger: Arc::new(NoLedger),
+        memory: None,
     };
     let resident = values(load_tiny(resident_placement).generate(&opts, &mut |_, _| {}).expect("resident run"));
 
     let card = card();
-    let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+    let placement = Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: card.device(),
+        ledger: card.clone(),
+        memory: None,
+    };
     let mut pipeline = load_tiny(placement);
     let leaf = GroupOptions { releasable: true, ..GroupOptions::leaf() };
     for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
@@ -178,7 +185,13 @@ fn the_pipeline_streams_both_encoders_at_leaf_level_and_gives_the_golden_image()
 #[test]
 fn bad_group_options_are_typed_errors_that_leave_the_component_registered() {
     let card = card();
-    let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+    let placement = Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: card.device(),
+        ledger: card.clone(),
+        memory: None,
+    };
     let mut pipeline = load_tiny(placement);
     let bad = [
         GroupOptions { level: GroupLevel::Block { blocks_per_group: 0 }, ..GroupOptions::default() },

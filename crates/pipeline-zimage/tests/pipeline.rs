@@ -27,6 +27,7 @@ fn resident_placement() -> Placement {
         host: Device::flex(),
         name: offload_core::DeviceName::cpu(),
         ledger: Arc::new(NoLedger),
+        memory: None,
     }
 }
 
@@ -108,7 +109,13 @@ fn simulated(group: bool, card_bytes: u64, reserve: u64) -> (ZImagePipeline, Arc
     let card = SimCard::new(
         CardSpec::parse(&card_bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0),
     );
-    let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+    let placement = Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: card.device(),
+        ledger: card.clone(),
+        memory: None,
+    };
     let mut pipeline = load(placement);
     if group {
         pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1).expect("group offload");

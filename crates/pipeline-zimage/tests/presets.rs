@@ -28,6 +28,7 @@ fn resident_image(opts: &GenerateOptions) -> Vec<f32> {
         host: Device::flex(),
         name: offload_core::DeviceName::cpu(),
         ledger: Arc::new(NoLedger),
+        memory: None,
     };
     values(load(placement).generate(opts, &mut |_, _| {}).expect("resident run"))
 }
@@ -41,7 +42,13 @@ fn host() -> HostMemory {
 fn on_card(bytes: u64) -> (ZImagePipeline, Arc<SimCard>) {
     let spec = CardSpec::parse(&bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
     let card = SimCard::new(spec);
-    let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+    let placement = Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: card.device(),
+        ledger: card.clone(),
+        memory: None,
+    };
     (load(placement), card)
 }
 
@@ -236,6 +243,7 @@ fn generation_reports_three_phases_in_order() {
         host: Device::flex(),
         name: offload_core::DeviceName::cpu(),
         ledger: Arc::new(NoLedger),
+        memory: None,
     };
     let generated = load(placement).generate_with_report(&opts, &mut |_, _| {}).expect("runs");
     let names: Vec<&str> = generated.phases.phases.iter().map(|p| p.name.as_str()).collect();
@@ -418,8 +426,13 @@ fn pinned_host_copies_are_staged_and_priced_as_pinned_copies_on_the_card() {
             .with_pageable_fraction(0.5)
             .expect("a fraction");
         let card = SimCard::new(spec);
-        let placement =
-            Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+        let placement = Placement {
+            exec: Device::flex(),
+            host: Device::flex(),
+            name: card.device(),
+            ledger: card.clone(),
+            memory: None,
+        };
         let mut pipeline = load(placement);
         let facts = DeviceFacts::simulated(card.clone(), host());
         let pairs = [

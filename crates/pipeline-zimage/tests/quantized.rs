@@ -28,6 +28,7 @@ fn resident() -> Placement {
         host: Device::flex(),
         name: offload_core::DeviceName::cpu(),
         ledger: Arc::new(NoLedger),
+        memory: None,
     }
 }
 
@@ -36,7 +37,13 @@ fn quantized_on_card(bytes: u64) -> (ZImagePipeline, Arc<SimCard>) {
     let card = SimCard::new(
         CardSpec::parse(&bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0),
     );
-    let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+    let placement = Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: card.device(),
+        ledger: card.clone(),
+        memory: None,
+    };
     let mut pipeline = load(placement);
     for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
         pipeline.quantize(component).expect("quantizes");

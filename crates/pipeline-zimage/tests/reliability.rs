@@ -318,8 +318,13 @@ fn pipeline_on_card(
         SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
     card.set_faults(faults);
     let traced = Arc::new(Traced { card: card.clone(), record: OnceLock::new(), log: Mutex::new(Vec::new()) });
-    let placement =
-        Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: traced.clone() };
+    let placement = Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: card.device(),
+        ledger: traced.clone(),
+        memory: None,
+    };
     let mut pipeline = load(placement);
     let _ = traced.record.set(pipeline.manager().offload_record());
     let enabled = (|| {
@@ -341,8 +346,13 @@ fn pipeline_on_card(
 /// A card too small to hold the transformer with its activations beside the text encoder: the flow needs the
 /// manager to offload.
 fn card_capacity() -> u64 {
-    let resident =
-        Placement { exec: Device::flex(), host: Device::flex(), name: DeviceName::cpu(), ledger: Arc::new(NoLedger) };
+    let resident = Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: DeviceName::cpu(),
+        ledger: Arc::new(NoLedger),
+        memory: None,
+    };
     let probe = load(resident);
     let ids = probe.ids().clone();
     let bytes = |id: &str| probe.manager().component_info(id).unwrap().bytes;
@@ -523,14 +533,26 @@ fn enabling_group_offload_loses_nothing() {
     let capacity = card_capacity();
     let card =
         SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
-    let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+    let placement = Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: card.device(),
+        ledger: card.clone(),
+        memory: None,
+    };
     let mut pipeline = load(placement);
     pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1).unwrap();
     assert_eq!(card.stats().allocations, 0, "building the groups allocates nothing on the device");
 
     let card =
         SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
-    let placement = Placement { exec: Device::flex(), host: Device::flex(), name: card.device(), ledger: card.clone() };
+    let placement = Placement {
+        exec: Device::flex(),
+        host: Device::flex(),
+        name: card.device(),
+        ledger: card.clone(),
+        memory: None,
+    };
     let mut pipeline = load(placement);
     // A file where the store's directory should be: the store cannot be created.
     let blocked = std::env::temp_dir().join(format!("zimage-blocked-store-{}", std::process::id()));

@@ -1,0 +1,442 @@
+//! The real-device suite: the tiny checkpoint on a real cubecl runtime, burn's wgpu backend (Vulkan; in CI
+//! Mesa's lavapipe driver, which runs on the CPU). What only a device can show: parity against diffusers' goldens,
+//! auto offload deciding from the device's own pool readings with no simulated card, block and leaf group
+//! offload with prefetch (the pool's high-water within the ring bound, every streamed group's memory returned,
+//! resident groups really on the device), the decode OOM recovered under a hard cap over the device, and a
+//! refused allocation typed as a device error with nothing lost.
+//!
+//! Run it with `cargo test -p pipeline-zimage --features wgpu --test real_device` (Debian:
+//! `apt-get install mesa-vulkan-drivers libvulkan1` first). The device's pool is one per process, so the tests
+//! take turns ([`device`]) and each reads its own readings from a clean pool.
+
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use burn::module::Module;
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use common::{fixtures, golden, load_tiny, max_abs_diff, tensor4, turbo_options, values};
+use group_offload::{CappedDevice, GroupOffloadConfig, PagePolicy, PoolReadings, open_device_with};
+use offload_core::{Action, ComponentError, DeviceLedger, DeviceMemory, DeviceName, NoLedger, Offloadable, Reason};
+use pipeline_zimage::grouped::{GroupLevel, GroupOptions, GroupedTransformer};
+use pipeline_zimage::loading::{Checkpoint, LoadOptions};
+use pipeline_zimage::offload::{BurnComponent, Placement, Unbounded};
+use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
+use pipeline_zimage::transformer::ZImageTransformer2DModel;
+use pipeline_zimage::vae::AutoencoderKl;
+
+/// The runtime's own small buffers (kernel arguments and metadata) live in the pool too: measured 48 to 1,232
+/// bytes in use here beside the tensors; a byte count compared with the pool allows this much.
+const RUNTIME_BUFFERS: u64 = 16 * 1024;
+
+/// The size given as the lavapipe device's total: it reports none, and advertises a heap it does not enforce.
+const TOTAL: u64 = 1 << 30;
+
+static TURNS: Mutex<()> = Mutex::new(());
+
+/// The wgpu device, its name, and this test's turn on it (held until the test ends), with the pool's cache
+/// released so the test starts from what earlier tests left in use (nothing, once their tensors dropped).
+fn device() -> (Device, DeviceName, MutexGuard<'static, ()>) {
+    let turn = TURNS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let name = DeviceName::parse("wgpu").expect("a device name");
+    // Exclusive pages: the pool's pages follow the allocations, so a cap on them (the hard cap's OOM test) is a
+    // cap on what the calls allocate, not on cubecl's page sizes.
+    let device = open_device_with(&name, PagePolicy::Exclusive)
+        .unwrap_or_else(|error| panic!("{error} (the real-device suite needs a Vulkan driver)"));
+    device.memory_cleanup();
+    (device, name, turn)
+}
+
+fn readings(device: &Device, name: &DeviceName, total: u64) -> Arc<PoolReadings> {
+    PoolReadings::open(device.clone(), name.clone(), Some(total)).expect("the wgpu device has a memory pool")
+}
+
+fn placement(
+    device: &Device,
+    name: &DeviceName,
+    ledger: Arc<dyn DeviceLedger>,
+    memory: Arc<dyn DeviceMemory>,
+) -> Placement {
+    Placement { exec: device.clone(), host: Device::flex(), name: name.clone(), ledger, memory: Some(memory) }
+}
+
+fn in_use(device: &Device) -> u64 {
+    device.memory_pool_usage().expect("pool readings").bytes_in_use
+}
+
+/// Everything resident on the device through the manager (never evicted).
+fn resident(device: &Device, name: &DeviceName) -> ZImagePipeline {
+    let memory = readings(device, name, TOTAL);
+    let pipeline = load_tiny(placement(device, name, Arc::new(NoLedger), memory));
+    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true).expect("auto offload");
+    pipeline
+}
+
+fn bytes(pipeline: &ZImagePipeline, component: PipelineComponent) -> u64 {
+    pipeline.manager().component_info(component.id(pipeline)).expect("registered").bytes
+}
+
+#[test]
+fn the_tiny_pipeline_matches_diffusers_on_the_real_device() {
+    let (device, name, _turn) = device();
+    let pipeline = resident(&device, &name);
+    let (opts, expected) = turbo_options();
+    let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("generate on wgpu"));
+    let error = max_abs_diff(&image, &expected);
+    println!("turbo golden on {name}: max abs error {error:.2e}");
+    assert!(error <= 1e-3, "max abs error {error}");
+
+    let g = golden("pipeline_t2i_cfg.safetensors");
+    let mut cfg = GenerateOptions { steps: 3, guidance: 4.0, ..opts.clone() };
+    cfg.negative_prompt = Some("blurry, low quality".into());
+    cfg.latents = Some(tensor4(&g, "latents"));
+    let image = values(pipeline.generate(&cfg, &mut |_, _| {}).expect("generate with guidance"));
+    let error = max_abs_diff(&image, &g["image"].1);
+    println!("guidance golden on {name}: max abs error {error:.2e}");
+    assert!(error <= 1e-3, "max abs error {error}");
+
+    // Every component went to the device through the manager and is still there, and the pool holds them.
+    for (id, placed) in pipeline.manager().placement() {
+        assert_eq!(placed, name, "{id}");
+    }
+    let weights: u64 = PipelineComponent::ALL.iter().map(|c| bytes(&pipeline, *c)).sum();
+    assert!(in_use(&device) >= weights, "the pool holds {} for {weights} of weights", in_use(&device));
+}
+
+#[test]
+fn one_seed_gives_one_image_on_the_host_and_on_the_device() {
+    let (device, name, _turn) = device();
+    let (mut opts, _) = turbo_options();
+    opts.latents = None;
+    opts.seed = 42;
+    let on_device = values(resident(&device, &name).generate(&opts, &mut |_, _| {}).expect("wgpu"));
+    let on_host = values(load_tiny(Placement::host_only()).generate(&opts, &mut |_, _| {}).expect("flex"));
+    // The noise is drawn on the host from the seed, then moved: only the arithmetic differs.
+    let difference = max_abs_diff(&on_device, &on_host);
+    println!("seed 42, wgpu against flex: max abs difference {difference:.2e}");
+    assert!(difference <= 1e-3, "{difference}");
+}
+
+#[test]
+fn auto_offload_decides_from_the_devices_own_readings() {
+    let (device, name, _turn) = device();
+    let baseline = in_use(&device);
+    // Load first (on the host) to size the device: the transformer fits, the transformer and the text encoder
+    // together do not, so the strategy must evict on the device's own numbers.
+    let probe = load_tiny(Placement::host_only());
+    let (te, tr) = (bytes(&probe, PipelineComponent::TextEncoder), bytes(&probe, PipelineComponent::Transformer));
+    drop(probe);
+    let total = baseline + tr + te / 2;
+    let memory = readings(&device, &name, total);
+    let pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
+    pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload on real readings");
+    let (opts, expected) = turbo_options();
+    let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("generate"));
+    assert!(max_abs_diff(&image, &expected) <= 1e-3);
+
+    let record = pipeline.manager().offload_record();
+    println!("{record}");
+    let events = record.events();
+    let first = events.iter().find(|e| e.action == Action::Onload).expect("an onload");
+    assert_eq!(first.id, PipelineComponent::TextEncoder.id(&pipeline));
+    // Before the first onload nothing of the run was on the device: the column is the pool's own figure.
+    assert_eq!(first.available, Some(total - baseline), "{record}");
+    let evicted = events
+        .iter()
+        .find(|e| e.action == Action::Offload && e.id == PipelineComponent::TextEncoder.id(&pipeline))
+        .expect("the text encoder is evicted for the transformer");
+    assert!(
+        matches!(&evicted.reason, Some(Reason::ReleaseMemoryFor(id)) if *id == PipelineComponent::Transformer.id(&pipeline))
+    );
+    // The eviction's reading was taken with the text encoder on the device: the pool held at least its weights.
+    assert!(evicted.available.expect("a reading") <= total - baseline - te, "{record}");
+    assert!(evicted.peak.expect("a reading") >= baseline + te, "{record}");
+    assert!(memory.peak() >= baseline + tr, "the transformer was on the device: peak {}", memory.peak());
+}
+
+/// The transformer alone, its golden inputs on `device`.
+fn transformer_and_inputs(device: &Device) -> (ZImageTransformer2DModel, Vec<Tensor<4>>, Tensor<1>, Vec<Tensor<2>>) {
+    let checkpoint = Checkpoint::open(fixtures().join("tiny-z-image-turbo")).expect("the tiny checkpoint");
+    let (model, _) = checkpoint.load_transformer(&Device::flex(), &LoadOptions::new()).expect("the transformer");
+    let g = golden("transformer.safetensors");
+    let x = Tensor::<4>::from_data(TensorData::new(g["x"].1.clone(), g["x"].0.clone()), (device, DType::F32));
+    let t = Tensor::<1>::from_data(TensorData::new(g["t"].1.clone(), g["t"].0.clone()), (device, DType::F32));
+    let cap = Tensor::<2>::from_data(
+        TensorData::new(g["cap_feats"].1.clone(), g["cap_feats"].0.clone()),
+        (device, DType::F32),
+    );
+    (model, vec![x], t, vec![cap])
+}
+
+#[test]
+fn group_offload_streams_within_the_ring_bound_and_returns_every_groups_memory() {
+    let (device, name, _turn) = device();
+    let memory = readings(&device, &name, TOTAL);
+
+    // The activation term of the bound, measured: the pages a resident forward adds to the pool above its weights
+    // and inputs (exclusive pages follow the allocations, and only grow during the forward: an upper bound of
+    // its activations' high-water, where a sampled reading is a lower one).
+    let (model, xs, t, caps) = transformer_and_inputs(&device);
+    let resident_model = model.clone().to_device(&device);
+    let _ = values(resident_model.forward_items(xs.clone(), t.clone(), caps.clone()).remove(0));
+    device.memory_cleanup();
+    let before = memory.observe().reserved;
+    let reference = values(resident_model.forward_items(xs.clone(), t.clone(), caps.clone()).remove(0));
+    let activations = memory.observe().reserved - before;
+    drop(resident_model);
+    device.memory_cleanup();
+
+    for (level, depth) in [(GroupLevel::Block { blocks_per_group: 1 }, 2), (GroupLevel::Leaf, 2)] {
+        let options = GroupOptions { level, prefetch: true, prefetch_depth: depth, ..GroupOptions::default() };
+        let config = GroupOffloadConfig::new("transformer", device.clone())
+            .with_device_name(name.clone())
+            .with_memory(memory.clone());
+        let mut grouped =
+            GroupedTransformer::new(model.clone(), config, &options, Arc::new(NoLedger)).expect("group offload");
+        let offload = grouped.offload().clone();
+        let inputs = in_use(&device);
+
+        // Resident groups are uploaded and synced by the onload: the pool holds exactly their bytes.
+        grouped.onload(&name).expect("onload of the resident parts");
+        let resident = offload.resident_bytes();
+        let resident_ids = offload.on_device();
+        let held = in_use(&device) - inputs;
+        assert!(
+            (resident..=resident + RUNTIME_BUFFERS).contains(&held),
+            "{level:?}: the pool holds {held} B for {resident} B of resident groups"
+        );
+
+        let mut outputs = Vec::new();
+        let mut peaks = Vec::new();
+        for _ in 0..3 {
+            memory.reset_peak();
+            let out = grouped
+                .run(0, |model, _| model.forward_items(xs.clone(), t.clone(), caps.clone()))
+                .expect("a forward under group offload");
+            peaks.push(memory.peak() - inputs);
+            outputs.push(values(out[0].clone()));
+        }
+        for out in &outputs {
+            assert!(max_abs_diff(out, &reference) <= 1e-6, "{level:?}: the same output as resident");
+        }
+        let stats = offload.stats();
+        assert!(stats.prefetch_hits > 0, "{level:?}: {stats:?}");
+        assert_eq!((stats.misses, stats.stray_loads), (0, 0), "{level:?}: {stats:?}");
+
+        // The ring bound, on the pool's in-use high-water (sampled: a lower bound of the pool's, so a spike
+        // shorter than a sampling interval could pass unseen) after the capture pass.
+        let largest = offload
+            .groups()
+            .into_iter()
+            .filter(|(id, _)| !resident_ids.contains(id))
+            .map(|(_, bytes)| bytes)
+            .max()
+            .unwrap_or(0);
+        let bound = resident + (depth as u64 + 1) * largest + activations;
+        println!(
+            "{level:?} depth {depth}: pool high-water {:?} above the inputs; bound {bound} = resident {resident} + \
+             {} x largest streamed group {largest} + activations {activations}",
+            peaks,
+            depth + 1
+        );
+        for peak in &peaks[1..] {
+            assert!(*peak <= bound, "{level:?}: high-water {peak} above the ring bound {bound}");
+        }
+
+        // After a forward only the resident groups and the next forward's prefetched groups are on the device.
+        offload.wait_idle();
+        let on_device: u64 = offload
+            .groups()
+            .into_iter()
+            .filter(|(id, _)| offload.on_device().contains(id))
+            .map(|(_, bytes)| bytes)
+            .sum();
+        let held = in_use(&device) - inputs;
+        assert!(
+            (on_device..=on_device + RUNTIME_BUFFERS).contains(&held),
+            "{level:?}: the pool holds {held} B, the offloader reports {on_device} B on the device"
+        );
+        // Offloading the model returns every byte it took.
+        Offloadable::offload(&mut grouped).expect("offload");
+        assert!(in_use(&device) <= inputs + RUNTIME_BUFFERS, "{level:?}: every group's memory is back");
+        let (pinned, locked) = offload.pinned_bytes();
+        println!("{level:?}: pinned {pinned} B, of which page-locked {locked} B (wgpu staging is not page-locked)");
+    }
+}
+
+#[test]
+fn the_pipeline_streams_both_encoders_on_the_device_and_gives_the_resident_image() {
+    let (device, name, _turn) = device();
+    let (opts, _) = turbo_options();
+    let reference = values(resident(&device, &name).generate(&opts, &mut |_, _| {}).expect("resident"));
+    device.memory_cleanup();
+    let memory = readings(&device, &name, TOTAL);
+    let mut pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
+    let block = GroupOptions { prefetch_depth: 2, ..GroupOptions::default() };
+    let leaf = GroupOptions { prefetch_depth: 2, ..GroupOptions::leaf() };
+    for (component, options) in [(PipelineComponent::Transformer, &block), (PipelineComponent::TextEncoder, &leaf)] {
+        pipeline
+            .enable_group_offload_with(component, Arc::new(NoLedger), Some(memory.clone()), options)
+            .expect("group offload");
+    }
+    pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload");
+    let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("generate"));
+    assert!(max_abs_diff(&image, &reference) <= 1e-6, "{}", max_abs_diff(&image, &reference));
+    let stats = pipeline.group_stats(PipelineComponent::Transformer).expect("grouped");
+    assert!(stats.prefetch_hits > 0 && stats.misses == 0, "{stats:?}");
+    // Each prefetch was recorded with the device's reading.
+    let record = pipeline.manager().offload_record();
+    let prefetch = record.events().into_iter().find(|e| matches!(&e.reason, Some(Reason::Other(r)) if r == "prefetch"));
+    assert!(prefetch.and_then(|e| e.available).is_some(), "{record}");
+}
+
+#[test]
+fn the_decode_oom_recovers_under_a_hard_cap_over_the_real_device() {
+    let (device, name, _turn) = device();
+    let (opts, _) = turbo_options();
+    // Calibration on the uncapped device: the image, and the pages the decode adds to the pool with every
+    // component resident (exclusive pages follow the allocations, and are the same for the same calls).
+    let memory = readings(&device, &name, TOTAL);
+    let pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
+    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true).expect("auto offload");
+    let reference = values(pipeline.generate(&opts, &mut |_, _| {}).expect("resident"));
+    device.memory_cleanup();
+    let before = memory.observe().reserved;
+    let _ = values(pipeline.decode(opts.latents.clone().expect("the golden latents")).expect("decode"));
+    let decode = memory.observe().reserved - before;
+    let te = bytes(&pipeline, PipelineComponent::TextEncoder);
+    let tr = bytes(&pipeline, PipelineComponent::Transformer);
+    println!("pool pages with every component resident: {before} B; the decode adds {decode} B");
+    assert!(te < decode / 2 && decode / 2 < te + tr, "the decode fits once the transformer left, not before");
+    drop(pipeline);
+    device.memory_cleanup();
+
+    // The cap holds every component and the denoising, but not the decode beside them: the decode fails once
+    // it has run, the manager evicts the text encoder (still too little room), then the transformer, and the
+    // third decode fits.
+    let capacity = before + decode / 2;
+    let cap = CappedDevice::new(readings(&device, &name, TOTAL), capacity, true, "cap");
+    let pipeline = load_tiny(placement(&device, &name, cap.clone(), cap.clone()));
+    pipeline.enable_auto_offload(cap.clone(), 0, true).expect("auto offload under the cap");
+    let generated = pipeline.generate(&opts, &mut |_, _| {});
+    let record = pipeline.manager().offload_record();
+    println!("{record}");
+    let image = values(generated.expect("the OOM retry recovers"));
+    assert_eq!(max_abs_diff(&image, &reference), 0.0, "the same image as the uncapped run");
+    let vae = PipelineComponent::Vae.id(&pipeline).to_string();
+    let retries: Vec<(String, String)> = record
+        .events()
+        .into_iter()
+        .filter_map(|e| match e.reason {
+            Some(Reason::OomRetry(id)) => Some((e.id, id)),
+            _ => None,
+        })
+        .collect();
+    let expected = [
+        (PipelineComponent::TextEncoder.id(&pipeline).to_string(), vae.clone()),
+        (PipelineComponent::Transformer.id(&pipeline).to_string(), vae),
+    ];
+    assert_eq!(retries, expected, "{record}");
+}
+
+#[test]
+fn a_refused_allocation_is_a_typed_device_error_and_nothing_is_lost() {
+    let (device, name, _turn) = device();
+    let memory = readings(&device, &name, TOTAL);
+    let pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
+    pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload");
+    let vae = PipelineComponent::Vae.id(&pipeline).to_string();
+    // A buffer larger than the device can ever give: the runtime refuses it when it is read, not when asked.
+    let error = pipeline
+        .manager()
+        .run(&vae, |c: &mut BurnComponent<AutoencoderKl>| {
+            c.run(0, |_, device| Ok(Tensor::<1>::zeros([1usize << 34], (device, DType::F32)) + 1.0))
+        })
+        .expect_err("the allocation is refused");
+    println!("{error}");
+    match &error {
+        offload_core::Error::Component { source: ComponentError::Device { device, .. }, .. } => {
+            assert_eq!(device, &name)
+        }
+        other => panic!("expected a typed device error, got {other:?}"),
+    }
+    let record = pipeline.manager().offload_record();
+    assert!(!record.events().iter().any(|e| matches!(e.reason, Some(Reason::OomRetry(_)))), "not an OOM: {record}");
+    // Nothing was lost: every component is registered on a known device and the pipeline still matches diffusers.
+    assert_eq!(pipeline.manager().placement().len(), 3);
+    let (opts, expected) = turbo_options();
+    let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("the pipeline still runs"));
+    assert!(max_abs_diff(&image, &expected) <= 1e-3);
+}
+
+#[test]
+fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driver() {
+    let cli = env!("CARGO_BIN_EXE_pipeline-zimage");
+    let dir = std::env::temp_dir().join(format!("real-device-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let out = dir.join("fox.png");
+    let args = [
+        "generate",
+        "--device",
+        "wgpu",
+        "--device-memory",
+        "1GiB",
+        "--offload",
+        "auto",
+        "--reserve",
+        "0",
+        "--height",
+        "64",
+        "--width",
+        "64",
+        "--steps",
+        "2",
+        "--max-sequence-length",
+        "32",
+    ];
+    let run = std::process::Command::new(cli).args(args).arg("--out").arg(&out).output().expect("the CLI runs");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    assert!(out.exists());
+    assert!(stdout.contains("device memory on wgpu:0 (burn's pool)"), "{stdout}");
+    assert!(stdout.contains("| Onload "), "the record is printed: {stdout}");
+
+    // A hard cap over the device: the decode runs out of memory under it and the OOM retry makes room.
+    let run = std::process::Command::new(cli)
+        .args(args)
+        .args(["--card", "6MB", "--out"])
+        .arg(&out)
+        .output()
+        .expect("the CLI runs");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    assert!(stdout.contains("oom_retry:vae"), "{stdout}");
+    assert!(stdout.contains("capped at 6MB (hard)"), "{stdout}");
+
+    // A dtype the device cannot compute in is refused with the fix.
+    let run = std::process::Command::new(cli)
+        .args(args)
+        .args(["--dtype", "bf16", "--out"])
+        .arg(&out)
+        .output()
+        .expect("the CLI runs");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(stderr.contains("cannot compute in BF16") && stderr.contains("--dtype f32"), "{stderr}");
+
+    // No Vulkan driver and no EGL one: the runtime finds no adapter, and the error names the package.
+    let run = std::process::Command::new(cli)
+        .args(args)
+        .arg("--out")
+        .arg(&out)
+        .env("VK_ICD_FILENAMES", "/nonexistent")
+        .env("__EGL_VENDOR_LIBRARY_FILENAMES", "/nonexistent")
+        .output()
+        .expect("the CLI runs");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success());
+    assert!(stderr.contains("mesa-vulkan-drivers"), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}
