@@ -641,7 +641,7 @@ impl<const D: usize> DeviceOutput for Tensor<D> {
         if elements == 0 {
             return Vec::new();
         }
-        vec![self.clone().reshape([elements]).slice([0..1]).cast(DType::F32)]
+        vec![self.clone().reshape([elements]).narrow(0, 0, 1).cast(DType::F32)]
     }
 }
 
@@ -677,7 +677,7 @@ impl<A: DeviceOutput, B: DeviceOutput> DeviceOutput for (A, B) {
 pub fn check_outputs(
     output: &(impl DeviceOutput + ?Sized),
     name: &DeviceName,
-    operation: &str,
+    operation: &'static str,
     memory: Option<&dyn DeviceMemory>,
 ) -> std::result::Result<(), ComponentError> {
     let probes = output.probes();
@@ -697,7 +697,7 @@ pub fn check_outputs(
 pub fn check_device(
     device: &Device,
     name: &DeviceName,
-    operation: &str,
+    operation: &'static str,
     memory: Option<&dyn DeviceMemory>,
 ) -> std::result::Result<(), ComponentError> {
     match catch_device_panic(|| device.sync()) {
@@ -720,7 +720,12 @@ impl DevicePanic {
     }
 
     /// The typed error for `operation` on `name`.
-    pub fn with_device(self, name: &DeviceName, operation: &str, memory: Option<&dyn DeviceMemory>) -> ComponentError {
+    pub fn with_device(
+        self,
+        name: &DeviceName,
+        operation: &'static str,
+        memory: Option<&dyn DeviceMemory>,
+    ) -> ComponentError {
         classify(name, operation, &self.message, memory)
     }
 }
@@ -764,7 +769,12 @@ pub fn out_of_memory_in(message: &str) -> Option<Option<u64>> {
     Some(requested)
 }
 
-fn classify(name: &DeviceName, operation: &str, message: &str, memory: Option<&dyn DeviceMemory>) -> ComponentError {
+fn classify(
+    name: &DeviceName,
+    operation: &'static str,
+    message: &str,
+    memory: Option<&dyn DeviceMemory>,
+) -> ComponentError {
     // The runtime's text carries a backtrace after its first lines; the first lines are the message.
     let short: String = message.lines().take(3).collect::<Vec<_>>().join(" ");
     match out_of_memory_in(message) {
@@ -773,7 +783,7 @@ fn classify(name: &DeviceName, operation: &str, message: &str, memory: Option<&d
             requested: requested.unwrap_or(0),
             available: memory.map_or(0, |m| m.available()),
         },
-        None => ComponentError::Device { device: name.clone(), operation: operation.to_string(), message: short },
+        None => ComponentError::Device { device: name.clone(), message: format!("during {operation}: {short}") },
     }
 }
 
@@ -817,9 +827,9 @@ mod tests {
     fn a_failure_that_is_not_memory_is_a_device_error_never_an_out_of_memory() {
         let error = classify(&name(), "run", "The device is poisoned\nCaused by:\n  illegal address\nbt", None);
         match &error {
-            ComponentError::Device { device, operation, message } => {
+            ComponentError::Device { device, message } => {
                 assert_eq!(device.as_str(), "wgpu:0");
-                assert_eq!(operation, "run");
+                assert!(message.starts_with("during run: "), "{message}");
                 assert!(message.contains("illegal address") && !message.contains("bt"), "{message}");
             }
             other => panic!("expected a device error, got {other:?}"),

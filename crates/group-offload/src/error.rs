@@ -149,8 +149,8 @@ impl From<Error> for ComponentError {
             Error::Onload { source: ComponentError::OutOfMemory { device, requested, available }, .. } => {
                 ComponentError::OutOfMemory { device, requested, available }
             }
-            Error::Onload { source: ComponentError::Device { device, operation, message }, .. } => {
-                ComponentError::Device { device, operation, message }
+            Error::Onload { source: ComponentError::Device { device, message }, .. } => {
+                ComponentError::Device { device, message }
             }
             other => ComponentError::other(other),
         }

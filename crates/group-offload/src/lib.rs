@@ -73,6 +73,13 @@
 //! - **Manager.** [`GroupOffloadedModel`] registers the model with a
 //!   [`ComponentsManager`](offload_core::ComponentsManager) as group-offloaded, so auto offload never evicts it.
 //!
+//! # Real devices
+//!
+//! [`device`] opens burn devices by name ([`open_device`]), reads a cubecl device's memory ([`PoolReadings`]),
+//! imposes a smaller card over those readings ([`CappedDevice`]), and is the one boundary where a device's
+//! failures become typed errors ([`run_call`], [`check_device`]): uploads and calls report success only once
+//! one value of each of their tensors was read back, since cubecl reports a failed allocation at the next read.
+//!
 //! Int and bool parameters are not offloaded: they move to the execution device when the part is added and
 //! stay there, uncounted.
 

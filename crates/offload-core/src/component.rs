@@ -31,17 +31,15 @@ pub enum ComponentError {
         message: String,
     },
     /// The execution device failed for a reason other than memory (a kernel that faulted, a lost device, a
-    /// runtime error); never an out-of-memory, so the OOM retry does not handle it.
+    /// buffer larger than the device can ever give); never an out-of-memory, so the OOM retry does not handle it.
     #[error(
-        "device {device} failed during {operation}: {message}; this is not an out-of-memory, so offloading more \
-         would not help: check the device's driver and logs, and restart the process if the device is poisoned"
+        "device {device} failed {message}; this is not an out-of-memory, so offloading more would not help: \
+         check the device's driver and logs, and restart the process if the device is poisoned"
     )]
     Device {
         /// The device that failed.
         device: DeviceName,
-        /// What was running: `onload`, `run`, `upload`.
-        operation: String,
-        /// The runtime's own words.
+        /// What was running and the runtime's own words (`during run: ...`).
         message: String,
     },
     /// The component's own computation failed.

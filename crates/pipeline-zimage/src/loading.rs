@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::transformer::{KEY_REMAP, ZImageTransformer2DModel};
 
 /// How to load a component's weights.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct LoadOptions {
     /// The float dtype every loaded float tensor is cast to; `None` keeps each file's dtype. Default: `None`, so a
     /// checkpoint runs in its stored dtype (bf16 for Z-Image-Turbo: f32 would double the host memory, 24.6 GB for
@@ -42,12 +42,6 @@ pub struct LoadOptions {
     pub allow_partial: bool,
     /// `(regex, replacement)` renames applied to the file's tensor names before matching. Default: none.
     pub key_remap: Vec<(String, String)>,
-}
-
-impl Default for LoadOptions {
-    fn default() -> Self {
-        Self { dtype: None, allow_partial: false, key_remap: Vec::new() }
-    }
 }
 
 impl LoadOptions {
