@@ -124,13 +124,14 @@ fn open_cuda(name: &DeviceName) -> Result<Device> {
 }
 
 /// The wgpu runtime's answer, once per process: the device and a description of its adapter, or why not.
+/// The wgpu runtime can be initialised once per process; every later open shares the first answer.
+#[cfg(feature = "wgpu")]
+static WGPU: std::sync::OnceLock<std::result::Result<(Device, String), String>> = std::sync::OnceLock::new();
+
 #[cfg(feature = "wgpu")]
 fn wgpu_runtime(pages: PagePolicy) -> &'static std::result::Result<(Device, String), String> {
     use burn::tensor::wgpu::MemoryConfiguration;
-    use std::sync::OnceLock;
-    // The wgpu runtime can be initialised once per process; every later open shares the first answer.
-    static OPENED: OnceLock<std::result::Result<(Device, String), String>> = OnceLock::new();
-    OPENED.get_or_init(|| {
+    WGPU.get_or_init(|| {
         let memory = match pages {
             PagePolicy::Adaptive => MemoryConfiguration::default(),
             PagePolicy::Exclusive => MemoryConfiguration::ExclusivePages,
@@ -179,7 +180,7 @@ fn open_wgpu(name: &DeviceName, pages: PagePolicy) -> Result<Device> {
 pub fn describe_device(name: &DeviceName) -> Option<String> {
     match name.kind() {
         #[cfg(feature = "wgpu")]
-        "wgpu" | "vulkan" => wgpu_runtime(PagePolicy::Adaptive).as_ref().ok().map(|(_, adapter)| adapter.clone()),
+        "wgpu" | "vulkan" => WGPU.get()?.as_ref().ok().map(|(_, adapter)| adapter.clone()),
         "cuda" => Some(format!("CUDA device {}", device_index(name))),
         _ => None,
     }
@@ -736,18 +737,37 @@ impl std::fmt::Display for DevicePanic {
     }
 }
 
-/// Runs `f`, catching a panic of the device runtime (some runtimes panic on a failed allocation instead of
-/// returning an error) as a [`DevicePanic`]. The one boundary where a panic is turned into an error: callers
-/// use it around a move or a call, nowhere else.
+/// Runs `f`, catching a panic of the device runtime as a [`DevicePanic`]: a read of a tensor whose computation
+/// failed on the device (burn's `into_data` panics with the runtime's error), or a runtime that panics on a failed
+/// allocation. Any other panic (a bug, not a device failure) goes on unwinding. The one boundary where a panic is
+/// turned into an error: callers use it around a move or a call, nowhere else.
 pub fn catch_device_panic<R>(f: impl FnOnce() -> R) -> std::result::Result<R, DevicePanic> {
     std::panic::catch_unwind(AssertUnwindSafe(f)).map_err(|payload| {
         let message = payload
             .downcast_ref::<String>()
             .cloned()
             .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_string()))
-            .unwrap_or_else(|| "a panic without a message".into());
+            .unwrap_or_default();
+        if !is_device_failure(&message) {
+            std::panic::resume_unwind(payload);
+        }
         DevicePanic { message }
     })
+}
+
+/// Whether a panic's message is the device runtime's: burn's execution errors, cubecl's server and memory errors,
+/// or an out-of-memory in any runtime's words.
+fn is_device_failure(message: &str) -> bool {
+    const RUNTIME: [&str; 6] = [
+        "an error happened during execution",
+        "the device is poisoned",
+        "an io error happened",
+        "can't allocate buffer",
+        "happened during launch",
+        "the bytes were never written",
+    ];
+    let lower = message.to_ascii_lowercase();
+    out_of_memory_in(&lower).is_some() || RUNTIME.iter().any(|needle| lower.contains(needle))
 }
 
 /// Whether a runtime's error text is an out-of-memory, and the bytes it asked for when it says.
@@ -840,11 +860,17 @@ mod tests {
     }
 
     #[test]
-    fn a_runtime_panic_is_caught_with_its_message() {
+    fn a_runtime_panic_is_caught_with_its_message_and_a_bug_is_not() {
         let caught = catch_device_panic(|| -> u32 { panic!("out of device memory allocating 12 bytes") });
         let error = caught.expect_err("the panic is caught").with_device(&name(), "run", None);
         assert!(matches!(error, ComponentError::OutOfMemory { requested: 12, .. }), "{error:?}");
+        let caught = catch_device_panic(|| -> u32 { panic!("An error happened during execution\nCaused by: x") });
+        let error = caught.expect_err("the panic is caught").with_device(&name(), "run", None);
+        assert!(matches!(error, ComponentError::Device { .. }), "{error:?}");
         assert_eq!(catch_device_panic(|| 5).expect("no panic"), 5);
+        // A bug is not a device failure: it goes on unwinding.
+        let bug = std::panic::catch_unwind(|| catch_device_panic(|| -> u32 { panic!("index out of bounds") }));
+        assert!(bug.is_err(), "the bug's panic was not swallowed");
     }
 
     #[test]

@@ -91,6 +91,18 @@ impl Placement {
         }
     }
 
+    /// A simulated card on the CPU: the weights stay in host memory (burn's `flex` backend), the card is the
+    /// ledger and the readings, and the components are known by the card's device name.
+    pub fn simulated(card: Arc<memory_sim::SimCard>) -> Self {
+        Self {
+            exec: Device::flex(),
+            host: Device::flex(),
+            name: offload_core::DeviceMemory::device(&*card),
+            ledger: card.clone(),
+            memory: Some(card),
+        }
+    }
+
     /// The same placement with `memory` as its readings.
     pub fn with_memory(mut self, memory: Arc<dyn DeviceMemory>) -> Self {
         self.memory = Some(memory);

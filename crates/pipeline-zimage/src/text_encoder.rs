@@ -529,14 +529,13 @@ pub(crate) fn encode_valid_rows(
             reason: format!("attention_mask has shape {:?}, input_ids {:?}", attention_mask.dims(), [b, seq]),
         });
     }
-    let mask: Vec<bool> = attention_mask
-        .int()
-        .into_data()
-        .try_into_vec_as::<i64>()
-        .map(|bits| bits.into_iter().map(|bit| bit != 0).collect())
-        .map_err(|e| Error::Shape {
-            op: "text encoder".to_owned(),
-            reason: format!("cannot read attention_mask: {e:?}"),
+    let mask = attention_mask.int().try_into_data().map_err(|e| Error::Shape {
+        op: "text encoder".to_owned(),
+        reason: format!("cannot read attention_mask back from the device: {e}"),
+    })?;
+    let mask: Vec<bool> =
+        mask.try_into_vec_as::<i64>().map(|bits| bits.into_iter().map(|bit| bit != 0).collect()).map_err(|e| {
+            Error::Shape { op: "text encoder".to_owned(), reason: format!("cannot read attention_mask: {e:?}") }
         })?;
     let mut lengths = Vec::with_capacity(b);
     for (i, row) in mask.chunks(seq.max(1)).take(b).enumerate() {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use group_offload::GroupOffloadConfig;
 use memory_sim::{CardSpec, Mode, SimCard};
-use offload_core::{DeviceMemory, NoLedger, Offloadable};
+use offload_core::{DeviceMemory, Offloadable};
 use pipeline_zimage::grouped::{GroupLevel, GroupOptions, GroupedTextEncoder, GroupedTransformer};
 use pipeline_zimage::loading::{Checkpoint, LoadOptions};
 use pipeline_zimage::offload::Placement;
@@ -139,23 +139,11 @@ fn the_text_encoder_gives_the_resident_embeddings_at_every_level() {
 #[test]
 fn the_pipeline_streams_both_encoders_at_leaf_level_and_gives_the_golden_image() {
     let (opts, golden_image) = turbo_options();
-    let resident_placement = Placement {
-        exec: Device::flex(),
-        host: Device::flex(),
-        name: offload_core::DeviceName::cpu(),
-        ledger: Arc::new(NoLedger),
-        memory: None,
-    };
+    let resident_placement = Placement::host_only();
     let resident = values(load_tiny(resident_placement).generate(&opts, &mut |_, _| {}).expect("resident run"));
 
     let card = card();
-    let placement = Placement {
-        exec: Device::flex(),
-        host: Device::flex(),
-        name: card.device(),
-        ledger: card.clone(),
-        memory: None,
-    };
+    let placement = Placement::simulated(card.clone());
     let mut pipeline = load_tiny(placement);
     let leaf = GroupOptions { releasable: true, ..GroupOptions::leaf() };
     for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
@@ -185,13 +173,7 @@ fn the_pipeline_streams_both_encoders_at_leaf_level_and_gives_the_golden_image()
 #[test]
 fn bad_group_options_are_typed_errors_that_leave_the_component_registered() {
     let card = card();
-    let placement = Placement {
-        exec: Device::flex(),
-        host: Device::flex(),
-        name: card.device(),
-        ledger: card.clone(),
-        memory: None,
-    };
+    let placement = Placement::simulated(card.clone());
     let mut pipeline = load_tiny(placement);
     let bad = [
         GroupOptions { level: GroupLevel::Block { blocks_per_group: 0 }, ..GroupOptions::default() },

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Tensor};
 use memory_sim::{CardSpec, Mode, SimCard};
-use offload_core::{DeviceMemory, NoLedger, Reason};
+use offload_core::{DeviceMemory, Reason};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
@@ -22,13 +22,7 @@ fn max_abs_diff(a: &Tensor<4>, expected: &[f32]) -> f32 {
 }
 
 fn resident_placement() -> Placement {
-    Placement {
-        exec: Device::flex(),
-        host: Device::flex(),
-        name: offload_core::DeviceName::cpu(),
-        ledger: Arc::new(NoLedger),
-        memory: None,
-    }
+    Placement::host_only()
 }
 
 fn load(placement: Placement) -> ZImagePipeline {
@@ -109,13 +103,7 @@ fn simulated(group: bool, card_bytes: u64, reserve: u64) -> (ZImagePipeline, Arc
     let card = SimCard::new(
         CardSpec::parse(&card_bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0),
     );
-    let placement = Placement {
-        exec: Device::flex(),
-        host: Device::flex(),
-        name: card.device(),
-        ledger: card.clone(),
-        memory: None,
-    };
+    let placement = Placement::simulated(card.clone());
     let mut pipeline = load(placement);
     if group {
         pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1).expect("group offload");

@@ -3,10 +3,9 @@
 
 use std::sync::Arc;
 
-use burn::tensor::Device;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
-use offload_core::{Action, DeviceMemory, NoLedger};
+use offload_core::{Action, DeviceMemory};
 use pipeline_zimage::grouped::GroupOptions;
 use pipeline_zimage::offload::{BurnComponent, Placement};
 use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
@@ -23,13 +22,7 @@ fn options() -> GenerateOptions {
 }
 
 fn resident() -> Placement {
-    Placement {
-        exec: Device::flex(),
-        host: Device::flex(),
-        name: offload_core::DeviceName::cpu(),
-        ledger: Arc::new(NoLedger),
-        memory: None,
-    }
+    Placement::host_only()
 }
 
 /// A pipeline on a hard simulated card of `bytes`, its text encoder and transformer quantized.
@@ -37,13 +30,7 @@ fn quantized_on_card(bytes: u64) -> (ZImagePipeline, Arc<SimCard>) {
     let card = SimCard::new(
         CardSpec::parse(&bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0),
     );
-    let placement = Placement {
-        exec: Device::flex(),
-        host: Device::flex(),
-        name: card.device(),
-        ledger: card.clone(),
-        memory: None,
-    };
+    let placement = Placement::simulated(card.clone());
     let mut pipeline = load(placement);
     for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
         pipeline.quantize(component).expect("quantizes");

@@ -25,10 +25,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
 use memory_sim::{CardSpec, Faults, Mode, SimCard};
-use offload_core::{
-    Action, ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, NoLedger, OffloadRecord, Offloadable,
-    Reason,
-};
+use offload_core::{Action, ComponentError, DeviceLedger, DeviceMemory, Direction, OffloadRecord, Offloadable, Reason};
 use pipeline_zimage::offload::{BurnComponent, Placement};
 use pipeline_zimage::pipeline::PipelineComponent;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
@@ -346,13 +343,7 @@ fn pipeline_on_card(
 /// A card too small to hold the transformer with its activations beside the text encoder: the flow needs the
 /// manager to offload.
 fn card_capacity() -> u64 {
-    let resident = Placement {
-        exec: Device::flex(),
-        host: Device::flex(),
-        name: DeviceName::cpu(),
-        ledger: Arc::new(NoLedger),
-        memory: None,
-    };
+    let resident = Placement::host_only();
     let probe = load(resident);
     let ids = probe.ids().clone();
     let bytes = |id: &str| probe.manager().component_info(id).unwrap().bytes;
@@ -533,26 +524,14 @@ fn enabling_group_offload_loses_nothing() {
     let capacity = card_capacity();
     let card =
         SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
-    let placement = Placement {
-        exec: Device::flex(),
-        host: Device::flex(),
-        name: card.device(),
-        ledger: card.clone(),
-        memory: None,
-    };
+    let placement = Placement::simulated(card.clone());
     let mut pipeline = load(placement);
     pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1).unwrap();
     assert_eq!(card.stats().allocations, 0, "building the groups allocates nothing on the device");
 
     let card =
         SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
-    let placement = Placement {
-        exec: Device::flex(),
-        host: Device::flex(),
-        name: card.device(),
-        ledger: card.clone(),
-        memory: None,
-    };
+    let placement = Placement::simulated(card.clone());
     let mut pipeline = load(placement);
     // A file where the store's directory should be: the store cannot be created.
     let blocked = std::env::temp_dir().join(format!("zimage-blocked-store-{}", std::process::id()));
