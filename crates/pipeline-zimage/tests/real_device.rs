@@ -188,8 +188,13 @@ fn group_offload_streams_within_the_ring_bound_and_returns_every_groups_memory()
     drop(resident_model);
     device.memory_cleanup();
 
-    for (level, depth) in [(GroupLevel::Block { blocks_per_group: 1 }, 2), (GroupLevel::Leaf, 2)] {
-        let options = GroupOptions { level, prefetch: true, prefetch_depth: depth, ..GroupOptions::default() };
+    // Block level stages every streamed group's host copy through the device's staging (pinned where the runtime
+    // page-locks it); leaf level streams from pageable memory.
+    for (level, depth, pinned_budget) in
+        [(GroupLevel::Block { blocks_per_group: 1 }, 2, u64::MAX), (GroupLevel::Leaf, 2, 0)]
+    {
+        let options =
+            GroupOptions { level, prefetch: true, prefetch_depth: depth, pinned_budget, ..GroupOptions::default() };
         let config = GroupOffloadConfig::new("transformer", device.clone())
             .with_device_name(name.clone())
             .with_memory(memory.clone());
@@ -262,7 +267,10 @@ fn group_offload_streams_within_the_ring_bound_and_returns_every_groups_memory()
         Offloadable::offload(&mut grouped).expect("offload");
         assert!(in_use(&device) <= inputs + RUNTIME_BUFFERS, "{level:?}: every group's memory is back");
         let (pinned, locked) = offload.pinned_bytes();
-        println!("{level:?}: pinned {pinned} B, of which page-locked {locked} B (wgpu staging is not page-locked)");
+        let streamed = offload.total_bytes() - resident;
+        println!("{level:?}: {pinned} B of host copies staged for pinning, of which {locked} B page-locked");
+        assert_eq!(pinned, if pinned_budget > 0 { streamed } else { 0 }, "{level:?}");
+        assert!(locked <= pinned);
     }
 }
 
