@@ -88,8 +88,9 @@ impl WeightDtype {
 enum Target {
     /// The CPU: weights stay in host memory; a simulated card, when given, gives the readings and the account.
     Host { card: Option<Arc<SimCard>> },
-    /// A real device: its pool's readings, capped by `--card` when given.
-    Real { readings: Arc<PoolReadings>, cap: Option<Arc<CappedDevice>> },
+    /// A real device: its pool's readings (none for a resident run on a runtime that reports no total and was
+    /// given none), capped by `--card` when given.
+    Real { readings: Option<Arc<PoolReadings>>, cap: Option<Arc<CappedDevice>> },
 }
 
 impl Target {
@@ -97,7 +98,7 @@ impl Target {
         match self {
             Target::Host { card } => card.clone().map(|card| card as Arc<dyn DeviceMemory>),
             Target::Real { cap: Some(cap), .. } => Some(cap.clone()),
-            Target::Real { readings, cap: None } => Some(readings.clone()),
+            Target::Real { readings, cap: None } => readings.clone().map(|r| r as Arc<dyn DeviceMemory>),
         }
     }
 
@@ -383,9 +384,19 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     } else {
         // A real device: the readings are its own; a card caps them and never stands in for them.
         let total = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?;
-        let readings = PoolReadings::open(exec.clone(), name.clone(), total)?;
-        let cap =
-            spec.map(|spec| CappedDevice::new(readings.clone(), spec.capacity, spec.mode == Mode::Hard, spec.label));
+        let decides = offload != Offload::None || planner || spec.is_some();
+        let readings = match PoolReadings::open(exec.clone(), name.clone(), total) {
+            Ok(readings) => Some(readings),
+            // A resident run decides nothing from the readings: it runs without them rather than ask for a size.
+            Err(group_offload::Error::UnknownTotal { .. }) if !decides => None,
+            Err(error) => return Err(error.into()),
+        };
+        let cap = match (spec, &readings) {
+            (Some(spec), Some(readings)) => {
+                Some(CappedDevice::new(readings.clone(), spec.capacity, spec.mode == Mode::Hard, spec.label))
+            }
+            _ => None,
+        };
         Target::Real { readings, cap }
     };
     if (offload != Offload::None || planner) && matches!(target, Target::Host { card: None }) {
@@ -529,7 +540,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 stats.transfer_seconds
             );
         }
-        Target::Real { readings, cap } => {
+        Target::Real { readings: Some(readings), cap } => {
             println!("\n{}", pipeline.manager().offload_record());
             let now = readings.observe();
             println!(
@@ -553,7 +564,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 );
             }
         }
-        Target::Host { card: None } => {}
+        Target::Host { card: None } | Target::Real { readings: None, .. } => {}
     }
     if let Some(record) = record {
         println!("capacity profile: {}", record.path.display());
