@@ -51,7 +51,11 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
 pub fn fixtures(args: &FixturesArgs) -> anyhow::Result<()> {
     let mut command = Command::new(&args.python);
     command.args(["tools/make_fixtures.py", "--out", "crates/pipeline-zimage/tests/fixtures"]);
-    status(command, "tools/make_fixtures.py (install tools/requirements-fixtures.txt first)")
+    status(command, "tools/make_fixtures.py (install tools/requirements-fixtures.txt first)")?;
+    // The variants are overlays on the tiny checkpoint just written.
+    let mut command = Command::new(&args.python);
+    command.args(["tools/make_variant_fixtures.py", "--fixtures", "crates/pipeline-zimage/tests/fixtures"]);
+    status(command, "tools/make_variant_fixtures.py (install tools/requirements-fixtures.txt first)")
 }
 
 /// The LLVM release burn 0.22.1's CUDA backend builds against (cubecl-cuda 0.11 → tracel-llvm-bundler).

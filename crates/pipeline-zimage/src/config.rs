@@ -265,22 +265,22 @@ impl TransformerConfig {
         self.num_params() as u64 * dtype.size() as u64
     }
 
-    /// Image tokens for an image of `height x width` pixels (VAE factor 8 times patch 2 = 16 pixels a token),
-    /// padded to a multiple of [`SEQ_MULTI_OF`].
-    pub fn image_tokens(&self, height: usize, width: usize) -> usize {
-        let per_token = 8 * self.patch_size();
+    /// Image tokens for an image of `height x width` pixels under a VAE of `vae_scale_factor` (the FLUX VAE's 8
+    /// times patch 2 = 16 pixels a token), padded to a multiple of [`SEQ_MULTI_OF`].
+    pub fn image_tokens(&self, height: usize, width: usize, vae_scale_factor: usize) -> usize {
+        let per_token = vae_scale_factor.max(1) * self.patch_size();
         let tokens = (height / per_token) * (width / per_token);
         tokens.next_multiple_of(SEQ_MULTI_OF)
     }
 
-    /// Estimated peak activation bytes of one transformer forward (batch 1) at `height x width` with the longest
-    /// caption ([`MAX_CAPTION_TOKENS`]), activations in `dtype`.
+    /// Estimated peak activation bytes of one transformer forward (batch 1) at `height x width` (under a VAE of
+    /// `vae_scale_factor`) with the longest caption ([`MAX_CAPTION_TOKENS`]), activations in `dtype`.
     ///
     /// The estimate is [`Self::activation_bytes_for_tokens`] with materialised attention scores, i.e. the upper
     /// bound that holds on every backend (1024x1024 bf16: about 2.7 GiB, of which 2.4 GiB are the scores; 0.36 GiB
     /// with a flash-attention kernel).
-    pub fn activation_bytes(&self, height: usize, width: usize, dtype: DType) -> u64 {
-        let tokens = self.image_tokens(height, width) + MAX_CAPTION_TOKENS;
+    pub fn activation_bytes(&self, height: usize, width: usize, vae_scale_factor: usize, dtype: DType) -> u64 {
+        let tokens = self.image_tokens(height, width, vae_scale_factor) + MAX_CAPTION_TOKENS;
         self.activation_bytes_for_tokens(tokens, dtype, true)
     }
 
@@ -311,11 +311,14 @@ impl TransformerConfig {
 /// The pipeline class a Z-Image checkpoint declares.
 pub const PIPELINE_CLASS: &str = "ZImagePipeline";
 
-/// The components of a Z-Image checkpoint and the classes this crate accepts for each.
+/// The components of a Z-Image checkpoint and the classes this crate accepts for each; an empty list accepts any
+/// class. The tokenizer's is any: all this crate reads of it is `tokenizer/tokenizer.json` (required by
+/// [`crate::tokenizer::PromptTokenizer::from_dir`]), and transformers 5 names a fast tokenizer it holds as the
+/// generic class `TokenizersBackend`, where older versions wrote `Qwen2Tokenizer` or `Qwen2TokenizerFast`.
 pub const EXPECTED_COMPONENTS: &[(&str, &[&str])] = &[
     ("scheduler", &["FlowMatchEulerDiscreteScheduler"]),
     ("text_encoder", &["Qwen3Model"]),
-    ("tokenizer", &["Qwen2Tokenizer", "Qwen2TokenizerFast"]),
+    ("tokenizer", &[]),
     ("transformer", &["ZImageTransformer2DModel"]),
     ("vae", &["AutoencoderKL"]),
 ];
@@ -386,7 +389,7 @@ impl ModelIndex {
                 path: path.to_path_buf(),
                 reason: format!("model_index.json declares no {component}"),
             })?;
-            if !accepted.contains(&found) {
+            if !accepted.is_empty() && !accepted.contains(&found) {
                 return Err(Error::WrongComponentClass {
                     component: (*component).to_owned(),
                     path: path.to_path_buf(),
@@ -436,13 +439,15 @@ mod tests {
     #[test]
     fn activation_estimate_at_1024() {
         let c = TransformerConfig::z_image_turbo();
-        assert_eq!(c.image_tokens(1024, 1024), 4096);
+        assert_eq!(c.image_tokens(1024, 1024, 8), 4096);
         let s: u64 = 4096 + 512;
         let (d, f, h, e) = (3840u64, 10240u64, 30u64, 2u64);
         let attention = 5 * s * d * e + 8 * s * d + 2 * h * s * s * e;
         let expected = s * d * e + attention.max(2 * s * d * e + 3 * s * f * e);
-        assert_eq!(c.activation_bytes(1024, 1024, DType::BF16), expected);
-        assert!(c.activation_bytes_for_tokens(4608, DType::BF16, false) < c.activation_bytes(1024, 1024, DType::BF16));
+        assert_eq!(c.activation_bytes(1024, 1024, 8, DType::BF16), expected);
+        assert!(
+            c.activation_bytes_for_tokens(4608, DType::BF16, false) < c.activation_bytes(1024, 1024, 8, DType::BF16)
+        );
     }
 
     #[test]
@@ -476,6 +481,12 @@ mod tests {
             index.validate(path),
             Err(Error::WrongComponentClass { ref component, .. }) if component == "vae"
         ));
+
+        // Any tokenizer class: transformers 5 writes the generic fast class.
+        for class in ["Qwen2TokenizerFast", "TokenizersBackend", "PreTrainedTokenizerFast"] {
+            let index = ModelIndex::parse(&good.replace("Qwen2Tokenizer", class), path).expect("parses");
+            assert!(index.validate(path).is_ok(), "{class}");
+        }
 
         let other = good.replace("ZImagePipeline", "FluxPipeline");
         let index = ModelIndex::parse(&other, path).expect("parses");

@@ -42,6 +42,9 @@ pub struct LoadOptions {
     pub allow_partial: bool,
     /// `(regex, replacement)` renames applied to the file's tensor names before matching. Default: none.
     pub key_remap: Vec<(String, String)>,
+    /// Refuse file tensors the reference implementation ignores too (a text encoder saved with its causal LM's
+    /// `lm_head`), which are otherwise reported in [`LoadReport::ignored`] and loaded past. Default: `false`.
+    pub strict: bool,
 }
 
 impl LoadOptions {
@@ -59,6 +62,12 @@ impl LoadOptions {
     /// Accepts (`true`) or refuses (`false`) partial loads.
     pub fn with_allow_partial(mut self, allow: bool) -> Self {
         self.allow_partial = allow;
+        self
+    }
+
+    /// Refuses tensors the reference ignores ([`LoadOptions::strict`]).
+    pub fn with_strict(mut self, strict: bool) -> Self {
+        self.strict = strict;
         self
     }
 
@@ -83,6 +92,13 @@ pub struct LoadReport {
     pub missing: Vec<String>,
     /// File tensors that no module parameter took, sorted.
     pub unused: Vec<String>,
+    /// File tensors no module parameter took that the reference implementation ignores too (a causal LM's
+    /// `lm_head` beside the text encoder's weights), sorted: reported, and refused only under
+    /// [`LoadOptions::strict`].
+    pub ignored: Vec<String>,
+    /// File tensors this crate leaves out by design (the text encoder's last decoder layer and final norm, which
+    /// the pipeline's `hidden_states[-2]` never reads), sorted.
+    pub skipped: Vec<String>,
 }
 
 impl LoadReport {
@@ -102,7 +118,15 @@ impl std::fmt::Display for LoadReport {
             self.files.len(),
             self.missing.len(),
             self.unused.len()
-        )
+        )?;
+        if !self.skipped.is_empty() {
+            write!(f, ", {} skipped by design (not read by the pipeline)", self.skipped.len())?;
+        }
+        if !self.ignored.is_empty() {
+            let first = self.ignored.first().map(String::as_str).unwrap_or_default();
+            write!(f, ", {} ignored as the reference ignores them (first: {first})", self.ignored.len())?;
+        }
+        Ok(())
     }
 }
 

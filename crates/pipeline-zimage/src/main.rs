@@ -129,10 +129,10 @@ struct Generate {
     /// Classifier-free guidance scale; 0 turns guidance off (Turbo).
     #[arg(long, default_value_t = 0.0)]
     guidance: f32,
-    /// Height in pixels, a multiple of 16.
+    /// Height in pixels, a multiple of twice the VAE's scale factor (16 for Z-Image-Turbo's VAE).
     #[arg(long, default_value_t = 1024)]
     height: usize,
-    /// Width in pixels, a multiple of 16.
+    /// Width in pixels, a multiple of twice the VAE's scale factor (16 for Z-Image-Turbo's VAE).
     #[arg(long, default_value_t = 1024)]
     width: usize,
     /// Prompt tokens kept.
@@ -141,7 +141,8 @@ struct Generate {
     /// Seed of the initial noise.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// A safetensors file with a tensor named `latents` [1, 16, H/8, W/8]: the initial noise of a diffusers run.
+    /// A safetensors file with a tensor named `latents` [1, 16, H/8, W/8] (for the FLUX VAE; H/s, W/s for a VAE
+    /// of scale factor s): the initial noise of a diffusers run.
     #[arg(long)]
     latents: Option<PathBuf>,
     /// An input image (PNG) for image-to-image.
@@ -202,6 +203,10 @@ struct Generate {
     /// Where capacity profiles are stored (default: the platform's data directory, offload/profiles).
     #[arg(long)]
     profile_dir: Option<PathBuf>,
+    /// Refuse file tensors the reference implementation ignores too (a text encoder saved with its causal LM's
+    /// lm_head), which are otherwise reported and loaded past.
+    #[arg(long)]
+    strict_load: bool,
     /// The float dtype the weights are loaded and run in: the checkpoint's own (bf16 for Z-Image-Turbo) by
     /// default.
     #[arg(long, value_enum, default_value = "stored")]
@@ -426,7 +431,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         ledger: target.ledger(),
         memory: target.memory(),
     };
-    let load = LoadOptions::new().with_dtype(args.dtype.load_dtype());
+    let load = LoadOptions::new().with_dtype(args.dtype.load_dtype()).with_strict(args.strict_load);
     let mut pipeline =
         ZImagePipeline::load(&weights, placement, &load).with_context(|| format!("loading {}", weights.display()))?;
     if !exec.supports_dtype(pipeline.dtype()) {
@@ -456,7 +461,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     opts.strength = args.strength;
     opts.latents = args.latents.as_deref().map(read_latents).transpose()?;
     opts.image = args.image.as_deref().map(|p| read_image(p, args.height, args.width)).transpose()?;
-    opts.validate()?;
+    pipeline.validate(&opts)?;
 
     let mut plan = None;
     if planner {

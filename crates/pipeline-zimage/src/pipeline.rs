@@ -42,15 +42,16 @@ pub struct GenerateOptions {
     pub steps: usize,
     /// Classifier-free guidance scale; guidance is on when it is above 0 (Turbo: 0).
     pub guidance: f32,
-    /// Image height in pixels, a multiple of 16.
+    /// Image height in pixels, a multiple of twice the VAE's scale factor (16 for the FLUX VAE).
     pub height: usize,
-    /// Image width in pixels, a multiple of 16.
+    /// Image width in pixels, a multiple of twice the VAE's scale factor (16 for the FLUX VAE).
     pub width: usize,
     /// Prompt tokens kept (512 in diffusers).
     pub max_sequence_length: usize,
     /// Seed of the initial noise when `latents` is not given.
     pub seed: u64,
-    /// The initial noise, `[1, 16, 2·(H/16), 2·(W/16)]`, to reproduce a diffusers run.
+    /// The initial noise, `[1, 16, h, w]` with `[h, w]` = [`latent_size`](Self::latent_size), to reproduce a
+    /// diffusers run.
     pub latents: Option<Tensor<4>>,
     /// An input image `[1, 3, H, W]` in `[0, 1]`: image-to-image.
     pub image: Option<Tensor<4>>,
@@ -76,10 +77,17 @@ impl GenerateOptions {
         }
     }
 
-    /// Checks the arguments a user gives, with errors that say what to change.
-    pub fn validate(&self) -> Result<()> {
-        if self.height == 0 || self.width == 0 || !self.height.is_multiple_of(16) || !self.width.is_multiple_of(16) {
-            return Err(Error::InvalidSize { height: self.height, width: self.width, multiple: 16 });
+    /// Checks the arguments a user gives, with errors that say what to change, for a VAE of `vae_scale_factor`
+    /// pixels per latent cell ([`VaeConfig::scale_factor`]; [`ZImagePipeline::validate`] passes its own): sizes
+    /// must be multiples of twice it, as diffusers requires.
+    pub fn validate(&self, vae_scale_factor: usize) -> Result<()> {
+        let multiple = 2 * vae_scale_factor.max(1);
+        if self.height == 0
+            || self.width == 0
+            || !self.height.is_multiple_of(multiple)
+            || !self.width.is_multiple_of(multiple)
+        {
+            return Err(Error::InvalidSize { height: self.height, width: self.width, multiple });
         }
         if self.steps == 0 {
             return Err(Error::ZeroSteps);
@@ -96,7 +104,7 @@ impl GenerateOptions {
         if self.max_sequence_length == 0 {
             return Err(Error::InvalidArgument { name: "max_sequence_length", reason: "it must be at least 1".into() });
         }
-        let [h, w] = self.latent_size();
+        let [h, w] = self.latent_size(vae_scale_factor);
         if let Some(latents) = &self.latents
             && latents.dims() != [1, 16, h, w]
         {
@@ -126,9 +134,11 @@ impl GenerateOptions {
         Ok(())
     }
 
-    /// The latent size, `[2·(H/16), 2·(W/16)]`.
-    pub fn latent_size(&self) -> [usize; 2] {
-        [2 * (self.height / 16), 2 * (self.width / 16)]
+    /// The latent size for a VAE of `vae_scale_factor`, as diffusers derives it: `[2·(H/2s), 2·(W/2s)]` (the
+    /// transformer's 2×2 patches need an even size): `[2·(H/16), 2·(W/16)]` for the FLUX VAE's 8.
+    pub fn latent_size(&self, vae_scale_factor: usize) -> [usize; 2] {
+        let cell = 2 * vae_scale_factor.max(1);
+        [2 * (self.height / cell), 2 * (self.width / cell)]
     }
 
     fn guided(&self) -> bool {
@@ -548,7 +558,7 @@ impl ZImagePipeline {
         let dtype = self.transformer_dtype;
         [
             text_encoder_activation_bytes(&self.text_encoder_config, opts.max_sequence_length, dtype),
-            self.transformer_config.activation_bytes(opts.height, opts.width, dtype),
+            self.transformer_config.activation_bytes(opts.height, opts.width, self.vae_scale_factor(), dtype),
             vae_activation_bytes(&self.vae_config, opts.height, opts.width, dtype),
         ]
     }
@@ -587,14 +597,14 @@ impl ZImagePipeline {
         opts: &GenerateOptions,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Generated> {
-        opts.validate()?;
+        self.validate(opts)?;
         let device = self.placement.exec.clone();
         let release_device = device.clone();
         let mut phases = Phases::new(move |finished: &str| {
             tracing::debug!(phase = finished, "releasing device memory between phases");
             release_device.memory_cleanup();
         });
-        let [h, w] = opts.latent_size();
+        let [h, w] = opts.latent_size(self.vae_scale_factor());
         let vae_activations = self.activation_estimates(opts)[2];
         let (embeds, schedule, latents) = phases.run(PHASES[0], || -> Result<_> {
             let mut prompts = vec![opts.prompt.clone()];
@@ -692,10 +702,12 @@ impl ZImagePipeline {
         Ok(run?)
     }
 
-    /// Decodes pipeline latents `[1, 16, h, w]` to an image `[1, 3, 8h, 8w]` in `[0, 1]`.
+    /// Decodes pipeline latents `[1, 16, h, w]` to an image `[1, 3, s·h, s·w]` in `[0, 1]`, `s` the VAE's scale
+    /// factor.
     pub fn decode(&self, latents: Tensor<4>) -> Result<Tensor<4>> {
         let [_, _, h, w] = latents.dims();
-        let activations = vae_activation_bytes(&self.vae_config, 8 * h, 8 * w, self.transformer_dtype);
+        let s = self.vae_scale_factor();
+        let activations = vae_activation_bytes(&self.vae_config, s * h, s * w, self.transformer_dtype);
         self.decode_with(latents, activations)
     }
 
@@ -713,6 +725,11 @@ impl ZImagePipeline {
         self.transformer_dtype
     }
 
+    /// The prompt tokenizer, with the chat template it wraps prompts in.
+    pub fn tokenizer(&self) -> &PromptTokenizer {
+        &self.tokenizer
+    }
+
     /// The text encoder's configuration.
     pub fn text_encoder_config(&self) -> &TextEncoderConfig {
         &self.text_encoder_config
@@ -721,6 +738,16 @@ impl ZImagePipeline {
     /// The VAE's configuration.
     pub fn vae_config(&self) -> &VaeConfig {
         &self.vae_config
+    }
+
+    /// Pixels per latent cell per side, from the VAE's config: `2^(levels − 1)`, 8 for the FLUX VAE.
+    pub fn vae_scale_factor(&self) -> usize {
+        self.vae_config.scale_factor()
+    }
+
+    /// Checks `opts` for this pipeline ([`GenerateOptions::validate`] with its VAE's scale factor).
+    pub fn validate(&self, opts: &GenerateOptions) -> Result<()> {
+        opts.validate(self.vae_scale_factor())
     }
 }
 
@@ -783,6 +810,7 @@ pub fn vae_activation_bytes(config: &VaeConfig, height: usize, width: usize, dty
     let e = dtype.size() as u64;
     let pixels = (height * width) as u64;
     let first = *config.block_out_channels.first().unwrap_or(&128) as u64;
-    let latent_pixels = pixels / 64;
+    let scale = config.scale_factor() as u64;
+    let latent_pixels = pixels / (scale * scale);
     3 * first * pixels * e + latent_pixels * latent_pixels * e
 }

@@ -186,7 +186,7 @@ fn leaves<M: Module>(module: &M) -> (u64, usize) {
 ///
 /// The VAE has no layout: it is not cut into blocks in this pipeline, so it is resident or component-offloaded.
 pub fn component_specs(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Result<Vec<ComponentSpec>> {
-    opts.validate()?;
+    pipeline.validate(opts)?;
     let manager = pipeline.manager();
     let ids = pipeline.ids();
     let bytes = |id: &str| manager.component_info(id).map(|info| info.bytes);
@@ -222,7 +222,8 @@ fn flops_per_call(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> [f64; 3]
     let text_flops =
         prompts * (2.0 * text.num_params_used() as f64 * t + text_layers * 4.0 * t * t * text.hidden_size as f64);
     let config = pipeline.transformer_config();
-    let s = (config.image_tokens(opts.height, opts.width) + opts.max_sequence_length) as f64;
+    let s =
+        (config.image_tokens(opts.height, opts.width, pipeline.vae_scale_factor()) + opts.max_sequence_length) as f64;
     let blocks = (config.n_layers + 2 * config.n_refiner_layers) as f64;
     let transformer_flops = prompts * (2.0 * config.num_params() as f64 * s + blocks * 4.0 * s * s * config.dim as f64);
     let pixels = (opts.height * opts.width) as f64;

@@ -444,7 +444,7 @@ impl TextEncoder {
     /// (and a tied `lm_head`, should a `Qwen3ForCausalLM` export carry one). Keys are given without the optional
     /// `model.` prefix.
     pub fn unused_checkpoint_prefixes(config: &TextEncoderConfig) -> Vec<String> {
-        vec![format!("layers.{}.", config.num_hidden_layers - 1), "norm.".to_owned(), "lm_head.".to_owned()]
+        vec![format!("layers.{}.", config.num_hidden_layers - 1), "norm.".to_owned()]
     }
 
     /// The RoPE tables for positions `0..seq`: `(cos, sin)`, each `[seq, head_dim]` in f32
@@ -570,14 +570,20 @@ pub(crate) fn encode_valid_rows(
 /// The checkpoint key renames for transformers exports that keep the `Qwen3ForCausalLM` layout (`model.` prefix).
 pub const KEY_REMAP: &[(&str, &str)] = &[(r"^model\.", "")];
 
+/// File tensors transformers' `Qwen3Model` ignores when it loads a checkpoint saved as a causal LM
+/// (`Qwen3ForCausalLM`): its output head. Reported in [`LoadReport::ignored`], refused only under
+/// [`LoadOptions::strict`](crate::loading::LoadOptions::strict).
+pub const REFERENCE_IGNORES: &[&str] = &["lm_head."];
+
 impl TextEncoder {
     /// Reads `dir/config.json` and loads a transformers `Qwen3Model` export in `dir` (the shards of
     /// `model.safetensors.index.json`, or `model.safetensors`; keys with or without `model.`) onto `device` with
     /// [`crate::loading::load_component`] and `opts` (plus [`KEY_REMAP`]).
     ///
-    /// The last decoder layer and the final norm are skipped by design ([`TextEncoder::unused_checkpoint_prefixes`])
-    /// and left out of the report's `unused` list; any other missing or unused tensor is an
-    /// [`Error::PartialLoad`] unless `opts.allow_partial` is set.
+    /// The last decoder layer and the final norm are skipped by design ([`TextEncoder::unused_checkpoint_prefixes`],
+    /// reported in `skipped`); a causal LM's `lm_head` is reported in `ignored` ([`REFERENCE_IGNORES`]), and refused
+    /// only under `opts.strict`; any other missing or unused tensor is an [`Error::PartialLoad`] unless
+    /// `opts.allow_partial` is set.
     pub fn load(
         dir: impl AsRef<Path>,
         device: &Device,
@@ -600,7 +606,16 @@ impl TextEncoder {
         let load_opts = opts.clone().with_key_remap(KEY_REMAP).with_allow_partial(true);
         let mut report = load_component(&mut module, dir, &load_opts)?;
         let skipped = Self::unused_checkpoint_prefixes(&config);
-        report.unused.retain(|key| !skipped.iter().any(|prefix| key.starts_with(prefix.as_str())));
+        let (by_design, rest): (Vec<String>, Vec<String>) = std::mem::take(&mut report.unused)
+            .into_iter()
+            .partition(|key| skipped.iter().any(|prefix| key.starts_with(prefix.as_str())));
+        let (ignored, unused): (Vec<String>, Vec<String>) =
+            rest.into_iter().partition(|key| REFERENCE_IGNORES.iter().any(|prefix| key.starts_with(prefix)));
+        (report.skipped, report.ignored, report.unused) = (by_design, ignored, unused);
+        if opts.strict {
+            report.unused.append(&mut report.ignored);
+            report.unused.sort();
+        }
         if !opts.allow_partial && !report.is_complete() {
             return Err(Error::PartialLoad {
                 component: report.component,

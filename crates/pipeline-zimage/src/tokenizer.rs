@@ -3,11 +3,16 @@
 //!
 //! diffusers' `ZImagePipeline._encode_prompt` does, per prompt:
 //! `apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, enable_thinking=True)`,
-//! which with the standard Qwen3 template is exactly [`apply_chat_template`]'s string, then tokenizes with
-//! `padding="max_length", max_length=max_sequence_length, truncation=True` (right side, pad token
-//! `<|endoftext|>`). [`PromptTokenizer::encode`] reproduces that; the mask marks the real tokens.
+//! then tokenizes with `padding="max_length", max_length=max_sequence_length, truncation=True` (right side, pad
+//! token `<|endoftext|>`). [`PromptTokenizer::encode`] reproduces that; the mask marks the real tokens.
+//!
+//! The template is the checkpoint's own when it carries one ([`ChatTemplate::from_dir`]: `chat_template.jinja`,
+//! or `chat_template` in `tokenizer_config.json`, as transformers reads them), rendered with minijinja as
+//! transformers renders it (`trim_blocks`, `lstrip_blocks`, Python's string methods); without one, the standard
+//! Qwen3 template, whose output for a single user turn is [`apply_chat_template`]'s string.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
@@ -22,6 +27,107 @@ pub const Z_IMAGE_MAX_SEQUENCE_LENGTH: usize = 512;
 /// Wraps a user prompt in the Qwen3 chat template with the assistant turn opened, as the Z-Image pipeline does.
 pub fn apply_chat_template(prompt: &str) -> String {
     format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+}
+
+/// The chat template a prompt is wrapped in before it is tokenized.
+#[derive(Clone)]
+pub enum ChatTemplate {
+    /// The checkpoint's own Jinja template, compiled.
+    Checkpoint {
+        /// Where it was read from, for messages.
+        source: PathBuf,
+        /// The environment holding the compiled template `chat`.
+        env: Arc<minijinja::Environment<'static>>,
+    },
+    /// The standard Qwen3 template's output for one user turn ([`apply_chat_template`]).
+    Qwen3,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ChatTemplate::Checkpoint { source, .. } => write!(f, "ChatTemplate::Checkpoint({})", source.display()),
+            ChatTemplate::Qwen3 => f.write_str("ChatTemplate::Qwen3"),
+        }
+    }
+}
+
+impl ChatTemplate {
+    /// The template of a tokenizer directory, as transformers finds it: `chat_template.jinja`, else a string
+    /// `chat_template` in `tokenizer_config.json` (or the entry named `default` of a list of named templates),
+    /// else [`ChatTemplate::Qwen3`]. A template that does not compile, or does not render a probe prompt, is an
+    /// error naming its file.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let jinja = dir.join("chat_template.jinja");
+        let config = dir.join("tokenizer_config.json");
+        let (source, text) = if jinja.is_file() {
+            (jinja.clone(), crate::config::read_text(&jinja)?)
+        } else if let Some(text) = template_in_config(&config)? {
+            (config, text)
+        } else {
+            return Ok(ChatTemplate::Qwen3);
+        };
+        Self::compile(source, text)
+    }
+
+    /// Compiles `text` (read from `source`) and checks that it renders a probe prompt.
+    pub fn compile(source: PathBuf, text: String) -> Result<Self> {
+        let mut env = minijinja::Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| template_error(&source, &e))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_template_owned("chat", text).map_err(|e| template_error(&source, &e))?;
+        let template = ChatTemplate::Checkpoint { source, env: Arc::new(env) };
+        template.apply("a probe")?;
+        Ok(template)
+    }
+
+    /// Wraps `prompt` as the Z-Image pipeline does: one user turn, the assistant turn opened, thinking enabled.
+    pub fn apply(&self, prompt: &str) -> Result<String> {
+        match self {
+            ChatTemplate::Qwen3 => Ok(apply_chat_template(prompt)),
+            ChatTemplate::Checkpoint { source, env } => {
+                let template = env.get_template("chat").map_err(|e| template_error(source, &e))?;
+                let context = minijinja::context! {
+                    messages => vec![minijinja::context! { role => "user", content => prompt }],
+                    add_generation_prompt => true,
+                    enable_thinking => true,
+                };
+                template.render(context).map_err(|e| template_error(source, &e))
+            }
+        }
+    }
+}
+
+fn template_error(source: &Path, error: &minijinja::Error) -> Error {
+    Error::Tokenizer(format!(
+        "cannot render the chat template of {}: {error:#}; fix the template, or remove it to use the standard \
+         Qwen3 template",
+        source.display()
+    ))
+}
+
+/// `chat_template` of a `tokenizer_config.json`: a string, or the `default` entry of a list of named templates.
+fn template_in_config(path: &Path) -> Result<Option<String>> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = crate::config::read_text(path)?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_path_buf(), source })?;
+    Ok(match value.get("chat_template") {
+        Some(serde_json::Value::String(template)) => Some(template.clone()),
+        Some(serde_json::Value::Array(named)) => named
+            .iter()
+            .find(|entry| entry.get("name").and_then(serde_json::Value::as_str) == Some("default"))
+            .and_then(|entry| entry.get("template").and_then(serde_json::Value::as_str))
+            .map(str::to_owned),
+        _ => None,
+    })
 }
 
 /// A batch of tokenized prompts, each padded (right) or truncated to the same length.
@@ -68,11 +174,13 @@ pub struct PromptTokenizer {
     inner: tokenizers::Tokenizer,
     pad_id: u32,
     max_sequence_length: usize,
+    template: ChatTemplate,
 }
 
 impl PromptTokenizer {
     /// Loads `dir/tokenizer.json`; the pad token is `pad_token` of `dir/tokenizer_config.json` when that file
-    /// names one, else [`DEFAULT_PAD_TOKEN`].
+    /// names one, else [`DEFAULT_PAD_TOKEN`]; the chat template is the directory's own when it has one
+    /// ([`ChatTemplate::from_dir`]).
     ///
     /// Errors if the file is missing or unreadable, the pad token is not in the vocabulary, or
     /// `max_sequence_length` is 0.
@@ -89,11 +197,21 @@ impl PromptTokenizer {
         let pad_token = read_pad_token(&dir.join("tokenizer_config.json"))?;
         let inner = tokenizers::Tokenizer::from_file(&file)
             .map_err(|e| Error::Tokenizer(format!("cannot load {}: {e}", file.display())))?;
-        Self::new(inner, &pad_token, max_sequence_length)
+        Ok(Self::new(inner, &pad_token, max_sequence_length)?.with_template(ChatTemplate::from_dir(dir)?))
     }
 
-    /// Wraps an already loaded tokenizer. Any padding or truncation configured in it is ignored: this type pads
-    /// and truncates itself.
+    /// The same tokenizer wrapping prompts in `template`.
+    pub fn with_template(self, template: ChatTemplate) -> Self {
+        Self { template, ..self }
+    }
+
+    /// The chat template prompts are wrapped in.
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+
+    /// Wraps an already loaded tokenizer, with the standard Qwen3 template. Any padding or truncation configured in
+    /// it is ignored: this type pads and truncates itself.
     pub fn new(mut inner: tokenizers::Tokenizer, pad_token: &str, max_sequence_length: usize) -> Result<Self> {
         if max_sequence_length == 0 {
             return Err(Error::Tokenizer("max_sequence_length must be at least 1".to_owned()));
@@ -103,7 +221,7 @@ impl PromptTokenizer {
             .ok_or_else(|| Error::Tokenizer(format!("pad token {pad_token:?} is not in the vocabulary")))?;
         inner.with_padding(None);
         inner.with_truncation(None).map_err(|e| Error::Tokenizer(format!("cannot disable truncation: {e}")))?;
-        Ok(Self { inner, pad_id, max_sequence_length })
+        Ok(Self { inner, pad_id, max_sequence_length, template: ChatTemplate::Qwen3 })
     }
 
     /// The id written after the real tokens.
@@ -136,7 +254,7 @@ impl PromptTokenizer {
         let mut input_ids = Vec::with_capacity(prompts.len());
         let mut attention_mask = Vec::with_capacity(prompts.len());
         for prompt in prompts {
-            let text = apply_chat_template(prompt.as_ref());
+            let text = self.template.apply(prompt.as_ref())?;
             let encoding = self
                 .inner
                 .encode(text.as_str(), true)

@@ -168,7 +168,7 @@ fn regression_sizes_at_the_limits_do_not_overflow() {
         ..TransformerConfig::z_image_turbo()
     };
     transformer.validate().unwrap();
-    assert!(transformer.bytes(DType::F64) > 0 && transformer.activation_bytes(1024, 1024, DType::F64) > 0);
+    assert!(transformer.bytes(DType::F64) > 0 && transformer.activation_bytes(1024, 1024, 8, DType::F64) > 0);
 
     let mut encoder = TextEncoderConfig::z_image_turbo();
     (encoder.vocab_size, encoder.hidden_size, encoder.intermediate_size) = (MAX_VOCAB, MAX_WIDTH, MAX_WIDTH);

@@ -379,72 +379,47 @@ fn a_refused_allocation_is_a_typed_device_error_and_nothing_is_lost() {
     assert!(max_abs_diff(&image, &expected) <= 1e-3);
 }
 
+/// Runs `pipeline-zimage generate` on wgpu (auto offload, 2 steps at 64x64, 1 GiB of device) with `extra`
+/// arguments and `env`, writing into `dir`: whether it succeeded, its stdout and its stderr.
+fn generate_cli(dir: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let out = dir.join("fox.png");
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline-zimage"));
+    command
+        .args(["generate", "--device", "wgpu", "--device-memory", "1GiB", "--offload", "auto", "--reserve", "0"])
+        .args(["--height", "64", "--width", "64", "--steps", "2", "--max-sequence-length", "32"])
+        .args(extra)
+        .arg("--out")
+        .arg(&out)
+        .envs(env.iter().copied());
+    let run = command.output().expect("the CLI runs");
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    (run.status.success() && out.exists(), text(&run.stdout), text(&run.stderr))
+}
+
 #[test]
 fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driver() {
-    let cli = env!("CARGO_BIN_EXE_pipeline-zimage");
     let dir = std::env::temp_dir().join(format!("real-device-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a temporary directory");
-    let out = dir.join("fox.png");
-    let args = [
-        "generate",
-        "--device",
-        "wgpu",
-        "--device-memory",
-        "1GiB",
-        "--offload",
-        "auto",
-        "--reserve",
-        "0",
-        "--height",
-        "64",
-        "--width",
-        "64",
-        "--steps",
-        "2",
-        "--max-sequence-length",
-        "32",
-    ];
-    let run = std::process::Command::new(cli).args(args).arg("--out").arg(&out).output().expect("the CLI runs");
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
-    assert!(out.exists());
+    let (ok, stdout, stderr) = generate_cli(&dir, &[], &[]);
+    assert!(ok, "{stdout}\n{stderr}");
     assert!(stdout.contains("device memory on wgpu:0 (burn's pool)"), "{stdout}");
     assert!(stdout.contains("| Onload "), "the record is printed: {stdout}");
 
     // A hard cap over the device: the decode runs out of memory under it and the OOM retry makes room.
-    let run = std::process::Command::new(cli)
-        .args(args)
-        .args(["--card", "6MB", "--out"])
-        .arg(&out)
-        .output()
-        .expect("the CLI runs");
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    let (ok, stdout, stderr) = generate_cli(&dir, &["--card", "6MB"], &[]);
+    assert!(ok, "{stdout}\n{stderr}");
     assert!(stdout.contains("oom_retry:vae"), "{stdout}");
     assert!(stdout.contains("capped at 6MB (hard)"), "{stdout}");
 
     // A dtype the device cannot compute in is refused with the fix.
-    let run = std::process::Command::new(cli)
-        .args(args)
-        .args(["--dtype", "bf16", "--out"])
-        .arg(&out)
-        .output()
-        .expect("the CLI runs");
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(!run.status.success());
+    let (ok, _, stderr) = generate_cli(&dir, &["--dtype", "bf16"], &[]);
+    assert!(!ok);
     assert!(stderr.contains("cannot compute in BF16") && stderr.contains("--dtype f32"), "{stderr}");
 
     // No Vulkan driver and no EGL one: the runtime finds no adapter, and the error names the package.
-    let run = std::process::Command::new(cli)
-        .args(args)
-        .arg("--out")
-        .arg(&out)
-        .env("VK_ICD_FILENAMES", "/nonexistent")
-        .env("__EGL_VENDOR_LIBRARY_FILENAMES", "/nonexistent")
-        .output()
-        .expect("the CLI runs");
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(!run.status.success());
+    let hidden = [("VK_ICD_FILENAMES", "/nonexistent"), ("__EGL_VENDOR_LIBRARY_FILENAMES", "/nonexistent")];
+    let (ok, _, stderr) = generate_cli(&dir, &[], &hidden);
+    assert!(!ok);
     assert!(stderr.contains("mesa-vulkan-drivers"), "{stderr}");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -248,7 +248,7 @@ pub fn transformer_config(input: &[u8]) {
         if let Ok(config) = parsed {
             accept(2);
             let _ = (config.num_params(), config.bytes(DType::BF16), config.head_dim(), config.patch_dim());
-            let _ = (config.image_tokens(1024, 1024), config.activation_bytes(1024, 1024, DType::BF16));
+            let _ = (config.image_tokens(1024, 1024, 8), config.activation_bytes(1024, 1024, 8, DType::BF16));
             let _ = config.activation_bytes_for_tokens(4608, DType::F32, false);
         }
     });
