@@ -8,7 +8,8 @@ use anyhow::{Context, bail};
 /// Arguments of `cargo xtask bench`.
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Which benchmark: `overlap`.
+    /// Which benchmark: `overlap`, or `real-size --weights DIR` (a checkpoint from `cargo xtask fixtures
+    /// --real-size DIR`).
     pub name: String,
     /// Extra arguments passed to the benchmark program.
     #[arg(trailing_var_arg = true)]
@@ -21,6 +22,10 @@ pub struct FixturesArgs {
     /// The Python interpreter with diffusers 0.42.1, transformers and torch installed.
     #[arg(long, default_value = "python3")]
     pub python: String,
+    /// Write a Z-Image-Turbo checkpoint at its real size with random bf16 weights here instead (about 20.6 GB;
+    /// not committed), with `tools/make_real_size.py`.
+    #[arg(long, value_name = "DIR")]
+    pub real_size: Option<PathBuf>,
 }
 
 fn workspace_root() -> PathBuf {
@@ -43,12 +48,18 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             command.args(["run", "--quiet", "-p", "group-offload", "--example", "overlap", "--"]).args(&args.rest);
             status(command, "the overlap benchmark")
         }
-        other => bail!("unknown benchmark {other:?}; the benchmarks are: overlap"),
+        "real-size" => real_size(&args.rest),
+        other => bail!("unknown benchmark {other:?}; the benchmarks are: overlap, real-size"),
     }
 }
 
 /// Regenerates the fixtures with the reference implementation.
 pub fn fixtures(args: &FixturesArgs) -> anyhow::Result<()> {
+    if let Some(dir) = &args.real_size {
+        let mut command = Command::new(&args.python);
+        command.arg("tools/make_real_size.py").arg("--out").arg(dir);
+        return status(command, "tools/make_real_size.py (install tools/requirements-fixtures.txt first)");
+    }
     let mut command = Command::new(&args.python);
     command.args(["tools/make_fixtures.py", "--out", "crates/pipeline-zimage/tests/fixtures"]);
     status(command, "tools/make_fixtures.py (install tools/requirements-fixtures.txt first)")?;
@@ -145,4 +156,95 @@ fn make_executable(bin: &std::path::Path) -> anyhow::Result<()> {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
     }
     Ok(())
+}
+
+/// `cargo xtask bench real-size --weights DIR [generate arguments]`: the CLI on a real-size checkpoint on the CPU
+/// (bf16, 256x256, 1 step, `--preset auto` on a simulated 16 GB card unless overridden), with its memory report:
+/// per phase the wall time and the process's peak resident set, per component the bytes loaded, and the peak
+/// against the goal of 1.1 x the weights plus the largest activation estimate.
+fn real_size(rest: &[String]) -> anyhow::Result<()> {
+    let has = |flag: &str| rest.iter().any(|a| a == flag);
+    if !has("--weights") {
+        bail!("pass --weights DIR: a real-size checkpoint (make one with `cargo xtask fixtures --real-size DIR`)");
+    }
+    let mut args: Vec<String> = vec!["generate".into(), "--memory-report".into()];
+    for (flag, value) in [("--height", "256"), ("--width", "256"), ("--steps", "1"), ("--card", "16GB")] {
+        if !has(flag) {
+            args.extend([flag.to_string(), value.to_string()]);
+        }
+    }
+    if !has("--preset") && !has("--offload") {
+        args.extend(["--preset".to_string(), "auto".to_string()]);
+    }
+    if !has("--out") {
+        args.extend(["--out".to_string(), std::env::temp_dir().join("real-size.png").display().to_string()]);
+    }
+    args.extend(rest.iter().cloned());
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let started = std::time::Instant::now();
+    let output = Command::new(cargo)
+        .args(["run", "--quiet", "-p", "pipeline-zimage", "--"])
+        .args(&args)
+        .current_dir(workspace_root())
+        .output()
+        .context("cannot start pipeline-zimage")?;
+    let wall = started.elapsed().as_secs_f64();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        bail!("pipeline-zimage failed with {}:\n{stdout}\n{}", output.status, String::from_utf8_lossy(&output.stderr));
+    }
+    print!("{}", real_size_report(&stdout, wall)?);
+    Ok(())
+}
+
+/// The benchmark's table from the CLI's output (`memory:` lines, the `phases:` block, the reserve line).
+fn real_size_report(stdout: &str, wall: f64) -> anyhow::Result<String> {
+    let number = |line: &str, after: &str| -> Option<u64> {
+        let rest = line.split(after).nth(1)?;
+        rest.trim().split(' ').next()?.parse().ok()
+    };
+    let mut out = String::new();
+    let mut weights = None;
+    let mut peaks: Vec<(String, u64)> = Vec::new();
+    for line in stdout.lines() {
+        if let Some(rest) = line.strip_prefix("memory: loaded ") {
+            out.push_str(&format!("loaded {rest}\n"));
+        } else if line.starts_with("memory: weights ") {
+            weights = number(line, "memory: weights ");
+            let loading = number(line, "host peak while loading ").context("the loading peak")?;
+            peaks.push(("load".into(), loading));
+        } else if let Some(rest) = line.strip_prefix("memory: host peak during ") {
+            let (phase, _) = rest.split_once(':').context("a phase")?;
+            peaks.push((phase.to_string(), number(line, ": ").context("a phase peak")?));
+        }
+    }
+    let weights = weights.context("no memory report in the CLI's output")?;
+    let activation = stdout
+        .lines()
+        .find(|line| line.starts_with("reserve: "))
+        .and_then(|line| line.split('(').next())
+        .map(|size| size.trim_start_matches("reserve: ").trim().to_string());
+    let times: Vec<(String, String)> = stdout
+        .lines()
+        .skip_while(|line| !line.starts_with("phases:"))
+        .skip(1)
+        .take_while(|line| !line.trim().is_empty())
+        .filter_map(|line| {
+            let mut parts = line.split_whitespace();
+            Some((parts.next()?.to_string(), parts.next()?.to_string()))
+        })
+        .collect();
+    out.push_str("phase      wall (s)   host peak (bytes)   x weights\n");
+    for (phase, peak) in &peaks {
+        let time = times.iter().find(|(name, _)| name == phase).map_or("-", |(_, t)| t.as_str());
+        out.push_str(&format!("{phase:<10} {time:>8}   {peak:>17}   {:>9.3}\n", *peak as f64 / weights as f64));
+    }
+    let worst = peaks.iter().map(|(_, peak)| *peak).max().unwrap_or(0);
+    out.push_str(&format!(
+        "weights {weights} bytes; worst peak {worst} bytes = {:.3} x the weights; largest activation estimate {}; \
+         whole run {wall:.1} s (the loading and the process start included)\n",
+        worst as f64 / weights as f64,
+        activation.unwrap_or_else(|| "not printed".into())
+    ));
+    Ok(out)
 }

@@ -12,6 +12,7 @@
 //!   `ComponentsManager`; [`offload`]: burn modules as offloadable components.
 //! - [`presets`]: `offload-core`'s planner applied to the pipeline (presets, budgets, staged phases, capacity
 //!   profiles and calibration).
+//! - [`host`]: the process's host memory (peak resident set), for capacity profiles and the real-size benchmark.
 //! - [`error`]: the crate's one error type.
 //!
 //! Validation lives at the edge: [`loading`] checks directories, configs and tensors, and the pipeline checks
@@ -22,6 +23,7 @@
 pub mod config;
 pub mod error;
 pub mod grouped;
+pub mod host;
 pub mod layer;
 pub mod loading;
 pub mod nn;

@@ -203,6 +203,10 @@ struct Generate {
     /// Where capacity profiles are stored (default: the platform's data directory, offload/profiles).
     #[arg(long)]
     profile_dir: Option<PathBuf>,
+    /// Print the process's host memory: its peak resident set after loading and during each phase (Linux's
+    /// VmHWM, reset between phases), and each component's loaded bytes.
+    #[arg(long)]
+    memory_report: bool,
     /// Refuse file tensors the reference implementation ignores too (a text encoder saved with its causal LM's
     /// lm_head), which are otherwise reported and loaded past.
     #[arg(long)]
@@ -444,11 +448,22 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     for report in pipeline.load_reports() {
         eprintln!("{report}");
     }
+    if args.memory_report {
+        report_loaded(&pipeline);
+    }
     if args.quantize {
         for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
             let count = pipeline.quantize(component)?;
             eprintln!("{component}: {count} linear weights quantized to 8 bits");
         }
+    }
+    if args.memory_report {
+        pipeline.set_phase_observer(Arc::new(|phase: &str| {
+            use pipeline_zimage::host::{peak_resident_bytes, reset_peak_resident};
+            let peak = peak_resident_bytes();
+            println!("memory: host peak during {phase}: {peak} bytes ({})", format_size(peak));
+            let _ = reset_peak_resident();
+        }));
     }
     let mut opts = GenerateOptions::turbo(args.prompt.clone());
     opts.negative_prompt = args.negative_prompt.clone();
@@ -583,6 +598,29 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Prints each component's loaded bytes and the host's peak after loading, then starts a new peak and has the
+/// pipeline print each phase's peak as it finishes (`--memory-report`).
+fn report_loaded(pipeline: &ZImagePipeline) {
+    use pipeline_zimage::host::{peak_resident_bytes, reset_peak_resident, resident_bytes};
+    let ids = pipeline.ids();
+    let mut weights = 0;
+    for (component, id) in [("text_encoder", &ids.text_encoder), ("transformer", &ids.transformer), ("vae", &ids.vae)] {
+        let bytes = pipeline.manager().component_info(id).map(|info| info.bytes).unwrap_or(0);
+        weights += bytes;
+        println!("memory: loaded {component}: {bytes} bytes ({})", format_size(bytes));
+    }
+    println!(
+        "memory: weights {weights} bytes ({}); host peak while loading {} bytes ({}), resident now {} bytes",
+        format_size(weights),
+        peak_resident_bytes(),
+        format_size(peak_resident_bytes()),
+        resident_bytes()
+    );
+    if let Err(error) = reset_peak_resident() {
+        println!("memory: cannot reset the peak ({error}); phase peaks count from the start");
+    }
 }
 
 fn main() -> anyhow::Result<()> {

@@ -229,7 +229,12 @@ pub struct ZImagePipeline {
     /// The components whose linear weights are quantized.
     quantized: Vec<PipelineComponent>,
     transformer_dtype: DType,
+    /// Called with each phase's name once it finished ([`set_phase_observer`](Self::set_phase_observer)).
+    phase_observer: Option<PhaseObserver>,
 }
+
+/// A callback told each phase's name once the phase finished (before the memory release after it).
+pub type PhaseObserver = Arc<dyn Fn(&str) + Send + Sync>;
 
 impl std::fmt::Debug for ZImagePipeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -297,6 +302,7 @@ impl ZImagePipeline {
             grouped_transformer: false,
             quantized: Vec::new(),
             transformer_dtype: dtype,
+            phase_observer: None,
         })
     }
 
@@ -600,7 +606,11 @@ impl ZImagePipeline {
         self.validate(opts)?;
         let device = self.placement.exec.clone();
         let release_device = device.clone();
+        let observer = self.phase_observer.clone();
         let mut phases = Phases::new(move |finished: &str| {
+            if let Some(observer) = &observer {
+                observer(finished);
+            }
             tracing::debug!(phase = finished, "releasing device memory between phases");
             release_device.memory_cleanup();
         });
@@ -638,6 +648,9 @@ impl ZImagePipeline {
         })?;
         drop(embeds);
         let image = phases.run(PHASES[2], || self.decode_with(latents, vae_activations))?;
+        if let Some(observer) = &self.phase_observer {
+            observer(PHASES[2]);
+        }
         Ok(Generated { image, phases: phases.finish() })
     }
 
@@ -723,6 +736,12 @@ impl ZImagePipeline {
 
     fn transformer_dtype(&self) -> DType {
         self.transformer_dtype
+    }
+
+    /// Calls `observer` with each phase's name ([`PHASES`]) once that phase of a generation finished: what a
+    /// benchmark reads per-phase figures with (the CLI's `--memory-report` reads the host's peak).
+    pub fn set_phase_observer(&mut self, observer: PhaseObserver) {
+        self.phase_observer = Some(observer);
     }
 
     /// The prompt tokenizer, with the chat template it wraps prompts in.

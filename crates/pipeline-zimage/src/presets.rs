@@ -710,14 +710,14 @@ pub fn generate_profiled(
     match pipeline.generate_with_report(opts, progress) {
         Ok(generated) => {
             let peak_device = plan.memory.peak();
-            let peak_host = process_peak_rss();
+            let peak_host = crate::host::peak_resident_bytes();
             let record = plan.record_run(opts, Outcome::Success, peak_device, peak_host)?;
             Ok(ProfiledRun { image: generated.image, phases: generated.phases, peak_device, peak_host, record })
         }
         Err(error) => {
             if is_out_of_memory(&error)
                 && let Err(record_error) =
-                    plan.record_run(opts, Outcome::Failure, plan.memory.peak(), process_peak_rss())
+                    plan.record_run(opts, Outcome::Failure, plan.memory.peak(), crate::host::peak_resident_bytes())
             {
                 tracing::warn!("cannot record the failed run in its capacity profile: {record_error}");
             }
@@ -734,16 +734,4 @@ fn is_out_of_memory(error: &Error) -> bool {
         Error::GroupOffload(inner) => inner.is_out_of_memory(),
         _ => false,
     }
-}
-
-/// The process's peak resident set (`VmHWM` in `/proc/self/status`), 0 where it cannot be read.
-fn process_peak_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            let line = status.lines().find(|line| line.starts_with("VmHWM:"))?;
-            let kib: u64 = line.trim_start_matches("VmHWM:").trim().trim_end_matches("kB").trim().parse().ok()?;
-            kib.checked_mul(1024)
-        })
-        .unwrap_or(0)
 }
