@@ -12,7 +12,7 @@ pub struct BenchArgs {
     /// --real-size DIR`).
     pub name: String,
     /// Extra arguments passed to the benchmark program.
-    #[arg(trailing_var_arg = true)]
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     pub rest: Vec<String>,
 }
 
@@ -214,8 +214,9 @@ fn real_size_report(stdout: &str, wall: f64) -> anyhow::Result<String> {
             let loading = number(line, "host peak while loading ").context("the loading peak")?;
             peaks.push(("load".into(), loading));
         } else if let Some(rest) = line.strip_prefix("memory: host peak during ") {
-            let (phase, _) = rest.split_once(':').context("a phase")?;
-            peaks.push((phase.to_string(), number(line, ": ").context("a phase peak")?));
+            let (phase, after) = rest.split_once(':').context("a phase")?;
+            let peak = after.split_whitespace().next().and_then(|n| n.parse().ok()).context("a phase peak")?;
+            peaks.push((phase.to_string(), peak));
         }
     }
     let weights = weights.context("no memory report in the CLI's output")?;
@@ -247,4 +248,46 @@ fn real_size_report(stdout: &str, wall: f64) -> anyhow::Result<String> {
         activation.unwrap_or_else(|| "not printed".into())
     ));
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The lines of a real run the report reads (from a 20.3 GB checkpoint, 2026-12-01), among others it skips.
+    const RUN: &str = "\
+memory: loaded text_encoder: 7843069440 bytes (7.30 GB)
+memory: loaded transformer: 12309817472 bytes (11.46 GB)
+memory: loaded vae: 167639366 bytes (159.87 MB)
+memory: weights 20320526278 bytes (18.92 GB); host peak while loading 21222895616 bytes (19.77 GB), resident now 1 bytes
+reserve: 123.75 MB (the largest activation estimate: the simulated card is charged exactly that, so no margin)
+memory: host peak during encode: 20542349312 bytes (19.13 GB)
+memory: host peak during denoise: 20658356224 bytes (19.24 GB)
+memory: host peak during decode: 20652650496 bytes (19.23 GB)
+wrote /tmp/real.png
+
+phases:
+encode     28.244 s (release 0.000 s)
+denoise   157.988 s (release 0.000 s)
+decode     22.679 s (release 0.000 s)
+total     208.911 s
+";
+
+    #[test]
+    fn the_real_size_report_reads_the_phases_and_the_peaks() {
+        let report = real_size_report(RUN, 237.2).expect("a report");
+        expect_test::expect![[r#"
+            loaded text_encoder: 7843069440 bytes (7.30 GB)
+            loaded transformer: 12309817472 bytes (11.46 GB)
+            loaded vae: 167639366 bytes (159.87 MB)
+            phase      wall (s)   host peak (bytes)   x weights
+            load              -         21222895616       1.044
+            encode       28.244         20542349312       1.011
+            denoise     157.988         20658356224       1.017
+            decode       22.679         20652650496       1.016
+            weights 20320526278 bytes; worst peak 21222895616 bytes = 1.044 x the weights; largest activation estimate 123.75 MB; whole run 237.2 s (the loading and the process start included)
+        "#]]
+        .assert_eq(&report);
+        assert!(real_size_report("no report here", 1.0).is_err());
+    }
 }
