@@ -205,18 +205,18 @@ fn real_size_report(stdout: &str, wall: f64) -> anyhow::Result<String> {
     };
     let mut out = String::new();
     let mut weights = None;
-    let mut peaks: Vec<(String, u64)> = Vec::new();
+    let mut peaks: Vec<(String, u64, u64)> = Vec::new();
     for line in stdout.lines() {
         if let Some(rest) = line.strip_prefix("memory: loaded ") {
             out.push_str(&format!("loaded {rest}\n"));
         } else if line.starts_with("memory: weights ") {
             weights = number(line, "memory: weights ");
             let loading = number(line, "host peak while loading ").context("the loading peak")?;
-            peaks.push(("load".into(), loading));
+            peaks.push(("load".into(), loading, number(line, "anonymous ").context("the anonymous peak")?));
         } else if let Some(rest) = line.strip_prefix("memory: host peak during ") {
             let (phase, after) = rest.split_once(':').context("a phase")?;
             let peak = after.split_whitespace().next().and_then(|n| n.parse().ok()).context("a phase peak")?;
-            peaks.push((phase.to_string(), peak));
+            peaks.push((phase.to_string(), peak, number(line, "anonymous ").context("the anonymous peak")?));
         }
     }
     let weights = weights.context("no memory report in the CLI's output")?;
@@ -235,16 +235,20 @@ fn real_size_report(stdout: &str, wall: f64) -> anyhow::Result<String> {
             Some((parts.next()?.to_string(), parts.next()?.to_string()))
         })
         .collect();
-    out.push_str("phase      wall (s)   host peak (bytes)   x weights\n");
-    for (phase, peak) in &peaks {
+    out.push_str("phase      wall (s)   resident peak   x weights   anonymous peak   x weights\n");
+    for (phase, peak, anonymous) in &peaks {
         let time = times.iter().find(|(name, _)| name == phase).map_or("-", |(_, t)| t.as_str());
-        out.push_str(&format!("{phase:<10} {time:>8}   {peak:>17}   {:>9.3}\n", *peak as f64 / weights as f64));
+        let (r, a) = (*peak as f64 / weights as f64, *anonymous as f64 / weights as f64);
+        out.push_str(&format!("{phase:<10} {time:>8}   {peak:>13}   {r:>9.3}   {anonymous:>14}   {a:>9.3}\n"));
     }
-    let worst = peaks.iter().map(|(_, peak)| *peak).max().unwrap_or(0);
+    let worst = peaks.iter().map(|(_, peak, _)| *peak).max().unwrap_or(0);
+    let worst_anonymous = peaks.iter().map(|(_, _, anonymous)| *anonymous).max().unwrap_or(0);
     out.push_str(&format!(
-        "weights {weights} bytes; worst peak {worst} bytes = {:.3} x the weights; largest activation estimate {}; \
-         whole run {wall:.1} s (the loading and the process start included)\n",
+        "weights {weights} bytes; worst resident peak {:.3} x the weights (it counts the mapped pages of the shard \
+         being read), worst anonymous peak {:.3} x; largest activation estimate {}; whole run {wall:.1} s (the \
+         loading and the process start included)\n",
         worst as f64 / weights as f64,
+        worst_anonymous as f64 / weights as f64,
         activation.unwrap_or_else(|| "not printed".into())
     ));
     Ok(out)
@@ -254,16 +258,17 @@ fn real_size_report(stdout: &str, wall: f64) -> anyhow::Result<String> {
 mod tests {
     use super::*;
 
-    /// The lines of a real run the report reads (from a 20.3 GB checkpoint, 2026-12-01), among others it skips.
+    /// The lines of a real run the report reads (from a 20.3 GB checkpoint, 2026-12-01; the anonymous figures
+    /// rounded), among others it skips.
     const RUN: &str = "\
 memory: loaded text_encoder: 7843069440 bytes (7.30 GB)
 memory: loaded transformer: 12309817472 bytes (11.46 GB)
 memory: loaded vae: 167639366 bytes (159.87 MB)
-memory: weights 20320526278 bytes (18.92 GB); host peak while loading 21222895616 bytes (19.77 GB), resident now 1 bytes
+memory: weights 20320526278 bytes (18.92 GB); host peak while loading 21222895616 bytes (19.77 GB), anonymous 20400000000 bytes; resident now 1 bytes
 reserve: 123.75 MB (the largest activation estimate: the simulated card is charged exactly that, so no margin)
-memory: host peak during encode: 20542349312 bytes (19.13 GB)
-memory: host peak during denoise: 20658356224 bytes (19.24 GB)
-memory: host peak during decode: 20652650496 bytes (19.23 GB)
+memory: host peak during encode: 20542349312 bytes (19.13 GB), anonymous 20500000000 bytes
+memory: host peak during denoise: 20658356224 bytes (19.24 GB), anonymous 20600000000 bytes
+memory: host peak during decode: 20652650496 bytes (19.23 GB), anonymous 20600000000 bytes
 wrote /tmp/real.png
 
 phases:
@@ -280,12 +285,12 @@ total     208.911 s
             loaded text_encoder: 7843069440 bytes (7.30 GB)
             loaded transformer: 12309817472 bytes (11.46 GB)
             loaded vae: 167639366 bytes (159.87 MB)
-            phase      wall (s)   host peak (bytes)   x weights
-            load              -         21222895616       1.044
-            encode       28.244         20542349312       1.011
-            denoise     157.988         20658356224       1.017
-            decode       22.679         20652650496       1.016
-            weights 20320526278 bytes; worst peak 21222895616 bytes = 1.044 x the weights; largest activation estimate 123.75 MB; whole run 237.2 s (the loading and the process start included)
+            phase      wall (s)   resident peak   x weights   anonymous peak   x weights
+            load              -     21222895616       1.044      20400000000       1.004
+            encode       28.244     20542349312       1.011      20500000000       1.009
+            denoise     157.988     20658356224       1.017      20600000000       1.014
+            decode       22.679     20652650496       1.016      20600000000       1.014
+            weights 20320526278 bytes; worst resident peak 1.044 x the weights (it counts the mapped pages of the shard being read), worst anonymous peak 1.014 x; largest activation estimate 123.75 MB; whole run 237.2 s (the loading and the process start included)
         "#]]
         .assert_eq(&report);
         assert!(real_size_report("no report here", 1.0).is_err());

@@ -204,7 +204,8 @@ struct Generate {
     #[arg(long)]
     profile_dir: Option<PathBuf>,
     /// Print the process's host memory: its peak resident set after loading and during each phase (Linux's
-    /// VmHWM, reset between phases), and each component's loaded bytes.
+    /// VmHWM, reset between phases; it counts the pages of the mapped checkpoint files too), the peak of its
+    /// anonymous memory alone (RssAnon, sampled every 10 ms), and each component's loaded bytes.
     #[arg(long)]
     memory_report: bool,
     /// Refuse file tensors the reference implementation ignores too (a text encoder saved with its causal LM's
@@ -435,6 +436,9 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         ledger: target.ledger(),
         memory: target.memory(),
     };
+    let anonymous = args
+        .memory_report
+        .then(|| Arc::new(pipeline_zimage::host::AnonymousPeak::start(std::time::Duration::from_millis(10))));
     let load = LoadOptions::new().with_dtype(args.dtype.load_dtype()).with_strict(args.strict_load);
     let mut pipeline =
         ZImagePipeline::load(&weights, placement, &load).with_context(|| format!("loading {}", weights.display()))?;
@@ -448,8 +452,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     for report in pipeline.load_reports() {
         eprintln!("{report}");
     }
-    if args.memory_report {
-        report_loaded(&pipeline);
+    if let Some(anonymous) = &anonymous {
+        report_loaded(&pipeline, anonymous);
     }
     if args.quantize {
         for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
@@ -457,12 +461,17 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             eprintln!("{component}: {count} linear weights quantized to 8 bits");
         }
     }
-    if args.memory_report {
-        pipeline.set_phase_observer(Arc::new(|phase: &str| {
+    if let Some(anonymous) = anonymous.clone() {
+        pipeline.set_phase_observer(Arc::new(move |phase: &str| {
             use pipeline_zimage::host::{peak_resident_bytes, reset_peak_resident};
             let peak = peak_resident_bytes();
-            println!("memory: host peak during {phase}: {peak} bytes ({})", format_size(peak));
+            println!(
+                "memory: host peak during {phase}: {peak} bytes ({}), anonymous {} bytes",
+                format_size(peak),
+                anonymous.peak()
+            );
             let _ = reset_peak_resident();
+            anonymous.reset();
         }));
     }
     let mut opts = GenerateOptions::turbo(args.prompt.clone());
@@ -602,7 +611,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
 
 /// Prints each component's loaded bytes and the host's peak after loading, then starts a new peak and has the
 /// pipeline print each phase's peak as it finishes (`--memory-report`).
-fn report_loaded(pipeline: &ZImagePipeline) {
+fn report_loaded(pipeline: &ZImagePipeline, anonymous: &pipeline_zimage::host::AnonymousPeak) {
     use pipeline_zimage::host::{peak_resident_bytes, reset_peak_resident, resident_bytes};
     let ids = pipeline.ids();
     let mut weights = 0;
@@ -612,15 +621,18 @@ fn report_loaded(pipeline: &ZImagePipeline) {
         println!("memory: loaded {component}: {bytes} bytes ({})", format_size(bytes));
     }
     println!(
-        "memory: weights {weights} bytes ({}); host peak while loading {} bytes ({}), resident now {} bytes",
+        "memory: weights {weights} bytes ({}); host peak while loading {} bytes ({}), anonymous {} bytes; resident \
+         now {} bytes",
         format_size(weights),
         peak_resident_bytes(),
         format_size(peak_resident_bytes()),
+        anonymous.peak(),
         resident_bytes()
     );
     if let Err(error) = reset_peak_resident() {
         println!("memory: cannot reset the peak ({error}); phase peaks count from the start");
     }
+    anonymous.reset();
 }
 
 fn main() -> anyhow::Result<()> {
