@@ -58,6 +58,15 @@ def assemble(fixtures: Path, name: str, into: Path) -> Path:
     return ckpt
 
 
+def fresh_overlay(fixtures: Path, name: str) -> Path:
+    """The empty overlay directory of variant `name`."""
+    overlay = fixtures / "variants" / name
+    if overlay.exists():
+        shutil.rmtree(overlay)
+    overlay.mkdir(parents=True)
+    return overlay
+
+
 def replace_component(overlay: Path, component: str, saved: Path) -> None:
     """Puts the directory `saved` (a save_pretrained output) in the overlay as `component`."""
     target = overlay / component
@@ -98,10 +107,7 @@ def vae_variant(fixtures: Path, levels: int, gen: torch.Generator, work: Path) -
     randomize(vae, gen)
     saved = work / f"vae-{levels}"
     vae.save_pretrained(str(saved), safe_serialization=True)
-    overlay = fixtures / "variants" / f"vae-{levels}-levels"
-    if overlay.exists():
-        shutil.rmtree(overlay)
-    overlay.mkdir(parents=True)
+    overlay = fresh_overlay(fixtures, f"vae-{levels}-levels")
     replace_component(overlay, "vae", saved)
     return overlay
 
@@ -118,10 +124,7 @@ def generic_tokenizer_variant(fixtures: Path, work: Path) -> Path:
     pipe.save_pretrained(str(saved), safe_serialization=True)
     index = json.loads((saved / "model_index.json").read_text())
     assert index["tokenizer"][1] == "TokenizersBackend", index["tokenizer"]
-    overlay = fixtures / "variants" / "generic-tokenizer"
-    if overlay.exists():
-        shutil.rmtree(overlay)
-    overlay.mkdir(parents=True)
+    overlay = fresh_overlay(fixtures, "generic-tokenizer")
     shutil.copy(saved / "model_index.json", overlay / "model_index.json")
     replace_component(overlay, "tokenizer", saved / "tokenizer")
     return overlay
@@ -133,10 +136,7 @@ def bf16_variant(fixtures: Path, work: Path) -> Path:
     pipe = ZImagePipeline.from_pretrained(str(fixtures / "tiny-z-image-turbo"), torch_dtype=torch.bfloat16)
     saved = work / "bf16"
     pipe.save_pretrained(str(saved), safe_serialization=True)
-    overlay = fixtures / "variants" / "bf16"
-    if overlay.exists():
-        shutil.rmtree(overlay)
-    overlay.mkdir(parents=True)
+    overlay = fresh_overlay(fixtures, "bf16")
     for component in ("text_encoder", "transformer", "vae"):
         replace_component(overlay, component, saved / component)
     return overlay
@@ -156,10 +156,7 @@ def lm_head_variant(fixtures: Path, gen: torch.Generator, work: Path) -> Path:
         causal.lm_head.weight.copy_(torch.randn(causal.lm_head.weight.shape, generator=gen))
     saved = work / "causal"
     causal.save_pretrained(str(saved), safe_serialization=True)
-    overlay = fixtures / "variants" / "lm-head"
-    if overlay.exists():
-        shutil.rmtree(overlay)
-    overlay.mkdir(parents=True)
+    overlay = fresh_overlay(fixtures, "lm-head")
     replace_component(overlay, "text_encoder", saved)
     return overlay
 
