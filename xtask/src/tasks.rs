@@ -269,7 +269,7 @@ reserve: 123.75 MB (the largest activation estimate: the simulated card is charg
 memory: host peak during encode: 20542349312 bytes (19.13 GB), anonymous 20500000000 bytes
 memory: host peak during denoise: 20658356224 bytes (19.24 GB), anonymous 20600000000 bytes
 memory: host peak during decode: 20652650496 bytes (19.23 GB), anonymous 20600000000 bytes
-wrote /tmp/real.png
+wrote real-size.png
 
 phases:
 encode     28.244 s (release 0.000 s)
