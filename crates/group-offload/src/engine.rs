@@ -251,7 +251,7 @@ impl Shared {
         // reader races the copy.
         let checked = match built {
             Ok(tensors) => check_device(device, &self.config.device_name, "upload", memory)
-                .and_then(|()| check_outputs(&tensors, &self.config.device_name, "upload", memory))
+                .and_then(|()| check_outputs(&tensors, device, &self.config.device_name, "upload", memory))
                 .map(|()| tensors),
             Err(panic) => Err(panic.with_device(&self.config.device_name, "upload", memory)),
         };

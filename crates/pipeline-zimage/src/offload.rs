@@ -102,12 +102,6 @@ impl Placement {
             memory: Some(card),
         }
     }
-
-    /// The same placement with `memory` as its readings.
-    pub fn with_memory(mut self, memory: Arc<dyn DeviceMemory>) -> Self {
-        self.memory = Some(memory);
-        self
-    }
 }
 
 impl std::fmt::Debug for Placement {
@@ -220,7 +214,7 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
             // cubecl reports an allocation failure at the next sync, not at the allocating call.
             let checked = match moved {
                 Ok(moved) => check_device(exec, device, "onload", memory)
-                    .and_then(|()| check_outputs(&Parameters(&moved), device, "onload", memory))
+                    .and_then(|()| check_outputs(&Parameters(&moved), exec, device, "onload", memory))
                     .map(|()| moved),
                 Err(panic) => Err(panic.with_device(device, "onload", memory)),
             };
