@@ -315,11 +315,14 @@ impl PoolState {
         }
     }
 
+    /// Reads the pool and counts the reading in the peaks and every open window. The reading is taken under the
+    /// windows' lock, so a reading the sampler took before a window opened (or a peak was reset) can never be
+    /// counted in it.
     fn observe(&self) -> PoolSnapshot {
+        let mut windows = self.windows.lock();
         let snapshot = self.snapshot();
         self.peak.fetch_max(snapshot.in_use, Ordering::Relaxed);
         self.reserved_peak.fetch_max(snapshot.reserved, Ordering::Relaxed);
-        let mut windows = self.windows.lock();
         for window in windows.values_mut() {
             window.high_in_use = window.high_in_use.max(snapshot.in_use);
             window.high_reserved = window.high_reserved.max(snapshot.reserved);
@@ -416,6 +419,7 @@ impl PoolReadings {
 
     /// Starts a new peak: the next readings alone count.
     pub fn reset_peak(&self) {
+        let _windows = self.state.windows.lock();
         let snapshot = self.state.snapshot();
         self.state.peak.store(snapshot.in_use, Ordering::Relaxed);
         self.state.reserved_peak.store(snapshot.reserved, Ordering::Relaxed);
@@ -435,9 +439,10 @@ impl PoolReadings {
     /// Opens a call window on this thread: from now until [`end_window`](Self::end_window), the highest readings
     /// are kept for it.
     pub fn begin_window(&self) -> PoolSnapshot {
+        let mut windows = self.state.windows.lock();
         let start = self.state.snapshot();
         let window = CallWindow { start, high_in_use: start.in_use, high_reserved: start.reserved };
-        self.state.windows.lock().insert(std::thread::current().id(), window);
+        windows.insert(std::thread::current().id(), window);
         start
     }
 
