@@ -167,8 +167,9 @@ pub fn compare(args: &CompareArgs) -> anyhow::Result<()> {
         "Bytes moved (both ways) for {} prompt(s) of Z-Image-Turbo, {} steps, reserve {}, soft mode",
         args.prompts, args.steps, args.reserve
     );
-    println!("The optimum keeps the reserve (or the running component's needs, if larger) free; a strategy whose");
-    println!("peak exceeds the card can move less than it only because soft mode lets it overcommit.");
+    println!("The optimum is a lower bound for the run beside it: the fewest bytes any offloader moves when the");
+    println!("resident weights, each call's working set and the outputs held fit the card (or, for a soft run that");
+    println!("overcommits, the memory the run itself took); the reserve is a strategy's margin, not a rule.");
     println!("{:<8} {:<14} {:>12} {:>12} {:>6} {:>10}  note", "card", "strategy", "moved", "optimum", "ratio", "peak");
     for label in &cards {
         for name in STRATEGIES {

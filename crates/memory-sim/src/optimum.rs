@@ -1,15 +1,26 @@
-//! The offline optimum: the fewest bytes a perfect offloader would move for a recorded sequence of uses.
+//! The offline optimum: the fewest bytes any offloader could move for a recorded sequence of uses, a lower bound
+//! for every run of that sequence under the same rules.
 //!
 //! # The model
 //!
 //! Components have sizes; a sequence of uses says which component runs when; a budget says how many weight
-//! bytes may be resident while a given component runs (the simulation passes the card's usable memory minus
-//! the larger of the reserve and what the running component needs beside the weights: its working set and
-//! every component's outputs). A set of residents is allowed when it fits the budget of the use it serves or
-//! holds a single component: a lone component always loads, as the anchor's rule lets it. Each onload moves the component's bytes to the device and each offload moves them back (as
-//! `module.to("cpu")` and our virtual components do), so the cost is onloaded plus offloaded bytes. Activations
-//! and outputs are not part of the model: the optimum is a lower bound for what any strategy moves on the
-//! same sequence, not a replay of one.
+//! bytes may be resident during each use. A set of residents is allowed when it fits the budget of the use it
+//! serves or holds a single component: a lone component always loads, as the anchor's rule lets it. Each onload
+//! moves the component's bytes to the device and each offload moves them back (as `module.to("cpu")` and our
+//! virtual components do), so the cost is onloaded plus offloaded bytes. Nothing is charged for the residents
+//! left at the end.
+//!
+//! # The rules, and why the result is a bound
+//!
+//! The budget is what the card itself lets a run keep, never a strategy's choice (the reserve is the `auto`
+//! strategy's margin, and another strategy may ignore it): while a component runs, its working set and the
+//! outputs the other components hold are on the card beside the resident weights, so the weights can take at
+//! most the card's usable memory less those ([`simulate`](crate::simulate) computes it per use). On a hard card
+//! that is a rule the card enforces; on a soft card, which lets a run overcommit, the card's size is replaced by
+//! the most the run itself allocated when that is more. Every resident set the run held at a completed use is
+//! then allowed, and the run paid at least each onload and offload along its path, so no run under these rules
+//! moves fewer bytes than the optimum: a figure printed as the optimum is a true lower bound for the run beside
+//! it (tested over every card and strategy the integration runs).
 //!
 //! # The search
 //!
@@ -38,9 +49,9 @@ impl Moves {
     }
 }
 
-/// The fewest bytes moved to serve `uses` (indices into `sizes`) when at most `budget(c)` weight bytes may be
-/// resident while component `c` runs, or `None` when there are more than [`MAX_COMPONENTS`] components or a
-/// use names no component.
+/// The fewest bytes moved to serve `uses` (indices into `sizes`) when at most `budget(at)` weight bytes may be
+/// resident during use `at` (a position in `uses`), or `None` when there are more than [`MAX_COMPONENTS`]
+/// components or a use names no component.
 ///
 /// ```
 /// use memory_sim::optimum::optimal_moves;
@@ -55,11 +66,11 @@ pub fn optimal_moves(sizes: &[u64], uses: &[usize], budget: impl Fn(usize) -> u6
     }
     let sets = 1usize << n;
     let total: Vec<u64> = (0..sets).map(|m| (0..n).filter(|i| m & (1 << i) != 0).map(|i| sizes[i]).sum()).collect();
-    let allowed = |m: usize, used: usize| total[m] <= budget(used) || m.count_ones() <= 1;
+    let allowed = |m: usize, at: usize| total[m] <= budget(at) || m.count_ones() <= 1;
     // For each resident set, the cheapest (cost, onloaded) to be there now.
     let mut best: Vec<Option<(u64, u64)>> = vec![None; sets];
     best[0] = Some((0, 0));
-    for &used in uses {
+    for (at, &used) in uses.iter().enumerate() {
         let bit = 1usize << used;
         let mut next: Vec<Option<(u64, u64)>> = vec![None; sets];
         let offer = |slot: &mut Option<(u64, u64)>, candidate: (u64, u64)| {
@@ -77,7 +88,7 @@ pub fn optimal_moves(sizes: &[u64], uses: &[usize], budget: impl Fn(usize) -> u6
             let mut keep = mask;
             loop {
                 let target = keep | bit;
-                if allowed(target, used) {
+                if allowed(target, at) {
                     let offloaded = total[mask & !keep];
                     offer(&mut next[target], (cost + offloaded + sizes[used], onloaded + sizes[used]));
                 }
@@ -93,6 +104,27 @@ pub fn optimal_moves(sizes: &[u64], uses: &[usize], budget: impl Fn(usize) -> u6
         .flatten()
         .min_by_key(|(cost, _)| *cost)
         .map(|&(cost, onloaded)| Moves { onloaded, offloaded: cost - onloaded })
+}
+
+/// The budget of each use under the card's rules (see the [module docs](self)): `memory` (the card's usable
+/// bytes, or in soft mode the most the run allocated where that is more) less the running component's
+/// `working` set and the `left_behind` outputs the other components already called still hold. `uses`,
+/// `working` and `left_behind` index components as in [`optimal_moves`].
+///
+/// ```
+/// use memory_sim::optimum::use_budgets;
+/// // Component 1 leaves 2 bytes behind; while 0 runs after it, they are on the card too.
+/// assert_eq!(use_budgets(&[0, 1, 0], &[3, 1], &[0, 2], 10), [7, 9, 5]);
+/// ```
+pub fn use_budgets(uses: &[usize], working: &[u64], left_behind: &[u64], memory: u64) -> Vec<u64> {
+    let mut called = vec![false; working.len()];
+    uses.iter()
+        .map(|&used| {
+            let held: u64 = (0..working.len()).filter(|&j| j != used && called[j]).map(|j| left_behind[j]).sum();
+            called[used] = true;
+            memory.saturating_sub(working[used]).saturating_sub(held)
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -18,6 +18,9 @@
 //! | peak when the VAE arrives | 12.07 | transformer working set 12.07 − 11.46 − 0.15 = 0.46 GiB |
 //! | peak of the whole run (`max_memory_allocated`) | 14.15 | VAE working set 14.15 − 0.15 − 0.05 − 11.46 − 0.16 = 2.33 GiB |
 //!
+//! Each working set is made in one allocation per layer or block, so a hard card's out-of-memory strikes
+//! part-way through a call (see [`ActivationProfile`]).
+//!
 //! The VAE leaves its image behind (1024 × 1024 × 3 bf16 = 6 MiB). The other two profiles' outputs are what the
 //! record shows the allocator did not give back, not the size of the tensors alone; they reproduce the
 //! record's readings within 0.01 GiB and the four declared card expectations exactly (see the tests).
@@ -31,6 +34,14 @@
 use crate::component::{ActivationProfile, ComponentProfile};
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// The allocations a call's working set is made in: one per layer or block that runs (Qwen3's 36 layers; the
+/// transformer's 2 noise-refiner, 2 context-refiner and 30 main blocks; the VAE decoder's mid block, its 4 up
+/// blocks of 3 ResNet blocks and its 3 upsamplers, 16 stages). A modelling choice, not a measurement: it sets
+/// how far into a call an out-of-memory can strike, and how much the failed call holds when it does.
+const TEXT_LAYERS: u32 = 36;
+const TRANSFORMER_BLOCKS: u32 = 34;
+const VAE_DECODER_STAGES: u32 = 16;
 
 fn gib(x: f64) -> u64 {
     (x * GIB).round() as u64
@@ -78,19 +89,20 @@ impl PipelineProfile {
                 ComponentProfile {
                     name: "text_encoder".into(),
                     bytes: 8_044_936_192,
-                    activations: ActivationProfile { working: gib(0.28), left_behind: gib(0.15) },
+                    activations: ActivationProfile::new(gib(0.28), gib(0.15)).in_allocations(TEXT_LAYERS),
                     flops: text_flops,
                 },
                 ComponentProfile {
                     name: "transformer".into(),
                     bytes: 12_309_817_472,
-                    activations: ActivationProfile { working: gib(0.46), left_behind: gib(0.05) },
+                    activations: ActivationProfile::new(gib(0.46), gib(0.05)).in_allocations(TRANSFORMER_BLOCKS),
                     flops: transformer_flops,
                 },
                 ComponentProfile {
                     name: "vae".into(),
                     bytes: 167_639_366,
-                    activations: ActivationProfile { working: gib(2.33), left_behind: 1024 * 1024 * 3 * 2 },
+                    activations: ActivationProfile::new(gib(2.33), 1024 * 1024 * 3 * 2)
+                        .in_allocations(VAE_DECODER_STAGES),
                     flops: vae_flops,
                 },
             ],

@@ -12,7 +12,7 @@ use crate::card::{CardSpec, CardStats, SimCard};
 use crate::component::VirtualComponent;
 use crate::error::SimError;
 use crate::expect::{CardExpectation, name_of, observed};
-use crate::optimum::{Moves, optimal_moves};
+use crate::optimum::{Moves, optimal_moves, use_budgets};
 use crate::profile::PipelineProfile;
 
 /// How to play a pipeline.
@@ -57,8 +57,12 @@ pub struct SimRun {
     pub completed: usize,
     /// The error that stopped the run, if one did.
     pub error: Option<String>,
-    /// The offline optimum for the same uses, when it could be searched.
+    /// The offline optimum for the uses that completed, under the card's rules (see [`crate::optimum`]): a
+    /// lower bound for what this run moved. `None` when it could not be searched.
     pub optimum: Option<Moves>,
+    /// The memory the optimum's budgets start from: the card's usable bytes, or in soft mode the run's peak
+    /// where that is more.
+    pub optimum_memory: u64,
 }
 
 impl SimRun {
@@ -79,7 +83,16 @@ impl SimRun {
 
     /// A few lines for people: time, bytes moved, the optimum, peak, retries, final devices.
     pub fn summary(&self) -> String {
-        let optimum = self.optimum.map_or_else(|| "not searched".to_string(), |m| format_size(m.total()));
+        let optimum = self.optimum.map_or_else(
+            || "not searched".to_string(),
+            |m| {
+                format!(
+                    "{} (a bound: weights beside each call's needs within {})",
+                    format_size(m.total()),
+                    format_size(self.optimum_memory)
+                )
+            },
+        );
         let placement: Vec<String> =
             self.placement.iter().map(|(id, device)| format!("{}={}", name_of(id), device.kind())).collect();
         let mut text = format!(
@@ -161,15 +174,19 @@ pub fn simulate(profile: &PipelineProfile, card: CardSpec, options: &RunOptions)
     // Figures of the run itself: the moves that disabling makes afterwards are not the pipeline's.
     let (stats, peak) = (sim.stats(), sim.peak());
     manager.disable_auto_offload()?;
+    // The optimum of the uses that completed, under the card's rules: its usable memory, or in soft mode what
+    // the run itself allocated where that is more; never the strategy's reserve.
     let sizes: Vec<u64> = profile.components.iter().map(|c| c.bytes).collect();
     let use_indices: Vec<usize> =
-        uses.iter().filter_map(|name| profile.components.iter().position(|c| &c.name == name)).collect();
+        uses[..completed].iter().filter_map(|name| profile.components.iter().position(|c| &c.name == name)).collect();
     let usable = card.capacity - card.context_overhead;
-    let outputs: u64 = profile.components.iter().map(|c| c.activations.left_behind).sum();
-    let budget = |used: usize| {
-        let headroom = options.reserve.max(profile.components[used].activations.working + outputs);
-        usable.saturating_sub(headroom)
+    let optimum_memory = match card.mode {
+        crate::card::Mode::Hard => usable,
+        crate::card::Mode::Soft => usable.max(peak),
     };
+    let working: Vec<u64> = profile.components.iter().map(|c| c.activations.working).collect();
+    let left_behind: Vec<u64> = profile.components.iter().map(|c| c.activations.left_behind).collect();
+    let budgets = use_budgets(&use_indices, &working, &left_behind, optimum_memory);
     Ok(SimRun {
         strategy: strategy_name,
         record: snapshot,
@@ -180,7 +197,8 @@ pub fn simulate(profile: &PipelineProfile, card: CardSpec, options: &RunOptions)
         uses,
         completed,
         error,
-        optimum: optimal_moves(&sizes, &use_indices, budget),
+        optimum: optimal_moves(&sizes, &use_indices, |at| budgets[at]),
+        optimum_memory,
         card,
     })
 }

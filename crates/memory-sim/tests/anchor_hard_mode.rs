@@ -19,7 +19,7 @@ fn component(name: &str, units: u64, working_units: u64, card: &Arc<SimCard>) ->
     let profile = ComponentProfile {
         name: name.into(),
         bytes: units * UNIT,
-        activations: ActivationProfile { working: working_units * UNIT, left_behind: 0 },
+        activations: ActivationProfile::new(working_units * UNIT, 0),
         flops: 1e9,
     };
     VirtualComponent::new(profile, card.clone())
@@ -96,4 +96,35 @@ fn offloading_reduces_peak_memory() {
     };
     let (serialised, partial, resident) = (peak_on(80), peak_on(160), peak_on(1 << 20));
     assert!(serialised < partial && partial < resident, "{serialised} < {partial} < {resident}");
+}
+
+/// A call's activations are a sequence of allocations: the OOM strikes part-way, and the `oom_retry` row reads
+/// the memory the failed call still held (a peak above the weights, less available than the weights leave).
+#[test]
+fn an_oom_part_way_through_a_call_shows_in_the_retry_rows_readings() {
+    let card = card(120);
+    let manager = ComponentsManager::new();
+    let mut model = component("model", 32, 40, &card);
+    let profile = ActivationProfile::new(40 * UNIT, 0).in_allocations(4);
+    model = VirtualComponent::new(ComponentProfile { activations: profile, ..model.profile().clone() }, card.clone());
+    let model = manager.add("model", model, None).unwrap();
+    let resident = manager.add("resident", component("resident", 64, 0, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    manager.run(&resident, |v: &mut VirtualComponent| v.call()).unwrap();
+    // 64 + 32 weights leave 24 units: two 10-unit parts fit, the third fails with 20 units held.
+    manager.run(&model, |v: &mut VirtualComponent| v.call()).unwrap();
+    let retry = manager.offload_record().events().pop().unwrap();
+    assert_eq!(retry.reason, Some(Reason::OomRetry(model.clone())));
+    assert_eq!(retry.available, Some(4 * UNIT), "24 units the weights leave, less the 20 the failed call holds");
+    assert_eq!(retry.peak, Some(116 * UNIT), "the weights' 96 units and the failed call's 20");
+    // Released before the re-run: the re-run's peak is the model's weights and its whole working set.
+    assert_eq!(card.allocated(), 32 * UNIT);
+    assert_eq!(card.peak(), 116 * UNIT);
+}
+
+#[test]
+fn the_working_set_splits_into_its_allocations() {
+    let parts: Vec<u64> = ActivationProfile::new(10, 0).in_allocations(4).parts().collect();
+    assert_eq!(parts, [2, 2, 2, 4]);
+    assert_eq!(ActivationProfile::new(7, 1).in_allocations(0).parts().collect::<Vec<_>>(), [7]);
 }

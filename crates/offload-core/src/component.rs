@@ -115,6 +115,13 @@ pub trait Offloadable: Any + Send {
         false
     }
 
+    /// Gives back what a failed call still holds on the device. The manager calls it once it has handled a
+    /// call's out-of-memory error: after the `oom_retry` offload it recorded (whose readings show what the
+    /// failed call held, as the anchor's do while the exception is alive) and before the call runs again or the
+    /// error is returned. Nothing by default: a burn component's partial activations are freed when the failed
+    /// call's tensors drop.
+    fn release_failed_call(&mut self) {}
+
     /// A class name for summaries, e.g. `ZImageTransformer2DModel`.
     fn class_name(&self) -> String {
         let full = std::any::type_name::<Self>();

@@ -519,7 +519,11 @@ impl ComponentsManager {
             match outcome {
                 Ok(value) => return Ok(value),
                 Err(error) if error.is_out_of_memory() => {
-                    self.make_room_after_oom(id, error, &mut offloaded_for_retry)?
+                    // The failed call's partial allocations are held while the retry is decided and recorded,
+                    // then given back before the call runs again or the error leaves.
+                    let made_room = self.make_room_after_oom(id, error, &mut offloaded_for_retry);
+                    component.release_failed_call();
+                    made_room?
                 }
                 Err(source) => return Err(Error::Component { operation: "run", id: id.to_string(), source }),
             }
