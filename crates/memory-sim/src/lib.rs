@@ -36,4 +36,4 @@ pub use component::{ActivationProfile, ComponentProfile, VirtualComponent};
 pub use error::SimError;
 pub use expect::{CardExpectation, Expectations};
 pub use profile::PipelineProfile;
-pub use run::{RunOptions, SimRun, simulate};
+pub use run::{RunOptions, SimRun, replay, simulate};

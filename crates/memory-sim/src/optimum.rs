@@ -78,24 +78,24 @@ pub fn optimal_moves(sizes: &[u64], uses: &[usize], budget: impl Fn(usize) -> u6
                 *slot = Some(candidate);
             }
         };
-        for mask in 0..sets {
-            let Some((cost, onloaded)) = best[mask] else { continue };
-            if mask & bit != 0 {
-                offer(&mut next[mask], (cost, onloaded));
-                continue;
-            }
-            // Keep any subset of the residents, offload the rest, onload the used component.
-            let mut keep = mask;
+        for (mask, state) in best.iter().enumerate() {
+            let Some((cost, onloaded)) = *state else { continue };
+            // The used component is resident (onloaded now if it was not); of the others keep any subset that
+            // fits this use's budget beside it, and offload the rest. A resident used component is held to
+            // the budget too: the set must fit while it runs.
+            let onload = if mask & bit == 0 { sizes[used] } else { 0 };
+            let others = mask & !bit;
+            let mut keep = others;
             loop {
                 let target = keep | bit;
                 if allowed(target, at) {
-                    let offloaded = total[mask & !keep];
-                    offer(&mut next[target], (cost + offloaded + sizes[used], onloaded + sizes[used]));
+                    let offloaded = total[others & !keep];
+                    offer(&mut next[target], (cost + offloaded + onload, onloaded + onload));
                 }
                 if keep == 0 {
                     break;
                 }
-                keep = (keep - 1) & mask;
+                keep = (keep - 1) & others;
             }
         }
         best = next;
@@ -152,6 +152,14 @@ mod tests {
         assert_eq!(moves, Moves { onloaded: 15, offloaded: 0 });
     }
 
+    /// A component already resident is held to its use's budget too: a tighter use forces an offload.
+    #[test]
+    fn a_resident_set_must_fit_every_use_it_serves() {
+        let budgets = [10, 10, 1];
+        let moves = optimal_moves(&[5, 5], &[0, 1, 1], |at| budgets[at]).unwrap();
+        assert_eq!(moves, Moves { onloaded: 10, offloaded: 5 });
+    }
+
     #[test]
     fn refuses_what_it_cannot_search() {
         assert!(optimal_moves(&[1; MAX_COMPONENTS + 1], &[0], |_| 1).is_none());
@@ -162,27 +170,25 @@ mod tests {
     /// over every eviction choice on small random cases.
     #[test]
     fn matches_an_exhaustive_search_on_small_cases() {
-        fn brute(sizes: &[u64], uses: &[usize], budget: u64, resident: usize, at: usize) -> u64 {
+        fn brute(sizes: &[u64], uses: &[usize], budgets: &[u64], resident: usize, at: usize) -> u64 {
             if at == uses.len() {
                 return 0;
             }
             let bit = 1usize << uses[at];
-            if resident & bit != 0 {
-                return brute(sizes, uses, budget, resident, at + 1);
-            }
+            let onload = if resident & bit == 0 { sizes[uses[at]] } else { 0 };
             let sum = |m: usize| (0..sizes.len()).filter(|i| m & (1 << i) != 0).map(|i| sizes[i]).sum::<u64>();
+            let others = resident & !bit;
             let mut best = u64::MAX;
-            let mut keep = resident;
-            loop {
+            // Every subset of the other residents, kept beside the used component or offloaded.
+            for keep in 0..=others {
+                if keep & !others != 0 {
+                    continue;
+                }
                 let target = keep | bit;
-                if sum(target) <= budget || target.count_ones() == 1 {
-                    let cost = sum(resident & !keep) + sizes[uses[at]] + brute(sizes, uses, budget, target, at + 1);
+                if sum(target) <= budgets[at] || target.count_ones() == 1 {
+                    let cost = sum(others & !keep) + onload + brute(sizes, uses, budgets, target, at + 1);
                     best = best.min(cost);
                 }
-                if keep == 0 {
-                    break;
-                }
-                keep = (keep - 1) & resident;
             }
             best
         }
@@ -197,9 +203,9 @@ mod tests {
             let n = 1 + (next() % 4) as usize;
             let sizes: Vec<u64> = (0..n).map(|_| 1 + next() % 6).collect();
             let uses: Vec<usize> = (0..(1 + next() % 7)).map(|_| (next() % n as u64) as usize).collect();
-            let budget = next() % 14;
-            let moves = optimal_moves(&sizes, &uses, |_| budget).unwrap();
-            assert_eq!(moves.total(), brute(&sizes, &uses, budget, 0, 0), "{sizes:?} {uses:?} {budget}");
+            let budgets: Vec<u64> = uses.iter().map(|_| next() % 14).collect();
+            let moves = optimal_moves(&sizes, &uses, |at| budgets[at]).unwrap();
+            assert_eq!(moves.total(), brute(&sizes, &uses, &budgets, 0, 0), "{sizes:?} {uses:?} {budgets:?}");
         }
     }
 }

@@ -9,6 +9,7 @@ use offload_core::{
 use offload_strategy::OffloadStrategy;
 
 use crate::card::{CardSpec, CardStats, SimCard};
+use crate::component::ComponentProfile;
 use crate::component::VirtualComponent;
 use crate::error::SimError;
 use crate::expect::{CardExpectation, name_of, observed};
@@ -130,11 +131,26 @@ impl SimRun {
 /// state it reached: that is an outcome to report, not a failure of the simulation. Impossible configurations
 /// (a reserve larger than the card) are errors.
 pub fn simulate(profile: &PipelineProfile, card: CardSpec, options: &RunOptions) -> Result<SimRun, SimError> {
+    replay(&profile.components, &profile.uses(options.prompts), card, options)
+}
+
+/// Plays a schedule of uses (component names, in order: one captured from a real run with
+/// [`ComponentsManager::uses`], say) over virtual components through a fresh `ComponentsManager` with auto
+/// offload, as [`simulate`] does for a profile's flow; `options.prompts` is not used.
+///
+/// It is how a run on one strategy is set beside another on the same schedule: replayed on a card that charges
+/// what the real run was charged, the manager decides exactly as it did.
+pub fn replay(
+    components: &[ComponentProfile],
+    uses: &[String],
+    card: CardSpec,
+    options: &RunOptions,
+) -> Result<SimRun, SimError> {
     card.check_reserve(options.reserve)?;
     let sim = SimCard::new(card.clone());
     let manager = ComponentsManager::new();
     let mut ids = Vec::new();
-    for component in &profile.components {
+    for component in components {
         let id = manager.add(&component.name, VirtualComponent::new(component.clone(), sim.clone()), None)?;
         ids.push(id);
     }
@@ -146,15 +162,14 @@ pub fn simulate(profile: &PipelineProfile, card: CardSpec, options: &RunOptions)
         }
         None => "auto".to_string(),
     };
-    let uses = profile.uses(options.prompts);
+    let uses = uses.to_vec();
     let mut completed = 0;
     let mut error = None;
     for name in &uses {
-        let index =
-            profile.components.iter().position(|c| &c.name == name).ok_or_else(|| SimError::ImpossibleCard {
-                label: card.label.clone(),
-                problem: format!("the flow uses {name}, which the profile lacks"),
-            })?;
+        let index = components.iter().position(|c| &c.name == name).ok_or_else(|| SimError::ImpossibleCard {
+            label: card.label.clone(),
+            problem: format!("the flow uses {name}, which the profile lacks"),
+        })?;
         match manager.run(&ids[index], |component: &mut VirtualComponent| component.call()) {
             Ok(_) => completed += 1,
             Err(e @ (CoreError::DoesNotFit { .. } | CoreError::Component { .. })) => {
@@ -176,16 +191,16 @@ pub fn simulate(profile: &PipelineProfile, card: CardSpec, options: &RunOptions)
     manager.disable_auto_offload()?;
     // The optimum of the uses that completed, under the card's rules: its usable memory, or in soft mode what
     // the run itself allocated where that is more; never the strategy's reserve.
-    let sizes: Vec<u64> = profile.components.iter().map(|c| c.bytes).collect();
+    let sizes: Vec<u64> = components.iter().map(|c| c.bytes).collect();
     let use_indices: Vec<usize> =
-        uses[..completed].iter().filter_map(|name| profile.components.iter().position(|c| &c.name == name)).collect();
+        uses[..completed].iter().filter_map(|name| components.iter().position(|c| &c.name == name)).collect();
     let usable = card.capacity - card.context_overhead;
     let optimum_memory = match card.mode {
         crate::card::Mode::Hard => usable,
         crate::card::Mode::Soft => usable.max(peak),
     };
-    let working: Vec<u64> = profile.components.iter().map(|c| c.activations.working).collect();
-    let left_behind: Vec<u64> = profile.components.iter().map(|c| c.activations.left_behind).collect();
+    let working: Vec<u64> = components.iter().map(|c| c.activations.working).collect();
+    let left_behind: Vec<u64> = components.iter().map(|c| c.activations.left_behind).collect();
     let budgets = use_budgets(&use_indices, &working, &left_behind, optimum_memory);
     Ok(SimRun {
         strategy: strategy_name,

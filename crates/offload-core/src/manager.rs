@@ -53,6 +53,8 @@ struct AutoOffload {
     retry_on_oom: bool,
     strategy: Arc<dyn OffloadStrategy>,
     use_index: u64,
+    /// The name of the component of each use, in order: `uses[i]` is use `i + 1`.
+    uses: Vec<String>,
 }
 
 #[derive(Default)]
@@ -421,9 +423,24 @@ impl ComponentsManager {
         self.record.clear();
         let device = memory.device();
         tracing::info!(%device, reserve = %format_size(reserve), retry_on_oom, "auto offload enabled");
-        state.auto =
-            Some(AutoOffload { memory, device, reserve, retry_on_oom, strategy: Arc::new(Auto), use_index: 0 });
+        state.auto = Some(AutoOffload {
+            memory,
+            device,
+            reserve,
+            retry_on_oom,
+            strategy: Arc::new(Auto),
+            use_index: 0,
+            uses: Vec::new(),
+        });
         Ok(())
+    }
+
+    /// The component name of every run since auto offload was enabled, in order, one per use (an OOM retry's
+    /// re-run is the same use): the schedule a [`Lookahead`](offload_strategy::Lookahead) replays, whose
+    /// positions are the strategies' [`use_index`](offload_strategy::OffloadView::use_index). Empty while
+    /// disabled.
+    pub fn uses(&self) -> Vec<String> {
+        self.state.lock().auto.as_ref().map(|a| a.uses.clone()).unwrap_or_default()
     }
 
     /// Replaces the strategy. Components added later inherit it. Fails before `enable_auto_offload`.
@@ -533,12 +550,14 @@ impl ComponentsManager {
     /// Makes the claimed component resident on the execution device, asking the strategy what to offload.
     fn prepare(&self, id: &str, component: &mut dyn Offloadable, count_use: bool) -> Result<(), PrepareFailure> {
         let mut state = self.state.lock();
+        let index = state.index(id)?;
+        let name = state.entries[index].name.clone();
         let Some(auto) = state.auto.as_mut() else { return Ok(()) };
         if count_use {
             auto.use_index += 1;
+            auto.uses.push(name);
         }
         let (device, use_index) = (auto.device.clone(), auto.use_index);
-        let index = state.index(id)?;
         state.entries[index].last_use = use_index;
         if state.entries[index].device == device {
             return Ok(());

@@ -444,3 +444,21 @@ fn auto_offload_onto_the_host_is_refused_and_nothing_moves() {
     assert_eq!(device_of(&manager, &id), "cpu");
     assert_eq!(manager.offload_record().events().len(), 0);
 }
+
+/// The manager keeps the schedule of uses a lookahead strategy replays: one name per run, an OOM re-run
+/// counted once, cleared by a new enable.
+#[test]
+fn the_schedule_of_uses_is_kept_by_name() {
+    let card = FakeCard::patched(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let encoder = manager.add("text_encoder", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let denoiser = manager.add("transformer", Dummy::new(4 * UNIT, &card), None).unwrap();
+    assert!(manager.uses().is_empty(), "nothing is kept while disabled");
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    for id in [&encoder, &denoiser, &denoiser] {
+        run(&manager, id);
+    }
+    assert_eq!(manager.uses(), ["text_encoder", "transformer", "transformer"]);
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    assert!(manager.uses().is_empty(), "a new session starts a new schedule");
+}

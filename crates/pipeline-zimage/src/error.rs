@@ -225,6 +225,10 @@ pub enum Error {
     #[error(transparent)]
     Offload(#[from] offload_core::Error),
 
+    /// A replay of the run's schedule on a simulated card refused its card or schedule.
+    #[error(transparent)]
+    Simulation(#[from] memory_sim::SimError),
+
     /// Group offload of the transformer failed.
     #[error(transparent)]
     GroupOffload(#[from] group_offload::Error),

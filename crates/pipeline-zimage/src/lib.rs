@@ -12,6 +12,8 @@
 //!   `ComponentsManager`; [`offload`]: burn modules as offloadable components.
 //! - [`presets`]: `offload-core`'s planner applied to the pipeline (presets, budgets, staged phases, capacity
 //!   profiles and calibration).
+//! - [`schedule`]: the uses a run captured: a lookahead from the first image for the images after it, and a
+//!   run's bytes moved beside `auto`'s and the optimum on the same schedule.
 //! - [`host`]: the process's host memory (peak resident set), for capacity profiles and the real-size benchmark.
 //! - [`error`]: the crate's one error type.
 //!
@@ -31,6 +33,7 @@ pub mod offload;
 pub mod pipeline;
 pub mod presets;
 pub mod quantize;
+pub mod schedule;
 pub mod scheduler;
 pub mod text_encoder;
 pub mod tokenizer;

@@ -28,6 +28,7 @@ use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
 use pipeline_zimage::presets::{DeviceFacts, enable_pipeline_offload, exact_reserve, generate_profiled};
+use pipeline_zimage::schedule::{StrategyChoice, compare_moves, lookahead_after_first_image};
 
 /// Z-Image(-Turbo) on burn.
 #[derive(Parser)]
@@ -216,6 +217,16 @@ struct Generate {
     /// default.
     #[arg(long, value_enum, default_value = "stored")]
     dtype: WeightDtype,
+    /// The manager's offload strategy with --offload auto|group: auto (the anchor's rule), sequential
+    /// (everything else leaves before each onload), or lookahead: auto for the first image, then Belady's rule
+    /// over the schedule of uses the first image showed, for the images after it (use with --images). The run
+    /// prints its bytes moved beside auto's on the same schedule and the optimum.
+    #[arg(long, default_value = "auto")]
+    strategy: String,
+    /// Images generated one after another in this process, with seeds --seed, --seed + 1, ...; with more than
+    /// one, written as OUT-1.png, OUT-2.png, ...
+    #[arg(long, default_value_t = 1)]
+    images: usize,
     /// Quantize the text encoder's and the transformer's linear weights to 8 bits (burn quantized tensors, their
     /// own kernels). Quantized components move only whole: the planner never streams them by blocks or leaves.
     #[arg(long)]
@@ -362,6 +373,17 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         eprintln!("--preset takes precedence over --offload: the planner routes every component");
     }
     let offload = if planner { Offload::None } else { args.offload.unwrap_or(Offload::None) };
+    let strategy = StrategyChoice::parse(&args.strategy)?;
+    if args.images == 0 {
+        bail!("--images 0 makes nothing: pass --images 1 or more");
+    }
+    if strategy != StrategyChoice::Auto && (planner || offload == Offload::None) {
+        bail!(
+            "--strategy {} chooses the manager's strategy under --offload auto or --offload group; {}",
+            strategy.name(),
+            if planner { "a preset chooses its own (drop --strategy or --preset)" } else { "add --offload auto" }
+        );
+    }
     let manual_reserve = match (&args.reserve, planner) {
         (Some(reserve), false) => parse_size(reserve).context("--reserve")?,
         _ => parse_size("3GB").context("the default reserve")?,
@@ -524,6 +546,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             pipeline.enable_group_offload(target.ledger(), Some(memory.clone()), 1, 1)?;
         }
         pipeline.enable_auto_offload(memory, manual_reserve, true)?;
+        pipeline.manager().set_offload_strategy(strategy.first_image())?;
     } else if !pipeline.placement().name.is_cpu() {
         // No offload: every component is onloaded on its first run and stays (weights load on the host; on a
         // device this is what moves them there). The moves still go through the manager's record.
@@ -540,23 +563,43 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         bar.set_length(total as u64);
         bar.set_position(step as u64);
     };
-    let (image, phases, record) = match &plan {
-        Some(plan) => {
-            for warning in plan.check_capacity(&opts)? {
-                eprintln!("capacity: {warning}");
+    let mut record = None;
+    let mut first_image_uses = 0;
+    for index in 0..args.images {
+        opts.seed = args.seed + index as u64;
+        let (image, phases, profiled) = match &plan {
+            Some(plan) => {
+                if index == 0 {
+                    for warning in plan.check_capacity(&opts)? {
+                        eprintln!("capacity: {warning}");
+                    }
+                }
+                let run = generate_profiled(&pipeline, plan, &opts, &mut progress)?;
+                (run.image, run.phases, Some(run.record))
             }
-            let run = generate_profiled(&pipeline, plan, &opts, &mut progress)?;
-            (run.image, run.phases, Some(run.record))
+            None => {
+                let generated = pipeline.generate_with_report(&opts, &mut progress)?;
+                (generated.image, generated.phases, None)
+            }
+        };
+        record = profiled.or(record);
+        if index == 0 && strategy == StrategyChoice::Lookahead {
+            // The first image showed the schedule; every image after it repeats it.
+            let first = pipeline.manager().uses();
+            first_image_uses = first.len();
+            let lookahead = lookahead_after_first_image(&first, args.images);
+            pipeline.manager().set_offload_strategy(Arc::new(lookahead))?;
         }
-        None => {
-            let generated = pipeline.generate_with_report(&opts, &mut progress)?;
-            (generated.image, generated.phases, None)
+        let out = numbered(&args.out, index, args.images);
+        write_outputs(image, &out, args.out_tensor.as_deref().map(|p| numbered(p, index, args.images)).as_deref())?;
+        if args.images > 1 {
+            println!("image {} of {} (seed {}): wrote {}", index + 1, args.images, opts.seed, out.display());
+        } else {
+            println!("wrote {}", out.display());
         }
-    };
+        println!("\nphases:\n{phases}");
+    }
     bar.finish();
-    write_outputs(image, &args.out, args.out_tensor.as_deref())?;
-    println!("wrote {}", args.out.display());
-    println!("\nphases:\n{phases}");
     match &target {
         Target::Host { card: Some(card) } => {
             println!("\n{}", pipeline.manager().offload_record());
@@ -595,6 +638,18 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         }
         Target::Host { card: None } | Target::Real { readings: None, .. } => {}
     }
+    if offload != Offload::None
+        && let Some(memory) = target.memory()
+    {
+        // Bytes moved beside auto's on the same schedule, and the optimum: replayed on the simulated card that
+        // charged the run, or predicted on a card of the real device's size.
+        let (card, exact) = match &target {
+            Target::Host { card: Some(card) } => (card.spec().clone(), true),
+            _ => (CardSpec::parse(&memory.total().to_string())?.with_mode(Mode::Hard).with_context_overhead(0), false),
+        };
+        let comparison = compare_moves(&pipeline, &opts, strategy, first_image_uses, card, manual_reserve, exact)?;
+        println!("\n{comparison}");
+    }
     if let Some(record) = record {
         println!("capacity profile: {}", record.path.display());
         if let Some(recommendation) = record.calibration {
@@ -607,6 +662,19 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `path` for image `index` of `images`: itself for a single image, `stem-N.ext` (N from 1) for several.
+fn numbered(path: &Path, index: usize, images: usize) -> PathBuf {
+    if images == 1 {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}-{}.{}", index + 1, ext.to_string_lossy()),
+        None => format!("{stem}-{}", index + 1),
+    };
+    path.with_file_name(name)
 }
 
 /// Prints each component's loaded bytes and the host's peak after loading, then starts a new peak and has the
