@@ -8,27 +8,23 @@
 //! frames, tokens, batch) stay out of the identity: each run records them with its outcome and peaks, and the
 //! profile keeps, per metric, the largest success and the smallest failure.
 //!
-//! ```
-//! use offload_core::plan::{Observation, ProfileStore, Workload};
-//! let dir = std::env::temp_dir().join(format!("offload-doc-profiles-{}", std::process::id()));
-//! let store = ProfileStore::at(&dir);
-//! let workload = Workload::new().with("model", "z-image-turbo").with("card", "8GB");
-//! store.record(&workload, Observation::success(6 << 30, 20 << 30).with_metric("pixels", 1048576.0).at(1))?;
-//! let warnings = store.check(&workload, &[("pixels", 4194304.0)])?;
-//! assert!(warnings[0].to_string().contains("exceeds the largest validated"));
-//! # std::fs::remove_dir_all(&dir).ok();
-//! # Ok::<(), offload_core::plan::PlanError>(())
-//! ```
+//! Profiles are kept on disk by `ProfileStore`, behind the `plan-io` feature; the profiles, their checks and
+//! the calibration are pure and always built.
 
 use std::collections::BTreeMap;
 use std::fmt;
+#[cfg(feature = "plan-io")]
 use std::path::{Path, PathBuf};
 
+#[cfg(feature = "plan-io")]
 use serde::{Deserialize, Serialize};
 
 use crate::plan::budget::recommend_resident_budget;
+#[cfg(feature = "plan-io")]
 use crate::plan::error::PlanError;
+#[cfg(feature = "plan-io")]
 use crate::plan::settings::Settings;
+#[cfg(feature = "plan-io")]
 use crate::size::format_size;
 
 /// The profile format's version; files of another version are ignored.
@@ -97,8 +93,9 @@ impl Workload {
 }
 
 /// Whether a run completed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "plan-io", serde(rename_all = "lowercase"))]
 pub enum Outcome {
     /// The run completed.
     Success,
@@ -107,7 +104,8 @@ pub enum Outcome {
 }
 
 /// One run: its outcome, its capacity metrics and the peaks it reached.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
 pub struct Observation {
     /// When it ran, seconds since the Unix epoch.
     pub at: u64,
@@ -118,7 +116,7 @@ pub struct Observation {
     /// Peak host bytes.
     pub peak_host: u64,
     /// The varying capacity metrics (`pixels`, `frames`, `tokens`).
-    #[serde(default)]
+    #[cfg_attr(feature = "plan-io", serde(default))]
     pub metrics: BTreeMap<String, f64>,
 }
 
@@ -151,18 +149,20 @@ fn now() -> u64 {
 }
 
 /// The validated range of one metric.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
 pub struct Limit {
     /// The largest value a run completed with.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "plan-io", serde(default, skip_serializing_if = "Option::is_none"))]
     pub max_success: Option<f64>,
     /// The smallest value a run failed with.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "plan-io", serde(default, skip_serializing_if = "Option::is_none"))]
     pub min_failure: Option<f64>,
 }
 
 /// The largest peaks among completed runs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
 pub struct Peaks {
     /// Peak device bytes.
     pub device: u64,
@@ -171,7 +171,8 @@ pub struct Peaks {
 }
 
 /// What a calibration run recommends for later runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
 pub struct Recommendation {
     /// The resident budget later runs use.
     pub resident_budget: u64,
@@ -198,7 +199,8 @@ impl Recommendation {
 }
 
 /// Everything a workload's runs have shown, as stored.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
+#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
 pub struct CapacityProfile {
     /// [`SCHEMA_VERSION`].
     pub schema_version: u32,
@@ -211,13 +213,13 @@ pub struct CapacityProfile {
     /// The largest peaks among completed runs.
     pub peaks: Peaks,
     /// Per metric, the validated range.
-    #[serde(default)]
+    #[cfg_attr(feature = "plan-io", serde(default))]
     pub limits: BTreeMap<String, Limit>,
     /// A calibration's recommendation, when calibrated.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "plan-io", serde(default, skip_serializing_if = "Option::is_none"))]
     pub recommendation: Option<Recommendation>,
     /// The last [`MAX_OBSERVATIONS`] runs, oldest first.
-    #[serde(default)]
+    #[cfg_attr(feature = "plan-io", serde(default))]
     pub observations: Vec<Observation>,
 }
 
@@ -345,12 +347,26 @@ pub struct Recorded {
     pub warnings: Vec<CapacityWarning>,
 }
 
-/// A directory of capacity profiles.
+/// A directory of capacity profiles (feature `plan-io`).
+///
+/// ```
+/// use offload_core::plan::{Observation, ProfileStore, Workload};
+/// let dir = std::env::temp_dir().join(format!("offload-doc-profiles-{}", std::process::id()));
+/// let store = ProfileStore::at(&dir);
+/// let workload = Workload::new().with("model", "z-image-turbo").with("card", "8GB");
+/// store.record(&workload, Observation::success(6 << 30, 20 << 30).with_metric("pixels", 1048576.0).at(1))?;
+/// let warnings = store.check(&workload, &[("pixels", 4194304.0)])?;
+/// assert!(warnings[0].to_string().contains("exceeds the largest validated"));
+/// # std::fs::remove_dir_all(&dir).ok();
+/// # Ok::<(), offload_core::plan::PlanError>(())
+/// ```
+#[cfg(feature = "plan-io")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProfileStore {
     dir: PathBuf,
 }
 
+#[cfg(feature = "plan-io")]
 impl ProfileStore {
     /// A store in `dir` (created on the first save).
     pub fn at(dir: impl Into<PathBuf>) -> Self {

@@ -11,7 +11,9 @@
 //!   calibration;
 //! - [`Settings::resolve`] layers explicit arguments over `OFFLOAD_*` variables over a TOML file over preset
 //!   defaults, and is the one place planning input is validated;
-//! - [`ProfileStore`] keeps capacity profiles and named calibrations as TOML under the data directory;
+//! - `ProfileStore` keeps capacity profiles and named calibrations as TOML under the data directory (feature
+//!   `plan-io`, with the settings file, the process's environment and the host's `/proc/meminfo`: planning's
+//!   I/O, which a model crate that passes its facts in does not compile);
 //! - [`Phases`] times encode, denoise and decode and runs a release hook between them.
 //!
 //! This module is policy: it decides and explains, and never touches a device. It knows no burn, no CUDA and
@@ -30,9 +32,11 @@ pub mod planner;
 pub mod preset;
 pub mod settings;
 
+#[cfg(feature = "plan-io")]
+pub use capacity::ProfileStore;
 pub use capacity::{
-    CapacityProfile, CapacityWarning, Limit, MAX_OBSERVATIONS, Observation, Outcome, Peaks, ProfileStore,
-    Recommendation, Recorded, SCHEMA_VERSION, WarningKind, Workload, fnv1a_64,
+    CapacityProfile, CapacityWarning, Limit, MAX_OBSERVATIONS, Observation, Outcome, Peaks, Recommendation, Recorded,
+    SCHEMA_VERSION, WarningKind, Workload, fnv1a_64,
 };
 pub use component::{BlockLayout, ComponentSpec, Route};
 pub use error::{Origin, PlanError};

@@ -11,10 +11,8 @@
 //! use offload_core::plan::{Origin, Preset, Settings, SettingsLayer};
 //! let explicit = SettingsLayer { prefetch_depth: Some(2), ..SettingsLayer::default() };
 //! let env = [("OFFLOAD_PRESET".to_string(), "low_ram_safe".to_string())];
-//! let file = "preset = \"one_shot_fast\"\nresident_budget = \"4GiB\"\n";
-//! let settings = Settings::resolve(&explicit, env, Some(file))?;
-//! assert_eq!(settings.preset, Preset::LowRamSafe); // the environment beats the file
-//! assert_eq!(settings.resident_budget, Some(4 << 30)); // the file beats the preset default
+//! let settings = Settings::resolve(&explicit, env, None)?;
+//! assert_eq!(settings.preset, Preset::LowRamSafe); // the environment beats the preset's default
 //! assert_eq!(settings.prefetch_depth, 2); // explicit beats everything
 //! assert_eq!(settings.origin("preset"), Origin::Environment("OFFLOAD_PRESET".into()));
 //! # Ok::<(), offload_core::plan::PlanError>(())
@@ -308,6 +306,7 @@ fn parse_text(info: &KeyInfo, text: &str, origin: &Origin) -> Result<Value, Plan
 
 /// Parses a value from the TOML file: strings as in the environment, TOML integers for sizes (bytes), counts
 /// and ratios, TOML booleans for booleans.
+#[cfg(feature = "plan-io")]
 fn parse_toml(info: &KeyInfo, value: &toml::Value) -> Result<Value, PlanError> {
     let origin = Origin::File;
     let bad = || invalid(info, &value.to_string(), &origin);
@@ -362,7 +361,19 @@ impl SettingsLayer {
         Ok(layer)
     }
 
-    /// Reads a TOML settings file's text: top-level keys named as in [`KEYS`].
+    /// Reads a TOML settings file's text: top-level keys named as in [`KEYS`] (feature `plan-io`).
+    ///
+    /// ```
+    /// use offload_core::plan::{Preset, Settings, SettingsLayer};
+    /// let env = [("OFFLOAD_PRESET".to_string(), "low_ram_safe".to_string())];
+    /// let file = "preset = \"one_shot_fast\"\nresident_budget = \"4GiB\"\n";
+    /// assert_eq!(SettingsLayer::from_toml(file)?.resident_budget, Some(4 << 30));
+    /// let settings = Settings::resolve(&SettingsLayer::default(), env, Some(file))?;
+    /// assert_eq!(settings.preset, Preset::LowRamSafe); // the environment beats the file
+    /// assert_eq!(settings.resident_budget, Some(4 << 30)); // the file beats the preset default
+    /// # Ok::<(), offload_core::plan::PlanError>(())
+    /// ```
+    #[cfg(feature = "plan-io")]
     pub fn from_toml(text: &str) -> Result<Self, PlanError> {
         let table: toml::Table =
             text.parse().map_err(|e: toml::de::Error| PlanError::InvalidToml { message: e.message().to_string() })?;
@@ -467,7 +478,8 @@ pub struct Settings {
 
 impl Settings {
     /// Resolves the settings: `explicit` beats the `OFFLOAD_*` variables among `env`, which beat the TOML
-    /// `file` text, which beats the preset's defaults. The preset itself is resolved the same way first.
+    /// `file` text, which beats the preset's defaults. The preset itself is resolved the same way first. A file
+    /// is read only with the `plan-io` feature; without it a given file is refused with the feature to enable.
     pub fn resolve<I, K, V>(explicit: &SettingsLayer, env: I, file: Option<&str>) -> Result<Self, PlanError>
     where
         I: IntoIterator<Item = (K, V)>,
@@ -477,13 +489,24 @@ impl Settings {
         explicit.validate(&Origin::Explicit)?;
         let env = SettingsLayer::from_env(env)?;
         let file = match file {
+            #[cfg(feature = "plan-io")]
             Some(text) => SettingsLayer::from_toml(text)?,
+            #[cfg(not(feature = "plan-io"))]
+            Some(_) => {
+                return Err(PlanError::InvalidToml {
+                    message: "reading a settings file needs offload-core's `plan-io` feature; enable it, or pass \
+                              the settings as explicit values"
+                        .into(),
+                });
+            }
             None => SettingsLayer::default(),
         };
         Ok(Self::from_layers(explicit, &env, &file))
     }
 
-    /// Resolves against the process: its environment, and the TOML file named by `OFFLOAD_CONFIG` if set.
+    /// Resolves against the process: its environment, and the TOML file named by `OFFLOAD_CONFIG` if set
+    /// (feature `plan-io`).
+    #[cfg(feature = "plan-io")]
     pub fn from_process(explicit: &SettingsLayer) -> Result<Self, PlanError> {
         let env: Vec<(String, String)> = std::env::vars_os()
             .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
@@ -565,5 +588,28 @@ impl From<Preset> for Settings {
 impl Default for Settings {
     fn default() -> Self {
         Self::from(Preset::Auto)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without planning's I/O a settings file is refused by name, never silently skipped.
+    #[cfg(not(feature = "plan-io"))]
+    #[test]
+    fn a_settings_file_needs_the_io_feature() {
+        let no_env: [(&str, &str); 0] = [];
+        let error = Settings::resolve(&SettingsLayer::default(), no_env, Some("prefetch = true")).expect_err("refused");
+        assert!(error.to_string().contains("`plan-io` feature"), "{error}");
+        assert!(Settings::resolve(&SettingsLayer::default(), no_env, None).is_ok());
+    }
+
+    #[cfg(feature = "plan-io")]
+    #[test]
+    fn a_settings_file_is_read_with_the_io_feature() {
+        let no_env: [(&str, &str); 0] = [];
+        let settings = Settings::resolve(&SettingsLayer::default(), no_env, Some("prefetch = false")).expect("read");
+        assert!(!settings.prefetch);
     }
 }
