@@ -35,12 +35,67 @@ use crate::component::{ActivationProfile, ComponentProfile};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// Z-Image-Turbo's real-size facts in bf16, written once: [`PipelineProfile::z_image_turbo`], `cargo xtask plan`
+/// (the block structure) and the pipeline crate's tests (which check them against its configs) read them here.
+pub mod z_image_turbo {
+    /// The transformer's parameters (`ZImageTransformer2DModel`).
+    pub const TRANSFORMER_PARAMETERS: u64 = 6_154_908_736;
+    /// The text encoder's parameters (Qwen3, without the causal LM's head).
+    pub const TEXT_ENCODER_PARAMETERS: u64 = 4_022_468_096;
+    /// The VAE's parameters (FLUX's `AutoencoderKL`).
+    pub const VAE_PARAMETERS: u64 = 83_819_683;
+    /// The transformer's weights in bf16.
+    pub const TRANSFORMER_BYTES: u64 = TRANSFORMER_PARAMETERS * 2;
+    /// The text encoder's weights in bf16.
+    pub const TEXT_ENCODER_BYTES: u64 = TEXT_ENCODER_PARAMETERS * 2;
+    /// The VAE's weights in bf16.
+    pub const VAE_BYTES: u64 = VAE_PARAMETERS * 2;
+    /// Bytes of one modulated transformer block (a noise refiner or a main layer, with `adaLN_modulation`).
+    pub const MODULATED_BLOCK_BYTES: u64 = 180_910_336 * 2;
+    /// Bytes of one context-refiner block.
+    pub const CONTEXT_BLOCK_BYTES: u64 = 176_962_816 * 2;
+    /// Noise-refiner blocks, run first.
+    pub const NOISE_REFINER_BLOCKS: usize = 2;
+    /// Context-refiner blocks, run second.
+    pub const CONTEXT_REFINER_BLOCKS: usize = 2;
+    /// Main transformer layers, run last.
+    pub const MAIN_BLOCKS: usize = 30;
+    /// Bytes of one Qwen3 decoder layer of the text encoder.
+    pub const TEXT_LAYER_BYTES: u64 = 100_930_816 * 2;
+    /// The text encoder's decoder layers.
+    pub const TEXT_LAYERS: usize = 36;
+    /// The text encoder's largest leaf: a layer's `mlp.gate_proj` (9728 × 2560).
+    pub const TEXT_GATE_PROJ_BYTES: u64 = 9728 * 2560 * 2;
+    /// The transformer's largest leaf: a block's feed-forward `w1` (10240 × 3840).
+    pub const TRANSFORMER_W1_BYTES: u64 = 10_240 * 3840 * 2;
+    /// Leaves inside the text encoder's layers: 7 linear layers per Qwen3 layer.
+    pub const TEXT_LEAVES: usize = TEXT_LAYERS * 7;
+    /// Leaves inside the transformer's blocks: 8 per modulated block, 7 per context-refiner block.
+    pub const TRANSFORMER_LEAVES: usize = (NOISE_REFINER_BLOCKS + MAIN_BLOCKS) * 8 + CONTEXT_REFINER_BLOCKS * 7;
+
+    /// The transformer's block sizes in execution order: noise refiners, context refiners, main layers.
+    pub fn transformer_blocks() -> Vec<u64> {
+        [
+            vec![MODULATED_BLOCK_BYTES; NOISE_REFINER_BLOCKS],
+            vec![CONTEXT_BLOCK_BYTES; CONTEXT_REFINER_BLOCKS],
+            vec![MODULATED_BLOCK_BYTES; MAIN_BLOCKS],
+        ]
+        .concat()
+    }
+
+    /// The text encoder's layer sizes in execution order.
+    pub fn text_layers() -> Vec<u64> {
+        vec![TEXT_LAYER_BYTES; TEXT_LAYERS]
+    }
+}
+
 /// The allocations a call's working set is made in: one per layer or block that runs (Qwen3's 36 layers; the
 /// transformer's 2 noise-refiner, 2 context-refiner and 30 main blocks; the VAE decoder's mid block, its 4 up
 /// blocks of 3 ResNet blocks and its 3 upsamplers, 16 stages). A modelling choice, not a measurement: it sets
 /// how far into a call an out-of-memory can strike, and how much the failed call holds when it does.
-const TEXT_LAYERS: u32 = 36;
-const TRANSFORMER_BLOCKS: u32 = 34;
+const TEXT_ALLOCATIONS: u32 = z_image_turbo::TEXT_LAYERS as u32;
+const TRANSFORMER_ALLOCATIONS: u32 =
+    (z_image_turbo::NOISE_REFINER_BLOCKS + z_image_turbo::CONTEXT_REFINER_BLOCKS + z_image_turbo::MAIN_BLOCKS) as u32;
 const VAE_DECODER_STAGES: u32 = 16;
 
 fn gib(x: f64) -> u64 {
@@ -68,10 +123,11 @@ impl PipelineProfile {
     /// The Z-Image-Turbo pipeline at 1024×1024 in bf16 with `steps` denoising steps (the anchor tests 4).
     pub fn z_image_turbo(steps: usize) -> Self {
         let transformer_tokens = 4096.0 + 32.0;
-        let transformer_flops =
-            2.0 * 6_154_908_736.0 * transformer_tokens + 34.0 * 4.0 * transformer_tokens * transformer_tokens * 3840.0;
+        let transformer_flops = 2.0 * z_image_turbo::TRANSFORMER_PARAMETERS as f64 * transformer_tokens
+            + 34.0 * 4.0 * transformer_tokens * transformer_tokens * 3840.0;
         let text_tokens = 512.0;
-        let text_flops = 2.0 * 4_022_468_096.0 * text_tokens + 36.0 * 4.0 * text_tokens * text_tokens * 4096.0;
+        let text_flops = 2.0 * z_image_turbo::TEXT_ENCODER_PARAMETERS as f64 * text_tokens
+            + 36.0 * 4.0 * text_tokens * text_tokens * 4096.0;
         // 3x3 convolutions: about six per resolution at (1024², 128 ch), (512², 256), (256², 512), (128², 512),
         // each 2 × 9 × channels² × pixels, plus the three upsampling convolutions.
         let conv = |pixels: f64, channels: f64| 2.0 * 9.0 * channels * channels * pixels;
@@ -88,19 +144,19 @@ impl PipelineProfile {
             components: vec![
                 ComponentProfile {
                     name: "text_encoder".into(),
-                    bytes: 8_044_936_192,
-                    activations: ActivationProfile::new(gib(0.28), gib(0.15)).in_allocations(TEXT_LAYERS),
+                    bytes: z_image_turbo::TEXT_ENCODER_BYTES,
+                    activations: ActivationProfile::new(gib(0.28), gib(0.15)).in_allocations(TEXT_ALLOCATIONS),
                     flops: text_flops,
                 },
                 ComponentProfile {
                     name: "transformer".into(),
-                    bytes: 12_309_817_472,
-                    activations: ActivationProfile::new(gib(0.46), gib(0.05)).in_allocations(TRANSFORMER_BLOCKS),
+                    bytes: z_image_turbo::TRANSFORMER_BYTES,
+                    activations: ActivationProfile::new(gib(0.46), gib(0.05)).in_allocations(TRANSFORMER_ALLOCATIONS),
                     flops: transformer_flops,
                 },
                 ComponentProfile {
                     name: "vae".into(),
-                    bytes: 167_639_366,
+                    bytes: z_image_turbo::VAE_BYTES,
                     activations: ActivationProfile::new(gib(2.33), 1024 * 1024 * 3 * 2)
                         .in_allocations(VAE_DECODER_STAGES),
                     flops: vae_flops,

@@ -180,6 +180,12 @@ fn memory_sim_profile_sizes_come_from_the_configs() {
     assert_eq!(TransformerConfig::z_image_turbo().bytes(DType::BF16), bytes("transformer"));
     assert_eq!(TextEncoderConfig::z_image_turbo().bytes(2), bytes("text_encoder"));
     assert_eq!(VaeConfig::z_image_turbo().bytes(2), bytes("vae"));
+    // The block structure `cargo xtask plan` reads is the configs' too.
+    use memory_sim::profile::z_image_turbo as facts;
+    let transformer = TransformerConfig::z_image_turbo();
+    assert_eq!(transformer.modulated_block_params() as u64 * 2, facts::MODULATED_BLOCK_BYTES);
+    assert_eq!(transformer.context_block_params() as u64 * 2, facts::CONTEXT_BLOCK_BYTES);
+    assert_eq!(TextEncoderConfig::z_image_turbo().layer_params() as u64 * 2, facts::TEXT_LAYER_BYTES);
 }
 
 /// The card declarations that `cargo xtask integration` checks for the simulated Z-Image-Turbo serve the real
