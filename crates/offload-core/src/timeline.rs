@@ -36,8 +36,9 @@ use std::collections::HashMap;
 use std::fmt;
 use std::io::{self, Write};
 use std::sync::Arc;
-use std::thread::{Thread, ThreadId};
-use std::time::Instant;
+use std::sync::mpsc;
+use std::thread::{JoinHandle, Thread, ThreadId};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use serde_json::{Map, Value, json};
@@ -349,6 +350,34 @@ impl Timeline {
         });
     }
 
+    /// Samples `memory` every `every` on a thread of its own (named `memory sampler`) until the returned
+    /// [`MemorySampler`] is dropped: between the samples taken at each move, these show what a call holds while
+    /// it runs (its activations). On a disabled timeline no thread starts.
+    pub fn sample_every(&self, memory: Arc<dyn DeviceMemory>, every: Duration) -> MemorySampler {
+        if !self.is_enabled() {
+            return MemorySampler { stop: None, handle: None };
+        }
+        let (stop, stopped) = mpsc::channel::<()>();
+        let timeline = self.clone();
+        let spawned = std::thread::Builder::new().name("memory sampler".into()).spawn(move || {
+            loop {
+                timeline.sample_memory(memory.as_ref());
+                match stopped.recv_timeout(every) {
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    // Stopped, or the sampler was dropped.
+                    _ => break,
+                }
+            }
+        });
+        match spawned {
+            Ok(handle) => MemorySampler { stop: Some(stop), handle: Some(handle) },
+            Err(error) => {
+                tracing::warn!("cannot start the memory sampler ({error}); memory is sampled at each move only");
+                MemorySampler { stop: None, handle: None }
+            }
+        }
+    }
+
     /// Adds an event as given, with its own timestamp and thread number: for timelines built by hand (tests,
     /// imports). Name its thread with [`name_thread`](Self::name_thread).
     pub fn push(&self, event: TimelineEvent) {
@@ -434,6 +463,30 @@ impl Timeline {
 
 fn elapsed_ns(origin: Instant) -> u64 {
     u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The periodic memory sampler of a timeline ([`Timeline::sample_every`]); dropping it stops the sampler
+/// thread and waits for it.
+#[derive(Debug)]
+pub struct MemorySampler {
+    stop: Option<mpsc::Sender<()>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl MemorySampler {
+    /// Stops sampling now.
+    pub fn stop(self) {}
+}
+
+impl Drop for MemorySampler {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(handle) = self.handle.take() {
+            let _ = handle.join();
+        }
+    }
 }
 
 struct OpenSpan {
@@ -546,6 +599,44 @@ mod tests {
         .assert_eq(&trace(&timeline));
         let parsed: Value = serde_json::from_str(&trace(&timeline)).expect("valid JSON");
         assert_eq!(parsed["traceEvents"].as_array().map(Vec::len), Some(8));
+    }
+
+    struct Fixed;
+    impl DeviceMemory for Fixed {
+        fn device(&self) -> crate::DeviceName {
+            crate::DeviceName::cpu()
+        }
+        fn total(&self) -> u64 {
+            100
+        }
+        fn available(&self) -> u64 {
+            60
+        }
+        fn allocated(&self) -> u64 {
+            40
+        }
+        fn peak(&self) -> u64 {
+            40
+        }
+    }
+
+    #[test]
+    fn the_sampler_reads_memory_on_its_own_thread_until_dropped() {
+        let timeline = Timeline::enabled();
+        let sampler = timeline.sample_every(Arc::new(Fixed), Duration::from_millis(1));
+        std::thread::sleep(Duration::from_millis(20));
+        sampler.stop();
+        let samples = timeline.memory_samples();
+        assert!(samples.len() >= 2, "{samples:?}");
+        assert!(samples.iter().all(|s| (s.allocated, s.available) == (40, 60)));
+        let after = timeline.memory_samples().len();
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(timeline.memory_samples().len(), after, "the sampler stopped");
+        assert_eq!(timeline.threads()[0].name, "memory sampler");
+        // A disabled timeline starts no thread and samples nothing.
+        let disabled = Timeline::disabled();
+        disabled.sample_every(Arc::new(Fixed), Duration::from_millis(1)).stop();
+        assert!(disabled.memory_samples().is_empty());
     }
 
     #[test]

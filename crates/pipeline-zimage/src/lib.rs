@@ -12,6 +12,7 @@
 //!   `ComponentsManager`; [`offload`]: burn modules as offloadable components.
 //! - [`presets`]: `offload-core`'s planner applied to the pipeline (presets, budgets, staged phases, capacity
 //!   profiles and calibration).
+//! - [`plot`]: the device memory plot of a run's timeline (`--memory-plot`).
 //! - [`host`]: the process's host memory (peak resident set), for capacity profiles and the real-size benchmark.
 //! - [`error`]: the crate's one error type.
 //!
@@ -29,6 +30,7 @@ pub mod loading;
 pub mod nn;
 pub mod offload;
 pub mod pipeline;
+pub mod plot;
 pub mod presets;
 pub mod quantize;
 pub mod scheduler;
