@@ -796,6 +796,38 @@ mod tests {
     }
 
     #[test]
+    fn output_files_are_checked_before_the_run_with_the_fix_in_the_message() {
+        let dir = std::env::temp_dir().join(format!("pipeline-zimage-cli-outputs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        let message = |flag: &str, path: &Path, extension: Option<&str>| {
+            check_output_file(flag, path, extension).expect_err("refused").to_string()
+        };
+        let error = message("--trace", &dir, None);
+        assert!(
+            error.starts_with(&format!("--trace {} is a directory; give a file name in it", dir.display())),
+            "{error}"
+        );
+        let error = message("--trace", &dir.join("missing/run.json"), None);
+        assert!(error.contains("missing does not exist; create it first or write elsewhere"), "{error}");
+        let error = message("--memory-plot", &dir.join("memory.jpg"), Some("png"));
+        assert!(error.ends_with("memory.jpg: the file is written as PNG; give a name ending in .png"), "{error}");
+        // A good path is accepted and left as it was: nothing created, an existing file not truncated.
+        let fresh = dir.join("run.json");
+        check_output_file("--trace", &fresh, None).expect("writable");
+        assert!(!fresh.exists());
+        std::fs::write(&fresh, "kept").expect("written");
+        check_output_file("--trace", &fresh, None).expect("writable");
+        assert_eq!(std::fs::read_to_string(&fresh).expect("read"), "kept");
+        check_output_file("--memory-plot", &dir.join("memory.PNG"), Some("png")).expect("any case");
+        // The flags parse.
+        let parsed = args(&["--trace", "t.json", "--memory-plot", "m.png", "--plot-font", "f.ttf"]);
+        assert_eq!(parsed.trace.as_deref(), Some(Path::new("t.json")));
+        assert_eq!(parsed.memory_plot.as_deref(), Some(Path::new("m.png")));
+        assert_eq!(parsed.plot_font.as_deref(), Some(Path::new("f.ttf")));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
     fn explicit_arguments_beat_the_environment_which_beats_the_file() {
         let dir = std::env::temp_dir().join(format!("pipeline-zimage-cli-settings-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("a temporary directory");
