@@ -180,31 +180,63 @@ pub fn draw_memory_plot(timeline: &Timeline, path: &Path, options: &PlotOptions)
             }
         }
 
-        // Each kind of move is one series of vertical lines at the moves' starts; group moves are lighter and
-        // shorter, so the component moves stand out.
-        let kinds = [
+        // Group moves are short, light vertical lines at their starts, one series per kind.
+        for (kind, label, colour, height) in [
             (category::UPLOAD, "group upload", UPLOAD_COLOUR, 0.25),
             (category::RELEASE, "group release", RELEASE_COLOUR, 0.15),
-            (category::ONLOAD, "component onload", ONLOAD_COLOUR, 1.0),
-            (category::OFFLOAD, "component offload", OFFLOAD_COLOUR, 1.0),
-        ];
-        for (kind, label, colour, height) in kinds {
+        ] {
             let starts: Vec<f64> = spans(&events, kind).map(|e| seconds(e.start_ns)).collect();
             marks += starts.len();
             if starts.is_empty() {
                 continue;
             }
-            let component = height >= 1.0;
-            let style = ShapeStyle {
-                color: colour.mix(if component { 0.9 } else { 0.5 }),
-                filled: false,
-                stroke_width: if component { 2 } else { 1 },
-            };
+            let style = colour.mix(0.5).stroke_width(1);
             let series = chart
                 .draw_series(starts.iter().map(|x| PathElement::new(vec![(*x, 0.0), (*x, y_max * height)], style)))
                 .map_err(|e| drawing(&e))?;
             let legend = colour.stroke_width(2);
             series.label(label).legend(move |(x, y)| PathElement::new(vec![(x + 8, y - 6), (x + 8, y + 6)], legend));
+        }
+
+        // Component moves span the height and are named: onloads solid, offloads dashed and drawn over them, so
+        // an offload that made room for an onload a few microseconds later shows both.
+        let pixel = x_max / f64::from(width);
+        for (kind, label, colour, row) in [
+            (category::ONLOAD, "component onload", ONLOAD_COLOUR, 0.62),
+            (category::OFFLOAD, "component offload", OFFLOAD_COLOUR, 0.44),
+        ] {
+            let moves: Vec<&TimelineEvent> = spans(&events, kind).collect();
+            marks += moves.len();
+            let style = colour.stroke_width(2);
+            for (i, event) in moves.iter().enumerate() {
+                let x = seconds(event.start_ns);
+                let line = [(x, 0.0), (x, y_max)];
+                let series = if kind == category::ONLOAD {
+                    chart.draw_series(LineSeries::new(line, style.stroke_width(3)))
+                } else {
+                    chart.draw_series(DashedLineSeries::new(line, 6, 6, style))
+                }
+                .map_err(|e| drawing(&e))?;
+                if i == 0 {
+                    series
+                        .label(label)
+                        .legend(move |(x, y)| PathElement::new(vec![(x + 8, y - 6), (x + 8, y + 6)], style));
+                }
+                if labelled {
+                    // In the middle of the plot, where the memory line seldom is, on rows that cycle so the names
+                    // of moves close in time do not overlap.
+                    let row = row - 0.05 * (i % 3) as f64;
+                    let sign = if kind == category::ONLOAD { "+" } else { "-" };
+                    let text = TextStyle::from((FAMILY, 12)).color(&colour);
+                    chart
+                        .draw_series(std::iter::once(Text::new(
+                            format!("{sign} {}", event.name),
+                            (x + 4.0 * pixel, y_max * row),
+                            text,
+                        )))
+                        .map_err(|e| drawing(&e))?;
+                }
+            }
         }
 
         if let Some(capacity) = options.capacity {
