@@ -11,6 +11,9 @@
 //! file of `--config` (or `OFFLOAD_CONFIG`), then the preset's defaults. `--preset` takes precedence over
 //! `--offload`; without `--preset`, the planner is used when `--offload` is absent and a settings source is given
 //! (`--config`, `--set`, `--profile-name`, `--profile-dir`, `OFFLOAD_PRESET`, `OFFLOAD_CONFIG`).
+//!
+//! `--trace FILE.json` and `--memory-plot FILE.png` record the run on one `offload_core::Timeline` and write it as
+//! a Chrome trace-event file and as a plot of device memory over time (`docs/trace.md`).
 
 #![forbid(unsafe_code)]
 use std::path::{Path, PathBuf};
