@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::tensor::Device;
-use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, OffloadRecord};
+use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, OffloadRecord, Timeline};
 
 use crate::error::{Error, Result};
 
@@ -43,6 +43,10 @@ pub struct GroupOffloadConfig {
     pub memory: Option<Arc<dyn DeviceMemory>>,
     /// The record every move is added to, if any.
     pub record: Option<OffloadRecord>,
+    /// The timeline each group's upload, compute and release is recorded in, each on the thread it happens on
+    /// (a prefetch on the worker's), with a device memory sample (from `memory`) after every move; disabled by
+    /// default.
+    pub timeline: Timeline,
 }
 
 impl fmt::Debug for GroupOffloadConfig {
@@ -57,6 +61,7 @@ impl fmt::Debug for GroupOffloadConfig {
             .field("disk_dir", &self.disk_dir)
             .field("memory", &self.memory.is_some())
             .field("record", &self.record.is_some())
+            .field("timeline", &self.timeline.is_enabled())
             .finish()
     }
 }
@@ -81,6 +86,7 @@ impl GroupOffloadConfig {
             ledger: Arc::new(NoLedger),
             memory: None,
             record: None,
+            timeline: Timeline::disabled(),
         }
     }
 
@@ -135,6 +141,12 @@ impl GroupOffloadConfig {
     /// Adds every move to `record`.
     pub fn with_record(mut self, record: OffloadRecord) -> Self {
         self.record = Some(record);
+        self
+    }
+
+    /// Records every group's upload, compute and release in `timeline`.
+    pub fn with_timeline(mut self, timeline: Timeline) -> Self {
+        self.timeline = timeline;
         self
     }
 

@@ -20,6 +20,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use burn::tensor::{Device, Tensor};
+use offload_core::timeline::category;
 use offload_core::{Action, ComponentError, Direction, OffloadEvent, Reason};
 use parking_lot::{Condvar, Mutex};
 
@@ -217,6 +218,27 @@ impl Shared {
         // The reading is taken before the move and the event recorded once it succeeded, as the manager does,
         // so a failed upload leaves no onload row for a group that never arrived.
         let reading = self.config.memory.as_ref().map(|m| m.reading());
+        // The span is recorded on this thread: the caller's for a synchronous upload, the worker's for a prefetch.
+        let mut span =
+            self.config.timeline.span(category::UPLOAD, &host.id).arg("bytes", host.bytes).arg("reason", reason);
+        let result = self.upload_bytes(host, reason, reading);
+        if let Err(error) = &result {
+            span.set_arg("error", error.to_string());
+        }
+        drop(span);
+        if let Some(memory) = &self.config.memory {
+            self.config.timeline.sample_memory(memory.as_ref());
+        }
+        result
+    }
+
+    /// The upload itself: allocate on the ledger, pay the transfer, build and check the device tensors.
+    fn upload_bytes(
+        &self,
+        host: &GroupHost,
+        reason: &str,
+        reading: Option<offload_core::offload_strategy::MemoryReading>,
+    ) -> Result<Arc<[Tensor<1>]>> {
         let ledger = &self.config.ledger;
         ledger.allocate(host.bytes).map_err(|e| self.onload_error(host, e))?;
         let copied = if host.pinned {
@@ -277,9 +299,14 @@ impl Shared {
             state.stats.unused_prefetches += 1;
         }
         slot.prefetched = false;
+        let span = self.config.timeline.span(category::RELEASE, &id).arg("bytes", bytes);
         self.record(Action::Offload, &id, bytes, "group_offload");
         slot.residency = Residency::Offloaded;
         self.config.ledger.free(bytes);
+        drop(span);
+        if let Some(memory) = &self.config.memory {
+            self.config.timeline.sample_memory(memory.as_ref());
+        }
         state.stats.offloads += 1;
         state.stats.bytes_offloaded += bytes;
     }

@@ -66,6 +66,9 @@
 //!   `"{model}/{group}"` and reason `group_onload`, `prefetch` or `group_offload` to the
 //!   [`OffloadRecord`](offload_core::OffloadRecord). A failed upload frees what it took; the host copy is never
 //!   touched by an upload.
+//! - **Timeline.** With [`GroupOffloadConfig::with_timeline`], each group's upload, compute (the life of its
+//!   guard) and release is a span of the [`Timeline`](offload_core::Timeline) on the thread it happened on (a
+//!   prefetch on the worker's), followed by a device memory sample after each move.
 //! - **Host memory.** Taking a model apart consumes it: each tensor is read into host bytes (zero-copy on a CPU
 //!   backend when the tensor is not shared) and the model keeps only placeholders that own no memory, so the
 //!   host copy is the only copy. Uploads clone shared handles to those bytes. With a disk store the bytes are

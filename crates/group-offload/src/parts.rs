@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
+use offload_core::timeline::category;
 use parking_lot::Mutex;
 
 use crate::config::{GroupOffloadConfig, LeafPredicate};
@@ -348,7 +349,8 @@ impl PartCore {
     }
 
     fn build<'a, T>(&'a self, groups: Vec<usize>, value: T) -> GroupGuard<'a, T> {
-        GroupGuard { value: Some(value), engine: &self.engine, groups }
+        let computing_since = self.engine.shared.config.timeline.now_ns();
+        GroupGuard { value: Some(value), engine: &self.engine, groups, computing_since }
     }
 
     fn install<M: Module>(&self, skeleton: &M, slots: &[Slot], taken: &[(usize, Arc<[Tensor<1>]>)]) -> M {
@@ -378,6 +380,8 @@ pub struct GroupGuard<'a, T> {
     value: Option<T>,
     engine: &'a Engine,
     groups: Vec<usize>,
+    /// When the guard was handed out, on the timeline; `None` when the timeline is disabled.
+    computing_since: Option<u64>,
 }
 
 impl<T> Deref for GroupGuard<'_, T> {
@@ -400,6 +404,14 @@ impl<T: std::fmt::Debug> std::fmt::Debug for GroupGuard<'_, T> {
 impl<T> Drop for GroupGuard<'_, T> {
     fn drop(&mut self) {
         drop(self.value.take());
+        if let Some(start) = self.computing_since {
+            // The guard's life is the group's compute: its layers ran (or were queued, on an asynchronous device)
+            // while it was borrowed.
+            let ids: Vec<String> =
+                self.groups.iter().filter_map(|g| self.engine.host(*g)).map(|host| host.id.clone()).collect();
+            let timeline = &self.engine.shared.config.timeline;
+            timeline.span_since(category::COMPUTE, &ids.join(" + "), start, Vec::new());
+        }
         for group in &self.groups {
             self.engine.release(*group);
         }

@@ -665,3 +665,46 @@ fn overlap_prefetch_hides_transfers() {
     assert_eq!(report.prefetch_misses, 0);
     assert!(report.prefetch_efficiency > report.serial_efficiency, "{report}");
 }
+
+#[test]
+fn the_timeline_holds_each_groups_upload_compute_and_release_prefetches_on_the_worker() {
+    use offload_core::Timeline;
+    use offload_core::timeline::{EventKind, category};
+
+    let device = Device::flex();
+    let card = Arc::new(FakeCard::new(GIB));
+    let timeline = Timeline::enabled();
+    let model = BlockModel::new(
+        Model::new(&device),
+        config(&card, true).with_timeline(timeline.clone()),
+        1,
+        Placement::Resident,
+    );
+    let x = input(&device);
+    for _ in 0..3 {
+        model.forward(x.clone()).unwrap();
+    }
+    model.offload.wait_idle();
+    let events = timeline.events();
+    let spans = |kind: &'static str| {
+        events.iter().filter(move |e| e.category == kind && matches!(e.kind, EventKind::Span { .. }))
+    };
+    let stats = model.offload.stats();
+    let caller = spans(category::COMPUTE).next().unwrap().thread;
+    assert!(spans(category::COMPUTE).all(|e| e.thread == caller));
+    // One upload span per upload, synchronous ones on the caller, prefetches on the worker thread.
+    let (on_caller, on_worker): (Vec<_>, Vec<_>) = spans(category::UPLOAD).partition(|e| e.thread == caller);
+    assert_eq!(on_caller.len() as u64, stats.onloads);
+    assert_eq!(on_worker.len() as u64, stats.prefetches);
+    assert!(stats.prefetches > 0);
+    let worker = on_worker[0].thread;
+    let name = timeline.threads().into_iter().find(|t| t.tid == worker).unwrap().name;
+    assert_eq!(name, "group-offload-m");
+    assert_eq!(spans(category::RELEASE).count() as u64, stats.offloads);
+    // Three forwards of (1 resident top taken twice + each block group) computes.
+    assert_eq!(spans(category::COMPUTE).count(), 3 * (2 + BLOCKS));
+    // A sample after every upload and release, within what the card held.
+    let samples = timeline.memory_samples();
+    assert_eq!(samples.len() as u64, stats.onloads + stats.prefetches + stats.offloads);
+    assert!(samples.iter().all(|s| s.allocated <= card.peak()));
+}

@@ -8,7 +8,9 @@
 //! - [`Offloadable`] is what a component implements to be moved between the host and a device;
 //! - [`ComponentsManager`] registers components, enables auto offload, asks an
 //!   [`OffloadStrategy`](offload_strategy::OffloadStrategy) what to evict, retries after out-of-memory errors,
-//!   and keeps an [`OffloadRecord`] of every move.
+//!   and keeps an [`OffloadRecord`] of every move;
+//! - [`Timeline`] records what happened when, on which thread (phases, moves, group uploads, device memory
+//!   samples), and writes it as a Chrome trace-event file.
 //!
 //! It knows nothing about burn, CUDA or Z-Image: policy lives in `offload-strategy`, devices arrive through
 //! [`DeviceMemory`] and [`Offloadable`] implementations.
@@ -22,6 +24,7 @@ pub mod manager;
 pub mod plan;
 pub mod record;
 pub mod size;
+pub mod timeline;
 
 pub use component::{ComponentError, Offloadable};
 pub use device::{DeviceLedger, DeviceMemory, DeviceName, DeviceNameError, Direction, NoLedger};
@@ -34,3 +37,4 @@ pub use plan::{
 };
 pub use record::{Action, OffloadEvent, OffloadRecord, Reason, RecordRow};
 pub use size::{Size, SizeError, format_size, parse_size};
+pub use timeline::{Span, Timeline};

@@ -10,7 +10,8 @@
 //! - Lock order: a thread that holds `state` only locks the slots of components that nobody has claimed; a
 //!   thread that runs a component claims it (under `state`) before it locks that slot. So a slot wanted under
 //!   `state` is never held by a thread that waits for `state`, and no cycle can form.
-//! - The record has its own small lock, taken only to push or copy events.
+//! - The record has its own small lock, taken only to push or copy events; so has the timeline, and its handle
+//!   (`timeline`) has one too, taken only to clone or replace it.
 
 use std::any::type_name;
 use std::fmt;
@@ -24,6 +25,7 @@ use crate::device::{DeviceMemory, DeviceName};
 use crate::error::{Error, Result};
 use crate::record::{Action, OffloadEvent, OffloadRecord, Reason, format_table};
 use crate::size::format_size;
+use crate::timeline::{Timeline, category};
 
 type Slot = Arc<Mutex<Box<dyn Offloadable>>>;
 
@@ -185,6 +187,7 @@ pub struct AutoOffloadSettings {
 pub struct ComponentsManager {
     state: Mutex<State>,
     record: OffloadRecord,
+    timeline: Mutex<Timeline>,
 }
 
 impl Default for ComponentsManager {
@@ -236,7 +239,11 @@ fn valid_name(name: &str) -> bool {
 impl ComponentsManager {
     /// An empty manager with auto offload disabled.
     pub fn new() -> Self {
-        Self { state: Mutex::new(State::default()), record: OffloadRecord::new() }
+        Self {
+            state: Mutex::new(State::default()),
+            record: OffloadRecord::new(),
+            timeline: Mutex::new(Timeline::disabled()),
+        }
     }
 
     /// Adds a component under `name` (and optionally a collection) and returns its id, `<name>_<n>`.
@@ -387,6 +394,21 @@ impl ComponentsManager {
         self.record.clone()
     }
 
+    /// Records every run, onload and offload from now on in `timeline` (as spans of categories `run`,
+    /// `onload` and `offload` named by the component id, with its bytes and the move's reason), with a sample of
+    /// the device memory counter before and after each move. Disabled by default ([`Timeline::disabled`]).
+    ///
+    /// Share the same timeline with everything else that records the run (a group offloader's configuration, a
+    /// pipeline's phases) before they start: they keep the timeline they were given.
+    pub fn set_timeline(&self, timeline: Timeline) {
+        *self.timeline.lock() = timeline;
+    }
+
+    /// The timeline moves are recorded in (a disabled one unless [`set_timeline`](Self::set_timeline) set one).
+    pub fn timeline(&self) -> Timeline {
+        self.timeline.lock().clone()
+    }
+
     /// The current auto offload settings, or `None` when disabled.
     pub fn auto_offload(&self) -> Option<AutoOffloadSettings> {
         self.state.lock().auto.as_ref().map(|a| AutoOffloadSettings {
@@ -522,6 +544,8 @@ impl ComponentsManager {
     ) -> Result<R> {
         let claim = self.claim(id)?;
         let mut component = claim.slot().lock();
+        // The run's span covers its onload (and the offloads that made room for it), its call and any retry.
+        let _run = self.timeline().span(category::RUN, id);
         // Nothing moves until the type is known to be right.
         check(component.as_ref())?;
         let mut offloaded_for_retry: Vec<String> = Vec::new();
@@ -613,7 +637,16 @@ impl ComponentsManager {
         // The reading is taken just before the move; the event is recorded only once the move succeeded, so
         // the record's moves always add up to the placement.
         let reading = memory.reading();
-        match component.onload(&device) {
+        let timeline = self.timeline();
+        timeline.sample_memory(memory.as_ref());
+        let mut span = timeline.span(category::ONLOAD, id).arg("bytes", incoming.bytes).arg("device", device.as_str());
+        let onloaded = component.onload(&device);
+        if let Err(error) = &onloaded {
+            span.set_arg("error", error.to_string());
+        }
+        drop(span);
+        timeline.sample_memory(memory.as_ref());
+        match onloaded {
             Ok(()) => {
                 self.record.add(OffloadEvent {
                     action: Action::Onload,
@@ -638,11 +671,19 @@ impl ComponentsManager {
 
     fn offload_entry(&self, entry: &mut Entry, memory: &dyn DeviceMemory, reason: Reason) -> Result<()> {
         let reading = memory.reading();
-        entry.slot.lock().offload().map_err(|source| Error::Component {
-            operation: "offload",
-            id: entry.id.clone(),
-            source,
-        })?;
+        let timeline = self.timeline();
+        timeline.sample_memory(memory);
+        let mut span = timeline
+            .span(category::OFFLOAD, &entry.id)
+            .arg("bytes", entry.resident_bytes)
+            .arg("reason", reason.to_string());
+        let offloaded = entry.slot.lock().offload();
+        if let Err(error) = &offloaded {
+            span.set_arg("error", error.to_string());
+        }
+        drop(span);
+        timeline.sample_memory(memory);
+        offloaded.map_err(|source| Error::Component { operation: "offload", id: entry.id.clone(), source })?;
         entry.device = DeviceName::cpu();
         tracing::info!(component = %entry.id, %reason, bytes = %format_size(entry.resident_bytes), "offload");
         self.record.add(OffloadEvent {

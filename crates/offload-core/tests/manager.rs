@@ -462,3 +462,48 @@ fn the_schedule_of_uses_is_kept_by_name() {
     manager.enable_auto_offload(card.clone(), 0, true).unwrap();
     assert!(manager.uses().is_empty(), "a new session starts a new schedule");
 }
+
+// --- The timeline ---
+
+#[test]
+fn the_timeline_holds_each_run_onload_and_offload_with_memory_samples_around_each_move() {
+    use offload_core::Timeline;
+    use offload_core::timeline::{ArgValue, EventKind, category};
+
+    let card = FakeCard::hard(10 * UNIT);
+    let manager = ComponentsManager::new();
+    let a = manager.add("text_encoder", Dummy::new(6 * UNIT, &card), None).unwrap();
+    let b = manager.add("transformer", Dummy::new(6 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    // Nothing is recorded before a timeline is set.
+    run(&manager, &a);
+    assert!(manager.timeline().events().is_empty());
+    manager.disable_auto_offload().unwrap();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+
+    let timeline = Timeline::enabled();
+    manager.set_timeline(timeline.clone());
+    run(&manager, &a);
+    run(&manager, &b);
+    let spans: Vec<(String, String, Option<ArgValue>)> = timeline
+        .events()
+        .into_iter()
+        .filter(|e| matches!(e.kind, EventKind::Span { .. }))
+        .map(|e| (e.category.clone(), e.name.clone(), e.arg("reason").cloned()))
+        .collect();
+    let reason = ArgValue::Text(format!("release_memory_for:{b}"));
+    // Spans are recorded as they end: a move inside its run comes first.
+    assert_eq!(
+        spans,
+        vec![
+            (category::ONLOAD.to_string(), a.clone(), None),
+            (category::RUN.to_string(), a.clone(), None),
+            (category::OFFLOAD.to_string(), a.clone(), Some(reason)),
+            (category::ONLOAD.to_string(), b.clone(), None),
+            (category::RUN.to_string(), b.clone(), None),
+        ]
+    );
+    let allocated: Vec<u64> = timeline.memory_samples().iter().map(|s| s.allocated).collect();
+    assert_eq!(allocated, [0, 6 * UNIT, 6 * UNIT, 0, 0, 6 * UNIT], "before and after each of the three moves");
+    assert!(timeline.events().iter().all(|e| e.thread == 1), "all on the test's thread");
+}

@@ -263,6 +263,15 @@ pub enum Error {
         reason: String,
     },
 
+    /// The memory plot could not be drawn or written.
+    #[error("cannot draw the memory plot {}: {reason}", path.display())]
+    Plot {
+        /// The PNG file asked for.
+        path: std::path::PathBuf,
+        /// What went wrong and what to do instead.
+        reason: String,
+    },
+
     /// Offload was already set up in a way a new plan cannot undo.
     #[error("cannot plan offload of {component}: {reason}; load the pipeline again and plan it once")]
     OffloadAlreadyApplied {

@@ -12,6 +12,7 @@
 //!   `ComponentsManager`; [`offload`]: burn modules as offloadable components.
 //! - [`presets`]: `offload-core`'s planner applied to the pipeline (presets, budgets, staged phases, capacity
 //!   profiles and calibration).
+//! - [`plot`]: the device memory plot of a run's timeline (`--memory-plot`).
 //! - [`schedule`]: the uses a run captured: a lookahead from the first image for the images after it, and a
 //!   run's bytes moved beside `auto`'s and the optimum on the same schedule.
 //! - [`host`]: the process's host memory (peak resident set), for capacity profiles and the real-size benchmark.
@@ -31,6 +32,7 @@ pub mod loading;
 pub mod nn;
 pub mod offload;
 pub mod pipeline;
+pub mod plot;
 pub mod presets;
 pub mod quantize;
 pub mod schedule;

@@ -11,6 +11,9 @@
 //! file of `--config` (or `OFFLOAD_CONFIG`), then the preset's defaults. `--preset` takes precedence over
 //! `--offload`; without `--preset`, the planner is used when `--offload` is absent and a settings source is given
 //! (`--config`, `--set`, `--profile-name`, `--profile-dir`, `OFFLOAD_PRESET`, `OFFLOAD_CONFIG`).
+//!
+//! `--trace FILE.json` and `--memory-plot FILE.png` record the run on one `offload_core::Timeline` and write it as
+//! a Chrome trace-event file and as a plot of device memory over time (`docs/trace.md`).
 
 #![forbid(unsafe_code)]
 use std::path::{Path, PathBuf};
@@ -22,11 +25,13 @@ use clap::{Parser, Subcommand, ValueEnum};
 use group_offload::device::describe_device;
 use group_offload::{CappedDevice, PagePolicy, PoolReadings, open_device_with};
 use memory_sim::{CardSpec, Mode, SimCard};
+use offload_core::Timeline;
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
+use pipeline_zimage::plot::{PlotOptions, draw_memory_plot};
 use pipeline_zimage::presets::{DeviceFacts, enable_pipeline_offload, exact_reserve, generate_profiled};
 use pipeline_zimage::schedule::{StrategyChoice, compare_moves, lookahead_after_first_image};
 
@@ -231,6 +236,20 @@ struct Generate {
     /// own kernels). Quantized components move only whole: the planner never streams them by blocks or leaves.
     #[arg(long)]
     quantize: bool,
+    /// Write a Chrome trace-event file of the run: its phases and denoising steps, each component's run, onload
+    /// and offload, each group's upload, compute and release on the thread that made it (prefetches on the
+    /// worker's), and a counter track of device memory. Open it in https://ui.perfetto.dev or chrome://tracing
+    /// (docs/trace.md).
+    #[arg(long, value_name = "FILE.json")]
+    trace: Option<PathBuf>,
+    /// Draw device memory allocated over time as a PNG, with the phases shaded and the moves marked. Needs device
+    /// readings: a simulated --card on the CPU, or a real device.
+    #[arg(long, value_name = "FILE.png")]
+    memory_plot: Option<PathBuf>,
+    /// A TrueType font for the memory plot's text; by default a system font (DejaVu Sans, Liberation Sans,
+    /// Arial) is used, and without one the plot is drawn unlabelled.
+    #[arg(long, value_name = "FILE.ttf")]
+    plot_font: Option<PathBuf>,
 }
 
 fn default_weights() -> PathBuf {
@@ -300,6 +319,83 @@ fn write_outputs(image: Tensor<4>, out: &Path, out_tensor: Option<&Path>) -> any
     Ok(())
 }
 
+/// Checks, before anything runs, that `path` (given with `flag`) can be written: not a directory, in a
+/// directory that exists, writable, and ending in `.{extension}` when one is required.
+fn check_output_file(flag: &str, path: &Path, extension: Option<&str>) -> anyhow::Result<()> {
+    let shown = path.display();
+    if path.is_dir() {
+        bail!("{flag} {shown} is a directory; give a file name in it, such as {}", path.join("run.json").display());
+    }
+    if let Some(wanted) = extension
+        && !path.extension().is_some_and(|e| e.eq_ignore_ascii_case(wanted))
+    {
+        bail!("{flag} {shown}: the file is written as {}; give a name ending in .{wanted}", wanted.to_uppercase());
+    }
+    let parent = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        bail!("{flag} {shown}: the directory {} does not exist; create it first or write elsewhere", parent.display());
+    }
+    // Opened for appending, so an existing file is not truncated; one created here is removed again.
+    let existed = path.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .with_context(|| format!("{flag} {shown} cannot be written; choose a writable path"))?;
+    if !existed {
+        std::fs::remove_file(path).ok();
+    }
+    Ok(())
+}
+
+/// Writes the `--trace` file and draws the `--memory-plot` of the run recorded in `timeline`.
+fn write_timeline(args: &Generate, timeline: &Timeline, target: &Target) -> anyhow::Result<()> {
+    let memory = target.memory();
+    if let Some(path) = &args.trace {
+        let file = std::fs::File::create(path).with_context(|| format!("cannot create --trace {}", path.display()))?;
+        let mut out = std::io::BufWriter::new(file);
+        timeline.write_chrome_trace(&mut out).with_context(|| format!("cannot write --trace {}", path.display()))?;
+        std::io::Write::flush(&mut out).with_context(|| format!("cannot write --trace {}", path.display()))?;
+        println!(
+            "wrote the trace {}: {} events on {} threads; open it in https://ui.perfetto.dev or chrome://tracing",
+            path.display(),
+            timeline.events().len(),
+            timeline.threads().len()
+        );
+    }
+    if let Some(path) = &args.memory_plot {
+        let options = PlotOptions {
+            capacity: memory.as_ref().map(|m| m.total()),
+            title: match (target, &memory) {
+                (Target::Host { card: Some(card) }, _) => {
+                    format!("device memory on the simulated {} card ({})", card.spec().label, format_size(card.total()))
+                }
+                (_, Some(memory)) => format!("device memory on {} ({})", memory.device(), format_size(memory.total())),
+                (_, None) => "device memory".into(),
+            },
+            font: args.plot_font.clone(),
+            ..PlotOptions::default()
+        };
+        let summary = draw_memory_plot(timeline, path, &options)?;
+        println!(
+            "wrote the memory plot {}: {} samples, {} moves marked",
+            path.display(),
+            summary.samples,
+            summary.marks
+        );
+        if !summary.labelled {
+            eprintln!(
+                "the memory plot has no text: no font was found; pass --plot-font FILE.ttf (any TrueType font) to \
+                 label its axes and legend"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The environment as text pairs (values that are not Unicode are read lossily, as `Settings::from_process` does).
 fn environment() -> Vec<(String, String)> {
     std::env::vars_os().map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned())).collect()
@@ -366,6 +462,12 @@ fn resolve_settings(
 }
 
 fn generate(args: &Generate) -> anyhow::Result<()> {
+    if let Some(path) = &args.trace {
+        check_output_file("--trace", path, None)?;
+    }
+    if let Some(path) = &args.memory_plot {
+        check_output_file("--memory-plot", path, Some("png"))?;
+    }
     let weights = args.weights.clone().unwrap_or_else(default_weights);
     let env = environment();
     let planner = uses_planner(args, &env);
@@ -444,6 +546,12 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             }
         );
     }
+    if args.memory_plot.is_some() && target.memory().is_none() {
+        bail!(
+            "--memory-plot draws the device's memory readings, but --device {name} has none here: pass --card SIZE \
+             to simulate a card on the CPU, or --device-memory SIZE on a runtime that reports no total"
+        );
+    }
     if planner {
         // Bad settings are reported before the weights load; the simulated card's reserve is added once they have.
         resolve_settings(args, &env, None)?;
@@ -483,6 +591,10 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             eprintln!("{component}: {count} linear weights quantized to 8 bits");
         }
     }
+    // Before any offload is set up: every group offloader keeps the timeline it is built with.
+    let timeline =
+        if args.trace.is_some() || args.memory_plot.is_some() { Timeline::enabled() } else { Timeline::disabled() };
+    pipeline.set_timeline(timeline.clone())?;
     if let Some(anonymous) = anonymous.clone() {
         pipeline.set_phase_observer(Arc::new(move |phase: &str| {
             use pipeline_zimage::host::{peak_resident_bytes, reset_peak_resident};
@@ -563,23 +675,34 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         bar.set_length(total as u64);
         bar.set_position(step as u64);
     };
+    // Between the samples taken at each move, one every millisecond shows what each call holds while it runs.
+    let sampler = target.memory().map(|memory| timeline.sample_every(memory, std::time::Duration::from_millis(1)));
     let mut record = None;
     let mut first_image_uses = 0;
     for index in 0..args.images {
         opts.seed = args.seed + index as u64;
-        let (image, phases, profiled) = match &plan {
+        let outcome = match &plan {
             Some(plan) => {
                 if index == 0 {
                     for warning in plan.check_capacity(&opts)? {
                         eprintln!("capacity: {warning}");
                     }
                 }
-                let run = generate_profiled(&pipeline, plan, &opts, &mut progress)?;
-                (run.image, run.phases, Some(run.record))
+                generate_profiled(&pipeline, plan, &opts, &mut progress)
+                    .map(|run| (run.image, run.phases, Some(run.record)))
             }
-            None => {
-                let generated = pipeline.generate_with_report(&opts, &mut progress)?;
-                (generated.image, generated.phases, None)
+            None => pipeline.generate_with_report(&opts, &mut progress).map(|run| (run.image, run.phases, None)),
+        };
+        let (image, phases, profiled) = match outcome {
+            Ok(run) => run,
+            Err(error) => {
+                bar.finish();
+                drop(sampler);
+                // A failed run is written too: its trace shows what led to the failure.
+                if let Err(write_error) = write_timeline(args, &timeline, &target) {
+                    eprintln!("{write_error:#}");
+                }
+                return Err(error.into());
             }
         };
         record = profiled.or(record);
@@ -600,6 +723,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         println!("\nphases:\n{phases}");
     }
     bar.finish();
+    drop(sampler);
+    write_timeline(args, &timeline, &target)?;
     match &target {
         Target::Host { card: Some(card) } => {
             println!("\n{}", pipeline.manager().offload_record());
@@ -738,6 +863,38 @@ mod tests {
         assert!(!uses_planner(&args(&["--offload", "auto"]), &env(&[("OFFLOAD_PRESET", "no_pin")])));
         assert!(uses_planner(&args(&[]), &env(&[("OFFLOAD_PRESET", "no_pin")])));
         assert!(uses_planner(&args(&["--set", "prefetch=false"]), &[]));
+    }
+
+    #[test]
+    fn output_files_are_checked_before_the_run_with_the_fix_in_the_message() {
+        let dir = std::env::temp_dir().join(format!("pipeline-zimage-cli-outputs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        let message = |flag: &str, path: &Path, extension: Option<&str>| {
+            check_output_file(flag, path, extension).expect_err("refused").to_string()
+        };
+        let error = message("--trace", &dir, None);
+        assert!(
+            error.starts_with(&format!("--trace {} is a directory; give a file name in it", dir.display())),
+            "{error}"
+        );
+        let error = message("--trace", &dir.join("missing/run.json"), None);
+        assert!(error.contains("missing does not exist; create it first or write elsewhere"), "{error}");
+        let error = message("--memory-plot", &dir.join("memory.jpg"), Some("png"));
+        assert!(error.ends_with("memory.jpg: the file is written as PNG; give a name ending in .png"), "{error}");
+        // A good path is accepted and left as it was: nothing created, an existing file not truncated.
+        let fresh = dir.join("run.json");
+        check_output_file("--trace", &fresh, None).expect("writable");
+        assert!(!fresh.exists());
+        std::fs::write(&fresh, "kept").expect("written");
+        check_output_file("--trace", &fresh, None).expect("writable");
+        assert_eq!(std::fs::read_to_string(&fresh).expect("read"), "kept");
+        check_output_file("--memory-plot", &dir.join("memory.PNG"), Some("png")).expect("any case");
+        // The flags parse.
+        let parsed = args(&["--trace", "t.json", "--memory-plot", "m.png", "--plot-font", "f.ttf"]);
+        assert_eq!(parsed.trace.as_deref(), Some(Path::new("t.json")));
+        assert_eq!(parsed.memory_plot.as_deref(), Some(Path::new("m.png")));
+        assert_eq!(parsed.plot_font.as_deref(), Some(Path::new("f.ttf")));
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 use group_offload::GroupOffloadConfig;
 use offload_core::plan::{PhaseReport, Phases};
+use offload_core::timeline::{Timeline, category};
 use offload_core::{ComponentsManager, DeviceLedger, DeviceMemory};
 
 use crate::config::TransformerConfig;
@@ -360,7 +361,8 @@ impl ZImagePipeline {
         let mut config = GroupOffloadConfig::new(component.name(), self.placement.exec.clone())
             .with_device_name(self.placement.name.clone())
             .with_ledger(ledger.clone())
-            .with_record(self.manager.offload_record());
+            .with_record(self.manager.offload_record())
+            .with_timeline(self.manager.timeline());
         if let Some(memory) = memory {
             config = config.with_memory(memory);
         }
@@ -607,16 +609,34 @@ impl ZImagePipeline {
         let device = self.placement.exec.clone();
         let release_device = device.clone();
         let observer = self.phase_observer.clone();
+        let timeline = self.manager.timeline();
+        let release_timeline = timeline.clone();
+        let memory = self.placement.memory.clone();
+        let sample = move |timeline: &Timeline| {
+            if let Some(memory) = &memory {
+                timeline.sample_memory(memory.as_ref());
+            }
+        };
+        let release_sample = sample.clone();
         let mut phases = Phases::new(move |finished: &str| {
             if let Some(observer) = &observer {
                 observer(finished);
             }
             tracing::debug!(phase = finished, "releasing device memory between phases");
+            let span = release_timeline.span(category::PHASE, &format!("release after {finished}"));
             release_device.memory_cleanup();
+            drop(span);
+            release_sample(&release_timeline);
         });
+        // Each phase is a span on the calling thread, with a memory sample at its start and its end.
+        let phase_span = |name: &str| {
+            sample(&timeline);
+            timeline.span(category::PHASE, name)
+        };
         let [h, w] = opts.latent_size(self.vae_scale_factor());
         let vae_activations = self.activation_estimates(opts)[2];
         let (embeds, schedule, latents) = phases.run(PHASES[0], || -> Result<_> {
+            let phase = phase_span(PHASES[0]);
             let mut prompts = vec![opts.prompt.clone()];
             if opts.guided() {
                 prompts.push(opts.negative_prompt.clone().unwrap_or_default());
@@ -636,18 +656,31 @@ impl ZImagePipeline {
                     (schedule, noised)
                 }
             };
+            drop(phase);
+            sample(&timeline);
             Ok((embeds, schedule, latents))
         })?;
         let latents = phases.run(PHASES[1], || -> Result<_> {
+            let phase = phase_span(PHASES[1]);
             let mut latents = latents;
             for i in 0..schedule.len() {
+                let step = timeline.span(category::STEP, &format!("step {}", i + 1)).arg("of", schedule.len());
                 latents = self.denoise_step(&schedule, i, latents, &embeds, opts)?;
+                drop(step);
                 progress(i + 1, schedule.len());
             }
+            drop(phase);
+            sample(&timeline);
             Ok(latents)
         })?;
         drop(embeds);
-        let image = phases.run(PHASES[2], || self.decode_with(latents, vae_activations))?;
+        let image = phases.run(PHASES[2], || {
+            let phase = phase_span(PHASES[2]);
+            let image = self.decode_with(latents, vae_activations);
+            drop(phase);
+            sample(&timeline);
+            image
+        })?;
         if let Some(observer) = &self.phase_observer {
             observer(PHASES[2]);
         }
@@ -736,6 +769,33 @@ impl ZImagePipeline {
 
     fn transformer_dtype(&self) -> DType {
         self.transformer_dtype
+    }
+
+    /// Records this pipeline's runs in `timeline`: each phase (`encode`, `denoise`, `decode`) and the release
+    /// after it as a span of category `phase`, each denoising step (`step`), with a device memory sample at every
+    /// phase boundary; and, through the manager ([`ComponentsManager::set_timeline`]) and each group offloader,
+    /// every run, onload, offload and group upload, compute and release. Write it with
+    /// [`Timeline::write_chrome_trace`].
+    ///
+    /// Call it before [`enable_group_offload`](Self::enable_group_offload) (or a preset that streams by blocks
+    /// or leaves): a group offloader keeps the timeline it was built with, so a later call is refused with
+    /// [`Error::InvalidArgument`].
+    pub fn set_timeline(&mut self, timeline: Timeline) -> Result<()> {
+        if self.grouped_text_encoder || self.grouped_transformer {
+            return Err(Error::InvalidArgument {
+                name: "timeline",
+                reason: "group offload is already enabled and its offloaders keep the timeline they were built \
+                         with; set the timeline before enabling group offload or applying a preset"
+                    .into(),
+            });
+        }
+        self.manager.set_timeline(timeline);
+        Ok(())
+    }
+
+    /// The timeline this pipeline records in (disabled unless [`set_timeline`](Self::set_timeline) set one).
+    pub fn timeline(&self) -> Timeline {
+        self.manager.timeline()
     }
 
     /// Calls `observer` with each phase's name ([`PHASES`]) once that phase of a generation finished: what a

@@ -8,23 +8,23 @@
 //! frames, tokens, batch) stay out of the identity: each run records them with its outcome and peaks, and the
 //! profile keeps, per metric, the largest success and the smallest failure.
 //!
-//! Profiles are kept on disk by `ProfileStore`, behind the `plan-io` feature; the profiles, their checks and
+//! Profiles are kept on disk by `ProfileStore`, behind the `io` feature; the profiles, their checks and
 //! the calibration are pure and always built.
 
 use std::collections::BTreeMap;
 use std::fmt;
-#[cfg(feature = "plan-io")]
+#[cfg(feature = "io")]
 use std::path::{Path, PathBuf};
 
-#[cfg(feature = "plan-io")]
+#[cfg(feature = "io")]
 use serde::{Deserialize, Serialize};
 
 use crate::plan::budget::recommend_resident_budget;
-#[cfg(feature = "plan-io")]
+#[cfg(feature = "io")]
 use crate::plan::error::PlanError;
-#[cfg(feature = "plan-io")]
+#[cfg(feature = "io")]
 use crate::plan::settings::Settings;
-#[cfg(feature = "plan-io")]
+#[cfg(feature = "io")]
 use crate::size::format_size;
 
 /// The profile format's version; files of another version are ignored.
@@ -94,8 +94,8 @@ impl Workload {
 
 /// Whether a run completed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
-#[cfg_attr(feature = "plan-io", serde(rename_all = "lowercase"))]
+#[cfg_attr(feature = "io", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "io", serde(rename_all = "lowercase"))]
 pub enum Outcome {
     /// The run completed.
     Success,
@@ -105,7 +105,7 @@ pub enum Outcome {
 
 /// One run: its outcome, its capacity metrics and the peaks it reached.
 #[derive(Debug, Clone, PartialEq)]
-#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "io", derive(Serialize, Deserialize))]
 pub struct Observation {
     /// When it ran, seconds since the Unix epoch.
     pub at: u64,
@@ -116,7 +116,7 @@ pub struct Observation {
     /// Peak host bytes.
     pub peak_host: u64,
     /// The varying capacity metrics (`pixels`, `frames`, `tokens`).
-    #[cfg_attr(feature = "plan-io", serde(default))]
+    #[cfg_attr(feature = "io", serde(default))]
     pub metrics: BTreeMap<String, f64>,
 }
 
@@ -150,19 +150,19 @@ fn now() -> u64 {
 
 /// The validated range of one metric.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "io", derive(Serialize, Deserialize))]
 pub struct Limit {
     /// The largest value a run completed with.
-    #[cfg_attr(feature = "plan-io", serde(default, skip_serializing_if = "Option::is_none"))]
+    #[cfg_attr(feature = "io", serde(default, skip_serializing_if = "Option::is_none"))]
     pub max_success: Option<f64>,
     /// The smallest value a run failed with.
-    #[cfg_attr(feature = "plan-io", serde(default, skip_serializing_if = "Option::is_none"))]
+    #[cfg_attr(feature = "io", serde(default, skip_serializing_if = "Option::is_none"))]
     pub min_failure: Option<f64>,
 }
 
 /// The largest peaks among completed runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "io", derive(Serialize, Deserialize))]
 pub struct Peaks {
     /// Peak device bytes.
     pub device: u64,
@@ -172,7 +172,7 @@ pub struct Peaks {
 
 /// What a calibration run recommends for later runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "io", derive(Serialize, Deserialize))]
 pub struct Recommendation {
     /// The resident budget later runs use.
     pub resident_budget: u64,
@@ -200,7 +200,7 @@ impl Recommendation {
 
 /// Everything a workload's runs have shown, as stored.
 #[derive(Debug, Clone, PartialEq)]
-#[cfg_attr(feature = "plan-io", derive(Serialize, Deserialize))]
+#[cfg_attr(feature = "io", derive(Serialize, Deserialize))]
 pub struct CapacityProfile {
     /// [`SCHEMA_VERSION`].
     pub schema_version: u32,
@@ -213,13 +213,13 @@ pub struct CapacityProfile {
     /// The largest peaks among completed runs.
     pub peaks: Peaks,
     /// Per metric, the validated range.
-    #[cfg_attr(feature = "plan-io", serde(default))]
+    #[cfg_attr(feature = "io", serde(default))]
     pub limits: BTreeMap<String, Limit>,
     /// A calibration's recommendation, when calibrated.
-    #[cfg_attr(feature = "plan-io", serde(default, skip_serializing_if = "Option::is_none"))]
+    #[cfg_attr(feature = "io", serde(default, skip_serializing_if = "Option::is_none"))]
     pub recommendation: Option<Recommendation>,
     /// The last [`MAX_OBSERVATIONS`] runs, oldest first.
-    #[cfg_attr(feature = "plan-io", serde(default))]
+    #[cfg_attr(feature = "io", serde(default))]
     pub observations: Vec<Observation>,
 }
 
@@ -347,7 +347,7 @@ pub struct Recorded {
     pub warnings: Vec<CapacityWarning>,
 }
 
-/// A directory of capacity profiles (feature `plan-io`).
+/// A directory of capacity profiles (feature `io`).
 ///
 /// ```
 /// use offload_core::plan::{Observation, ProfileStore, Workload};
@@ -360,13 +360,13 @@ pub struct Recorded {
 /// # std::fs::remove_dir_all(&dir).ok();
 /// # Ok::<(), offload_core::plan::PlanError>(())
 /// ```
-#[cfg(feature = "plan-io")]
+#[cfg(feature = "io")]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProfileStore {
     dir: PathBuf,
 }
 
-#[cfg(feature = "plan-io")]
+#[cfg(feature = "io")]
 impl ProfileStore {
     /// A store in `dir` (created on the first save).
     pub fn at(dir: impl Into<PathBuf>) -> Self {

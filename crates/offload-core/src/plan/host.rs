@@ -29,9 +29,9 @@ impl HostMemory {
         Self { total, available: available.min(total) }
     }
 
-    /// Reads the OS: `/proc/meminfo` on Linux (feature `plan-io`). Elsewhere this is an error that says how to
+    /// Reads the OS: `/proc/meminfo` on Linux (feature `io`). Elsewhere this is an error that says how to
     /// pass the numbers.
-    #[cfg(feature = "plan-io")]
+    #[cfg(feature = "io")]
     pub fn read() -> Result<Self, PlanError> {
         #[cfg(target_os = "linux")]
         {
@@ -94,7 +94,7 @@ mod tests {
         assert!(err.unwrap_or_default().contains("MemTotal is not a number"));
     }
 
-    #[cfg(all(target_os = "linux", feature = "plan-io"))]
+    #[cfg(all(target_os = "linux", feature = "io"))]
     #[test]
     fn reads_this_machine() {
         let host = HostMemory::read();

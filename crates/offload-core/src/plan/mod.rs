@@ -12,7 +12,7 @@
 //! - [`Settings::resolve`] layers explicit arguments over `OFFLOAD_*` variables over a TOML file over preset
 //!   defaults, and is the one place planning input is validated;
 //! - `ProfileStore` keeps capacity profiles and named calibrations as TOML under the data directory (feature
-//!   `plan-io`, with the settings file, the process's environment and the host's `/proc/meminfo`: planning's
+//!   `io`, with the settings file, the process's environment and the host's `/proc/meminfo`: planning's
 //!   I/O, which a model crate that passes its facts in does not compile);
 //! - [`Phases`] times encode, denoise and decode and runs a release hook between them.
 //!
@@ -32,7 +32,7 @@ pub mod planner;
 pub mod preset;
 pub mod settings;
 
-#[cfg(feature = "plan-io")]
+#[cfg(feature = "io")]
 pub use capacity::ProfileStore;
 pub use capacity::{
     CapacityProfile, CapacityWarning, Limit, MAX_OBSERVATIONS, Observation, Outcome, Peaks, Recommendation, Recorded,

@@ -306,7 +306,7 @@ fn parse_text(info: &KeyInfo, text: &str, origin: &Origin) -> Result<Value, Plan
 
 /// Parses a value from the TOML file: strings as in the environment, TOML integers for sizes (bytes), counts
 /// and ratios, TOML booleans for booleans.
-#[cfg(feature = "plan-io")]
+#[cfg(feature = "io")]
 fn parse_toml(info: &KeyInfo, value: &toml::Value) -> Result<Value, PlanError> {
     let origin = Origin::File;
     let bad = || invalid(info, &value.to_string(), &origin);
@@ -361,7 +361,7 @@ impl SettingsLayer {
         Ok(layer)
     }
 
-    /// Reads a TOML settings file's text: top-level keys named as in [`KEYS`] (feature `plan-io`).
+    /// Reads a TOML settings file's text: top-level keys named as in [`KEYS`] (feature `io`).
     ///
     /// ```
     /// use offload_core::plan::{Preset, Settings, SettingsLayer};
@@ -373,7 +373,7 @@ impl SettingsLayer {
     /// assert_eq!(settings.resident_budget, Some(4 << 30)); // the file beats the preset default
     /// # Ok::<(), offload_core::plan::PlanError>(())
     /// ```
-    #[cfg(feature = "plan-io")]
+    #[cfg(feature = "io")]
     pub fn from_toml(text: &str) -> Result<Self, PlanError> {
         let table: toml::Table =
             text.parse().map_err(|e: toml::de::Error| PlanError::InvalidToml { message: e.message().to_string() })?;
@@ -479,7 +479,7 @@ pub struct Settings {
 impl Settings {
     /// Resolves the settings: `explicit` beats the `OFFLOAD_*` variables among `env`, which beat the TOML
     /// `file` text, which beats the preset's defaults. The preset itself is resolved the same way first. A file
-    /// is read only with the `plan-io` feature; without it a given file is refused with the feature to enable.
+    /// is read only with the `io` feature; without it a given file is refused with the feature to enable.
     pub fn resolve<I, K, V>(explicit: &SettingsLayer, env: I, file: Option<&str>) -> Result<Self, PlanError>
     where
         I: IntoIterator<Item = (K, V)>,
@@ -489,12 +489,12 @@ impl Settings {
         explicit.validate(&Origin::Explicit)?;
         let env = SettingsLayer::from_env(env)?;
         let file = match file {
-            #[cfg(feature = "plan-io")]
+            #[cfg(feature = "io")]
             Some(text) => SettingsLayer::from_toml(text)?,
-            #[cfg(not(feature = "plan-io"))]
+            #[cfg(not(feature = "io"))]
             Some(_) => {
                 return Err(PlanError::InvalidToml {
-                    message: "reading a settings file needs offload-core's `plan-io` feature; enable it, or pass \
+                    message: "reading a settings file needs offload-core's `io` feature; enable it, or pass \
                               the settings as explicit values"
                         .into(),
                 });
@@ -505,8 +505,8 @@ impl Settings {
     }
 
     /// Resolves against the process: its environment, and the TOML file named by `OFFLOAD_CONFIG` if set
-    /// (feature `plan-io`).
-    #[cfg(feature = "plan-io")]
+    /// (feature `io`).
+    #[cfg(feature = "io")]
     pub fn from_process(explicit: &SettingsLayer) -> Result<Self, PlanError> {
         let env: Vec<(String, String)> = std::env::vars_os()
             .map(|(k, v)| (k.to_string_lossy().into_owned(), v.to_string_lossy().into_owned()))
@@ -596,16 +596,16 @@ mod tests {
     use super::*;
 
     /// Without planning's I/O a settings file is refused by name, never silently skipped.
-    #[cfg(not(feature = "plan-io"))]
+    #[cfg(not(feature = "io"))]
     #[test]
     fn a_settings_file_needs_the_io_feature() {
         let no_env: [(&str, &str); 0] = [];
         let error = Settings::resolve(&SettingsLayer::default(), no_env, Some("prefetch = true")).expect_err("refused");
-        assert!(error.to_string().contains("`plan-io` feature"), "{error}");
+        assert!(error.to_string().contains("`io` feature"), "{error}");
         assert!(Settings::resolve(&SettingsLayer::default(), no_env, None).is_ok());
     }
 
-    #[cfg(feature = "plan-io")]
+    #[cfg(feature = "io")]
     #[test]
     fn a_settings_file_is_read_with_the_io_feature() {
         let no_env: [(&str, &str); 0] = [];

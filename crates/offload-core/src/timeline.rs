@@ -1,0 +1,680 @@
+//! The timeline of a run: spans (phases, onloads, offloads, group uploads, computes and releases), instants and
+//! device memory samples, each on the thread that made it, written as a Chrome trace-event file.
+//!
+//! One [`Timeline`] is shared by everything that moves or computes in a run, the way one
+//! [`OffloadRecord`](crate::OffloadRecord) is: the [`ComponentsManager`](crate::ComponentsManager) holds it
+//! ([`set_timeline`](crate::ComponentsManager::set_timeline)) and records each onload and offload, a group
+//! offloader records each group's upload (on the prefetch worker's thread when it is a prefetch), compute and
+//! release, and a pipeline records its phases. A disabled timeline (the default) holds nothing: every call on it
+//! returns at once, without reading a clock or allocating.
+//!
+//! Timestamps are nanoseconds since one origin (the [`Timeline::enabled`] call), so events from every thread
+//! line up. Threads are numbered in the order they first record (1, 2, ...) and named from
+//! [`std::thread::current`]. [`Timeline::write_chrome_trace`] writes the
+//! [Chrome trace-event format](https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU):
+//! complete (`"X"`) events with `ts` and `dur` in microseconds, instant (`"i"`) events, counter (`"C"`) events of
+//! device memory and `thread_name` metadata (`"M"`), which Perfetto (<https://ui.perfetto.dev>) and
+//! `chrome://tracing` open.
+//!
+//! Writing the file needs the crate's `io` feature (JSON through serde_json); recording does not.
+
+use std::collections::HashMap;
+use std::fmt;
+#[cfg(feature = "io")]
+use std::io::{self, Write};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::{JoinHandle, Thread, ThreadId};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+#[cfg(feature = "io")]
+use serde_json::{Map, Value, json};
+
+use crate::device::DeviceMemory;
+
+/// The most events a timeline keeps; later ones are counted and dropped (the file says how many).
+pub const MAX_TIMELINE_EVENTS: usize = 1_000_000;
+
+/// The name of the counter track of device memory samples.
+pub const MEMORY_COUNTER: &str = "device memory";
+
+/// The categories the workspace records under, one per kind of span; the trace viewer filters by them.
+pub mod category {
+    /// A phase of a pipeline (`encode`, `denoise`, `decode`).
+    pub const PHASE: &str = "phase";
+    /// One step inside a phase (a denoising step).
+    pub const STEP: &str = "step";
+    /// A component's run through the manager (its onload, if any, and its call).
+    pub const RUN: &str = "run";
+    /// A whole component moved onto the execution device by the manager.
+    pub const ONLOAD: &str = "onload";
+    /// A whole component moved off the execution device by the manager.
+    pub const OFFLOAD: &str = "offload";
+    /// A group uploaded by a group offloader (on the caller's thread, or the prefetch worker's).
+    pub const UPLOAD: &str = "upload";
+    /// A group borrowed on the device while its layers compute.
+    pub const COMPUTE: &str = "compute";
+    /// A group dropped from the device after its compute.
+    pub const RELEASE: &str = "release";
+    /// Device memory samples (the counter track).
+    pub const MEMORY: &str = "memory";
+}
+
+/// A value attached to an event (`args` in the trace file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ArgValue {
+    /// A count or a number of bytes.
+    Number(u64),
+    /// Any text: a reason, a device, an error.
+    Text(String),
+}
+
+impl From<u64> for ArgValue {
+    fn from(value: u64) -> Self {
+        ArgValue::Number(value)
+    }
+}
+
+impl From<usize> for ArgValue {
+    fn from(value: usize) -> Self {
+        ArgValue::Number(value as u64)
+    }
+}
+
+impl From<&str> for ArgValue {
+    fn from(value: &str) -> Self {
+        ArgValue::Text(value.to_string())
+    }
+}
+
+impl From<String> for ArgValue {
+    fn from(value: String) -> Self {
+        ArgValue::Text(value)
+    }
+}
+
+#[cfg(feature = "io")]
+impl ArgValue {
+    fn to_json(&self) -> Value {
+        match self {
+            ArgValue::Number(n) => json!(n),
+            ArgValue::Text(t) => json!(t),
+        }
+    }
+}
+
+/// What kind of event a [`TimelineEvent`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    /// Something that took time: it started at the event's start and lasted `duration_ns`.
+    Span {
+        /// How long it lasted, in nanoseconds.
+        duration_ns: u64,
+    },
+    /// Something that happened at one moment.
+    Instant,
+    /// A sample of a counter track: the event's args are the counter's values at its start.
+    Counter,
+}
+
+/// One event of a timeline, as plain data.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimelineEvent {
+    /// Span, instant or counter sample.
+    pub kind: EventKind,
+    /// Its category ([`category`]).
+    pub category: String,
+    /// What it is about: a phase, a component id, a group id, a counter's name.
+    pub name: String,
+    /// When it started (or happened), in nanoseconds since the timeline's origin.
+    pub start_ns: u64,
+    /// The thread it was recorded on, as numbered by the timeline ([`Timeline::threads`]).
+    pub thread: u64,
+    /// Its values: bytes, a reason, a device; a counter's samples.
+    pub args: Vec<(String, ArgValue)>,
+}
+
+impl TimelineEvent {
+    /// The value of the arg `key`, if the event has it.
+    pub fn arg(&self, key: &str) -> Option<&ArgValue> {
+        self.args.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// The event as one Chrome trace event.
+    #[cfg(feature = "io")]
+    fn to_chrome(&self, pid: u64) -> Value {
+        let mut event = Map::new();
+        event.insert("name".into(), json!(self.name));
+        event.insert("cat".into(), json!(self.category));
+        let ph = match self.kind {
+            EventKind::Span { duration_ns } => {
+                event.insert("dur".into(), json!(micros(duration_ns)));
+                "X"
+            }
+            EventKind::Instant => {
+                // Scoped to its thread, so it is drawn on the thread's track.
+                event.insert("s".into(), json!("t"));
+                "i"
+            }
+            EventKind::Counter => "C",
+        };
+        event.insert("ph".into(), json!(ph));
+        event.insert("ts".into(), json!(micros(self.start_ns)));
+        event.insert("pid".into(), json!(pid));
+        event.insert("tid".into(), json!(self.thread));
+        if !self.args.is_empty() {
+            let args: Map<String, Value> = self.args.iter().map(|(k, v)| (k.clone(), v.to_json())).collect();
+            event.insert("args".into(), Value::Object(args));
+        }
+        Value::Object(event)
+    }
+}
+
+/// Nanoseconds as the trace's microseconds, keeping the sub-microsecond part.
+#[cfg(feature = "io")]
+fn micros(ns: u64) -> f64 {
+    ns as f64 / 1000.0
+}
+
+/// One device memory sample, read back from a timeline's counter track ([`Timeline::memory_samples`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemorySample {
+    /// When it was taken, in nanoseconds since the timeline's origin.
+    pub at_ns: u64,
+    /// Bytes allocated on the device ([`DeviceMemory::allocated`]).
+    pub allocated: u64,
+    /// Bytes a new allocation could still get ([`DeviceMemory::available`]).
+    pub available: u64,
+}
+
+/// A thread that recorded on a timeline: its number in the trace and its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadInfo {
+    /// The `tid` of its events.
+    pub tid: u64,
+    /// Its name ([`std::thread::Thread::name`]), or `thread <tid>` for an unnamed thread.
+    pub name: String,
+}
+
+struct Inner {
+    origin: Instant,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    events: Vec<TimelineEvent>,
+    dropped: u64,
+    threads: Vec<ThreadInfo>,
+    by_id: HashMap<ThreadId, u64>,
+}
+
+impl State {
+    /// The number of `thread`, numbering and naming it on its first event.
+    fn tid(&mut self, thread: &Thread) -> u64 {
+        if let Some(tid) = self.by_id.get(&thread.id()) {
+            return *tid;
+        }
+        let tid = self.threads.len() as u64 + 1;
+        let name = thread.name().map_or_else(|| format!("thread {tid}"), str::to_string);
+        self.by_id.insert(thread.id(), tid);
+        self.threads.push(ThreadInfo { tid, name });
+        tid
+    }
+
+    fn push(&mut self, event: TimelineEvent) {
+        if self.events.len() >= MAX_TIMELINE_EVENTS {
+            self.dropped += 1;
+        } else {
+            self.events.push(event);
+        }
+    }
+}
+
+/// The shared recorder of a run's timeline; cloning shares it. See the [module documentation](self).
+///
+/// It is `Send + Sync`: spans are recorded from the caller's threads and the prefetch workers at once. Its one
+/// lock is taken only to push an event or copy them out, never while anything runs.
+#[derive(Clone, Default)]
+pub struct Timeline {
+    inner: Option<Arc<Inner>>,
+}
+
+impl fmt::Debug for Timeline {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.inner {
+            None => f.write_str("Timeline(disabled)"),
+            Some(inner) => f.debug_struct("Timeline").field("events", &inner.state.lock().events.len()).finish(),
+        }
+    }
+}
+
+impl Timeline {
+    /// A timeline that records nothing: what everything holds when no trace was asked for.
+    pub fn disabled() -> Self {
+        Self { inner: None }
+    }
+
+    /// A recording timeline whose origin is now.
+    pub fn enabled() -> Self {
+        Self { inner: Some(Arc::new(Inner { origin: Instant::now(), state: Mutex::new(State::default()) })) }
+    }
+
+    /// Whether it records.
+    pub fn is_enabled(&self) -> bool {
+        self.inner.is_some()
+    }
+
+    /// Nanoseconds since the origin, or `None` when disabled.
+    pub fn now_ns(&self) -> Option<u64> {
+        self.inner.as_ref().map(|inner| elapsed_ns(inner.origin))
+    }
+
+    /// Starts a span of `category` named `name` on this thread; it ends (and is recorded) when the returned
+    /// [`Span`] is dropped or [`end`](Span::end)ed. On a disabled timeline nothing is allocated.
+    pub fn span(&self, category: &str, name: &str) -> Span {
+        Span {
+            open: self.inner.as_ref().map(|inner| OpenSpan {
+                inner: inner.clone(),
+                category: category.to_string(),
+                name: name.to_string(),
+                start_ns: elapsed_ns(inner.origin),
+                thread: std::thread::current(),
+                args: Vec::new(),
+            }),
+        }
+    }
+
+    /// Records a span that started at `start_ns` (from [`now_ns`](Self::now_ns)) and ends now, on this thread:
+    /// for a span whose start and end are far apart in the code (a borrowed group's compute).
+    pub fn span_since(&self, category: &str, name: &str, start_ns: u64, args: Vec<(String, ArgValue)>) {
+        let Some(inner) = &self.inner else { return };
+        let end = elapsed_ns(inner.origin);
+        let thread = std::thread::current();
+        let mut state = inner.state.lock();
+        let tid = state.tid(&thread);
+        state.push(TimelineEvent {
+            kind: EventKind::Span { duration_ns: end.saturating_sub(start_ns) },
+            category: category.to_string(),
+            name: name.to_string(),
+            start_ns,
+            thread: tid,
+            args,
+        });
+    }
+
+    /// Records that something happened now, on this thread.
+    pub fn instant(&self, category: &str, name: &str, args: &[(&str, ArgValue)]) {
+        let Some(inner) = &self.inner else { return };
+        let start_ns = elapsed_ns(inner.origin);
+        let thread = std::thread::current();
+        let mut state = inner.state.lock();
+        let tid = state.tid(&thread);
+        state.push(TimelineEvent {
+            kind: EventKind::Instant,
+            category: category.to_string(),
+            name: name.to_string(),
+            start_ns,
+            thread: tid,
+            args: args.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
+        });
+    }
+
+    /// Records a sample of the device memory counter track ([`MEMORY_COUNTER`]): `allocated` and `available`
+    /// as `memory` reads them now. Reading is cheap by [`DeviceMemory`]'s contract; a disabled timeline does not
+    /// read at all.
+    pub fn sample_memory(&self, memory: &dyn DeviceMemory) {
+        let Some(inner) = &self.inner else { return };
+        let (allocated, available) = (memory.allocated(), memory.available());
+        let start_ns = elapsed_ns(inner.origin);
+        let thread = std::thread::current();
+        let mut state = inner.state.lock();
+        let tid = state.tid(&thread);
+        state.push(TimelineEvent {
+            kind: EventKind::Counter,
+            category: category::MEMORY.to_string(),
+            name: MEMORY_COUNTER.to_string(),
+            start_ns,
+            thread: tid,
+            args: vec![("allocated".into(), allocated.into()), ("available".into(), available.into())],
+        });
+    }
+
+    /// Samples `memory` every `every` on a thread of its own (named `memory sampler`) until the returned
+    /// [`MemorySampler`] is dropped: between the samples taken at each move, these show what a call holds while
+    /// it runs (its activations). On a disabled timeline no thread starts.
+    pub fn sample_every(&self, memory: Arc<dyn DeviceMemory>, every: Duration) -> MemorySampler {
+        if !self.is_enabled() {
+            return MemorySampler { stop: None, handle: None };
+        }
+        let (stop, stopped) = mpsc::channel::<()>();
+        let timeline = self.clone();
+        let spawned = std::thread::Builder::new().name("memory sampler".into()).spawn(move || {
+            loop {
+                timeline.sample_memory(memory.as_ref());
+                match stopped.recv_timeout(every) {
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    // Stopped, or the sampler was dropped.
+                    _ => break,
+                }
+            }
+        });
+        match spawned {
+            Ok(handle) => MemorySampler { stop: Some(stop), handle: Some(handle) },
+            Err(error) => {
+                tracing::warn!("cannot start the memory sampler ({error}); memory is sampled at each move only");
+                MemorySampler { stop: None, handle: None }
+            }
+        }
+    }
+
+    /// Adds an event as given, with its own timestamp and thread number: for timelines built by hand (tests,
+    /// imports). Name its thread with [`name_thread`](Self::name_thread).
+    pub fn push(&self, event: TimelineEvent) {
+        if let Some(inner) = &self.inner {
+            inner.state.lock().push(event);
+        }
+    }
+
+    /// Names thread `tid` for [`push`](Self::push)ed events (a thread that records itself is named on its own).
+    pub fn name_thread(&self, tid: u64, name: &str) {
+        let Some(inner) = &self.inner else { return };
+        let mut state = inner.state.lock();
+        match state.threads.iter_mut().find(|t| t.tid == tid) {
+            Some(thread) => thread.name = name.to_string(),
+            None => state.threads.push(ThreadInfo { tid, name: name.to_string() }),
+        }
+    }
+
+    /// A copy of the events, in the order they were recorded (a span is recorded when it ends).
+    pub fn events(&self) -> Vec<TimelineEvent> {
+        self.inner.as_ref().map(|inner| inner.state.lock().events.clone()).unwrap_or_default()
+    }
+
+    /// The threads that recorded, by number.
+    pub fn threads(&self) -> Vec<ThreadInfo> {
+        let mut threads = self.inner.as_ref().map(|inner| inner.state.lock().threads.clone()).unwrap_or_default();
+        threads.sort_by_key(|t| t.tid);
+        threads
+    }
+
+    /// Events dropped past [`MAX_TIMELINE_EVENTS`].
+    pub fn dropped(&self) -> u64 {
+        self.inner.as_ref().map_or(0, |inner| inner.state.lock().dropped)
+    }
+
+    /// The device memory samples, oldest first.
+    pub fn memory_samples(&self) -> Vec<MemorySample> {
+        let number = |event: &TimelineEvent, key: &str| match event.arg(key) {
+            Some(ArgValue::Number(n)) => *n,
+            _ => 0,
+        };
+        let mut samples: Vec<MemorySample> = self
+            .events()
+            .iter()
+            .filter(|e| e.kind == EventKind::Counter && e.name == MEMORY_COUNTER)
+            .map(|e| MemorySample {
+                at_ns: e.start_ns,
+                allocated: number(e, "allocated"),
+                available: number(e, "available"),
+            })
+            .collect();
+        samples.sort_by_key(|s| s.at_ns);
+        samples
+    }
+
+    /// Writes the timeline as a Chrome trace-event JSON object (`{"traceEvents": [...], "displayTimeUnit":
+    /// "ms"}`): the process and thread names first, then the events sorted by start, one per line (feature
+    /// `io`).
+    ///
+    /// ```
+    /// use offload_core::timeline::{Timeline, category};
+    ///
+    /// let timeline = Timeline::enabled();
+    /// {
+    ///     let _phase = timeline.span(category::PHASE, "encode");
+    ///     timeline.span(category::ONLOAD, "text_encoder_1").arg("bytes", 4096u64).end();
+    /// }
+    /// let mut json = Vec::new();
+    /// timeline.write_chrome_trace(&mut json)?;
+    /// let trace: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    /// assert_eq!(trace["traceEvents"].as_array().unwrap().len(), 4); // process and thread names, two spans
+    /// assert!(Timeline::disabled().events().is_empty());
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    #[cfg(feature = "io")]
+    pub fn write_chrome_trace(&self, out: &mut dyn Write) -> io::Result<()> {
+        const PID: u64 = 1;
+        let mut lines: Vec<Value> = vec![json!({
+            "name": "process_name", "ph": "M", "pid": PID, "tid": 0, "args": { "name": "offload" }
+        })];
+        for thread in self.threads() {
+            lines.push(json!({
+                "name": "thread_name", "ph": "M", "pid": PID, "tid": thread.tid, "args": { "name": thread.name }
+            }));
+        }
+        let mut events = self.events();
+        // Stable: events that start together keep the order they were recorded in.
+        events.sort_by_key(|e| e.start_ns);
+        lines.extend(events.iter().map(|e| e.to_chrome(PID)));
+        out.write_all(b"{\"traceEvents\":[\n")?;
+        for (i, line) in lines.iter().enumerate() {
+            if i > 0 {
+                out.write_all(b",\n")?;
+            }
+            serde_json::to_writer(&mut *out, line)?;
+        }
+        write!(out, "\n],\"displayTimeUnit\":\"ms\",\"otherData\":{{\"dropped_events\":{}}}}}\n", self.dropped())?;
+        Ok(())
+    }
+}
+
+fn elapsed_ns(origin: Instant) -> u64 {
+    u64::try_from(origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The periodic memory sampler of a timeline ([`Timeline::sample_every`]); dropping it stops the sampler
+/// thread and waits for it.
+#[derive(Debug)]
+pub struct MemorySampler {
+    stop: Option<mpsc::Sender<()>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl MemorySampler {
+    /// Stops sampling now.
+    pub fn stop(self) {}
+}
+
+impl Drop for MemorySampler {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(handle) = self.handle.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+struct OpenSpan {
+    inner: Arc<Inner>,
+    category: String,
+    name: String,
+    start_ns: u64,
+    thread: Thread,
+    args: Vec<(String, ArgValue)>,
+}
+
+/// A span being recorded ([`Timeline::span`]): recorded, on the thread that opened it, when dropped or
+/// [`end`](Self::end)ed. On a disabled timeline it is empty and every method does nothing.
+#[must_use = "a span is recorded when it is dropped; bind it to a variable that lives as long as the work"]
+pub struct Span {
+    open: Option<OpenSpan>,
+}
+
+impl fmt::Debug for Span {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.open {
+            None => f.write_str("Span(disabled)"),
+            Some(open) => f.debug_struct("Span").field("name", &open.name).field("category", &open.category).finish(),
+        }
+    }
+}
+
+impl Span {
+    /// Adds an arg (bytes, a reason, a device).
+    pub fn arg(mut self, key: &str, value: impl Into<ArgValue>) -> Self {
+        self.set_arg(key, value);
+        self
+    }
+
+    /// Adds an arg to a span already bound (an outcome known only at its end).
+    pub fn set_arg(&mut self, key: &str, value: impl Into<ArgValue>) {
+        if let Some(open) = &mut self.open {
+            open.args.push((key.to_string(), value.into()));
+        }
+    }
+
+    /// Ends the span now.
+    pub fn end(self) {}
+}
+
+impl Drop for Span {
+    fn drop(&mut self) {
+        let Some(open) = self.open.take() else { return };
+        let end = elapsed_ns(open.inner.origin);
+        let mut state = open.inner.state.lock();
+        let tid = state.tid(&open.thread);
+        state.push(TimelineEvent {
+            kind: EventKind::Span { duration_ns: end.saturating_sub(open.start_ns) },
+            category: open.category,
+            name: open.name,
+            start_ns: open.start_ns,
+            thread: tid,
+            args: open.args,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(feature = "io")]
+    use expect_test::expect;
+
+    use super::*;
+
+    #[cfg(feature = "io")]
+    fn event(kind: EventKind, category: &str, name: &str, start_ns: u64, thread: u64) -> TimelineEvent {
+        TimelineEvent { kind, category: category.into(), name: name.into(), start_ns, thread, args: Vec::new() }
+    }
+
+    #[cfg(feature = "io")]
+    fn trace(timeline: &Timeline) -> String {
+        let mut out = Vec::new();
+        timeline.write_chrome_trace(&mut out).expect("writing to memory cannot fail");
+        String::from_utf8(out).expect("JSON is UTF-8")
+    }
+
+    /// A hand-built timeline with fixed timestamps, written exactly: the file's shape is what the viewers read.
+    #[cfg(feature = "io")]
+    #[test]
+    fn writes_the_chrome_trace_event_format() {
+        let timeline = Timeline::enabled();
+        timeline.name_thread(1, "main");
+        timeline.name_thread(2, "group-offload-transformer");
+        let mut onload = event(EventKind::Span { duration_ns: 250_500 }, category::ONLOAD, "text_encoder_1", 1_000, 1);
+        onload.args = vec![("bytes".into(), 4096u64.into()), ("device".into(), "cuda:0".into())];
+        let mut upload =
+            event(EventKind::Span { duration_ns: 2_000 }, category::UPLOAD, "transformer/layers_1_1", 5_000, 2);
+        upload.args = vec![("reason".into(), "prefetch".into())];
+        let mut sample = event(EventKind::Counter, category::MEMORY, MEMORY_COUNTER, 251_500, 1);
+        sample.args = vec![("allocated".into(), 4096u64.into()), ("available".into(), 1024u64.into())];
+        // Pushed out of order: the file is sorted by start.
+        timeline.push(event(EventKind::Span { duration_ns: 300_000 }, category::PHASE, "encode", 0, 1));
+        timeline.push(upload);
+        timeline.push(onload);
+        timeline.push(sample);
+        timeline.push(event(EventKind::Instant, category::PHASE, "release", 300_000, 1));
+        expect![[r#"
+            {"traceEvents":[
+            {"args":{"name":"offload"},"name":"process_name","ph":"M","pid":1,"tid":0},
+            {"args":{"name":"main"},"name":"thread_name","ph":"M","pid":1,"tid":1},
+            {"args":{"name":"group-offload-transformer"},"name":"thread_name","ph":"M","pid":1,"tid":2},
+            {"cat":"phase","dur":300.0,"name":"encode","ph":"X","pid":1,"tid":1,"ts":0.0},
+            {"args":{"bytes":4096,"device":"cuda:0"},"cat":"onload","dur":250.5,"name":"text_encoder_1","ph":"X","pid":1,"tid":1,"ts":1.0},
+            {"args":{"reason":"prefetch"},"cat":"upload","dur":2.0,"name":"transformer/layers_1_1","ph":"X","pid":1,"tid":2,"ts":5.0},
+            {"args":{"allocated":4096,"available":1024},"cat":"memory","name":"device memory","ph":"C","pid":1,"tid":1,"ts":251.5},
+            {"cat":"phase","name":"release","ph":"i","pid":1,"s":"t","tid":1,"ts":300.0}
+            ],"displayTimeUnit":"ms","otherData":{"dropped_events":0}}
+        "#]]
+        .assert_eq(&trace(&timeline));
+        let parsed: Value = serde_json::from_str(&trace(&timeline)).expect("valid JSON");
+        assert_eq!(parsed["traceEvents"].as_array().map(Vec::len), Some(8));
+    }
+
+    struct Fixed;
+    impl DeviceMemory for Fixed {
+        fn device(&self) -> crate::DeviceName {
+            crate::DeviceName::cpu()
+        }
+        fn total(&self) -> u64 {
+            100
+        }
+        fn available(&self) -> u64 {
+            60
+        }
+        fn allocated(&self) -> u64 {
+            40
+        }
+        fn peak(&self) -> u64 {
+            40
+        }
+    }
+
+    #[test]
+    fn the_sampler_reads_memory_on_its_own_thread_until_dropped() {
+        let timeline = Timeline::enabled();
+        let sampler = timeline.sample_every(Arc::new(Fixed), Duration::from_millis(1));
+        std::thread::sleep(Duration::from_millis(20));
+        sampler.stop();
+        let samples = timeline.memory_samples();
+        assert!(samples.len() >= 2, "{samples:?}");
+        assert!(samples.iter().all(|s| (s.allocated, s.available) == (40, 60)));
+        let after = timeline.memory_samples().len();
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(timeline.memory_samples().len(), after, "the sampler stopped");
+        assert_eq!(timeline.threads()[0].name, "memory sampler");
+        // A disabled timeline starts no thread and samples nothing.
+        let disabled = Timeline::disabled();
+        disabled.sample_every(Arc::new(Fixed), Duration::from_millis(1)).stop();
+        assert!(disabled.memory_samples().is_empty());
+    }
+
+    #[test]
+    fn spans_record_their_thread_and_a_disabled_timeline_nothing() {
+        let timeline = Timeline::enabled();
+        timeline.span(category::RUN, "vae_3").arg("bytes", 7u64).end();
+        let worker = timeline.clone();
+        std::thread::Builder::new()
+            .name("worker".into())
+            .spawn(move || worker.span(category::UPLOAD, "vae/g").end())
+            .expect("a thread")
+            .join()
+            .expect("it ran");
+        let events = timeline.events();
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[0].arg("bytes"), Some(&ArgValue::Number(7)));
+        assert_ne!(events[0].thread, events[1].thread);
+        let names: Vec<String> = timeline.threads().into_iter().map(|t| t.name).collect();
+        assert_eq!(names[1], "worker");
+
+        let disabled = Timeline::disabled();
+        disabled.span(category::RUN, "x").arg("bytes", 1u64).end();
+        disabled.instant(category::PHASE, "x", &[]);
+        assert!(disabled.events().is_empty() && disabled.now_ns().is_none());
+        #[cfg(feature = "io")]
+        assert!(trace(&disabled).contains("\"process_name\""));
+    }
+}
