@@ -1,0 +1,434 @@
+//! Predicted beside measured: the planner's device peak, bytes moved and number of moves for one image, next to
+//! what a run on the device (a simulated card, or a real cubecl device's pool) measured, and each component
+//! call's activation high-water next to the estimate the planner and the reserve use.
+//!
+//! # What is measured, and how
+//!
+//! - **Bytes moved and moves** are counted by [`Meter`], a [`DeviceLedger`] that wraps the device's own ledger
+//!   and counts every host-to-device copy the mechanisms report (a component onloaded whole is one copy, each
+//!   group upload one). They are counted from after the plan is applied (a `resident` component's onload is paid
+//!   once per process, not per image) to the end of one image.
+//! - **The device peak** on a simulated card is the card's peak allocation (exact bytes: weights the mechanisms
+//!   placed and each call's activation estimate). On a real device it is the high-water of the pool's pages
+//!   above what the pool held before the pipeline's first onload ([`PoolReadings::reserved_peak`]); under
+//!   [`PagePolicy::Exclusive`](group_offload::PagePolicy) each allocation has its own page, so the pages are
+//!   what the device had to give, read at the end of every call (a soft [`CappedDevice`] closes a window
+//!   there). The sampled in-use high-water is a lower bound only and is not used.
+//! - **A call's activations** ([`measure_calls`]): the pages the pool took during the call, from a released
+//!   cache (the pipeline resident, the cache released before each call), so inputs the call makes, its
+//!   intermediates and its output count, the weights do not.
+//!
+//! Predictions come from [`PipelinePlan`]: [`Plan::peak_bytes`](offload_core::plan::Plan::peak_bytes),
+//! [`streamed_per_image`](offload_core::plan::Plan::streamed_per_image) and
+//! [`moves_per_image`](offload_core::plan::Plan::moves_per_image).
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use burn::tensor::Device;
+use group_offload::{CappedDevice, PoolReadings};
+use memory_sim::{CardSpec, Mode, SimCard};
+use offload_core::plan::{HostMemory, Preset, Route, Settings, SettingsLayer};
+use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, format_size};
+
+use crate::error::Result;
+use crate::offload::Placement;
+use crate::pipeline::{GenerateOptions, ZImagePipeline};
+use crate::presets::{DeviceFacts, PipelinePlan, component_specs, enable_pipeline_offload, exact_reserve};
+
+/// What a [`Meter`] counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Moved {
+    /// Bytes copied host to device (pinned or pageable).
+    pub bytes: u64,
+    /// Host-to-device copies.
+    pub moves: u64,
+}
+
+/// One component call as a [`Meter`] in probing mode saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallReading {
+    /// The activation estimate the call was run with (what a simulated card charges).
+    pub estimate: u64,
+    /// Pages the pool took during the call, from a released cache: an upper bound of the call's high-water.
+    pub pages: u64,
+    /// The sampled in-use high-water above the call's start: a lower bound.
+    pub in_use: u64,
+}
+
+/// A [`DeviceLedger`] that passes everything to the device's own ledger and counts the host-to-device copies;
+/// with [`Meter::probing`], it also measures each call's pages on a real device's pool.
+pub struct Meter {
+    inner: Arc<dyn DeviceLedger>,
+    probe: Option<Arc<PoolReadings>>,
+    state: Mutex<MeterState>,
+}
+
+#[derive(Default)]
+struct MeterState {
+    moved: Moved,
+    starts: Vec<group_offload::device::PoolSnapshot>,
+    calls: Vec<CallReading>,
+}
+
+impl Meter {
+    /// Counts the copies reported to `inner`.
+    pub fn new(inner: Arc<dyn DeviceLedger>) -> Arc<Self> {
+        Arc::new(Self { inner, probe: None, state: Mutex::new(MeterState::default()) })
+    }
+
+    /// Counts copies, and before each call releases the pool's cache of `pool` and measures the pages the call
+    /// takes ([`CallReading`]). The release changes what the pool keeps between calls: for measuring calls, not
+    /// for measuring a run's peak.
+    pub fn probing(inner: Arc<dyn DeviceLedger>, pool: Arc<PoolReadings>) -> Arc<Self> {
+        Arc::new(Self { inner, probe: Some(pool), state: Mutex::new(MeterState::default()) })
+    }
+
+    /// What was copied to the device since the last [`reset`](Self::reset).
+    pub fn moved(&self) -> Moved {
+        self.lock().moved
+    }
+
+    /// The calls measured so far, in order.
+    pub fn calls(&self) -> Vec<CallReading> {
+        self.lock().calls.clone()
+    }
+
+    /// Starts counting again.
+    pub fn reset(&self) {
+        let mut state = self.lock();
+        state.moved = Moved::default();
+        state.calls.clear();
+    }
+
+    fn lock(&self) -> MutexGuard<'_, MeterState> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn count(&self, bytes: u64) {
+        let mut state = self.lock();
+        state.moved.bytes += bytes;
+        state.moved.moves += 1;
+    }
+}
+
+impl DeviceLedger for Meter {
+    fn allocate(&self, bytes: u64) -> std::result::Result<(), ComponentError> {
+        self.inner.allocate(bytes)
+    }
+
+    fn free(&self, bytes: u64) {
+        self.inner.free(bytes)
+    }
+
+    fn transfer(&self, bytes: u64, direction: Direction) -> std::result::Result<(), ComponentError> {
+        self.inner.transfer(bytes, direction)?;
+        if direction == Direction::HostToDevice {
+            self.count(bytes);
+        }
+        Ok(())
+    }
+
+    fn transfer_pinned(&self, bytes: u64) -> std::result::Result<(), ComponentError> {
+        self.inner.transfer_pinned(bytes)?;
+        self.count(bytes);
+        Ok(())
+    }
+
+    fn begin_call(&self, estimate: u64) -> std::result::Result<(), ComponentError> {
+        if let Some(pool) = &self.probe {
+            pool.burn_device().memory_cleanup();
+            let start = pool.begin_window();
+            self.lock().starts.push(start);
+        }
+        self.inner.begin_call(estimate)
+    }
+
+    fn end_call(&self, estimate: u64) -> std::result::Result<(), ComponentError> {
+        let closed = self.inner.end_call(estimate);
+        if let Some(pool) = &self.probe {
+            let window = pool.end_window();
+            let mut state = self.lock();
+            if let (Some(start), Some(window)) = (state.starts.pop(), window) {
+                state.calls.push(CallReading {
+                    estimate,
+                    pages: window.high_reserved.saturating_sub(start.reserved),
+                    in_use: window.high_in_use.saturating_sub(start.in_use),
+                });
+            }
+        }
+        closed
+    }
+}
+
+/// The three figures compared for one image.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Figures {
+    /// Device peak, bytes.
+    pub peak: u64,
+    /// Bytes copied to the device.
+    pub bytes: u64,
+    /// Host-to-device copies.
+    pub moves: u64,
+}
+
+/// One preset on one card: what the plan predicted and what the run measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Validation {
+    /// The preset.
+    pub preset: Preset,
+    /// The card's bytes (a simulated card's capacity, or the soft cap over the real device).
+    pub card: u64,
+    /// The routes planned, `text_encoder/transformer/vae`, short: `whole` is component offload, `block x1 d1`
+    /// one block per group with prefetch depth 1, `leaf d1` leaf level with prefetch.
+    pub routes: String,
+    /// The planner's figures.
+    pub predicted: Figures,
+    /// The run's figures.
+    pub measured: Figures,
+}
+
+impl Validation {
+    /// Predicted peak over measured peak.
+    pub fn peak_ratio(&self) -> f64 {
+        ratio(self.predicted.peak, self.measured.peak)
+    }
+}
+
+fn ratio(predicted: u64, measured: u64) -> f64 {
+    if measured == 0 { if predicted == 0 { 1.0 } else { f64::INFINITY } } else { predicted as f64 / measured as f64 }
+}
+
+/// The result of one case: measured, or why it was not run.
+#[derive(Debug)]
+pub enum Case {
+    /// Planned and run.
+    Measured(Validation),
+    /// The planner or the pipeline refused it (a card too small, preset `off`): the error, in words.
+    Refused {
+        /// The preset.
+        preset: Preset,
+        /// The card's bytes.
+        card: u64,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Where a validation runs.
+#[derive(Clone)]
+pub enum Target {
+    /// A hard simulated card of the case's size on the CPU, with no context overhead.
+    Simulated,
+    /// A real device (its pool read through [`PoolReadings`]), under a soft cap of the case's size; `total` is
+    /// the device's capacity where the runtime reports none (wgpu).
+    Device {
+        /// The burn device, opened with [`PagePolicy::Exclusive`](group_offload::PagePolicy) for page figures
+        /// that follow the allocations.
+        device: Device,
+        /// Its name.
+        name: DeviceName,
+        /// Its capacity where the runtime reports none.
+        total: u64,
+    },
+}
+
+/// A fixed, plentiful host, so that plans do not depend on the machine.
+pub fn validation_host() -> HostMemory {
+    HostMemory::new(64 << 30, 60 << 30)
+}
+
+/// The settings of a case: the preset, and the exact reserve (the largest activation estimate), since on a card
+/// of a few megabytes the planner's margin (at least 256 MiB) would leave no route.
+fn settings(preset: Preset, reserve: u64) -> Result<Settings> {
+    let explicit = SettingsLayer { preset: Some(preset), reserve: Some(reserve), ..SettingsLayer::default() };
+    Ok(Settings::resolve(&explicit, std::iter::empty::<(String, String)>(), None)?)
+}
+
+/// Plans `preset` for a card of `card` bytes on `target`, applies it to a pipeline `load` makes on that
+/// placement, generates one image with `opts`, and returns the figures side by side.
+pub fn validate(
+    target: &Target,
+    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    preset: Preset,
+    card: u64,
+    opts: &GenerateOptions,
+) -> Case {
+    match run_case(target, load, preset, card, opts) {
+        Ok(validation) => Case::Measured(validation),
+        Err(error) => Case::Refused { preset, card, reason: error.to_string() },
+    }
+}
+
+fn run_case(
+    target: &Target,
+    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    preset: Preset,
+    card: u64,
+    opts: &GenerateOptions,
+) -> Result<Validation> {
+    match target {
+        Target::Simulated => {
+            let spec = CardSpec::parse(&card.to_string())
+                .map_err(|e| crate::Error::InvalidArgument { name: "card", reason: e.to_string() })?
+                .with_mode(Mode::Hard)
+                .with_context_overhead(0);
+            let sim = SimCard::new(spec);
+            let meter = Meter::new(sim.clone());
+            let placement = Placement { ledger: meter.clone(), ..Placement::simulated(sim.clone()) };
+            let mut pipeline = load(placement)?;
+            let facts = DeviceFacts::simulated(sim.clone(), validation_host());
+            let settings = settings(preset, exact_reserve(&pipeline, opts))?;
+            let plan = enable_pipeline_offload(&mut pipeline, settings, &facts, opts)?;
+            meter.reset();
+            pipeline.generate(opts, &mut |_, _| {})?;
+            let moved = meter.moved();
+            Ok(validation(preset, card, &plan, Figures { peak: sim.peak(), bytes: moved.bytes, moves: moved.moves }))
+        }
+        Target::Device { device, name, total } => {
+            device.memory_cleanup();
+            let readings = PoolReadings::open(device.clone(), name.clone(), Some(*total))?;
+            let before = readings.observe().reserved;
+            let cap = CappedDevice::new(readings.clone(), card, false, format_size(card));
+            let meter = Meter::new(cap.clone());
+            let placement = Placement {
+                exec: device.clone(),
+                host: Device::flex(),
+                name: name.clone(),
+                ledger: meter.clone(),
+                memory: Some(cap.clone()),
+            };
+            let mut pipeline = load(placement)?;
+            let facts = DeviceFacts::new(cap.clone(), validation_host());
+            let settings = settings(preset, exact_reserve(&pipeline, opts))?;
+            let plan = enable_pipeline_offload(&mut pipeline, settings, &facts, opts)?;
+            meter.reset();
+            pipeline.generate(opts, &mut |_, _| {})?;
+            readings.observe();
+            let moved = meter.moved();
+            let peak = readings.reserved_peak().saturating_sub(before);
+            drop(pipeline);
+            device.memory_cleanup();
+            Ok(validation(preset, card, &plan, Figures { peak, bytes: moved.bytes, moves: moved.moves }))
+        }
+    }
+}
+
+fn validation(preset: Preset, card: u64, plan: &PipelinePlan, measured: Figures) -> Validation {
+    let routes = plan.plan.components.iter().map(|c| short_route(c.route)).collect::<Vec<_>>().join("/");
+    let predicted = Figures {
+        peak: plan.plan.peak_bytes(),
+        bytes: plan.plan.streamed_per_image(),
+        moves: plan.plan.moves_per_image(),
+    };
+    Validation { preset, card, routes, predicted, measured }
+}
+
+fn short_route(route: Route) -> String {
+    match route {
+        Route::Resident => "resident".into(),
+        Route::ComponentOffload => "whole".into(),
+        Route::BlockGroupOffload { blocks_per_group, prefetch: true, depth } => {
+            format!("block x{blocks_per_group} d{depth}")
+        }
+        Route::BlockGroupOffload { blocks_per_group, prefetch: false, .. } => format!("block x{blocks_per_group}"),
+        Route::LeafGroupOffload { prefetch: true } => "leaf d1".into(),
+        Route::LeafGroupOffload { prefetch: false } => "leaf".into(),
+        Route::Off => "off".into(),
+    }
+}
+
+/// The cards a validation runs the tiny pipeline on, from its sizes for the workload `opts`: one too small for
+/// the transformer whole (it must stream: its outside bytes, three of its largest blocks and the activations),
+/// one that holds any one component whole beside the activations but not all of them, and one that holds the
+/// whole pipeline beside the largest activations.
+pub fn validation_cards(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Result<[u64; 3]> {
+    let specs = component_specs(pipeline, opts)?;
+    let reserve = exact_reserve(pipeline, opts);
+    let weight = |name: &str| specs.iter().find(|s| s.name == name).map_or(0, |s| s.weight_bytes);
+    let layout = specs.iter().find(|s| s.name == "transformer").and_then(|s| s.layout.clone());
+    let (outside, largest) =
+        layout.map_or((0, 0), |l| (l.outside_bytes, l.block_bytes.iter().copied().max().unwrap_or(0)));
+    let all: u64 = specs.iter().map(|s| s.weight_bytes).sum();
+    let streaming = outside + 3 * largest + reserve;
+    let component = weight("transformer") + reserve + weight("vae") / 2;
+    let whole = all + reserve + (64 << 10);
+    Ok([streaming, component, whole])
+}
+
+/// Measures each component call of one image on a real device with every component resident: the pages each
+/// call takes from a released cache, beside its estimate, in call order (the text encoder, then the
+/// transformer once per step, then the VAE's decode).
+pub fn measure_calls(
+    device: &Device,
+    name: &DeviceName,
+    total: u64,
+    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    opts: &GenerateOptions,
+) -> Result<Vec<CallReading>> {
+    device.memory_cleanup();
+    let readings = PoolReadings::open(device.clone(), name.clone(), Some(total))?;
+    let meter = Meter::probing(Arc::new(offload_core::NoLedger), readings.clone());
+    let placement = Placement {
+        exec: device.clone(),
+        host: Device::flex(),
+        name: name.clone(),
+        ledger: meter.clone(),
+        memory: Some(readings.clone()),
+    };
+    let pipeline = load(placement)?;
+    pipeline.enable_auto_offload(Arc::new(crate::offload::Unbounded { device: name.clone() }), 0, true)?;
+    pipeline.generate(opts, &mut |_, _| {})?;
+    let calls = meter.calls();
+    drop(pipeline);
+    device.memory_cleanup();
+    Ok(calls)
+}
+
+/// The table of [`Case`]s: per preset and card, predicted and measured peak, bytes and moves, and their ratios
+/// (predicted over measured).
+pub struct Table<'a>(pub &'a [Case]);
+
+impl fmt::Display for Table<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let headers = [
+            "preset",
+            "card",
+            "routes",
+            "peak pred",
+            "peak meas",
+            "ratio",
+            "bytes pred",
+            "bytes meas",
+            "ratio",
+            "moves pred",
+            "moves meas",
+        ];
+        let mut rows = Vec::new();
+        for case in self.0 {
+            rows.push(match case {
+                Case::Measured(v) => vec![
+                    v.preset.name().to_string(),
+                    format_size(v.card),
+                    v.routes.clone(),
+                    v.predicted.peak.to_string(),
+                    v.measured.peak.to_string(),
+                    format!("{:.3}", v.peak_ratio()),
+                    v.predicted.bytes.to_string(),
+                    v.measured.bytes.to_string(),
+                    format!("{:.3}", ratio(v.predicted.bytes, v.measured.bytes)),
+                    v.predicted.moves.to_string(),
+                    v.measured.moves.to_string(),
+                ],
+                Case::Refused { preset, card, reason } => {
+                    let reason: String = reason.chars().take(90).collect();
+                    vec![preset.name().to_string(), format_size(*card), format!("refused: {reason}")]
+                }
+            });
+        }
+        for line in offload_core::record::format_table(&headers, &rows) {
+            writeln!(f, "{line}")?;
+        }
+        Ok(())
+    }
+}
