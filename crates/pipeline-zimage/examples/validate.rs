@@ -48,6 +48,10 @@ fn main() -> anyhow::Result<()> {
         let burn = group_offload::open_device_with(&name, group_offload::PagePolicy::Exclusive)?;
         Target::Device { device: burn, name, total: TOTAL }
     };
+    if let Target::Device { device: burn, name, total } = &target {
+        // The process's first calls compile kernels and take the runtime's first buffers: not what a call needs.
+        pipeline_zimage::validate::measure_calls(burn, name, *total, &load, &opts)?;
+    }
     let probe = load(Placement::host_only())?;
     let cards = validation_cards(&probe, &opts)?;
     drop(probe);
@@ -60,12 +64,22 @@ fn main() -> anyhow::Result<()> {
         if device == "cpu" { "the card's peak allocation" } else { "the pool's page high-water above its start" },
     );
     let mut cases = Vec::new();
-    for card in cards {
-        for preset in Preset::ALL.into_iter().filter(|p| *p != Preset::Off) {
+    let calls_only = args.iter().any(|a| a == "--calls-only");
+    let only = args.windows(2).find(|w| w[0] == "--preset").map(|w| Preset::parse(&w[1])).transpose()?;
+    for card in cards.into_iter().filter(|_| !calls_only) {
+        for preset in Preset::ALL.into_iter().filter(|p| *p != Preset::Off && only.is_none_or(|only| only == *p)) {
             cases.push(validate(&target, &load, preset, card, &opts));
         }
     }
     print!("{}", Table(&cases));
+    if args.iter().any(|a| a == "--per-call") {
+        for case in &cases {
+            if let Case::Measured(v) = case {
+                let calls: Vec<String> = v.calls.iter().map(|c| format!("{}/{}", c.pages, c.in_use)).collect();
+                println!("{} {} per call, pages/in use: {}\n{}", v.preset, v.card, calls.join(" "), v.plan);
+            }
+        }
+    }
     let worst = cases
         .iter()
         .filter_map(|c| match c {
@@ -76,9 +90,25 @@ fn main() -> anyhow::Result<()> {
     println!("peak ratio from {:.3} to {:.3}", worst.0, worst.1);
 
     if let Target::Device { device: burn, name, total } = &target {
-        println!("\nactivation pages per call, every component resident (estimate / measured)");
-        for size in [64, 128] {
-            let opts = options(size);
+        println!("\nactivation pages per call, every component resident: estimate, measured pages (in use, sampled)");
+        let probe = load(Placement::host_only())?;
+        for (size, tokens, guidance) in [
+            (64, 32, 0.0),
+            (64, 32, 0.0),
+            (128, 32, 0.0),
+            (192, 32, 0.0),
+            (256, 32, 0.0),
+            (384, 32, 0.0),
+            (64, 64, 0.0),
+            (64, 128, 0.0),
+            (64, 32, 4.0),
+        ] {
+            let mut opts = options(size);
+            opts.max_sequence_length = tokens;
+            opts.guidance = guidance;
+            let prompts = vec![opts.prompt.clone()];
+            let caption = probe.tokenizer().with_max_sequence_length(tokens).encode(&prompts)?.lengths()[0];
+            let image = probe.transformer_config().image_tokens(size, size, probe.vae_scale_factor());
             let calls = pipeline_zimage::validate::measure_calls(burn, name, *total, &load, &opts)?;
             for (i, call) in calls.iter().enumerate() {
                 let component = match i {
@@ -87,7 +117,8 @@ fn main() -> anyhow::Result<()> {
                     _ => "vae",
                 };
                 println!(
-                    "{size}x{size} {component:<13} estimate {:>9} measured pages {:>9} (in use {:>9}) ratio {:.3}",
+                    "{size}x{size} max_seq {tokens} caption {caption} image_tokens {image} guidance {guidance} {component:<13} \
+                     estimate {:>9} measured {:>9} ({:>9}) ratio {:.3}",
                     call.estimate,
                     call.pages,
                     call.in_use,

@@ -77,9 +77,10 @@ impl Meter {
         Arc::new(Self { inner, probe: None, state: Mutex::new(MeterState::default()) })
     }
 
-    /// Counts copies, and before each call releases the pool's cache of `pool` and measures the pages the call
-    /// takes ([`CallReading`]). The release changes what the pool keeps between calls: for measuring calls, not
-    /// for measuring a run's peak.
+    /// Counts copies, and before each call reads `pool` (so its page high-water counts what the pool took since
+    /// the last call), releases the pool's cache and measures the pages the call takes ([`CallReading`]). The
+    /// pool's high-water is then what the run held with the cache released before every call, as diffusers
+    /// clears the device cache: the device memory the run needs, not what the allocator keeps for reuse.
     pub fn probing(inner: Arc<dyn DeviceLedger>, pool: Arc<PoolReadings>) -> Arc<Self> {
         Arc::new(Self { inner, probe: Some(pool), state: Mutex::new(MeterState::default()) })
     }
@@ -137,6 +138,7 @@ impl DeviceLedger for Meter {
 
     fn begin_call(&self, estimate: u64) -> std::result::Result<(), ComponentError> {
         if let Some(pool) = &self.probe {
+            pool.observe();
             pool.burn_device().memory_cleanup();
             let start = pool.begin_window();
             self.lock().starts.push(start);
@@ -186,6 +188,11 @@ pub struct Validation {
     pub predicted: Figures,
     /// The run's figures.
     pub measured: Figures,
+    /// On a real device, each call's pages (from a released cache) and sampled in-use high-water, in call order;
+    /// empty on a simulated card.
+    pub calls: Vec<CallReading>,
+    /// The plan's table (routes, resident, pinned, streamed, time and peak per component).
+    pub plan: String,
 }
 
 impl Validation {
@@ -290,7 +297,10 @@ fn run_case(
             let readings = PoolReadings::open(device.clone(), name.clone(), Some(*total))?;
             let before = readings.observe().reserved;
             let cap = CappedDevice::new(readings.clone(), card, false, format_size(card));
-            let meter = Meter::new(cap.clone());
+            // The cap gives the readings the plan and the manager decide from; the meter releases the pool's cache
+            // before each call and reads its pages (a soft cap's ledger would only keep a call window, which
+            // the meter keeps).
+            let meter = Meter::probing(Arc::new(offload_core::NoLedger), readings.clone());
             let placement = Placement {
                 exec: device.clone(),
                 host: Device::flex(),
@@ -309,7 +319,10 @@ fn run_case(
             let peak = readings.reserved_peak().saturating_sub(before);
             drop(pipeline);
             device.memory_cleanup();
-            Ok(validation(preset, card, &plan, Figures { peak, bytes: moved.bytes, moves: moved.moves }))
+            let mut validation =
+                validation(preset, card, &plan, Figures { peak, bytes: moved.bytes, moves: moved.moves });
+            validation.calls = meter.calls();
+            Ok(validation)
         }
     }
 }
@@ -321,7 +334,7 @@ fn validation(preset: Preset, card: u64, plan: &PipelinePlan, measured: Figures)
         bytes: plan.plan.streamed_per_image(),
         moves: plan.plan.moves_per_image(),
     };
-    Validation { preset, card, routes, predicted, measured }
+    Validation { preset, card, routes, predicted, measured, calls: Vec::new(), plan: plan.plan.table() }
 }
 
 fn short_route(route: Route) -> String {
