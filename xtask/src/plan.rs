@@ -32,6 +32,29 @@ pub struct Args {
     /// file named by OFFLOAD_CONFIG apply below these.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// Instead of the real-size plan: every preset's predicted device peak, bytes moved and moves beside the
+    /// measured ones on the tiny checkpoint (runs `pipeline-zimage`'s `validate` example with cargo), on the
+    /// simulated card or, with `--device wgpu`, on the wgpu device.
+    #[arg(long)]
+    pub validate: bool,
+    /// With `--validate`: `cpu` (a hard simulated card) or `wgpu` (builds `pipeline-zimage` with `wgpu`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+/// `plan --validate`: the tiny pipeline's predicted beside measured figures, from burn's side of the workspace.
+fn validate(args: &Args) -> anyhow::Result<()> {
+    let mut command = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    command.args(["run", "--quiet", "-p", "pipeline-zimage"]);
+    match args.device.as_str() {
+        "cpu" => {}
+        "wgpu" => {
+            command.args(["--features", "wgpu"]);
+        }
+        other => bail!("--device {other:?} is not a validation target; pass cpu (a simulated card) or wgpu"),
+    }
+    command.args(["--example", "validate", "--", "--device", &args.device]);
+    crate::tasks::status(command, "the validate example of pipeline-zimage")
 }
 
 /// Bytes per transformer block (bf16), from the architecture: a modulated block (noise_refiner, layers) and a
@@ -116,6 +139,9 @@ pub fn z_image_turbo(steps: u32) -> anyhow::Result<Vec<ComponentSpec>> {
 
 /// Prints the plan.
 pub fn run(args: &Args) -> anyhow::Result<()> {
+    if args.validate {
+        return validate(args);
+    }
     let card = CardSpec::parse(&args.card)?;
     let host = if args.ram.trim().eq_ignore_ascii_case("host") {
         HostMemory::read()?
