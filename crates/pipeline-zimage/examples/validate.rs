@@ -9,6 +9,9 @@
 //! ```
 //!
 //! `cargo xtask plan --validate [--device wgpu]` runs it. See `pipeline_zimage::validate` for what each figure is.
+//! On a device it also prints each phase's predicted peak beside the highest pages one of its calls reached;
+//! `--per-call` adds every call's starting pages, pages taken and sampled in-use high-water, and the plan;
+//! `--preset NAME` runs one preset; `--calls-only` skips the table.
 
 use anyhow::Context;
 use offload_core::DeviceName;
@@ -72,10 +75,24 @@ fn main() -> anyhow::Result<()> {
         }
     }
     print!("{}", Table(&cases));
+    if !matches!(target, Target::Simulated) {
+        println!("\nper phase on the device: predicted peak / pages one of its calls reached, ratio");
+        for case in &cases {
+            if let Case::Measured(v) = case {
+                let phases: Vec<String> = v
+                    .phases
+                    .iter()
+                    .map(|(c, p, m)| format!("{c} {p}/{m} {:.3}", *p as f64 / (*m).max(1) as f64))
+                    .collect();
+                println!("{:<29} {:>8}  {}", v.preset.name(), offload_core::format_size(v.card), phases.join("  "));
+            }
+        }
+    }
     if args.iter().any(|a| a == "--per-call") {
         for case in &cases {
             if let Case::Measured(v) = case {
-                let calls: Vec<String> = v.calls.iter().map(|c| format!("{}/{}", c.pages, c.in_use)).collect();
+                let calls: Vec<String> =
+                    v.calls.iter().map(|c| format!("{}+{}/{}", c.start, c.pages, c.in_use)).collect();
                 println!("{} {} per call, pages/in use: {}\n{}", v.preset, v.card, calls.join(" "), v.plan);
             }
         }

@@ -54,6 +54,8 @@ pub struct CallReading {
     pub pages: u64,
     /// The sampled in-use high-water above the call's start: a lower bound.
     pub in_use: u64,
+    /// The pool's pages when the call began, its cache released: what the call started from (weights, inputs).
+    pub start: u64,
 }
 
 /// A [`DeviceLedger`] that passes everything to the device's own ledger and counts the host-to-device copies;
@@ -156,6 +158,7 @@ impl DeviceLedger for Meter {
                     estimate,
                     pages: window.high_reserved.saturating_sub(start.reserved),
                     in_use: window.high_in_use.saturating_sub(start.in_use),
+                    start: start.reserved,
                 });
             }
         }
@@ -193,6 +196,12 @@ pub struct Validation {
     pub calls: Vec<CallReading>,
     /// The plan's table (routes, resident, pinned, streamed, time and peak per component).
     pub plan: String,
+    /// On a real device, per component: its predicted peak ([`ComponentPlan::peak_bytes`]) and the highest pages
+    /// one of its calls reached (the call's start and its pages, above the pool before the first onload); empty
+    /// on a simulated card.
+    ///
+    /// [`ComponentPlan::peak_bytes`]: offload_core::plan::ComponentPlan::peak_bytes
+    pub phases: Vec<(String, u64, u64)>,
 }
 
 impl Validation {
@@ -322,6 +331,24 @@ fn run_case(
             let mut validation =
                 validation(preset, card, &plan, Figures { peak, bytes: moved.bytes, moves: moved.moves });
             validation.calls = meter.calls();
+            // Calls come in pipeline order: the text encoder once, the transformer once per step, the decode.
+            let owner = |i: usize| match i {
+                0 => "text_encoder",
+                i if i <= opts.steps => "transformer",
+                _ => "vae",
+            };
+            for component in ["text_encoder", "transformer", "vae"] {
+                let measured = validation
+                    .calls
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| owner(*i) == component)
+                    .map(|(_, c)| (c.start + c.pages).saturating_sub(before))
+                    .max()
+                    .unwrap_or(0);
+                let predicted = plan.component(component).map_or(0, |c| c.peak_bytes);
+                validation.phases.push((component.to_string(), predicted, measured));
+            }
             Ok(validation)
         }
     }
@@ -334,7 +361,16 @@ fn validation(preset: Preset, card: u64, plan: &PipelinePlan, measured: Figures)
         bytes: plan.plan.streamed_per_image(),
         moves: plan.plan.moves_per_image(),
     };
-    Validation { preset, card, routes, predicted, measured, calls: Vec::new(), plan: plan.plan.table() }
+    Validation {
+        preset,
+        card,
+        routes,
+        predicted,
+        measured,
+        calls: Vec::new(),
+        plan: plan.plan.table(),
+        phases: Vec::new(),
+    }
 }
 
 fn short_route(route: Route) -> String {
