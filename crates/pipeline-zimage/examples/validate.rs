@@ -92,7 +92,7 @@ fn main() -> anyhow::Result<()> {
         for case in &cases {
             if let Case::Measured(v) = case {
                 let calls: Vec<String> =
-                    v.calls.iter().map(|c| format!("{}+{}/{}", c.start, c.pages, c.in_use)).collect();
+                    v.calls.iter().map(|c| format!("{}({})+{}/{}", c.start, c.start_in_use, c.pages, c.in_use)).collect();
                 println!("{} {} per call, pages/in use: {}\n{}", v.preset, v.card, calls.join(" "), v.plan);
             }
         }

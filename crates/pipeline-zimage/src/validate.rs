@@ -56,6 +56,8 @@ pub struct CallReading {
     pub in_use: u64,
     /// The pool's pages when the call began, its cache released: what the call started from (weights, inputs).
     pub start: u64,
+    /// The bytes in use when the call began.
+    pub start_in_use: u64,
 }
 
 /// A [`DeviceLedger`] that passes everything to the device's own ledger and counts the host-to-device copies;
@@ -159,6 +161,7 @@ impl DeviceLedger for Meter {
                     pages: window.high_reserved.saturating_sub(start.reserved),
                     in_use: window.high_in_use.saturating_sub(start.in_use),
                     start: start.reserved,
+                    start_in_use: start.in_use,
                 });
             }
         }
