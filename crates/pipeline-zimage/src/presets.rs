@@ -109,7 +109,7 @@ impl DeviceFacts {
 
 /// The transformer's block structure, measured from its loaded parameters: the bytes of each block in the order
 /// the forward runs them (`noise_refiner`, `context_refiner`, then `layers`), the bytes outside the blocks
-/// (embedders, final layer, pad tokens), and its leaves ([`leaves`]).
+/// (embedders, final layer, pad tokens), and its leaf groups ([`group_offload::leaf_groups`]).
 ///
 /// Fails with [`Error::OffloadAlreadyApplied`] once the transformer is under group offload: its parameters have
 /// moved into the group store.
@@ -126,7 +126,7 @@ pub fn transformer_layout(pipeline: &ZImagePipeline) -> Result<BlockLayout> {
 }
 
 /// The text encoder's block structure, measured from its loaded parameters: the bytes of each decoder layer,
-/// the bytes outside them (the token embedding) and its leaves ([`leaves`]).
+/// the bytes outside them (the token embedding) and its leaf groups ([`group_offload::leaf_groups`]).
 ///
 /// Fails with [`Error::OffloadAlreadyApplied`] once the text encoder is under group offload.
 pub fn text_encoder_layout(pipeline: &ZImagePipeline) -> Result<BlockLayout> {
