@@ -75,8 +75,8 @@ fn main() -> anyhow::Result<()> {
         }
     }
     print!("{}", Table(&cases));
-    if !matches!(target, Target::Simulated) {
-        println!("\nper phase on the device: predicted peak / pages one of its calls reached, ratio");
+    {
+        println!("\nper phase: predicted peak / the highest one of its calls reached, ratio");
         for case in &cases {
             if let Case::Measured(v) = case {
                 let phases: Vec<String> = v
@@ -91,8 +91,11 @@ fn main() -> anyhow::Result<()> {
     if args.iter().any(|a| a == "--per-call") {
         for case in &cases {
             if let Case::Measured(v) = case {
-                let calls: Vec<String> =
-                    v.calls.iter().map(|c| format!("{}({})+{}/{}", c.start, c.start_in_use, c.pages, c.in_use)).collect();
+                let calls: Vec<String> = v
+                    .calls
+                    .iter()
+                    .map(|c| format!("{}({})+{}/{}", c.start, c.start_in_use, c.pages, c.in_use))
+                    .collect();
                 println!("{} {} per call, pages/in use: {}\n{}", v.preset, v.card, calls.join(" "), v.plan);
             }
         }

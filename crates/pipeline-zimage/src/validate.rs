@@ -65,6 +65,7 @@ pub struct CallReading {
 pub struct Meter {
     inner: Arc<dyn DeviceLedger>,
     probe: Option<Arc<PoolReadings>>,
+    card: Option<Arc<SimCard>>,
     state: Mutex<MeterState>,
 }
 
@@ -73,12 +74,37 @@ struct MeterState {
     moved: Moved,
     starts: Vec<group_offload::device::PoolSnapshot>,
     calls: Vec<CallReading>,
+    /// On a simulated card: the highest allocation seen since the open call began, and each call's.
+    call_high: Option<u64>,
+    call_peaks: Vec<u64>,
 }
 
 impl Meter {
     /// Counts the copies reported to `inner`.
     pub fn new(inner: Arc<dyn DeviceLedger>) -> Arc<Self> {
-        Arc::new(Self { inner, probe: None, state: Mutex::new(MeterState::default()) })
+        Arc::new(Self { inner, probe: None, card: None, state: Mutex::new(MeterState::default()) })
+    }
+
+    /// Counts the copies a simulated card is told of, and keeps each call's peak allocation on it: the card's
+    /// allocation read after every allocation, group upload and activation charge while the call is open (frees
+    /// only lower it, so its highs come right after those).
+    pub fn on_card(card: Arc<SimCard>) -> Arc<Self> {
+        Arc::new(Self { inner: card.clone(), probe: None, card: Some(card), state: Mutex::new(MeterState::default()) })
+    }
+
+    /// On a simulated card ([`Meter::on_card`]), each call's peak allocation, in call order.
+    pub fn call_peaks(&self) -> Vec<u64> {
+        self.lock().call_peaks.clone()
+    }
+
+    fn note_card(&self) {
+        if let Some(card) = &self.card {
+            let allocated = card.allocated();
+            let mut state = self.lock();
+            if let Some(high) = &mut state.call_high {
+                *high = (*high).max(allocated);
+            }
+        }
     }
 
     /// Counts copies, and before each call reads `pool` (so its page high-water counts what the pool took since
@@ -86,7 +112,7 @@ impl Meter {
     /// pool's high-water is then what the run held with the cache released before every call, as diffusers
     /// clears the device cache: the device memory the run needs, not what the allocator keeps for reuse.
     pub fn probing(inner: Arc<dyn DeviceLedger>, pool: Arc<PoolReadings>) -> Arc<Self> {
-        Arc::new(Self { inner, probe: Some(pool), state: Mutex::new(MeterState::default()) })
+        Arc::new(Self { inner, probe: Some(pool), card: None, state: Mutex::new(MeterState::default()) })
     }
 
     /// What was copied to the device since the last [`reset`](Self::reset).
@@ -104,6 +130,7 @@ impl Meter {
         let mut state = self.lock();
         state.moved = Moved::default();
         state.calls.clear();
+        state.call_peaks.clear();
     }
 
     fn lock(&self) -> MutexGuard<'_, MeterState> {
@@ -119,7 +146,9 @@ impl Meter {
 
 impl DeviceLedger for Meter {
     fn allocate(&self, bytes: u64) -> std::result::Result<(), ComponentError> {
-        self.inner.allocate(bytes)
+        self.inner.allocate(bytes)?;
+        self.note_card();
+        Ok(())
     }
 
     fn free(&self, bytes: u64) {
@@ -147,10 +176,22 @@ impl DeviceLedger for Meter {
             let start = pool.begin_window();
             self.lock().starts.push(start);
         }
-        self.inner.begin_call(estimate)
+        self.inner.begin_call(estimate)?;
+        if let Some(card) = &self.card {
+            let allocated = card.allocated();
+            self.lock().call_high = Some(allocated);
+        }
+        Ok(())
     }
 
     fn end_call(&self, estimate: u64) -> std::result::Result<(), ComponentError> {
+        if self.card.is_some() {
+            self.note_card();
+            let mut state = self.lock();
+            if let Some(high) = state.call_high.take() {
+                state.call_peaks.push(high);
+            }
+        }
         let closed = self.inner.end_call(estimate);
         if let Some(pool) = &self.probe {
             let window = pool.end_window();
@@ -199,9 +240,9 @@ pub struct Validation {
     pub calls: Vec<CallReading>,
     /// The plan's table (routes, resident, pinned, streamed, time and peak per component).
     pub plan: String,
-    /// On a real device, per component: its predicted peak ([`ComponentPlan::peak_bytes`]) and the highest pages
-    /// one of its calls reached (the call's start and its pages, above the pool before the first onload); empty
-    /// on a simulated card.
+    /// Per component: its predicted peak ([`ComponentPlan::peak_bytes`]) and the highest one of its calls
+    /// reached: on a simulated card its peak allocation during the call; on a real device the call's starting
+    /// pages and the pages it took, above the pool before the first onload.
     ///
     /// [`ComponentPlan::peak_bytes`]: offload_core::plan::ComponentPlan::peak_bytes
     pub phases: Vec<(String, u64, u64)>,
@@ -265,7 +306,8 @@ fn settings(preset: Preset, reserve: u64) -> Result<Settings> {
 }
 
 /// Plans `preset` for a card of `card` bytes on `target`, applies it to a pipeline `load` makes on that
-/// placement, generates one image with `opts`, and returns the figures side by side.
+/// placement, generates two images with `opts`, and returns the second one's figures side by side (the first image
+/// captures each streamed component's call order, without prefetch; later images repeat the second).
 pub fn validate(
     target: &Target,
     load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
@@ -293,16 +335,25 @@ fn run_case(
                 .with_mode(Mode::Hard)
                 .with_context_overhead(0);
             let sim = SimCard::new(spec);
-            let meter = Meter::new(sim.clone());
+            let meter = Meter::on_card(sim.clone());
             let placement = Placement { ledger: meter.clone(), ..Placement::simulated(sim.clone()) };
             let mut pipeline = load(placement)?;
             let facts = DeviceFacts::simulated(sim.clone(), validation_host());
             let settings = settings(preset, exact_reserve(&pipeline, opts))?;
             let plan = enable_pipeline_offload(&mut pipeline, settings, &facts, opts)?;
+            // The first image captures each streamed component's call order (no prefetch); the second is the one
+            // every later image repeats.
+            pipeline.generate(opts, &mut |_, _| {})?;
             meter.reset();
             pipeline.generate(opts, &mut |_, _| {})?;
             let moved = meter.moved();
-            Ok(validation(preset, card, &plan, Figures { peak: sim.peak(), bytes: moved.bytes, moves: moved.moves }))
+            // The card's peak over the second image: every byte is placed right before or during a call, so the
+            // highest of the calls' peaks.
+            let peak = meter.call_peaks().into_iter().max().unwrap_or(0);
+            let mut validation =
+                validation(preset, card, &plan, Figures { peak, bytes: moved.bytes, moves: moved.moves });
+            validation.phases = phases(&plan, opts, &meter.call_peaks());
+            Ok(validation)
         }
         Target::Device { device, name, total } => {
             device.memory_cleanup();
@@ -324,7 +375,9 @@ fn run_case(
             let facts = DeviceFacts::new(cap.clone(), validation_host());
             let settings = settings(preset, exact_reserve(&pipeline, opts))?;
             let plan = enable_pipeline_offload(&mut pipeline, settings, &facts, opts)?;
+            pipeline.generate(opts, &mut |_, _| {})?;
             meter.reset();
+            readings.reset_peak();
             pipeline.generate(opts, &mut |_, _| {})?;
             readings.observe();
             let moved = meter.moved();
@@ -334,27 +387,35 @@ fn run_case(
             let mut validation =
                 validation(preset, card, &plan, Figures { peak, bytes: moved.bytes, moves: moved.moves });
             validation.calls = meter.calls();
-            // Calls come in pipeline order: the text encoder once, the transformer once per step, the decode.
-            let owner = |i: usize| match i {
-                0 => "text_encoder",
-                i if i <= opts.steps => "transformer",
-                _ => "vae",
-            };
-            for component in ["text_encoder", "transformer", "vae"] {
-                let measured = validation
-                    .calls
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, _)| owner(*i) == component)
-                    .map(|(_, c)| (c.start + c.pages).saturating_sub(before))
-                    .max()
-                    .unwrap_or(0);
-                let predicted = plan.component(component).map_or(0, |c| c.peak_bytes);
-                validation.phases.push((component.to_string(), predicted, measured));
-            }
+            let peaks: Vec<u64> = validation.calls.iter().map(|c| (c.start + c.pages).saturating_sub(before)).collect();
+            validation.phases = phases(&plan, opts, &peaks);
             Ok(validation)
         }
     }
+}
+
+/// Per component, its predicted peak beside the highest of its calls' measured peaks; calls come in pipeline
+/// order: the text encoder once, the transformer once per step, the decode.
+fn phases(plan: &PipelinePlan, opts: &GenerateOptions, call_peaks: &[u64]) -> Vec<(String, u64, u64)> {
+    let owner = |i: usize| match i {
+        0 => "text_encoder",
+        i if i <= opts.steps => "transformer",
+        _ => "vae",
+    };
+    ["text_encoder", "transformer", "vae"]
+        .into_iter()
+        .map(|component| {
+            let measured = call_peaks
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| owner(*i) == component)
+                .map(|(_, peak)| *peak)
+                .max()
+                .unwrap_or(0);
+            let predicted = plan.component(component).map_or(0, |c| c.peak_bytes);
+            (component.to_string(), predicted, measured)
+        })
+        .collect()
 }
 
 fn validation(preset: Preset, card: u64, plan: &PipelinePlan, measured: Figures) -> Validation {

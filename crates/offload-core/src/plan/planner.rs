@@ -46,9 +46,10 @@ pub struct ComponentPlan {
     /// Bytes its calls stream to the device per step: per image, divided by its calls per image, without the
     /// last call's prefetch for a next call (see `streamed_per_image`).
     pub streamed_per_step: u64,
-    /// Bytes it streams to the device per image: its calls' streaming, and with prefetch on a component called
-    /// more than once, what the last call prefetches for a next forward that the phase does not make (the
-    /// prefetch window wraps into the next forward; those groups are released with the phase).
+    /// Bytes it streams to the device per image: its calls' streaming, and with prefetch, what the last call
+    /// prefetches for a next forward that the phase does not make (the prefetch window wraps into the next
+    /// forward; those groups are released with the phase). Per image in a warm process: the process's first
+    /// forward of a component captures its call order without prefetch.
     pub streamed_per_image: u64,
     /// Host-to-device copies per image: one per streamed group (the bytes outside the blocks count as one group
     /// when they stream), the last call's wrapped prefetch included, and one for a component that moves whole;
@@ -421,9 +422,11 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
             let steady_transfers = (groups.len() - kept_count + usize::from(!shape.keep_outside)) as u64;
             eval.first_moves = groups.len() as u64 + 1;
             eval.steady_moves = steady_transfers;
-            if prefetch && spec.calls_per_image > 1 {
-                // The groups a next forward streams first, in call order: the outside bytes when they stream,
-                // then the groups the resident budget did not keep.
+            if prefetch {
+                // The last call's prefetch wraps into the next forward: the groups it streams first, in call
+                // order (the outside bytes when they stream, then the groups the resident budget did not keep).
+                // A component called once does it too, from the process's second image on (its first call
+                // captures the order, without prefetch).
                 let mut left = shape.resident_budget;
                 let not_kept = groups.iter().copied().filter(|&group| {
                     let kept = group <= left;
@@ -455,7 +458,7 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
             eval.steady_streamed = streamed;
             eval.first_moves = leaves + 1;
             eval.steady_moves = leaves;
-            if prefetch && spec.calls_per_image > 1 && first > 0 {
+            if prefetch && first > 0 {
                 eval.tail_streamed = first;
                 eval.tail_moves = 1;
             }
