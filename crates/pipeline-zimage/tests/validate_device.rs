@@ -1,8 +1,9 @@
 //! Predicted beside measured on a real cubecl runtime (burn's wgpu backend; lavapipe in CI), for every preset on
 //! three cards sized from the tiny pipeline: the bytes moved and the moves per image are the planner's exactly;
-//! the predicted device peak is within 10% of the pool's page high-water (the cache released before each call)
-//! where components stay or move whole, and, where the transformer or the encoders stream, within the measured
-//! miss that `docs/benchmarks.md` explains (the pool keeps a streamed group's pages for the rest of its call).
+//! the predicted device peak is at most 10% above the pool's page high-water (the cache released before each
+//! call) and below it by no more than the measured misses that `docs/benchmarks.md` explains (small tensors'
+//! pages, which the pool keeps; a streamed group's pages, kept for the rest of its call): the goal of 10% is not
+//! met on this runtime, and the bounds say by how much.
 //! Each call's pages are also checked against the activation estimate they were fitted to.
 //!
 //! `cargo test -p pipeline-zimage --features wgpu --test validate_device -- --nocapture` prints the table.
@@ -74,8 +75,9 @@ fn every_preset_on_the_real_device_moves_what_the_plan_predicts_and_peaks_near_i
         assert_eq!(v.predicted.bytes, v.measured.bytes, "{} on {}: bytes\n{table}", v.preset, v.card);
         assert_eq!(v.predicted.moves, v.measured.moves, "{} on {}: moves\n{table}", v.preset, v.card);
         let streams = v.routes.contains("block") || v.routes.contains("leaf");
-        // Measured (docs/benchmarks.md): 0.87 to 0.94 where nothing streams, 0.74 to 0.84 where something does.
-        let floor = if streams { 0.70 } else { 0.85 };
+        // Measured (docs/benchmarks.md): 0.90 to 0.94 where nothing streams, 0.815 to 0.843 where something does
+        // (small tensors' pages, which the planner does not model).
+        let floor = if streams { 0.75 } else { 0.85 };
         let ratio = v.peak_ratio();
         assert!((floor..=1.10).contains(&ratio), "{} on {}: peak ratio {ratio:.3}\n{table}", v.preset, v.card);
     }
