@@ -4,19 +4,24 @@
 //!
 //! # What is measured, and how
 //!
+//! Each case generates two images and measures the second: a streamed component's first forward in the process
+//! captures its call order without prefetch, and every later image repeats the second.
+//!
 //! - **Bytes moved and moves** are counted by [`Meter`], a [`DeviceLedger`] that wraps the device's own ledger
 //!   and counts every host-to-device copy the mechanisms report (a component onloaded whole is one copy, each
-//!   group upload one). They are counted from after the plan is applied (a `resident` component's onload is paid
-//!   once per process, not per image) to the end of one image.
-//! - **The device peak** on a simulated card is the card's peak allocation (exact bytes: weights the mechanisms
-//!   placed and each call's activation estimate). On a real device it is the high-water of the pool's pages
-//!   above what the pool held before the pipeline's first onload ([`PoolReadings::reserved_peak`]); under
-//!   [`PagePolicy::Exclusive`](group_offload::PagePolicy) each allocation has its own page, so the pages are
-//!   what the device had to give, read at the end of every call (a soft [`CappedDevice`] closes a window
-//!   there). The sampled in-use high-water is a lower bound only and is not used.
+//!   group upload one), over the second image (a `resident` component's onload is paid once per process).
+//! - **The device peak** on a simulated card is the card's allocation read after every allocation and
+//!   activation charge during each call ([`Meter::on_card`]; exact bytes: weights the mechanisms placed and each
+//!   call's activation estimate); every byte is placed right before or during a call, so the run's peak is the
+//!   highest call's. On a real device it is the high-water of the pool's pages above what the pool held before
+//!   the pipeline's first onload ([`PoolReadings::reserved_peak`]), with the pool's cache released before every
+//!   call ([`Meter::probing`]) and the pages read before each release and at the end of each call; under
+//!   [`PagePolicy::Exclusive`](group_offload::PagePolicy) the pages follow the allocations, so they are what the
+//!   device had to give. The sampled in-use high-water is a lower bound only and is not used.
+//! - **Per phase**: each component's predicted peak beside the highest one of its calls reached.
 //! - **A call's activations** ([`measure_calls`]): the pages the pool took during the call, from a released
-//!   cache (the pipeline resident, the cache released before each call), so inputs the call makes, its
-//!   intermediates and its output count, the weights do not.
+//!   cache (the pipeline resident), so inputs the call makes, its intermediates and its output count, the
+//!   weights do not.
 //!
 //! Predictions come from [`PipelinePlan`]: [`Plan::peak_bytes`](offload_core::plan::Plan::peak_bytes),
 //! [`streamed_per_image`](offload_core::plan::Plan::streamed_per_image) and
