@@ -11,6 +11,8 @@
 //! - `setup-cuda`: installs the LLVM bundle that burn's `cuda` feature needs, from the Python registry.
 //! - `plan --card 8GB --ram 32GB --preset auto`: the offload plan for Z-Image-Turbo at real sizes: each
 //!   component's route, resident and pinned bytes, bytes streamed and predicted time per step, and why.
+//!   `plan --validate [--device wgpu]`: every preset's predicted peak, bytes moved and moves beside the measured
+//!   ones on the tiny checkpoint, with their ratios (runs `pipeline-zimage`'s `validate` example).
 //! - `fixtures`: regenerates the tiny Z-Image checkpoints and golden outputs with diffusers (runs Python).
 //!
 //! xtask depends on no burn crate, so the simulation commands build in seconds; commands that need burn or

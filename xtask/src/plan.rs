@@ -32,6 +32,29 @@ pub struct Args {
     /// file named by OFFLOAD_CONFIG apply below these.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// Instead of the real-size plan: every preset's predicted device peak, bytes moved and moves beside the
+    /// measured ones on the tiny checkpoint (runs `pipeline-zimage`'s `validate` example with cargo), on the
+    /// simulated card or, with `--device wgpu`, on the wgpu device.
+    #[arg(long)]
+    pub validate: bool,
+    /// With `--validate`: `cpu` (a hard simulated card) or `wgpu` (builds `pipeline-zimage` with `wgpu`).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+}
+
+/// `plan --validate`: the tiny pipeline's predicted beside measured figures, from burn's side of the workspace.
+fn validate(args: &Args) -> anyhow::Result<()> {
+    let mut command = std::process::Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    command.args(["run", "--quiet", "-p", "pipeline-zimage"]);
+    match args.device.as_str() {
+        "cpu" => {}
+        "wgpu" => {
+            command.args(["--features", "wgpu"]);
+        }
+        other => bail!("--device {other:?} is not a validation target; pass cpu (a simulated card) or wgpu"),
+    }
+    command.args(["--example", "validate", "--", "--device", &args.device]);
+    crate::tasks::status(command, "the validate example of pipeline-zimage")
 }
 
 /// Bytes per transformer block (bf16), from the architecture: a modulated block (noise_refiner, layers) and a
@@ -44,10 +67,16 @@ const TEXT_LAYER: u64 = 100_930_816 * 2;
 /// feed-forward `w1`.
 const TEXT_GATE_PROJ: u64 = 9728 * 2560 * 2;
 const TRANSFORMER_W1: u64 = 10_240 * 3840 * 2;
-/// Leaves inside the blocks: 7 linear layers per Qwen3 layer; 8 per modulated transformer block (with
-/// `adaLN_modulation`), 7 per context-refiner block.
-const TEXT_LEAVES: usize = 36 * 7;
-const TRANSFORMER_LEAVES: usize = 32 * 8 + 2 * 7;
+/// Leaf groups inside the blocks, as leaf-level group offload forms them: per Qwen3 layer its 7 linear layers, its
+/// norms and its attention's q/k norms; per modulated transformer block 8 linear layers (with
+/// `adaLN_modulation`) and the same two norm groups, per context-refiner block 7 and two.
+const TEXT_LEAVES: usize = 36 * 9;
+const TRANSFORMER_LEAVES: usize = 32 * 10 + 2 * 9;
+/// The first leaf group a forward takes: the text encoder's first layer takes its norms group (two RMSNorm
+/// weights) first; the
+/// transformer's first block (a noise refiner) takes `adaLN_modulation.0` (256 -> 4 x 3840, with bias).
+const TEXT_FIRST_LEAF: u64 = 2560 * 2 * 2;
+const TRANSFORMER_FIRST_LEAF: u64 = (256 * 15_360 + 15_360) * 2;
 
 fn layout(
     name: &str,
@@ -55,12 +84,19 @@ fn layout(
     blocks: Vec<u64>,
     largest_leaf: u64,
     leaf_count: usize,
+    first_leaf: u64,
 ) -> anyhow::Result<BlockLayout> {
     let in_blocks: u64 = blocks.iter().sum();
     let outside = total.checked_sub(in_blocks).with_context(|| {
         format!("{name}: the blocks ({in_blocks} bytes) exceed memory-sim's weights ({total} bytes)")
     })?;
-    Ok(BlockLayout { block_bytes: blocks, outside_bytes: outside, largest_leaf_bytes: largest_leaf, leaf_count })
+    Ok(BlockLayout {
+        block_bytes: blocks,
+        outside_bytes: outside,
+        largest_leaf_bytes: largest_leaf,
+        leaf_count,
+        first_leaf_bytes: first_leaf,
+    })
 }
 
 /// Z-Image-Turbo's components as plan input: memory-sim's sizes, activations and FLOPs, and the block structure.
@@ -80,11 +116,19 @@ pub fn z_image_turbo(steps: u32) -> anyhow::Result<Vec<ComponentSpec>> {
                 vec![TEXT_LAYER; 36],
                 TEXT_GATE_PROJ,
                 TEXT_LEAVES,
+                TEXT_FIRST_LEAF,
             )?),
             "transformer" => {
                 // Execution order: 2 noise_refiner, 2 context_refiner, then 30 layers.
                 let blocks = [vec![MODULATED_BLOCK; 2], vec![CONTEXT_BLOCK; 2], vec![MODULATED_BLOCK; 30]].concat();
-                spec.with_layout(layout(&component.name, component.bytes, blocks, TRANSFORMER_W1, TRANSFORMER_LEAVES)?)
+                spec.with_layout(layout(
+                    &component.name,
+                    component.bytes,
+                    blocks,
+                    TRANSFORMER_W1,
+                    TRANSFORMER_LEAVES,
+                    TRANSFORMER_FIRST_LEAF,
+                )?)
             }
             _ => spec,
         };
@@ -95,6 +139,9 @@ pub fn z_image_turbo(steps: u32) -> anyhow::Result<Vec<ComponentSpec>> {
 
 /// Prints the plan.
 pub fn run(args: &Args) -> anyhow::Result<()> {
+    if args.validate {
+        return validate(args);
+    }
     let card = CardSpec::parse(&args.card)?;
     let host = if args.ram.trim().eq_ignore_ascii_case("host") {
         HostMemory::read()?

@@ -32,7 +32,7 @@ fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(PathBuf::from).unwrap_or_default()
 }
 
-fn status(mut command: Command, what: &str) -> anyhow::Result<()> {
+pub(crate) fn status(mut command: Command, what: &str) -> anyhow::Result<()> {
     let status = command.current_dir(workspace_root()).status().with_context(|| format!("cannot start {what}"))?;
     if !status.success() {
         bail!("{what} failed with {status}");

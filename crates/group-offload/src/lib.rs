@@ -107,4 +107,4 @@ pub use device::{
 };
 pub use engine::GroupStats;
 pub use error::{Error, Result};
-pub use parts::{BlockOffload, GroupGuard, GroupOffload, LeafOffload, ModuleOffload, Placement};
+pub use parts::{BlockOffload, GroupGuard, GroupOffload, LeafOffload, ModuleOffload, Placement, leaf_groups};

@@ -304,9 +304,39 @@ impl GroupOffload {
 
 /// For each parameter, the dotted path of the group it joins at leaf level ("" = the root).
 fn assign_leaves(params: &[ExtractedParam], leaves: &LeafPredicate) -> Vec<String> {
+    let located: Vec<ParamPlace<'_>> =
+        params.iter().map(|p| ParamPlace { path: &p.path, containers: &p.containers }).collect();
+    assign_leaf_groups(&located, leaves)
+}
+
+/// Where a parameter sits in its module: the field names from the root and, per segment, the container type.
+struct ParamPlace<'a> {
+    path: &'a [String],
+    containers: &'a [String],
+}
+
+/// The groups leaf level forms from `module`, in parameter order, each with its bytes: what
+/// [`GroupOffload::leaves`] would make of it, read without copying any weight. A planner counts its moves and
+/// sizes its window from these.
+pub fn leaf_groups<M: Module>(module: &M, leaves: &LeafPredicate) -> Vec<(String, u64)> {
+    let params = crate::walk::param_places(module);
+    let located: Vec<ParamPlace<'_>> =
+        params.iter().map(|(path, containers, _)| ParamPlace { path, containers }).collect();
+    let assignment = assign_leaf_groups(&located, leaves);
+    let mut groups: Vec<(String, u64)> = Vec::new();
+    for ((_, _, bytes), group) in params.iter().zip(assignment) {
+        match groups.iter_mut().find(|(name, _)| *name == group) {
+            Some((_, total)) => *total += bytes,
+            None => groups.push((group, *bytes)),
+        }
+    }
+    groups
+}
+
+fn assign_leaf_groups(params: &[ParamPlace<'_>], leaves: &LeafPredicate) -> Vec<String> {
     // The module at prefix path[..k] has the type containers[k] (the struct whose field path[k] is).
     let leaf_of =
-        |p: &ExtractedParam| -> Option<usize> { (0..p.path.len()).find(|k| leaves.is_leaf(&p.containers[*k])) };
+        |p: &ParamPlace<'_>| -> Option<usize> { (0..p.path.len()).find(|k| leaves.is_leaf(&p.containers[*k])) };
     let leaf_paths: Vec<String> = params.iter().filter_map(|p| leaf_of(p).map(|k| p.path[..k].join("."))).collect();
     let holds_leaf = |prefix: &str| {
         leaf_paths.iter().any(|l| prefix.is_empty() || l == prefix || l.starts_with(&format!("{prefix}.")))

@@ -98,6 +98,37 @@ impl ModuleMapper for Extractor<'_> {
     }
 }
 
+/// Every float parameter of `module` with its field path, the container type of each segment and its bytes
+/// (elements times the dtype's size), read without touching the data.
+pub(crate) fn param_places<M: Module>(module: &M) -> Vec<(Vec<String>, Vec<String>, u64)> {
+    struct Places {
+        stack: Vec<(String, String)>,
+        params: Vec<(Vec<String>, Vec<String>, u64)>,
+    }
+    impl burn::module::ModuleVisitor for Places {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            self.stack.push((name.to_string(), container_type.to_string()));
+        }
+
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let tensor = param.val();
+            let bytes = tensor.shape().num_elements() as u64 * tensor.dtype().size() as u64;
+            self.params.push((
+                self.stack.iter().map(|(n, _)| n.clone()).collect(),
+                self.stack.iter().map(|(_, c)| c.clone()).collect(),
+                bytes,
+            ));
+        }
+    }
+    let mut places = Places { stack: Vec::new(), params: Vec::new() };
+    module.visit(&mut places);
+    places.params
+}
+
 /// A placeholder that is never initialised: the skeleton is private and every installation replaces it.
 fn empty_placeholder<const D: usize>(id: ParamId, shape: Vec<usize>, device: &Device) -> Param<Tensor<D>> {
     let lazy_shape = Shape::from(shape.clone());

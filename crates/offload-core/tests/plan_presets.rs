@@ -465,6 +465,7 @@ fn inconsistent_components_are_refused() {
         outside_bytes: 100,
         largest_leaf_bytes: 10,
         leaf_count: 4,
+        first_leaf_bytes: 10,
     });
     let err = enable_offload(&bad_layout, Preset::Auto, &machine(8, 32)).expect_err("900 is not 1000");
     check(

@@ -20,6 +20,11 @@ pub const T_EMBED_MID_DIM: usize = 1024;
 pub const FREQUENCY_EMBEDDING_SIZE: usize = 256;
 /// Image and caption token counts are padded to a multiple of this (`SEQ_MULTI_OF` in diffusers).
 pub const SEQ_MULTI_OF: usize = 32;
+/// The fixed part of a transformer forward's device pages, beside its sequence terms: the intercept of the fit of
+/// [`TransformerConfig::activation_bytes_for_tokens`] to the tiny checkpoint's forwards on wgpu (161,030 bytes:
+/// the runtime's per-launch buffers, the timestep and caption embedders' small tensors). Noise at real size.
+pub const TRANSFORMER_CALL_OVERHEAD: u64 = 161_030;
+
 /// The longest caption the pipeline feeds (`max_sequence_length`), used for worst-case activation estimates.
 pub const MAX_CAPTION_TOKENS: usize = 512;
 /// The epsilon of the per-head query/key RMS norms (fixed in diffusers, not read from the config).
@@ -273,14 +278,34 @@ impl TransformerConfig {
         tokens.next_multiple_of(SEQ_MULTI_OF)
     }
 
-    /// Estimated peak activation bytes of one transformer forward (batch 1) at `height x width` (under a VAE of
-    /// `vae_scale_factor`) with the longest caption ([`MAX_CAPTION_TOKENS`]), activations in `dtype`.
+    /// Estimated peak activation bytes of one transformer forward at `height x width` (under a VAE of
+    /// `vae_scale_factor`) with the longest caption ([`MAX_CAPTION_TOKENS`]), activations in `dtype`: the worst
+    /// case over prompts; [`Self::activation_bytes_with_caption`] is the estimate for a known prompt.
     ///
     /// The estimate is [`Self::activation_bytes_for_tokens`] with materialised attention scores, i.e. the upper
     /// bound that holds on every backend (1024x1024 bf16: about 2.7 GiB, of which 2.4 GiB are the scores; 0.36 GiB
     /// with a flash-attention kernel).
     pub fn activation_bytes(&self, height: usize, width: usize, vae_scale_factor: usize, dtype: DType) -> u64 {
-        let tokens = self.image_tokens(height, width, vae_scale_factor) + MAX_CAPTION_TOKENS;
+        self.activation_bytes_with_caption(height, width, vae_scale_factor, MAX_CAPTION_TOKENS, dtype)
+    }
+
+    /// Estimated peak activation bytes of one transformer forward at `height x width` for a caption of
+    /// `caption_tokens` real tokens (the prompt's, at most `max_sequence_length`: the transformer sees the
+    /// caption's valid rows, padded to [`SEQ_MULTI_OF`], not the text encoder's padded input).
+    ///
+    /// Measured on wgpu (lavapipe, exclusive pages, `docs/benchmarks.md`): the pages a forward takes follow
+    /// [`Self::activation_bytes_for_tokens`] with materialised scores at the real sequence within 4% from 64 to
+    /// 608 tokens; one forward with guidance (two items) takes the pages of one, as the items run one after the
+    /// other.
+    pub fn activation_bytes_with_caption(
+        &self,
+        height: usize,
+        width: usize,
+        vae_scale_factor: usize,
+        caption_tokens: usize,
+        dtype: DType,
+    ) -> u64 {
+        let tokens = self.image_tokens(height, width, vae_scale_factor) + caption_tokens.next_multiple_of(SEQ_MULTI_OF);
         self.activation_bytes_for_tokens(tokens, dtype, true)
     }
 
@@ -294,7 +319,12 @@ impl TransformerConfig {
     ///   a flash kernel), the score and probability matrices `2·H·S²·e`;
     /// - feed-forward: the normed input and output (`2·S·D·e`) and the `w1`, `w3` and gated products (`3·S·F·e`).
     ///
-    /// Freed intermediates (norm statistics, modulation vectors) are ignored; allocator rounding is not modelled.
+    /// plus [`TRANSFORMER_CALL_OVERHEAD`], the fixed part of a forward's pages that no sequence term explains.
+    ///
+    /// Fitted to the pages of the tiny checkpoint's forwards on wgpu at 64, 96, 192, 288 and 608 tokens (f32):
+    /// `c + a·S·D·e + b·H·S²·e` with `a` = 8.06 and `b` = 2.15 against this shape's 8 and 2 (the attention half
+    /// is the larger one at every size), within 4% at every size with the intercept `c`. Freed intermediates (norm
+    /// statistics, modulation vectors) are ignored; allocator rounding is not modelled.
     pub fn activation_bytes_for_tokens(&self, tokens: usize, dtype: DType, materialized_scores: bool) -> u64 {
         let s = tokens as u64;
         let d = self.dim as u64;
@@ -304,7 +334,7 @@ impl TransformerConfig {
         let scores = if materialized_scores { 2 * h * s * s * e } else { 0 };
         let attention = 5 * s * d * e + 2 * s * d * 4 + scores;
         let ffn = 2 * s * d * e + 3 * s * f * e;
-        s * d * e + attention.max(ffn)
+        s * d * e + attention.max(ffn) + TRANSFORMER_CALL_OVERHEAD
     }
 }
 
@@ -443,7 +473,7 @@ mod tests {
         let s: u64 = 4096 + 512;
         let (d, f, h, e) = (3840u64, 10240u64, 30u64, 2u64);
         let attention = 5 * s * d * e + 8 * s * d + 2 * h * s * s * e;
-        let expected = s * d * e + attention.max(2 * s * d * e + 3 * s * f * e);
+        let expected = s * d * e + attention.max(2 * s * d * e + 3 * s * f * e) + TRANSFORMER_CALL_OVERHEAD;
         assert_eq!(c.activation_bytes(1024, 1024, 8, DType::BF16), expected);
         assert!(
             c.activation_bytes_for_tokens(4608, DType::BF16, false) < c.activation_bytes(1024, 1024, 8, DType::BF16)

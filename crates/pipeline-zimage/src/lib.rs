@@ -41,5 +41,6 @@ pub mod text_encoder;
 pub mod tokenizer;
 pub mod transformer;
 pub mod vae;
+pub mod validate;
 
 pub use error::{Error, Result};

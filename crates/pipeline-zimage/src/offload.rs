@@ -219,7 +219,14 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
                 Err(panic) => Err(panic.with_device(device, "onload", memory)),
             };
             match checked {
-                Ok(moved) => self.resident = Some(moved),
+                Ok(moved) => {
+                    self.resident = Some(moved);
+                    // The read-back probes (one small tensor per parameter) each took a page of the pool: give
+                    // them back, so the component's call starts from its weights (measured on wgpu: about a
+                    // third of a megabyte of pages for the tiny transformer's probes, kept until the next
+                    // release otherwise).
+                    exec.memory_cleanup();
+                }
                 Err(error) => {
                     ledger.free(self.bytes);
                     tracing::warn!(device = %device, "onload failed: {error}");

@@ -564,11 +564,26 @@ impl ZImagePipeline {
     /// a simulated card (`[text encoder, transformer, VAE]`); a real device allocates for itself.
     pub fn activation_estimates(&self, opts: &GenerateOptions) -> [u64; 3] {
         let dtype = self.transformer_dtype;
+        let caption = self.caption_tokens(opts);
+        let s = self.vae_scale_factor();
         [
             text_encoder_activation_bytes(&self.text_encoder_config, opts.max_sequence_length, dtype),
-            self.transformer_config.activation_bytes(opts.height, opts.width, self.vae_scale_factor(), dtype),
+            self.transformer_config.activation_bytes_with_caption(opts.height, opts.width, s, caption, dtype),
             vae_activation_bytes(&self.vae_config, opts.height, opts.width, dtype),
         ]
+    }
+
+    /// The caption tokens the transformer sees for `opts`: the longest prompt's real tokens (the negative one too
+    /// with guidance), at most `max_sequence_length`; `max_sequence_length` when a prompt cannot be tokenized.
+    pub fn caption_tokens(&self, opts: &GenerateOptions) -> usize {
+        let mut prompts = vec![opts.prompt.clone()];
+        if opts.guided() {
+            prompts.push(opts.negative_prompt.clone().unwrap_or_default());
+        }
+        let tokenizer = self.tokenizer.with_max_sequence_length(opts.max_sequence_length);
+        tokenizer
+            .encode(&prompts)
+            .map_or(opts.max_sequence_length, |tokens| tokens.lengths().into_iter().max().unwrap_or(0))
     }
 
     /// Encodes prompts: one `[len, hidden]` tensor of valid rows each.
@@ -873,23 +888,30 @@ pub fn initial_noise(seed: u64, shape: [usize; 4], host: &Device) -> Tensor<4> {
     Tensor::random(shape, Distribution::Normal(0.0, 1.0), (host, DType::F32))
 }
 
-/// Activation bytes of one text-encoder call over `tokens` tokens: the residual stream, the attention scores
-/// of one layer (`heads × tokens²`) and the MLP's two intermediate tensors, at `dtype`.
+/// Activation bytes of one text-encoder call over `tokens` tokens: the residual stream (`4·T·D·e`) and the
+/// MLP's two intermediate tensors (`2·T·I·e`), at `dtype`.
+///
+/// No attention-score term: measured on wgpu (`docs/benchmarks.md`), the tiny encoder's calls took 31 to 68 KB of
+/// pages at 32, 64 and 128 tokens, with no growth in the tokens, where `heads × T²` scores would have added 262 KB
+/// at 128 (burn's attention with the encoder's mask does not keep them per layer). At that size the calls are
+/// within the runtime's per-call buffers, so the fit is of the shape, not of the coefficients.
 pub fn text_encoder_activation_bytes(config: &TextEncoderConfig, tokens: usize, dtype: DType) -> u64 {
     let e = dtype.size() as u64;
     let (t, d) = (tokens as u64, config.hidden_size as u64);
-    let scores = config.num_attention_heads as u64 * t * t * e;
     let mlp = 2 * t * config.intermediate_size as u64 * e;
-    4 * t * d * e + scores.max(mlp)
+    4 * t * d * e + mlp
 }
 
-/// Activation bytes of one VAE decode at `height × width`: the two largest feature maps of the last up block
-/// (the first block's channels at full resolution) plus the mid-block attention scores, at `dtype`.
+/// Activation bytes of one VAE decode at `height × width`: `11/2 · C·P·e`, with `C` the first block's channels
+/// (the last up block's, at full resolution), `P` the pixels and `e` the bytes of `dtype`.
+///
+/// Fitted to the pages of the tiny VAE's decodes on wgpu at 64² to 384² (`docs/benchmarks.md`): the least-squares
+/// factor is 5.46, and 11/2 predicts the decodes within −3% and +24% (the analytic three feature maps gave 3). The mid-block's
+/// attention scores (`(P / s²)²·e`) are not seen: at 384² they would be 21 MB of the 54 MB measured, and a fit
+/// with them gives a negative or vanishing coefficient, so they are left out.
 pub fn vae_activation_bytes(config: &VaeConfig, height: usize, width: usize, dtype: DType) -> u64 {
     let e = dtype.size() as u64;
     let pixels = (height * width) as u64;
     let first = *config.block_out_channels.first().unwrap_or(&128) as u64;
-    let scale = config.scale_factor() as u64;
-    let latent_pixels = pixels / (scale * scale);
-    3 * first * pixels * e + latent_pixels * latent_pixels * e
+    11 * first * pixels * e / 2
 }

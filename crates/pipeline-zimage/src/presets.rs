@@ -32,7 +32,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::tensor::Tensor;
 use memory_sim::SimCard;
 use offload_core::offload_strategy::{OffloadStrategy, OffloadView};
@@ -44,7 +44,7 @@ use offload_core::{DeviceMemory, format_size};
 
 use crate::error::{Error, Result};
 use crate::grouped::{GroupLevel, GroupOptions};
-use crate::offload::{BurnComponent, module_bytes, tensor_bytes};
+use crate::offload::{BurnComponent, module_bytes};
 use crate::pipeline::{GenerateOptions, ZImagePipeline};
 use crate::text_encoder::TextEncoder;
 use crate::transformer::ZImageTransformer2DModel;
@@ -109,7 +109,7 @@ impl DeviceFacts {
 
 /// The transformer's block structure, measured from its loaded parameters: the bytes of each block in the order
 /// the forward runs them (`noise_refiner`, `context_refiner`, then `layers`), the bytes outside the blocks
-/// (embedders, final layer, pad tokens), and its leaves ([`leaves`]).
+/// (embedders, final layer, pad tokens), and its leaf groups ([`group_offload::leaf_groups`]).
 ///
 /// Fails with [`Error::OffloadAlreadyApplied`] once the transformer is under group offload: its parameters have
 /// moved into the group store.
@@ -118,12 +118,15 @@ pub fn transformer_layout(pipeline: &ZImagePipeline) -> Result<BlockLayout> {
     let id = &pipeline.ids().transformer;
     Ok(pipeline.manager().inspect(id, |c: &BurnComponent<ZImageTransformer2DModel>| {
         let model = c.module();
-        measure_layout(model, model.noise_refiner.iter().chain(&model.context_refiner).chain(&model.layers))
+        // A modulated block's forward takes `adaLN_modulation.0` first, an unmodulated one its norms.
+        let first =
+            if model.noise_refiner.first().is_some_and(|b| b.is_modulated()) { "adaLN_modulation.0" } else { "" };
+        measure_layout(model, model.noise_refiner.iter().chain(&model.context_refiner).chain(&model.layers), first)
     })?)
 }
 
 /// The text encoder's block structure, measured from its loaded parameters: the bytes of each decoder layer,
-/// the bytes outside them (the token embedding) and its leaves ([`leaves`]).
+/// the bytes outside them (the token embedding) and its leaf groups ([`group_offload::leaf_groups`]).
 ///
 /// Fails with [`Error::OffloadAlreadyApplied`] once the text encoder is under group offload.
 pub fn text_encoder_layout(pipeline: &ZImagePipeline) -> Result<BlockLayout> {
@@ -131,7 +134,8 @@ pub fn text_encoder_layout(pipeline: &ZImagePipeline) -> Result<BlockLayout> {
     let id = &pipeline.ids().text_encoder;
     Ok(pipeline
         .manager()
-        .inspect(id, |c: &BurnComponent<TextEncoder>| measure_layout(c.module(), c.module().layers.iter()))?)
+        // A decoder layer's forward takes its norms (the group of the parameters under no leaf) first.
+        .inspect(id, |c: &BurnComponent<TextEncoder>| measure_layout(c.module(), c.module().layers.iter(), ""))?)
 }
 
 fn not_grouped(pipeline: &ZImagePipeline, component: PipelineComponent) -> Result<()> {
@@ -145,37 +149,30 @@ fn not_grouped(pipeline: &ZImagePipeline, component: PipelineComponent) -> Resul
 }
 
 /// The layout of `model` with `blocks` in execution order; the leaves are those inside the blocks (leaf level
-/// keeps the layers outside the blocks resident, as block level does).
-fn measure_layout<'a, M: Module, B: Module + 'a>(model: &M, blocks: impl Iterator<Item = &'a B>) -> BlockLayout {
-    let (mut block_bytes, mut largest_leaf_bytes, mut leaf_count) = (Vec::new(), 0, 0);
+/// keeps the layers outside the blocks resident, as block level does), `first_part` the leaf group of a block
+/// its forward takes first.
+fn measure_layout<'a, M: Module, B: Module + 'a>(
+    model: &M,
+    blocks: impl Iterator<Item = &'a B>,
+    first_part: &str,
+) -> BlockLayout {
+    let (mut block_bytes, mut largest_leaf_bytes, mut leaf_count, mut first_leaf_bytes) = (Vec::new(), 0, 0, None);
     for block in blocks {
         block_bytes.push(module_bytes(block));
-        let (largest, count) = leaves(block);
-        largest_leaf_bytes = largest_leaf_bytes.max(largest);
-        leaf_count += count;
+        let groups = group_offload::leaf_groups(block, &crate::layer::leaf_types());
+        largest_leaf_bytes = largest_leaf_bytes.max(groups.iter().map(|(_, bytes)| *bytes).max().unwrap_or(0));
+        leaf_count += groups.len();
+        first_leaf_bytes =
+            first_leaf_bytes.or_else(|| groups.iter().find(|(path, _)| path == first_part).map(|(_, bytes)| *bytes));
     }
     let outside_bytes = module_bytes(model).saturating_sub(block_bytes.iter().sum());
-    BlockLayout { outside_bytes, block_bytes, largest_leaf_bytes, leaf_count }
-}
-
-/// The largest parameter of two or more dimensions (a linear layer's or an embedding's weight: what leaf level
-/// moves one at a time) and how many there are.
-fn leaves<M: Module>(module: &M) -> (u64, usize) {
-    struct Leaves {
-        largest: u64,
-        count: usize,
+    BlockLayout {
+        outside_bytes,
+        block_bytes,
+        largest_leaf_bytes,
+        leaf_count,
+        first_leaf_bytes: first_leaf_bytes.unwrap_or(0),
     }
-    impl ModuleVisitor for Leaves {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if D >= 2 {
-                self.largest = self.largest.max(tensor_bytes(&param.val()));
-                self.count += 1;
-            }
-        }
-    }
-    let mut visitor = Leaves { largest: 0, count: 0 };
-    module.visit(&mut visitor);
-    (visitor.largest, visitor.count)
 }
 
 /// The three components as plan input, for the workload `opts`: weight bytes from the manager, the text

@@ -18,8 +18,13 @@ pub struct BlockLayout {
     pub outside_bytes: u64,
     /// The largest leaf layer inside the blocks (a linear weight, with its bias) in bytes.
     pub largest_leaf_bytes: u64,
-    /// How many leaf layers the blocks hold.
+    /// How many leaf groups the blocks hold: one per leaf layer, and one per block for the parameters under no
+    /// leaf (its norms) where it has any.
     pub leaf_count: usize,
+    /// The bytes of the first leaf group a forward takes (the first block's first part, in call order): with
+    /// prefetch, the group the last call of an image prefetches for a next call that does not come in the
+    /// phase. 0 when unknown.
+    pub first_leaf_bytes: u64,
 }
 
 impl BlockLayout {
@@ -57,6 +62,7 @@ impl BlockLayout {
 ///         outside_bytes: 23_704_704,
 ///         largest_leaf_bytes: 78_643_200,
 ///         leaf_count: 481,
+///         first_leaf_bytes: 7_895_040,
 ///     })
 ///     .with_activation(547_608_576)
 ///     .with_cost(5.97e13, 8);

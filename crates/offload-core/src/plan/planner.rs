@@ -43,10 +43,19 @@ pub struct ComponentPlan {
     pub on_disk: bool,
     /// Device bytes kept free for its activations.
     pub headroom_bytes: u64,
-    /// Bytes it streams to the device per step: per image, divided by its calls per image.
+    /// Bytes its calls stream to the device per step: per image, divided by its calls per image, without the
+    /// last call's prefetch for a next call (see `streamed_per_image`).
     pub streamed_per_step: u64,
-    /// Bytes it streams to the device per image.
+    /// Bytes it streams to the device per image: its calls' streaming, and with prefetch, what the last call
+    /// prefetches for a next forward that the phase does not make (the prefetch window wraps into the next
+    /// forward; those groups are released with the phase). Per image in a warm process: the process's first
+    /// forward of a component captures its call order without prefetch.
     pub streamed_per_image: u64,
+    /// Host-to-device copies per image: one per streamed group (the bytes outside the blocks count as one group
+    /// when they stream), the last call's wrapped prefetch included, and one for a component that moves whole;
+    /// 0 when resident. With
+    /// [`streamed_per_image`](Self::streamed_per_image), what a run's ledger sees cross the link.
+    pub moves_per_image: u64,
     /// Predicted seconds per step (per image, divided by its calls per image).
     pub seconds_per_step: f64,
     /// Predicted seconds per image.
@@ -99,6 +108,16 @@ impl Plan {
     /// Host bytes pinned.
     pub fn pinned_bytes(&self) -> u64 {
         self.components.iter().map(|c| c.pinned_bytes).sum()
+    }
+
+    /// Predicted bytes copied to the device per image, over every component.
+    pub fn streamed_per_image(&self) -> u64 {
+        self.components.iter().map(|c| c.streamed_per_image).sum()
+    }
+
+    /// Predicted host-to-device copies per image, over every component.
+    pub fn moves_per_image(&self) -> u64 {
+        self.components.iter().map(|c| c.moves_per_image).sum()
     }
 
     /// The table alone, without the header, reasons or warnings.
@@ -208,7 +227,7 @@ pub fn enable_offload(
 /// use offload_core::plan::{BlockLayout, ComponentSpec, HostMemory, Machine, Preset, Route, plan_pipeline};
 /// let gib = 1u64 << 30;
 /// let denoiser = ComponentSpec::new("denoiser", 12 * gib)
-///     .with_layout(BlockLayout { block_bytes: vec![gib; 12], outside_bytes: 0, largest_leaf_bytes: gib / 8, leaf_count: 96 })
+///     .with_layout(BlockLayout { block_bytes: vec![gib; 12], outside_bytes: 0, largest_leaf_bytes: gib / 8, leaf_count: 96, first_leaf_bytes: gib / 8 })
 ///     .with_activation(gib)
 ///     .with_cost(4e13, 8);
 /// let machine = Machine::new(8 * gib, 7 * gib, HostMemory::new(64 * gib, 60 * gib));
@@ -303,6 +322,12 @@ struct Eval {
     host: u64,
     first_streamed: u64,
     steady_streamed: u64,
+    first_moves: u64,
+    steady_moves: u64,
+    /// What the prefetch of the last call uploads for a next call that the phase does not make (it wraps into
+    /// the next forward): bytes and copies, once per image.
+    tail_streamed: u64,
+    tail_moves: u64,
     first_seconds: f64,
     steady_seconds: f64,
     first_transfer: f64,
@@ -319,6 +344,10 @@ impl Eval {
 
     fn per_image_streamed(&self, calls: u32) -> u64 {
         self.first_streamed.saturating_add(u64::from(calls.saturating_sub(1)).saturating_mul(self.steady_streamed))
+    }
+
+    fn per_image_moves(&self, calls: u32) -> u64 {
+        self.first_moves.saturating_add(u64::from(calls.saturating_sub(1)).saturating_mul(self.steady_moves))
     }
 
     /// Seconds of copies in a typical call: a later call's, or the only call's.
@@ -371,6 +400,7 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
             eval.resident = weight;
             eval.host = weight;
             eval.first_streamed = weight;
+            eval.first_moves = 1;
             eval.first_transfer = copy(weight, 1);
             eval.first_seconds = eval.first_transfer + compute;
             eval.steady_seconds = compute;
@@ -390,23 +420,48 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
             eval.first_streamed = weight;
             eval.steady_streamed = layout.blocks_total() - kept + streamed_outside;
             let steady_transfers = (groups.len() - kept_count + usize::from(!shape.keep_outside)) as u64;
+            eval.first_moves = groups.len() as u64 + 1;
+            eval.steady_moves = steady_transfers;
+            if prefetch {
+                // The last call's prefetch wraps into the next forward: the groups it streams first, in call
+                // order (the outside bytes when they stream, then the groups the resident budget did not keep).
+                // A component called once does it too, from the process's second image on (its first call
+                // captures the order, without prefetch).
+                let mut left = shape.resident_budget;
+                let not_kept = groups.iter().copied().filter(|&group| {
+                    let kept = group <= left;
+                    if kept {
+                        left -= group;
+                    }
+                    !kept
+                });
+                let next: Vec<u64> =
+                    (!shape.keep_outside).then_some(outside).into_iter().chain(not_kept).take(depth).collect();
+                eval.tail_streamed = next.iter().sum();
+                eval.tail_moves = next.len() as u64;
+            }
             eval.steady_transfer = copy(eval.steady_streamed, steady_transfers);
-            eval.first_transfer = copy(weight, groups.len() as u64 + 1);
+            eval.first_transfer = copy(weight, eval.first_moves);
             eval.first_seconds = overlap(prefetch, eval.first_transfer);
             eval.steady_seconds = overlap(prefetch, eval.steady_transfer);
         }
         Route::LeafGroupOffload { prefetch } => {
             // The layers outside the blocks stay resident, as under block offload; the blocks stream leaf by leaf.
-            let (largest, leaves, outside) = spec
-                .layout
-                .as_ref()
-                .map_or((weight, 1, 0), |l| (l.largest_leaf_bytes, l.leaf_count as u64, l.outside_bytes));
+            let (largest, leaves, outside, first) = spec.layout.as_ref().map_or((weight, 1, 0, 0), |l| {
+                (l.largest_leaf_bytes, l.leaf_count as u64, l.outside_bytes, l.first_leaf_bytes)
+            });
             let streamed = weight - outside.min(weight);
             eval.resident = outside;
             eval.window = streaming_window(largest, prefetch, 1);
             eval.host = if shape.on_disk { 0 } else { weight };
             eval.first_streamed = weight;
             eval.steady_streamed = streamed;
+            eval.first_moves = leaves + 1;
+            eval.steady_moves = leaves;
+            if prefetch && first > 0 {
+                eval.tail_streamed = first;
+                eval.tail_moves = 1;
+            }
             eval.steady_transfer = copy(streamed, leaves);
             eval.first_transfer = copy(weight, leaves + 1);
             eval.first_seconds = overlap(prefetch, eval.first_transfer);
@@ -509,7 +564,8 @@ impl Planner<'_> {
                 on_disk: choice.shape.on_disk,
                 headroom_bytes: choice.headroom,
                 streamed_per_step: eval.per_image_streamed(calls) / u64::from(calls),
-                streamed_per_image: eval.per_image_streamed(calls),
+                streamed_per_image: eval.per_image_streamed(calls).saturating_add(eval.tail_streamed),
+                moves_per_image: eval.per_image_moves(calls).saturating_add(eval.tail_moves),
                 seconds_per_step: eval.per_image_seconds(calls) / f64::from(calls),
                 seconds_per_image: eval.per_image_seconds(calls),
                 peak_bytes: peak,
