@@ -1,9 +1,11 @@
 //! `cargo xtask plan`: the offload plan for Z-Image-Turbo at real sizes on a simulated card and host.
 //!
-//! Weights, activations and FLOPs come from `memory_sim::PipelineProfile::z_image_turbo`; the block structure
-//! from `shared/reference/zimage-burn.md` A.2; the link and compute figures from memory-sim's card timing.
+//! Weights, activations and FLOPs come from `memory_sim::PipelineProfile::z_image_turbo`, the block structure
+//! from `memory_sim::profile::z_image_turbo` (the one place Z-Image's real-size numbers are written, from
+//! `shared/reference/zimage-burn.md` A.2); the link and compute figures from memory-sim's card timing.
 
 use anyhow::{Context, bail};
+use memory_sim::profile::z_image_turbo as facts;
 use memory_sim::{CardSpec, PipelineProfile};
 use offload_core::parse_size;
 use offload_core::plan::{
@@ -57,27 +59,6 @@ fn validate(args: &Args) -> anyhow::Result<()> {
     crate::tasks::status(command, "the validate example of pipeline-zimage")
 }
 
-/// Bytes per transformer block (bf16), from the architecture: a modulated block (noise_refiner, layers) and a
-/// context_refiner block.
-const MODULATED_BLOCK: u64 = 180_910_336 * 2;
-const CONTEXT_BLOCK: u64 = 176_962_816 * 2;
-/// Bytes per Qwen3 layer of the text encoder (bf16).
-const TEXT_LAYER: u64 = 100_930_816 * 2;
-/// The largest leaves inside the blocks: the text encoder's `mlp.gate_proj` and the transformer's
-/// feed-forward `w1`.
-const TEXT_GATE_PROJ: u64 = 9728 * 2560 * 2;
-const TRANSFORMER_W1: u64 = 10_240 * 3840 * 2;
-/// Leaf groups inside the blocks, as leaf-level group offload forms them: per Qwen3 layer its 7 linear layers, its
-/// norms and its attention's q/k norms; per modulated transformer block 8 linear layers (with
-/// `adaLN_modulation`) and the same two norm groups, per context-refiner block 7 and two.
-const TEXT_LEAVES: usize = 36 * 9;
-const TRANSFORMER_LEAVES: usize = 32 * 10 + 2 * 9;
-/// The first leaf group a forward takes: the text encoder's first layer takes its norms group (two RMSNorm
-/// weights) first; the
-/// transformer's first block (a noise refiner) takes `adaLN_modulation.0` (256 -> 4 x 3840, with bias).
-const TEXT_FIRST_LEAF: u64 = 2560 * 2 * 2;
-const TRANSFORMER_FIRST_LEAF: u64 = (256 * 15_360 + 15_360) * 2;
-
 fn layout(
     name: &str,
     total: u64,
@@ -113,23 +94,19 @@ pub fn z_image_turbo(steps: u32) -> anyhow::Result<Vec<ComponentSpec>> {
             "text_encoder" => spec.with_layout(layout(
                 &component.name,
                 component.bytes,
-                vec![TEXT_LAYER; 36],
-                TEXT_GATE_PROJ,
-                TEXT_LEAVES,
-                TEXT_FIRST_LEAF,
+                facts::text_layers(),
+                facts::TEXT_GATE_PROJ_BYTES,
+                facts::TEXT_LEAVES,
+                facts::TEXT_FIRST_LEAF_BYTES,
             )?),
-            "transformer" => {
-                // Execution order: 2 noise_refiner, 2 context_refiner, then 30 layers.
-                let blocks = [vec![MODULATED_BLOCK; 2], vec![CONTEXT_BLOCK; 2], vec![MODULATED_BLOCK; 30]].concat();
-                spec.with_layout(layout(
-                    &component.name,
-                    component.bytes,
-                    blocks,
-                    TRANSFORMER_W1,
-                    TRANSFORMER_LEAVES,
-                    TRANSFORMER_FIRST_LEAF,
-                )?)
-            }
+            "transformer" => spec.with_layout(layout(
+                &component.name,
+                component.bytes,
+                facts::transformer_blocks(),
+                facts::TRANSFORMER_W1_BYTES,
+                facts::TRANSFORMER_LEAVES,
+                facts::TRANSFORMER_FIRST_LEAF_BYTES,
+            )?),
             _ => spec,
         };
         specs.push(spec);

@@ -68,10 +68,17 @@ pub mod z_image_turbo {
     pub const TEXT_GATE_PROJ_BYTES: u64 = 9728 * 2560 * 2;
     /// The transformer's largest leaf: a block's feed-forward `w1` (10240 × 3840).
     pub const TRANSFORMER_W1_BYTES: u64 = 10_240 * 3840 * 2;
-    /// Leaves inside the text encoder's layers: 7 linear layers per Qwen3 layer.
-    pub const TEXT_LEAVES: usize = TEXT_LAYERS * 7;
-    /// Leaves inside the transformer's blocks: 8 per modulated block, 7 per context-refiner block.
-    pub const TRANSFORMER_LEAVES: usize = (NOISE_REFINER_BLOCKS + MAIN_BLOCKS) * 8 + CONTEXT_REFINER_BLOCKS * 7;
+    /// Leaf groups inside the text encoder's layers, as leaf-level group offload forms them: per Qwen3 layer its
+    /// 7 linear layers, its norms and its attention's q/k norms.
+    pub const TEXT_LEAVES: usize = TEXT_LAYERS * 9;
+    /// Leaf groups inside the transformer's blocks: per modulated block 8 linear layers (with `adaLN_modulation`)
+    /// and the same two norm groups, per context-refiner block 7 and two.
+    pub const TRANSFORMER_LEAVES: usize = (NOISE_REFINER_BLOCKS + MAIN_BLOCKS) * 10 + CONTEXT_REFINER_BLOCKS * 9;
+    /// The first leaf group the text encoder's forward takes: its first layer's norms (two RMSNorm weights).
+    pub const TEXT_FIRST_LEAF_BYTES: u64 = 2560 * 2 * 2;
+    /// The first leaf group the transformer's forward takes: the first noise refiner's `adaLN_modulation.0`
+    /// (256 -> 4 x 3840, with bias).
+    pub const TRANSFORMER_FIRST_LEAF_BYTES: u64 = (256 * 15_360 + 15_360) * 2;
 
     /// The transformer's block sizes in execution order: noise refiners, context refiners, main layers.
     pub fn transformer_blocks() -> Vec<u64> {

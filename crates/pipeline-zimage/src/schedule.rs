@@ -126,6 +126,16 @@ pub fn recorded_moves(manager: &ComponentsManager) -> (usize, u64) {
         .fold((0, 0), |(count, bytes), e| (count + 1, bytes + e.bytes))
 }
 
+/// Group offload's moves in the manager's record (a group's id is `component/group`): their count and bytes.
+pub fn recorded_group_moves(manager: &ComponentsManager) -> (usize, u64) {
+    manager
+        .offload_record()
+        .events()
+        .iter()
+        .filter(|e| e.id.contains('/'))
+        .fold((0, 0), |(count, bytes), e| (count + 1, bytes + e.bytes))
+}
+
 /// A run's moves beside `auto`'s on the same schedule and the optimum's.
 #[derive(Debug, Clone)]
 pub struct MovesComparison {
@@ -143,6 +153,8 @@ pub struct MovesComparison {
     pub optimum: Option<u64>,
     /// The memory the optimum's budgets start from.
     pub optimum_memory: u64,
+    /// Group offload's uploads and releases in the run (not the strategy's decisions, and not replayed).
+    pub group_moves: (usize, u64),
     /// Whether the card charged the run exactly what the replay charges (a simulated card), so the replayed
     /// figures are what the strategies move on it rather than a prediction.
     pub exact: bool,
@@ -159,6 +171,15 @@ impl fmt::Display for MovesComparison {
             self.measured.0,
             format_size(self.measured.1)
         )?;
+        if self.group_moves.0 > 0 {
+            writeln!(
+                f,
+                "  {:<10} {:>3} moves, {:>10} (group uploads and releases: group offload's, not the strategy's)",
+                "groups",
+                self.group_moves.0,
+                format_size(self.group_moves.1)
+            )?;
+        }
         if self.strategy != "auto" {
             writeln!(f, "  {:<10} {:>3} moves, {:>10} ({kind})", "auto", self.auto.0, format_size(self.auto.1))?;
         }
@@ -182,7 +203,7 @@ impl fmt::Display for MovesComparison {
                 self.replayed.0
             )?;
         } else {
-            write!(f, "  the replay of {} reproduces the run's moves", self.strategy)?;
+            write!(f, "  the replay of {} reproduces the run's whole-component moves", self.strategy)?;
         }
         Ok(())
     }
@@ -222,6 +243,7 @@ pub fn compare_moves(
         strategy: strategy.name().to_string(),
         uses: uses.len(),
         measured: recorded_moves(manager),
+        group_moves: recorded_group_moves(manager),
         replayed: (count(&replayed), replayed.moved()),
         auto: (count(&auto), auto.moved()),
         optimum: replayed.optimum.map(|m| m.total()),
