@@ -183,7 +183,7 @@ impl Drop for Engine {
 }
 
 impl Shared {
-    fn record(&self, action: Action, id: &str, bytes: u64, reason: &str) {
+    fn record(&self, action: Action, id: &str, bytes: u64, reason: Reason) {
         let reading = self.config.memory.as_ref().map(|m| m.reading());
         self.record_with(action, id, bytes, reason, reading);
     }
@@ -194,7 +194,7 @@ impl Shared {
         action: Action,
         id: &str,
         bytes: u64,
-        reason: &str,
+        reason: Reason,
         reading: Option<offload_core::offload_strategy::MemoryReading>,
     ) {
         let Some(record) = &self.config.record else { return };
@@ -202,7 +202,7 @@ impl Shared {
             action,
             id: id.to_string(),
             bytes,
-            reason: Some(Reason::Other(reason.to_string())),
+            reason: Some(reason),
             available: reading.map(|r| r.available),
             peak: reading.map(|r| r.peak),
         });
@@ -214,13 +214,17 @@ impl Shared {
 
     /// One upload: allocate on the ledger, pay the transfer, build the device tensors. Called without the lock.
     /// On any failure nothing stays allocated and the host copy is untouched.
-    fn upload(&self, host: &GroupHost, reason: &str) -> Result<Arc<[Tensor<1>]>> {
+    fn upload(&self, host: &GroupHost, reason: Reason) -> Result<Arc<[Tensor<1>]>> {
         // The reading is taken before the move and the event recorded once it succeeded, as the manager does,
         // so a failed upload leaves no onload row for a group that never arrived.
         let reading = self.config.memory.as_ref().map(|m| m.reading());
         // The span is recorded on this thread: the caller's for a synchronous upload, the worker's for a prefetch.
-        let mut span =
-            self.config.timeline.span(category::UPLOAD, &host.id).arg("bytes", host.bytes).arg("reason", reason);
+        let mut span = self
+            .config
+            .timeline
+            .span(category::UPLOAD, &host.id)
+            .arg("bytes", host.bytes)
+            .arg("reason", reason.to_string());
         let result = self.upload_bytes(host, reason, reading);
         if let Err(error) = &result {
             span.set_arg("error", error.to_string());
@@ -236,7 +240,7 @@ impl Shared {
     fn upload_bytes(
         &self,
         host: &GroupHost,
-        reason: &str,
+        reason: Reason,
         reading: Option<offload_core::offload_strategy::MemoryReading>,
     ) -> Result<Arc<[Tensor<1>]>> {
         let ledger = &self.config.ledger;
@@ -300,7 +304,7 @@ impl Shared {
         }
         slot.prefetched = false;
         let span = self.config.timeline.span(category::RELEASE, &id).arg("bytes", bytes);
-        self.record(Action::Offload, &id, bytes, "group_offload");
+        self.record(Action::Offload, &id, bytes, Reason::GroupOffload);
         slot.residency = Residency::Offloaded;
         self.config.ledger.free(bytes);
         drop(span);
@@ -382,7 +386,7 @@ impl Engine {
             slot.residency = Residency::Loading;
             slot.host.clone()
         };
-        let result = self.shared.upload(&host, "group_onload");
+        let result = self.shared.upload(&host, Reason::GroupOnload);
         let mut state = self.shared.state.lock();
         let outcome = match result {
             Ok(tensors) => {
@@ -464,7 +468,7 @@ impl Engine {
             tracing::debug!(group = %host.id, "prefetch miss: loading synchronously");
         }
         drop(state);
-        let result = shared.upload(&host, "group_onload");
+        let result = shared.upload(&host, Reason::GroupOnload);
         let mut state = shared.state.lock();
         let slot = &mut state.groups[group];
         let outcome = match result {
@@ -676,7 +680,7 @@ impl GroupSlot {
 
 fn worker_loop(shared: &Shared, jobs: &mpsc::Receiver<Job>) {
     while let Ok(job) = jobs.recv() {
-        let result = shared.upload(&job.host, "prefetch");
+        let result = shared.upload(&job.host, Reason::Prefetch);
         let mut state = shared.state.lock();
         let slot = &mut state.groups[job.group];
         match result {

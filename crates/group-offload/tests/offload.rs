@@ -426,7 +426,7 @@ fn every_move_is_on_the_ledger_and_in_the_record() {
     }
     offload.wait_idle();
     let events = record.events();
-    assert!(events.iter().any(|e| e.reason == Some(Reason::Other("prefetch".into())) && e.action == Action::Onload));
+    assert!(events.iter().any(|e| e.reason == Some(Reason::Prefetch) && e.action == Action::Onload));
     assert!(events.iter().all(|e| e.id.starts_with("m/blocks_")));
 }
 

@@ -42,7 +42,13 @@ pub enum Reason {
     OomRetry(String),
     /// Offloaded because auto offload was disabled (`offloading_disabled`).
     OffloadingDisabled,
-    /// A move made by another mechanism (group offload: `group_onload`, `prefetch`, ...), printed as given.
+    /// A group uploaded when the model took it: the capture pass, or a miss (`group_onload`).
+    GroupOnload,
+    /// A group uploaded ahead of its use by the prefetch worker (`prefetch`).
+    Prefetch,
+    /// A group released from the device after its use (`group_offload`).
+    GroupOffload,
+    /// A move made by a mechanism outside the workspace, printed as given.
     Other(String),
 }
 
@@ -52,6 +58,9 @@ impl fmt::Display for Reason {
             Reason::ReleaseMemoryFor(id) => write!(f, "release_memory_for:{id}"),
             Reason::OomRetry(id) => write!(f, "oom_retry:{id}"),
             Reason::OffloadingDisabled => f.write_str("offloading_disabled"),
+            Reason::GroupOnload => f.write_str("group_onload"),
+            Reason::Prefetch => f.write_str("prefetch"),
+            Reason::GroupOffload => f.write_str("group_offload"),
             Reason::Other(text) => f.write_str(text),
         }
     }

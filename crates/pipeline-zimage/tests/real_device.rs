@@ -296,7 +296,7 @@ fn the_pipeline_streams_both_encoders_on_the_device_and_gives_the_resident_image
     assert!(stats.prefetch_hits > 0 && stats.misses == 0, "{stats:?}");
     // Each prefetch was recorded with the device's reading.
     let record = pipeline.manager().offload_record();
-    let prefetch = record.events().into_iter().find(|e| matches!(&e.reason, Some(Reason::Other(r)) if r == "prefetch"));
+    let prefetch = record.events().into_iter().find(|e| e.reason == Some(Reason::Prefetch));
     assert!(prefetch.and_then(|e| e.available).is_some(), "{record}");
 }
 

@@ -155,7 +155,7 @@ fn the_trace_of_a_run_on_an_8mb_card_holds_its_phases_moves_threads_and_memory()
 }
 
 fn group_reason() -> Reason {
-    Reason::Other("group_offload".into())
+    Reason::GroupOffload
 }
 
 #[test]
