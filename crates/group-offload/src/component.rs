@@ -7,7 +7,7 @@ use crate::error::Error;
 use crate::parts::GroupOffload;
 
 /// A group-offloaded model as an [`Offloadable`] component: it reports
-/// [`group_offloaded`](Offloadable::group_offloaded) `= true` and its resident bytes (resident parts plus the
+/// [`evictable`](Offloadable::evictable) `= false` and its resident bytes (resident parts plus the
 /// resident budget), so the manager counts it but its strategy never picks it; the model streams its own groups.
 ///
 /// `onload` uploads the resident parts (and fails for any device other than the prepared one); `offload`
@@ -68,8 +68,8 @@ impl Offloadable for GroupOffloadedModel {
         self.offload.resident_bytes()
     }
 
-    fn group_offloaded(&self) -> bool {
-        true
+    fn evictable(&self) -> bool {
+        false
     }
 
     fn class_name(&self) -> String {

@@ -12,7 +12,7 @@
 //!
 //! `Offloaded` (only the host copy) → `Loading` (an upload in flight, on the worker or the caller) →
 //! `OnDevice` (device tensors held by the engine; `users` counts the guards borrowing them). A release with no
-//! users left offloads the group unless it is pinned (resident part, or within the resident budget) or is among
+//! users left offloads the group unless it is kept (resident part, or within the resident budget) or is among
 //! the next groups to run.
 
 use std::sync::Arc;
@@ -70,10 +70,10 @@ struct GroupSlot {
     residency: Residency,
     users: usize,
     /// Stays on the device when released (a resident part, or kept within the resident budget).
-    pinned: bool,
+    kept: bool,
     /// On the device (or in flight) because of a prefetch, not yet taken.
     prefetched: bool,
-    /// Belongs to a resident part: pinned from registration, counted in the resident bytes.
+    /// Belongs to a resident part: kept from registration, counted in the resident bytes.
     resident_part: bool,
 }
 
@@ -132,7 +132,7 @@ impl State {
     }
 
     /// The next `depth` groups after the cursor in the captured sequence, wrapping into the next forward, leaving
-    /// out pinned groups already on the device (they need no prefetch).
+    /// out kept groups already on the device (they need no prefetch).
     fn window(&self, depth: usize) -> Vec<usize> {
         let Some(cursor) = self.cursor else { return Vec::new() };
         let len = self.order.len();
@@ -143,7 +143,7 @@ impl State {
             }
             let next = self.order[(cursor + i) % len];
             let slot = &self.groups[next];
-            if slot.pinned && matches!(slot.residency, Residency::OnDevice(_)) {
+            if slot.kept && matches!(slot.residency, Residency::OnDevice(_)) {
                 continue;
             }
             if !out.contains(&next) {
@@ -355,8 +355,8 @@ impl Engine {
         &self.shared.config.device
     }
 
-    /// Registers a group; a pinned group is uploaded at once and never offloaded by a release.
-    pub fn add_group(&self, host: GroupHost, pinned: bool) -> Result<usize> {
+    /// Registers a group; a kept group is uploaded at once and never offloaded by a release.
+    pub fn add_group(&self, host: GroupHost, kept: bool) -> Result<usize> {
         let host = Arc::new(host);
         let index = {
             let mut state = self.shared.state.lock();
@@ -364,9 +364,9 @@ impl Engine {
                 host: host.clone(),
                 residency: Residency::Offloaded,
                 users: 0,
-                pinned,
+                kept,
                 prefetched: false,
-                resident_part: pinned,
+                resident_part: kept,
             });
             state.groups.len() - 1
         };
@@ -376,7 +376,7 @@ impl Engine {
         Ok(index)
     }
 
-    fn onload_pinned(&self, group: usize) -> Result<()> {
+    fn onload_kept(&self, group: usize) -> Result<()> {
         let host = {
             let mut state = self.shared.state.lock();
             let slot = &mut state.groups[group];
@@ -502,7 +502,7 @@ impl Engine {
                 let slot = &state.groups[*i];
                 *i != group
                     && slot.users == 0
-                    && !slot.pinned
+                    && !slot.kept
                     && !window.contains(i)
                     && matches!(slot.residency, Residency::OnDevice(_))
             })
@@ -531,13 +531,13 @@ impl Engine {
         let mut state = shared.state.lock();
         let Some(slot) = state.groups.get_mut(group) else { return };
         slot.users = slot.users.saturating_sub(1);
-        if slot.users > 0 || slot.pinned {
+        if slot.users > 0 || slot.kept {
             return;
         }
         let bytes = slot.host.bytes;
         if state.kept_bytes + bytes <= shared.config.resident_budget {
             state.kept_bytes += bytes;
-            state.groups[group].pinned = true;
+            state.groups[group].kept = true;
             return;
         }
         let upcoming =
@@ -551,7 +551,7 @@ impl Engine {
         shared.drop_from_device(&mut state, group);
     }
 
-    /// Offloads every group, pinned ones included (they come back on their next use). Waits for prefetches in
+    /// Offloads every group, kept ones included (they come back on their next use). Waits for prefetches in
     /// flight; refuses while a guard still borrows a group.
     pub fn offload_all(&self) -> Result<()> {
         let shared = &self.shared;
@@ -568,21 +568,21 @@ impl Engine {
         }
         state.kept_bytes = 0;
         for slot in &mut state.groups {
-            if !slot.pinned_at_start() {
-                slot.pinned = false;
+            if !slot.kept_at_start() {
+                slot.kept = false;
             }
         }
         Ok(())
     }
 
-    /// Uploads the pinned groups of resident parts again after [`offload_all`](Self::offload_all).
+    /// Uploads the kept groups of resident parts again after [`offload_all`](Self::offload_all).
     pub fn onload_resident(&self) -> Result<()> {
-        let pinned: Vec<usize> = {
+        let kept: Vec<usize> = {
             let state = self.shared.state.lock();
-            (0..state.groups.len()).filter(|i| state.groups[*i].pinned).collect()
+            (0..state.groups.len()).filter(|i| state.groups[*i].kept).collect()
         };
-        for group in pinned {
-            self.onload_pinned(group)?;
+        for group in kept {
+            self.onload_kept(group)?;
         }
         Ok(())
     }
@@ -625,7 +625,7 @@ impl Engine {
     /// Bytes of resident parts plus the resident budget: what the model holds on the device between uses.
     pub fn resident_bytes(&self) -> u64 {
         let state = self.shared.state.lock();
-        state.groups.iter().filter(|g| g.pinned_at_start()).map(|g| g.host.bytes).sum::<u64>()
+        state.groups.iter().filter(|g| g.kept_at_start()).map(|g| g.host.bytes).sum::<u64>()
             + self.shared.config.resident_budget
     }
 
@@ -672,8 +672,9 @@ impl Engine {
 }
 
 impl GroupSlot {
-    /// Resident parts are pinned from registration; budget pins are not (they are reset by `offload_all`).
-    fn pinned_at_start(&self) -> bool {
+    /// Resident parts are kept from registration; groups kept within the resident budget are not (they are reset
+    /// by `offload_all`).
+    fn kept_at_start(&self) -> bool {
         self.resident_part
     }
 }

@@ -171,7 +171,7 @@ impl GroupOffload {
         Error::InvalidConfig { model: self.engine.model().to_string(), problem }
     }
 
-    fn add_group(&self, group: &str, params: Vec<ExtractedParam>, pinned: bool) -> Result<usize> {
+    fn add_group(&self, group: &str, params: Vec<ExtractedParam>, kept: bool) -> Result<usize> {
         let config = &self.engine.shared.config;
         let id = format!("{}/{group}", config.model);
         let host =
@@ -180,7 +180,7 @@ impl GroupOffload {
                     // Streamed groups are pinned in registration order while they fit in the pinned budget; a
                     // resident part is uploaded once and gains nothing from it.
                     let bytes: u64 = params.iter().map(ExtractedParam::bytes_len).sum();
-                    let stage = !pinned && {
+                    let stage = !kept && {
                         let mut left = self.pinned_left.lock();
                         let fits = bytes <= *left;
                         if fits {
@@ -193,7 +193,7 @@ impl GroupOffload {
                 Some(dir) => GroupHost::on_disk(id.clone(), &config.model, params, dir)
                     .map_err(|message| Error::Disk { group: id, path: dir.display().to_string(), message })?,
             };
-        self.engine.add_group(host, pinned)
+        self.engine.add_group(host, kept)
     }
 
     /// Checks that `device` is the one this offloader uploads to; call it at the top of a forward with the
@@ -401,7 +401,7 @@ impl PartCore {
 }
 
 /// A borrowed group on the execution device. It derefs to the device-resident module(s); while it lives the
-/// group stays on the device, and dropping it releases the group (offloaded unless pinned or next in line).
+/// group stays on the device, and dropping it releases the group (offloaded unless kept or next in line).
 ///
 /// Keep the guard alive for as long as its module computes: a tensor cloned out of it keeps device memory that
 /// the ledger already counts as freed once the guard drops.

@@ -605,7 +605,7 @@ fn a_group_offloaded_model_is_never_evicted_by_auto_offload() {
     let card = Arc::new(FakeCard::new(64 * 1024));
     let offloaded = BlockModel::new(Model::new(&device), config(&card, true), 1, Placement::Resident);
     let adapter = GroupOffloadedModel::new(offloaded.offload.clone());
-    assert!(adapter.group_offloaded());
+    assert!(!adapter.evictable());
     assert_eq!(adapter.resident_bytes(), offloaded.offload.resident_bytes());
     assert!(adapter.resident_bytes() < adapter.bytes());
 

@@ -70,7 +70,7 @@ impl ComponentError {
 ///   [`ComponentError::OutOfMemory`], so the manager can make room and try again.
 /// - [`resident_bytes`](Offloadable::resident_bytes) is what the component holds on the device while resident:
 ///   its whole size for a plain model, its resident budget for a model under group offload.
-/// - A component under group offload ([`group_offloaded`](Offloadable::group_offloaded) is true) moves its own
+/// - A component under group offload ([`evictable`](Offloadable::evictable) is false) moves its own
 ///   groups; the manager never chooses it for eviction, but counts its resident bytes.
 ///
 /// ```
@@ -110,9 +110,11 @@ pub trait Offloadable: Any + Send {
         self.bytes()
     }
 
-    /// Whether the component streams its own groups (group offload) and must not be evicted wholesale.
-    fn group_offloaded(&self) -> bool {
-        false
+    /// Whether the manager may evict the component wholesale to make room for another (true by default). A
+    /// model under group offload moves its own groups and answers false, unless its plan lets the manager
+    /// release it whole between phases.
+    fn evictable(&self) -> bool {
+        true
     }
 
     /// Gives back what a failed call still holds on the device. The manager calls it once it has handled a

@@ -41,7 +41,7 @@ struct Entry {
     resident_bytes: u64,
     /// Where the component is, as of its last move.
     device: DeviceName,
-    group_offloaded: bool,
+    evictable: bool,
     /// Runs in flight (or about to start) on this component; a claimed component is never moved by others.
     claims: usize,
     /// The use index of the component's most recent run since auto offload was enabled.
@@ -133,8 +133,9 @@ pub struct ComponentInfo {
     pub device: DeviceName,
     /// The execution device, when auto offload is enabled.
     pub execution_device: Option<DeviceName>,
-    /// Whether it is under group offload.
-    pub group_offloaded: bool,
+    /// Whether the manager may evict it wholesale ([`Offloadable::evictable`]): false for a model under group
+    /// offload that is never released whole.
+    pub evictable: bool,
 }
 
 /// The settings of auto offload, as enabled.
@@ -290,7 +291,7 @@ impl ComponentsManager {
             bytes: component.bytes(),
             resident_bytes: component.resident_bytes(),
             device: component.device(),
-            group_offloaded: component.group_offloaded(),
+            evictable: component.evictable(),
             slot: Arc::new(Mutex::new(component)),
             claims: 0,
             last_use: 0,
@@ -380,7 +381,7 @@ impl ComponentsManager {
             resident_bytes: entry.resident_bytes,
             device: entry.device.clone(),
             execution_device: state.auto.as_ref().map(|a| a.device.clone()),
-            group_offloaded: entry.group_offloaded,
+            evictable: entry.evictable,
         })
     }
 
@@ -598,7 +599,7 @@ impl ComponentsManager {
             .filter(|e| e.id != id && e.device == device)
             .map(|e| ResidentComponent {
                 component: ComponentView::new(e.id.clone(), e.name.clone(), e.resident_bytes),
-                group_offloaded: e.group_offloaded,
+                evictable: e.evictable,
                 in_use: e.claims > 0,
                 last_use: e.last_use,
             })
@@ -616,7 +617,7 @@ impl ComponentsManager {
         for choice in &chosen {
             let problem = match resident.iter().find(|r| r.id() == choice) {
                 None => Some("it is not resident on the execution device"),
-                Some(r) if r.group_offloaded => Some("it is under group offload and is never evicted wholesale"),
+                Some(r) if !r.evictable => Some("it is under group offload and is never evicted wholesale"),
                 Some(r) if r.in_use => Some("it is running on another thread"),
                 Some(_) => None,
             };
@@ -711,7 +712,7 @@ impl ComponentsManager {
             .entries
             .iter()
             .enumerate()
-            .filter(|(_, e)| e.id != id && e.device == device && !e.group_offloaded && e.claims == 0)
+            .filter(|(_, e)| e.id != id && e.device == device && e.evictable && e.claims == 0)
             .filter(|(_, e)| !offloaded.contains(&e.id))
             .min_by_key(|(i, e)| (e.resident_bytes, *i))
             .map(|(i, _)| i);
@@ -777,7 +778,7 @@ impl fmt::Display for ComponentsManager {
                     Some(exec) => format!("{}({exec})", e.device),
                     None => e.device.to_string(),
                 };
-                let mode = if e.group_offloaded { "group offload" } else { "component" };
+                let mode = if e.evictable { "component" } else { "group offload" };
                 vec![
                     e.id.clone(),
                     e.class_name.clone(),

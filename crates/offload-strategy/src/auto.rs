@@ -428,7 +428,7 @@ mod tests {
                 let (name, rest) = spec.split_once(':').expect("name:units");
                 let (units, flags) = rest.split_once('!').unwrap_or((rest, ""));
                 let mut r = ResidentComponent::new(name, name, units.parse::<u64>().expect("units") * UNIT);
-                r.group_offloaded = flags.contains('g');
+                r.evictable = !flags.contains('g');
                 r.in_use = flags.contains('u');
                 r
             })
@@ -510,7 +510,7 @@ mod tests {
     }
 
     #[test]
-    fn group_offloaded_and_in_use_are_never_chosen() {
+    fn unevictable_and_in_use_are_never_chosen() {
         check(6, 4, 1, "a:5 b:3!g c:2", expect![[r#"["a"]"#]]);
         check(6, 4, 1, "a:5!u b:3 c:2", expect![[r#"["b"]"#]]);
         check(6, 4, 1, "a:5!u b:3!g c:2", expect![[r#"["c"]"#]]);

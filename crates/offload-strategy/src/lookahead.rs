@@ -145,7 +145,7 @@ mod tests {
             .map(|spec| {
                 let (name, bytes, group) = parse(spec);
                 let mut r = ResidentComponent::new(name.clone(), name, bytes);
-                r.group_offloaded = group;
+                r.evictable = !group;
                 r
             })
             .collect();
@@ -209,7 +209,7 @@ mod tests {
     }
 
     #[test]
-    fn group_offloaded_is_never_chosen() {
+    fn an_unevictable_component_is_never_chosen() {
         check(&two_prompts(), 3, "vae:1", 0, "te:2 dit:6!g", expect![[r#"["te"]"#]]);
     }
 }

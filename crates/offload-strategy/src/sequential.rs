@@ -53,9 +53,9 @@ mod tests {
             let resident: Vec<ResidentComponent> = ["a", "b", "c"]
                 .into_iter()
                 .zip(flags)
-                .map(|(id, (group_offloaded, in_use))| {
+                .map(|(id, (grouped, in_use))| {
                     let mut r = ResidentComponent::new(id, id, 5);
-                    r.group_offloaded = group_offloaded;
+                    r.evictable = !grouped;
                     r.in_use = in_use;
                     r
                 })

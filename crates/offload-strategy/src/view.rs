@@ -28,8 +28,9 @@ impl ComponentView {
 pub struct ResidentComponent {
     /// Who it is and how large it is.
     pub component: ComponentView,
-    /// The component streams its own groups (group offload): it is never offloaded wholesale.
-    pub group_offloaded: bool,
+    /// Whether the strategy may offload it wholesale: false for a component that streams its own groups
+    /// (group offload) and is never released whole.
+    pub evictable: bool,
     /// Another thread is running the component right now: it cannot be moved until that run ends.
     pub in_use: bool,
     /// The [`use_index`](OffloadView::use_index) of the component's most recent run, 0 if it never ran since
@@ -40,7 +41,7 @@ pub struct ResidentComponent {
 impl ResidentComponent {
     /// A resident component that may be chosen (not group-offloaded, not in use).
     pub fn new(id: impl Into<String>, name: impl Into<String>, bytes: u64) -> Self {
-        Self { component: ComponentView::new(id, name, bytes), group_offloaded: false, in_use: false, last_use: 0 }
+        Self { component: ComponentView::new(id, name, bytes), evictable: true, in_use: false, last_use: 0 }
     }
 
     /// The same component with its most recent use set.
@@ -51,7 +52,7 @@ impl ResidentComponent {
 
     /// Whether a strategy may return this component: neither under group offload nor in use.
     pub fn is_candidate(&self) -> bool {
-        !self.group_offloaded && !self.in_use
+        self.evictable && !self.in_use
     }
 
     /// The component's id.

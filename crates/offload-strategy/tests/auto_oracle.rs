@@ -90,7 +90,7 @@ fn combinations_follow_itertools() {
     assert_eq!(Combinations::new(2, 3).count(), 0);
 }
 
-/// One random decision: residents as `(bytes, group_offloaded, in_use)`, then incoming, available and reserve.
+/// One random decision: residents as `(bytes, grouped, in_use)`, then incoming, available and reserve.
 #[derive(Debug, Clone)]
 struct Case {
     resident: Vec<(u64, bool, bool)>,
@@ -125,10 +125,10 @@ fn residents(case: &Case) -> Vec<ResidentComponent> {
     case.resident
         .iter()
         .enumerate()
-        .map(|(i, &(bytes, group_offloaded, in_use))| {
+        .map(|(i, &(bytes, grouped, in_use))| {
             // Names repeat so that KeepTogether's sets match more than one component.
             let mut r = ResidentComponent::new(format!("c{i}"), format!("n{}", i % 4), bytes);
-            r.group_offloaded = group_offloaded;
+            r.evictable = !grouped;
             r.in_use = in_use;
             r
         })

@@ -271,8 +271,8 @@ impl<P: Send + 'static> Offloadable for GroupedModel<P> {
         self.model.resident_bytes()
     }
 
-    fn group_offloaded(&self) -> bool {
-        !self.releasable
+    fn evictable(&self) -> bool {
+        self.releasable
     }
 
     fn class_name(&self) -> String {

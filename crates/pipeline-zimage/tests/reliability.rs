@@ -154,7 +154,7 @@ fn check_placement(pipeline: &ZImagePipeline, card: &SimCard, context: &str) {
         if let Some(own) = own {
             assert_eq!(&own, device, "{context}: the manager says {id} is on {device}, the component says {own}");
         }
-        if !info.group_offloaded && !device.is_cpu() {
+        if info.evictable && !device.is_cpu() {
             resident += info.bytes;
         }
     }
@@ -206,7 +206,7 @@ fn check_record(pipeline: &ZImagePipeline, context: &str) -> usize {
         replayed.insert(event.id.clone(), event.action == Action::Onload);
     }
     for (id, device) in manager.placement() {
-        if manager.component_info(&id).unwrap().group_offloaded {
+        if !manager.component_info(&id).unwrap().evictable {
             continue;
         }
         let resident = replayed.get(&id).copied().unwrap_or(false);
