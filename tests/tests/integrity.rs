@@ -21,7 +21,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor};
-use group_offload::{BlockOffload, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, ModuleOffload, Placement};
+use group_offload::{BlockOffload, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, ModuleOffload, Residency};
 use memory_sim::{CardSpec, Faults, Mode, SimCard};
 use offload_core::{
     ComponentError, ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, Direction, Error, Offloadable,
@@ -176,7 +176,7 @@ impl Grouped {
             .with_memory(card.clone())
             .with_prefetch(true);
         let offload = GroupOffload::new(config).unwrap();
-        let top = offload.module("top", top, Placement::Resident).unwrap();
+        let top = offload.module("top", top, Residency::Resident).unwrap();
         let blocks = offload.blocks("blocks", blocks, per_group).unwrap();
         Self { offload, top, blocks, block_sums, top_sum }
     }

@@ -13,7 +13,7 @@
 //! use burn::module::Module;
 //! use burn::nn::{Linear, LinearConfig};
 //! use burn::tensor::{Device, Tensor};
-//! use group_offload::{GroupOffload, GroupOffloadConfig, Placement};
+//! use group_offload::{GroupOffload, GroupOffloadConfig, Residency};
 //!
 //! #[derive(Module, Debug)]
 //! struct Block { fc: Linear }
@@ -24,7 +24,7 @@
 //!
 //! let offload = GroupOffload::new(GroupOffloadConfig::new("tiny", device.clone()))?;
 //! let blocks = offload.blocks("blocks", blocks, 1)?;
-//! let head = offload.module("head", head, Placement::Resident)?;
+//! let head = offload.module("head", head, Residency::Resident)?;
 //!
 //! let forward = |x: Tensor<2>| -> Result<Tensor<2>, group_offload::Error> {
 //!     offload.ensure_device(&x.device())?;
@@ -107,4 +107,4 @@ pub use device::{
 };
 pub use engine::GroupStats;
 pub use error::{Error, Result};
-pub use parts::{BlockOffload, GroupGuard, GroupOffload, LeafOffload, ModuleOffload, Placement, leaf_groups};
+pub use parts::{BlockOffload, GroupGuard, GroupOffload, LeafOffload, ModuleOffload, Residency, leaf_groups};

@@ -42,7 +42,7 @@ impl std::fmt::Debug for GroupOffload {
 
 /// Where a [`ModuleOffload`] keeps its group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Placement {
+pub enum Residency {
     /// Uploaded once when the part is added and kept on the device (the default for top-level layers).
     #[default]
     Resident,
@@ -147,12 +147,12 @@ impl GroupOffload {
     }
 
     /// A whole module as one group named `name`: the top-level layers outside the blocks. Resident by default.
-    pub fn module<M: Module>(&self, name: &str, module: M, placement: Placement) -> Result<ModuleOffload<M>> {
+    pub fn module<M: Module>(&self, name: &str, module: M, placement: Residency) -> Result<ModuleOffload<M>> {
         self.claim_part(name)?;
         let device = self.engine.device().clone();
         let (skeleton, params) = extract(module, &device).map_err(|m| self.invalid(m))?;
         let slots = (0..params.len()).map(|index| Slot { group: 0, index }).collect::<Vec<_>>();
-        let group = self.add_group(name, params, placement == Placement::Resident)?;
+        let group = self.add_group(name, params, placement == Residency::Resident)?;
         let slots = slots.into_iter().map(|s| Slot { group, ..s }).collect();
         Ok(ModuleOffload { core: PartCore::new(self, name), skeleton, slots, group })
     }

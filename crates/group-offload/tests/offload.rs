@@ -13,7 +13,7 @@ use burn::tensor::{Device, Tensor};
 use common::{BLOCKS, Block, FakeCard, Model, Top, input, max_abs_diff};
 use group_offload::{
     BlockOffload, Error, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, LeafOffload, LeafPredicate,
-    ModuleOffload, Placement,
+    ModuleOffload, Residency,
 };
 use offload_core::{Action, ComponentsManager, DeviceName, OffloadRecord, Offloadable, Reason};
 
@@ -35,7 +35,7 @@ struct BlockModel {
 }
 
 impl BlockModel {
-    fn new(model: Model, config: GroupOffloadConfig, per_group: usize, top: Placement) -> Self {
+    fn new(model: Model, config: GroupOffloadConfig, per_group: usize, top: Residency) -> Self {
         let offload = GroupOffload::new(config).unwrap();
         let (rest, blocks) = model.split();
         let blocks = offload.blocks("blocks", blocks, per_group).unwrap();
@@ -81,7 +81,7 @@ fn block_level_matches_the_resident_model_with_and_without_prefetch() {
     for prefetch in [false, true] {
         for per_group in [1, 2, 3, 4] {
             let card = Arc::new(FakeCard::new(GIB));
-            let offloaded = BlockModel::new(model.clone(), config(&card, prefetch), per_group, Placement::Resident);
+            let offloaded = BlockModel::new(model.clone(), config(&card, prefetch), per_group, Residency::Resident);
             for pass in 0..3 {
                 let out = offloaded.forward(x.clone()).unwrap();
                 let diff = max_abs_diff(&out, &expected);
@@ -163,7 +163,7 @@ fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
     let total: u64 = {
         let card = Arc::new(FakeCard::new(GIB));
         let offload = GroupOffload::new(config(&card, false)).unwrap();
-        let _whole = offload.module("all", model.clone(), Placement::Resident).unwrap();
+        let _whole = offload.module("all", model.clone(), Residency::Resident).unwrap();
         offload.onload_resident().unwrap();
         card.peak()
     };
@@ -186,7 +186,7 @@ fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
     let block_peak = |per_group: usize, prefetch: bool, depth: usize| {
         let card = Arc::new(FakeCard::new(GIB));
         let config = config(&card, prefetch).with_prefetch_depth(depth);
-        let offloaded = BlockModel::new(model.clone(), config, per_group, Placement::Resident);
+        let offloaded = BlockModel::new(model.clone(), config, per_group, Residency::Resident);
         let peak = steady_peak(&card, || {
             offloaded.forward(x.clone()).unwrap();
         });
@@ -217,7 +217,7 @@ fn steady_runs_have_no_misses_and_every_group_is_a_prefetch_hit() {
     let device = Device::flex();
     let card = Arc::new(FakeCard::new(GIB));
     *card.transfer_sleep.lock() = Duration::from_millis(2);
-    let offloaded = BlockModel::new(Model::new(&device), config(&card, true), 1, Placement::Resident);
+    let offloaded = BlockModel::new(Model::new(&device), config(&card, true), 1, Residency::Resident);
     let x = input(&device);
     offloaded.forward(x.clone()).unwrap();
     assert!(!offloaded.offload.is_capturing(), "the top runs twice per forward, so the first forward ends the capture");
@@ -292,7 +292,7 @@ fn a_group_first_seen_after_capture_is_a_miss_once_then_prefetched() {
     let card = Arc::new(FakeCard::new(GIB));
     let offload = GroupOffload::new(config(&card, true)).unwrap();
     let blocks = offload.blocks("blocks", (0..4).map(|_| Block::new(&device)).collect(), 1).unwrap();
-    let extra = offload.module("extra", Block::new(&device), Placement::Streamed).unwrap();
+    let extra = offload.module("extra", Block::new(&device), Residency::Streamed).unwrap();
     let x = input(&device);
     let forward = |with_extra: bool| {
         let mut x = x.clone();
@@ -326,7 +326,7 @@ fn failed_upload_keeps_the_host_copy_and_allocates_nothing() {
     let expected = model.forward(x.clone());
     for fail_transfer in [false, true] {
         let card = Arc::new(FakeCard::new(GIB));
-        let offloaded = BlockModel::new(model.clone(), config(&card, false), 1, Placement::Resident);
+        let offloaded = BlockModel::new(model.clone(), config(&card, false), 1, Residency::Resident);
         // Resident parts upload when the model is onloaded (or first used), never while it is built.
         assert_eq!(card.allocations(), 0, "building the offloader allocates nothing");
         offloaded.offload.onload_resident().unwrap();
@@ -358,7 +358,7 @@ fn a_failed_prefetch_falls_back_to_a_synchronous_onload() {
     let x = input(&device);
     let expected = model.forward(x.clone());
     let card = Arc::new(FakeCard::new(GIB));
-    let offloaded = BlockModel::new(model, config(&card, true), 1, Placement::Resident);
+    let offloaded = BlockModel::new(model, config(&card, true), 1, Residency::Resident);
     offloaded.forward(x.clone()).unwrap();
     card.fail_allocation.store(card.allocations() + 2, std::sync::atomic::Ordering::SeqCst);
     for _ in 0..2 {
@@ -438,7 +438,7 @@ fn several_blocks_per_group_prefetch_correctly() {
     let expected = model.forward(x.clone());
     let card = Arc::new(FakeCard::new(GIB));
     *card.transfer_sleep.lock() = Duration::from_millis(1);
-    let offloaded = BlockModel::new(model, config(&card, true), 2, Placement::Resident);
+    let offloaded = BlockModel::new(model, config(&card, true), 2, Residency::Resident);
     assert_eq!(offloaded.blocks.num_groups(), 3);
     assert_eq!(offloaded.blocks.blocks_of(1), 2..4);
     for _ in 0..4 {
@@ -454,7 +454,7 @@ fn streamed_top_level_and_resident_budget() {
     let x = input(&device);
     let expected = model.forward(x.clone());
     let card = Arc::new(FakeCard::new(GIB));
-    let offloaded = BlockModel::new(model.clone(), config(&card, true), 1, Placement::Streamed);
+    let offloaded = BlockModel::new(model.clone(), config(&card, true), 1, Residency::Streamed);
     assert_eq!(card.allocated(), 0, "a streamed top is not uploaded up front");
     for _ in 0..3 {
         assert!(max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected) <= 1e-6);
@@ -472,7 +472,7 @@ fn streamed_top_level_and_resident_budget() {
     let card = Arc::new(FakeCard::new(GIB));
     let block_bytes = 4416;
     let offloaded =
-        BlockModel::new(model, config(&card, false).with_resident_budget(2 * block_bytes), 1, Placement::Resident);
+        BlockModel::new(model, config(&card, false).with_resident_budget(2 * block_bytes), 1, Residency::Resident);
     offloaded.forward(x.clone()).unwrap();
     offloaded.forward(x.clone()).unwrap();
     let on_device = offloaded.offload.on_device();
@@ -485,7 +485,7 @@ fn the_pinned_budget_pins_streamed_groups_in_order_and_their_uploads_are_pinned_
     let model = Model::new(&device);
     let x = input(&device);
     let expected = model.forward(x.clone());
-    let probe = BlockModel::new(model.clone(), config(&Arc::new(FakeCard::new(GIB)), false), 1, Placement::Resident);
+    let probe = BlockModel::new(model.clone(), config(&Arc::new(FakeCard::new(GIB)), false), 1, Residency::Resident);
     let groups = probe.offload.groups();
     let block = groups.iter().find(|(id, _)| id == "m/blocks_0_0").map(|(_, b)| *b).unwrap();
     let streamed: u64 = groups.iter().filter(|(id, _)| id.starts_with("m/blocks")).map(|(_, b)| b).sum();
@@ -493,7 +493,7 @@ fn the_pinned_budget_pins_streamed_groups_in_order_and_their_uploads_are_pinned_
     // Room for two and a half blocks: the first two blocks in registration order are pinned.
     let card = Arc::new(FakeCard::new(GIB));
     let offloaded =
-        BlockModel::new(model.clone(), config(&card, false).with_pinned_budget(block * 5 / 2), 1, Placement::Resident);
+        BlockModel::new(model.clone(), config(&card, false).with_pinned_budget(block * 5 / 2), 1, Residency::Resident);
     let (pinned, page_locked) = offloaded.offload.pinned_bytes();
     assert_eq!(pinned, 2 * block);
     assert_eq!(page_locked, 0, "the CPU backend has no page-locked memory");
@@ -506,7 +506,7 @@ fn the_pinned_budget_pins_streamed_groups_in_order_and_their_uploads_are_pinned_
 
     // A budget larger than the model pins every streamed group, never the resident top layers.
     let card = Arc::new(FakeCard::new(GIB));
-    let offloaded = BlockModel::new(model, config(&card, false).with_pinned_budget(u64::MAX), 1, Placement::Resident);
+    let offloaded = BlockModel::new(model, config(&card, false).with_pinned_budget(u64::MAX), 1, Residency::Resident);
     assert_eq!(offloaded.offload.pinned_bytes().0, streamed);
     offloaded.forward(x).unwrap();
     assert_eq!(card.pinned_bytes(), streamed);
@@ -523,7 +523,7 @@ fn disk_store_writes_one_file_per_group_and_reuses_only_same_content() {
     let card = Arc::new(FakeCard::new(GIB));
     let files = {
         let offloaded =
-            BlockModel::new(model.clone(), config(&card, true).with_disk_store(&dir), 1, Placement::Resident);
+            BlockModel::new(model.clone(), config(&card, true).with_disk_store(&dir), 1, Residency::Resident);
         for _ in 0..3 {
             assert!(max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected) <= 1e-6);
         }
@@ -540,13 +540,13 @@ fn disk_store_writes_one_file_per_group_and_reuses_only_same_content() {
 
     // Same content: the files are reused, not rewritten.
     std::thread::sleep(Duration::from_millis(20));
-    let again = BlockModel::new(model.clone(), config(&card, false).with_disk_store(&dir), 1, Placement::Resident);
+    let again = BlockModel::new(model.clone(), config(&card, false).with_disk_store(&dir), 1, Residency::Resident);
     assert_eq!(again.offload.disk_files(), files);
     assert_eq!(std::fs::metadata(&files[0]).unwrap().modified().unwrap(), modified);
 
     // A file corrupted under the content's name is detected and rewritten, never trusted.
     std::fs::write(&files[0], b"not a safetensors file").unwrap();
-    let repaired = BlockModel::new(model.clone(), config(&card, false).with_disk_store(&dir), 1, Placement::Resident);
+    let repaired = BlockModel::new(model.clone(), config(&card, false).with_disk_store(&dir), 1, Residency::Resident);
     assert!(max_abs_diff(&repaired.forward(x.clone()).unwrap(), &expected) <= 1e-6);
 
     // Different content gets different files.
@@ -554,7 +554,7 @@ fn disk_store_writes_one_file_per_group_and_reuses_only_same_content() {
         Model::new(&device).clone_with_offset(),
         config(&card, false).with_disk_store(&dir),
         1,
-        Placement::Resident,
+        Residency::Resident,
     );
     assert!(other.offload.disk_files().iter().all(|f| !files.contains(f)));
     let _ = std::fs::remove_dir_all(&dir);
@@ -603,7 +603,7 @@ fn a_group_offloaded_model_is_never_evicted_by_auto_offload() {
 
     let device = Device::flex();
     let card = Arc::new(FakeCard::new(64 * 1024));
-    let offloaded = BlockModel::new(Model::new(&device), config(&card, true), 1, Placement::Resident);
+    let offloaded = BlockModel::new(Model::new(&device), config(&card, true), 1, Residency::Resident);
     let adapter = GroupOffloadedModel::new(offloaded.offload.clone());
     assert!(!adapter.evictable());
     assert_eq!(adapter.resident_bytes(), offloaded.offload.resident_bytes());
@@ -678,7 +678,7 @@ fn the_timeline_holds_each_groups_upload_compute_and_release_prefetches_on_the_w
         Model::new(&device),
         config(&card, true).with_timeline(timeline.clone()),
         1,
-        Placement::Resident,
+        Residency::Resident,
     );
     let x = input(&device);
     for _ in 0..3 {

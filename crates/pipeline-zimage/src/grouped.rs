@@ -21,8 +21,7 @@ use burn::module::Module;
 use burn::tensor::{Bool, Device, Int, Tensor};
 use group_offload::run_call;
 use group_offload::{
-    BlockOffload, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, LeafOffload, ModuleOffload,
-    Placement as Residency,
+    BlockOffload, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, LeafOffload, ModuleOffload, Residency,
 };
 use offload_core::{ComponentError, DeviceLedger, DeviceName, Offloadable};
 
