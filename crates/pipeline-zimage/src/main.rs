@@ -634,7 +634,10 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             );
         }
         let host = match (HostMemory::read(), settings.host_available) {
-            (Ok(host), _) => host,
+            // Read after loading: the weights already sit in host memory and are the plan's host copies, so the
+            // RAM they hold is the pipeline's own, not taken from it (without this, a pipeline whose weights
+            // fill the RAM was warned that its host copies do not fit).
+            (Ok(host), _) => host_for_plan(host, loaded_weight_bytes(&pipeline)),
             (Err(_), Some(available)) => HostMemory::new(available, available),
             (Err(error), None) => return Err(error.into()),
         };
@@ -789,6 +792,23 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The host as the plan sees it, from a reading taken after loading: the `loaded` weight bytes already in host
+/// memory count as available to the pipeline, since they are the host copies the plan places (never above the
+/// total).
+fn host_for_plan(read: HostMemory, loaded: u64) -> HostMemory {
+    read.with_available(read.available.saturating_add(loaded))
+}
+
+/// The bytes of the components' weights as loaded (in host memory until the manager moves them).
+fn loaded_weight_bytes(pipeline: &ZImagePipeline) -> u64 {
+    let ids = pipeline.ids();
+    [&ids.text_encoder, &ids.transformer, &ids.vae]
+        .into_iter()
+        .filter_map(|id| pipeline.manager().component_info(id).ok())
+        .map(|info| info.bytes)
+        .sum()
+}
+
 /// `path` for image `index` of `images`: itself for a single image, `stem-N.ext` (N from 1) for several.
 fn numbered(path: &Path, index: usize, images: usize) -> PathBuf {
     if images == 1 {
@@ -853,6 +873,16 @@ mod tests {
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    /// The real-size run's reading after loading (1.07 GB free of 24 GB, 20.52 GB of weights loaded) no longer
+    /// makes the plan believe its host copies do not fit.
+    #[test]
+    fn the_loaded_weights_count_as_the_pipelines_host_memory() {
+        let read = HostMemory::new(24_000_000_000, 1_070_000_000);
+        let host = host_for_plan(read, 20_522_393_030);
+        assert_eq!(host.available, 21_592_393_030);
+        assert_eq!(host_for_plan(read, 30_000_000_000).available, 24_000_000_000, "never above the total");
     }
 
     #[test]
