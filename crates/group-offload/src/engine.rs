@@ -86,7 +86,12 @@ struct State {
     capturing: bool,
     kept_bytes: u64,
     stats: GroupStats,
+    /// The first parameters loaded outside their groups (at most [`STRAYS_KEPT`]), for the streaming check.
+    strays: Vec<String>,
 }
+
+/// How many stray parameters' names the engine keeps.
+const STRAYS_KEPT: usize = 16;
 
 impl State {
     /// Bookkeeping of one call. During the capture the call is appended; the capture ends when the first group
@@ -330,6 +335,7 @@ impl Engine {
                 capturing: true,
                 kept_bytes: 0,
                 stats: GroupStats::default(),
+                strays: Vec::new(),
             }),
             changed: Condvar::new(),
         });
@@ -592,8 +598,18 @@ impl Engine {
     }
 
     pub fn count_stray(&self, name: &str) {
-        self.shared.state.lock().stats.stray_loads += 1;
+        let mut state = self.shared.state.lock();
+        state.stats.stray_loads += 1;
+        if state.strays.len() < STRAYS_KEPT {
+            state.strays.push(name.to_string());
+        }
+        drop(state);
         tracing::warn!(parameter = name, "a parameter outside the taken groups was used; loaded it synchronously");
+    }
+
+    /// The first parameters loaded outside their groups.
+    pub fn strays(&self) -> Vec<String> {
+        self.shared.state.lock().strays.clone()
     }
 
     /// The group ids in the captured order.

@@ -127,6 +127,58 @@ pub enum Error {
         device: String,
     },
 
+    /// A route this model cannot take (group offload of a model that declares no blocks, or whose weights are
+    /// quantized).
+    #[error("cannot apply {route} to {component}: {reason}")]
+    RouteUnsupported {
+        /// The component.
+        component: String,
+        /// The route asked for.
+        route: String,
+        /// Why, and what the model can take instead.
+        reason: String,
+    },
+
+    /// A plan routed a component `off`, which leaves it unmanaged, but a pipeline runs every component through
+    /// its manager.
+    #[error(
+        "cannot apply preset {preset} to {component}: route `off` leaves it unmanaged, but the pipeline runs every \
+         component through its manager; choose another preset, or place components yourself with \
+         enable_auto_offload and enable_group_offload"
+    )]
+    Unmanaged {
+        /// The component.
+        component: String,
+        /// The preset that routed it `off`.
+        preset: String,
+    },
+
+    /// Offload was already set up in a way the call cannot undo.
+    #[error("cannot {action} {component}: {reason}; load the model again and set offload up once")]
+    AlreadyApplied {
+        /// The component.
+        component: String,
+        /// What was asked.
+        action: String,
+        /// What was set up before.
+        reason: String,
+    },
+
+    /// A model's forward does not stream as it runs resident ([`crate::model::check_streaming`]).
+    #[error("{model} does not stream correctly at {level}: {problem}")]
+    Streaming {
+        /// The model's class.
+        model: String,
+        /// The level, or `resident` when the resident forward itself failed.
+        level: String,
+        /// What differed, and what to fix in the forward.
+        problem: String,
+    },
+
+    /// The manager refused a registration, removal or inspection.
+    #[error(transparent)]
+    Manager(#[from] offload_core::Error),
+
     /// The prefetch worker thread is gone (it panicked); the offloader cannot be used any more.
     #[error("the prefetch worker of {model} stopped; build a new offloader")]
     WorkerGone {

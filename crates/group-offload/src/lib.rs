@@ -88,16 +88,21 @@
 
 #![forbid(unsafe_code)]
 
+pub mod apply;
 pub mod bench;
 pub mod component;
 pub mod config;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod handle;
+pub mod model;
 pub mod parts;
 mod store;
 mod walk;
+pub mod whole;
 
+pub use apply::{AppliedPlan, AppliedRoute, apply_plan, component_spec, group_options};
 pub use bench::{OverlapConfig, OverlapReport, overlap_benchmark};
 pub use component::GroupOffloadedModel;
 pub use config::{DEFAULT_LEAF_TYPES, GroupOffloadConfig, LeafPredicate};
@@ -107,4 +112,10 @@ pub use device::{
 };
 pub use engine::GroupStats;
 pub use error::{Error, Result};
+pub use handle::{Component, GroupedModel, ModelHandle};
+pub use model::{
+    Blocks, Census, GroupLevel, GroupOptions, Layer, OffloadModel, Part, Shell, Split, Streamed, check_streaming,
+    measure_layout, whole,
+};
 pub use parts::{BlockOffload, GroupGuard, GroupOffload, LeafOffload, ModuleOffload, Residency, leaf_groups};
+pub use whole::{BurnComponent, Placement, Unbounded, module_bytes, tensor_bytes};

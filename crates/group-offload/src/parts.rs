@@ -215,6 +215,12 @@ impl GroupOffload {
         self.engine.stats()
     }
 
+    /// The first parameters (at most 16) loaded outside the groups that hold them ([`GroupStats::stray_loads`]
+    /// counts them all), by their paths in the model.
+    pub fn stray_parameters(&self) -> Vec<String> {
+        self.engine.strays()
+    }
+
     /// Group ids (`model/group`) in the order the model calls them: the captured sequence, with the steps learnt
     /// since (a group called twice per forward appears twice).
     pub fn order(&self) -> Vec<String> {

@@ -1,4 +1,4 @@
-//! Group offload on the flex CPU backend with a fake card: equivalence, peaks, order, misses, failures,
+//! Group offload on the flex CPU backend with a hard simulated card: equivalence, peaks, order, misses, failures,
 //! accounting and the manager adapter.
 
 #![allow(clippy::unwrap_used)] // A test fails loudly at the first unexpected error.
@@ -10,16 +10,17 @@ use std::time::Duration;
 
 use burn::nn::Linear;
 use burn::tensor::{Device, Tensor};
-use common::{BLOCKS, Block, FakeCard, Model, Top, input, max_abs_diff};
+use common::{BLOCKS, Block, Model, Top, hard_card, input, max_abs_diff, slow_card};
+use memory_sim::SimCard;
 use group_offload::{
     BlockOffload, Error, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, LeafOffload, LeafPredicate,
     ModuleOffload, Residency,
 };
-use offload_core::{Action, ComponentsManager, DeviceName, OffloadRecord, Offloadable, Reason};
+use offload_core::{Action, ComponentsManager, DeviceMemory, DeviceName, OffloadRecord, Offloadable, Reason};
 
 const GIB: u64 = 1 << 30;
 
-fn config(card: &Arc<FakeCard>, prefetch: bool) -> GroupOffloadConfig {
+fn config(card: &Arc<SimCard>, prefetch: bool) -> GroupOffloadConfig {
     GroupOffloadConfig::new("m", Device::flex())
         .with_prefetch(prefetch)
         .with_ledger(card.clone())
@@ -80,7 +81,7 @@ fn block_level_matches_the_resident_model_with_and_without_prefetch() {
     let expected = model.forward(x.clone());
     for prefetch in [false, true] {
         for per_group in [1, 2, 3, 4] {
-            let card = Arc::new(FakeCard::new(GIB));
+            let card = hard_card(GIB);
             let offloaded = BlockModel::new(model.clone(), config(&card, prefetch), per_group, Residency::Resident);
             for pass in 0..3 {
                 let out = offloaded.forward(x.clone()).unwrap();
@@ -99,7 +100,7 @@ fn leaf_level_matches_the_resident_model_with_and_without_prefetch() {
     let x = input(&device);
     let expected = model.forward(x.clone());
     for prefetch in [false, true] {
-        let card = Arc::new(FakeCard::new(GIB));
+        let card = hard_card(GIB);
         let offload = GroupOffload::new(config(&card, prefetch)).unwrap();
         let leaf = offload.leaves("model", model.clone(), &LeafPredicate::default()).unwrap();
         for _ in 0..3 {
@@ -117,7 +118,7 @@ fn leaf_level_matches_the_resident_model_with_and_without_prefetch() {
 #[test]
 fn leaf_groups_put_each_norm_with_its_block() {
     let device = Device::flex();
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let offload = GroupOffload::new(config(&card, true)).unwrap();
     let leaf = offload.leaves("model", Model::new(&device), &LeafPredicate::default()).unwrap();
     let paths = leaf.group_paths();
@@ -137,7 +138,7 @@ fn a_touched_parameter_outside_the_taken_groups_loads_itself_and_is_counted() {
     let model = Model::new(&device);
     let x = input(&device);
     let expected = model.pre.forward(x.clone());
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let offload = GroupOffload::new(config(&card, false)).unwrap();
     let leaf = offload.leaves("model", model, &LeafPredicate::default()).unwrap();
     // Take the post layer's group but run the pre layer: correct, and counted.
@@ -147,7 +148,7 @@ fn a_touched_parameter_outside_the_taken_groups_loads_itself_and_is_counted() {
 }
 
 /// Peak of one steady forward on the fake card.
-fn steady_peak(card: &FakeCard, mut forward: impl FnMut()) -> u64 {
+fn steady_peak(card: &SimCard, mut forward: impl FnMut()) -> u64 {
     forward();
     forward();
     card.reset_peak();
@@ -161,7 +162,7 @@ fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
     let model = Model::new(&device);
     let x = input(&device);
     let total: u64 = {
-        let card = Arc::new(FakeCard::new(GIB));
+        let card = hard_card(GIB);
         let offload = GroupOffload::new(config(&card, false)).unwrap();
         let _whole = offload.module("all", model.clone(), Residency::Resident).unwrap();
         offload.onload_resident().unwrap();
@@ -169,7 +170,7 @@ fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
     };
 
     let leaf_peak = |prefetch: bool| {
-        let card = Arc::new(FakeCard::new(GIB));
+        let card = hard_card(GIB);
         let offload = GroupOffload::new(config(&card, prefetch)).unwrap();
         let leaf = offload.leaves("model", model.clone(), &LeafPredicate::default()).unwrap();
         let peak = steady_peak(&card, || {
@@ -184,7 +185,7 @@ fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
         peak
     };
     let block_peak = |per_group: usize, prefetch: bool, depth: usize| {
-        let card = Arc::new(FakeCard::new(GIB));
+        let card = hard_card(GIB);
         let config = config(&card, prefetch).with_prefetch_depth(depth);
         let offloaded = BlockModel::new(model.clone(), config, per_group, Residency::Resident);
         let peak = steady_peak(&card, || {
@@ -215,8 +216,7 @@ fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
 #[test]
 fn steady_runs_have_no_misses_and_every_group_is_a_prefetch_hit() {
     let device = Device::flex();
-    let card = Arc::new(FakeCard::new(GIB));
-    *card.transfer_sleep.lock() = Duration::from_millis(2);
+    let card = slow_card(GIB, Duration::from_millis(2));
     let offloaded = BlockModel::new(Model::new(&device), config(&card, true), 1, Residency::Resident);
     let x = input(&device);
     offloaded.forward(x.clone()).unwrap();
@@ -239,7 +239,7 @@ fn steady_runs_have_no_misses_and_every_group_is_a_prefetch_hit() {
 #[test]
 fn order_comes_from_calls_not_declaration() {
     let device = Device::flex();
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let offload = GroupOffload::new(config(&card, true)).unwrap();
     let blocks = offload.blocks("blocks", (0..3).map(|_| Block::new(&device)).collect(), 1).unwrap();
     let caption: Vec<Linear> =
@@ -289,7 +289,7 @@ fn order_comes_from_calls_not_declaration() {
 #[test]
 fn a_group_first_seen_after_capture_is_a_miss_once_then_prefetched() {
     let device = Device::flex();
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let offload = GroupOffload::new(config(&card, true)).unwrap();
     let blocks = offload.blocks("blocks", (0..4).map(|_| Block::new(&device)).collect(), 1).unwrap();
     let extra = offload.module("extra", Block::new(&device), Residency::Streamed).unwrap();
@@ -325,19 +325,19 @@ fn failed_upload_keeps_the_host_copy_and_allocates_nothing() {
     let x = input(&device);
     let expected = model.forward(x.clone());
     for fail_transfer in [false, true] {
-        let card = Arc::new(FakeCard::new(GIB));
+        let card = hard_card(GIB);
         let offloaded = BlockModel::new(model.clone(), config(&card, false), 1, Residency::Resident);
         // Resident parts upload when the model is onloaded (or first used), never while it is built.
-        assert_eq!(card.allocations(), 0, "building the offloader allocates nothing");
+        assert_eq!(card.stats().allocations, 0, "building the offloader allocates nothing");
         offloaded.offload.onload_resident().unwrap();
         let before = offloaded.offload.host_checksums();
         let allocated = card.allocated();
         // The top is resident (1 allocation); fail the first block's upload.
-        let next = card.allocations() + 1;
+        let next = card.stats().allocations + 1;
         if fail_transfer {
-            card.fail_transfer.store(2, std::sync::atomic::Ordering::SeqCst);
+            common::fail_transfer(&card, 2);
         } else {
-            card.fail_allocation.store(next, std::sync::atomic::Ordering::SeqCst);
+            common::fail_allocation(&card, next);
         }
         let err = offloaded.forward(x.clone()).unwrap_err();
         assert!(matches!(err, Error::Onload { ref group, .. } if group == "m/blocks_0_0"), "{err}");
@@ -357,10 +357,10 @@ fn a_failed_prefetch_falls_back_to_a_synchronous_onload() {
     let model = Model::new(&device);
     let x = input(&device);
     let expected = model.forward(x.clone());
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let offloaded = BlockModel::new(model, config(&card, true), 1, Residency::Resident);
     offloaded.forward(x.clone()).unwrap();
-    card.fail_allocation.store(card.allocations() + 2, std::sync::atomic::Ordering::SeqCst);
+    common::fail_allocation(&card, card.stats().allocations + 2);
     for _ in 0..2 {
         let out = offloaded.forward(x.clone()).unwrap();
         assert!(max_abs_diff(&out, &expected) <= 1e-6);
@@ -373,7 +373,7 @@ fn a_failed_prefetch_falls_back_to_a_synchronous_onload() {
 #[test]
 fn every_move_is_on_the_ledger_and_in_the_record() {
     let device = Device::flex();
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let record = OffloadRecord::new();
     let offload = GroupOffload::new(config(&card, false).with_record(record.clone())).unwrap();
     let blocks = offload.blocks("blocks", (0..2).map(|_| Block::new(&device)).collect(), 1).unwrap();
@@ -409,7 +409,8 @@ fn every_move_is_on_the_ledger_and_in_the_record() {
     "#]]
     .assert_debug_eq(&lines);
     assert_eq!(card.allocated(), 0);
-    assert_eq!(card.log.lock()[..3], ["allocate 4416", "transfer 4416", "free 4416"]);
+    let calls: Vec<String> = card.log().iter().take(3).map(ToString::to_string).collect();
+    assert_eq!(calls, ["allocate 4416", "transfer 4416", "free 4416"]);
     // Readings come from the card: the second onload saw the first group freed, and the peak of one group.
     let events = record.events();
     assert_eq!(events[2].available, Some(GIB));
@@ -436,8 +437,7 @@ fn several_blocks_per_group_prefetch_correctly() {
     let model = Model::new(&device);
     let x = input(&device);
     let expected = model.forward(x.clone());
-    let card = Arc::new(FakeCard::new(GIB));
-    *card.transfer_sleep.lock() = Duration::from_millis(1);
+    let card = slow_card(GIB, Duration::from_millis(1));
     let offloaded = BlockModel::new(model, config(&card, true), 2, Residency::Resident);
     assert_eq!(offloaded.blocks.num_groups(), 3);
     assert_eq!(offloaded.blocks.blocks_of(1), 2..4);
@@ -453,7 +453,7 @@ fn streamed_top_level_and_resident_budget() {
     let model = Model::new(&device);
     let x = input(&device);
     let expected = model.forward(x.clone());
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let offloaded = BlockModel::new(model.clone(), config(&card, true), 1, Residency::Streamed);
     assert_eq!(card.allocated(), 0, "a streamed top is not uploaded up front");
     for _ in 0..3 {
@@ -469,7 +469,7 @@ fn streamed_top_level_and_resident_budget() {
     assert_eq!(offloaded.offload.order().iter().filter(|id| *id == "m/top").count(), 2);
 
     // A budget of two blocks keeps the first two released blocks on the device for good.
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let block_bytes = 4416;
     let offloaded =
         BlockModel::new(model, config(&card, false).with_resident_budget(2 * block_bytes), 1, Residency::Resident);
@@ -485,13 +485,13 @@ fn the_pinned_budget_pins_streamed_groups_in_order_and_their_uploads_are_pinned_
     let model = Model::new(&device);
     let x = input(&device);
     let expected = model.forward(x.clone());
-    let probe = BlockModel::new(model.clone(), config(&Arc::new(FakeCard::new(GIB)), false), 1, Residency::Resident);
+    let probe = BlockModel::new(model.clone(), config(&hard_card(GIB), false), 1, Residency::Resident);
     let groups = probe.offload.groups();
     let block = groups.iter().find(|(id, _)| id == "m/blocks_0_0").map(|(_, b)| *b).unwrap();
     let streamed: u64 = groups.iter().filter(|(id, _)| id.starts_with("m/blocks")).map(|(_, b)| b).sum();
 
     // Room for two and a half blocks: the first two blocks in registration order are pinned.
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let offloaded =
         BlockModel::new(model.clone(), config(&card, false).with_pinned_budget(block * 5 / 2), 1, Residency::Resident);
     let (pinned, page_locked) = offloaded.offload.pinned_bytes();
@@ -502,14 +502,14 @@ fn the_pinned_budget_pins_streamed_groups_in_order_and_their_uploads_are_pinned_
         assert!(diff <= 1e-6, "pass {pass}: {diff}");
     }
     // Without prefetch every forward uploads each streamed group once: the two pinned ones as pinned copies.
-    assert_eq!(card.pinned_bytes(), 3 * 2 * block);
+    assert_eq!(card.stats().bytes_pinned_to_device, 3 * 2 * block);
 
     // A budget larger than the model pins every streamed group, never the resident top layers.
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let offloaded = BlockModel::new(model, config(&card, false).with_pinned_budget(u64::MAX), 1, Residency::Resident);
     assert_eq!(offloaded.offload.pinned_bytes().0, streamed);
     offloaded.forward(x).unwrap();
-    assert_eq!(card.pinned_bytes(), streamed);
+    assert_eq!(card.stats().bytes_pinned_to_device, streamed);
 }
 
 #[test]
@@ -520,7 +520,7 @@ fn disk_store_writes_one_file_per_group_and_reuses_only_same_content() {
     let expected = model.forward(x.clone());
     let dir = std::env::temp_dir().join(format!("group-offload-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let files = {
         let offloaded =
             BlockModel::new(model.clone(), config(&card, true).with_disk_store(&dir), 1, Residency::Resident);
@@ -602,7 +602,7 @@ fn a_group_offloaded_model_is_never_evicted_by_auto_offload() {
     }
 
     let device = Device::flex();
-    let card = Arc::new(FakeCard::new(64 * 1024));
+    let card = hard_card(64 * 1024);
     let offloaded = BlockModel::new(Model::new(&device), config(&card, true), 1, Residency::Resident);
     let adapter = GroupOffloadedModel::new(offloaded.offload.clone());
     assert!(!adapter.evictable());
@@ -641,7 +641,7 @@ fn a_group_offloaded_model_is_never_evicted_by_auto_offload() {
 #[test]
 fn invalid_configuration_is_a_typed_error() {
     let device = Device::flex();
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let err = GroupOffload::new(config(&card, true).with_prefetch_depth(0)).unwrap_err();
     assert!(err.to_string().contains("prefetch_depth is 0"), "{err}");
     let offload = GroupOffload::new(config(&card, true)).unwrap();
@@ -672,7 +672,7 @@ fn the_timeline_holds_each_groups_upload_compute_and_release_prefetches_on_the_w
     use offload_core::timeline::{EventKind, category};
 
     let device = Device::flex();
-    let card = Arc::new(FakeCard::new(GIB));
+    let card = hard_card(GIB);
     let timeline = Timeline::enabled();
     let model = BlockModel::new(
         Model::new(&device),

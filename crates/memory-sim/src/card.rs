@@ -284,12 +284,69 @@ impl CardStats {
     }
 }
 
+/// One call the card's ledger received, in order ([`SimCard::log`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LedgerCall {
+    /// An allocation of these bytes, and whether it succeeded.
+    Allocate {
+        /// Bytes asked for.
+        bytes: u64,
+        /// Whether the card granted them.
+        granted: bool,
+    },
+    /// Bytes freed.
+    Free {
+        /// Bytes given back.
+        bytes: u64,
+    },
+    /// A copy across the link, and whether it succeeded.
+    Transfer {
+        /// Bytes copied.
+        bytes: u64,
+        /// Which way.
+        direction: Direction,
+        /// Whether it was copied from pinned host memory.
+        pinned: bool,
+        /// Whether it succeeded (an injected fault fails it).
+        done: bool,
+    },
+}
+
+impl fmt::Display for LedgerCall {
+    /// `allocate 4416`, `allocate 4416 failed`, `free 4416`, `transfer 4416`, `transfer 4416 failed`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            LedgerCall::Allocate { bytes, granted } => {
+                write!(f, "allocate {bytes}{}", if granted { "" } else { " failed" })
+            }
+            LedgerCall::Free { bytes } => write!(f, "free {bytes}"),
+            LedgerCall::Transfer { bytes, done, .. } => {
+                write!(f, "transfer {bytes}{}", if done { "" } else { " failed" })
+            }
+        }
+    }
+}
+
+/// How many ledger calls the card keeps ([`SimCard::log`]): the first ones, enough for a test's sequence.
+pub const LOG_LIMIT: usize = 4096;
+
 #[derive(Debug, Default)]
 struct CardState {
     allocated: u64,
     peak: u64,
     stats: CardStats,
     faults: Faults,
+    /// What `available` reads regardless of allocations, when a test patched it.
+    patched_available: Option<u64>,
+    log: Vec<LedgerCall>,
+}
+
+impl CardState {
+    fn note(&mut self, call: LedgerCall) {
+        if self.log.len() < LOG_LIMIT {
+            self.log.push(call);
+        }
+    }
 }
 
 /// A simulated accelerator. It never touches a real device: it is the mock device every crate tests against.
@@ -328,6 +385,26 @@ impl SimCard {
         &self.spec
     }
 
+    /// The card's link and compute figures as the planner's time model (its pageable fraction too, so the
+    /// predictions price pinned and pageable copies as the card does).
+    pub fn time_model(&self) -> offload_core::plan::TimeModel {
+        let timing = self.spec.timing;
+        let mut time = offload_core::plan::TimeModel::new(
+            timing.link_bytes_per_second,
+            timing.link_latency.as_secs_f64(),
+            timing.flops_per_second,
+        );
+        time.pageable_fraction = timing.pageable_fraction;
+        time
+    }
+
+    /// The facts a plan for this card is made from: its readings, its time model, its label, and `host`.
+    pub fn device_facts(self: &Arc<Self>, host: offload_core::plan::HostMemory) -> offload_core::plan::DeviceFacts {
+        offload_core::plan::DeviceFacts::new(self.clone(), host)
+            .with_time(self.time_model())
+            .with_label(&self.spec.label)
+    }
+
     /// Replaces the injected faults.
     pub fn set_faults(&self, faults: Faults) {
         self.state.lock().faults = faults;
@@ -336,6 +413,24 @@ impl SimCard {
     /// What the card has seen so far.
     pub fn stats(&self) -> CardStats {
         self.state.lock().stats
+    }
+
+    /// Makes `available` read `bytes` whatever is allocated (`None` goes back to the real reading): the anchor's
+    /// `_patch_memory_stats`, for tests of decisions made on a reading. Allocations are unaffected (in hard mode
+    /// they still fail past the capacity).
+    pub fn patch_available(&self, bytes: Option<u64>) {
+        self.state.lock().patched_available = bytes;
+    }
+
+    /// Starts the peak again from what is allocated now.
+    pub fn reset_peak(&self) {
+        let mut state = self.state.lock();
+        state.peak = state.allocated;
+    }
+
+    /// The ledger calls the card received, in order (the first [`LOG_LIMIT`]).
+    pub fn log(&self) -> Vec<LedgerCall> {
+        self.state.lock().log.clone()
     }
 
     /// Charges compute time for `flops`.
@@ -358,7 +453,8 @@ impl DeviceMemory for SimCard {
     }
 
     fn available(&self) -> u64 {
-        self.usable().saturating_sub(self.state.lock().allocated)
+        let state = self.state.lock();
+        state.patched_available.unwrap_or_else(|| self.usable().saturating_sub(state.allocated))
     }
 
     fn allocated(&self) -> u64 {
@@ -379,8 +475,10 @@ impl DeviceLedger for SimCard {
         let injected = state.faults.fail_allocation == Some(ordinal);
         if injected || (self.spec.mode == Mode::Hard && bytes > available) {
             state.stats.failed_allocations += 1;
+            state.note(LedgerCall::Allocate { bytes, granted: false });
             return Err(ComponentError::OutOfMemory { device: self.spec.device.clone(), requested: bytes, available });
         }
+        state.note(LedgerCall::Allocate { bytes, granted: true });
         state.allocated += bytes;
         state.peak = state.peak.max(state.allocated);
         Ok(())
@@ -388,6 +486,7 @@ impl DeviceLedger for SimCard {
 
     fn free(&self, bytes: u64) {
         let mut state = self.state.lock();
+        state.note(LedgerCall::Free { bytes });
         state.allocated = state.allocated.saturating_sub(bytes);
     }
 
@@ -407,7 +506,9 @@ impl SimCard {
         let sleep = {
             let mut state = self.state.lock();
             state.stats.transfers += 1;
-            if state.faults.fail_transfer == Some(state.stats.transfers) {
+            let done = state.faults.fail_transfer != Some(state.stats.transfers);
+            state.note(LedgerCall::Transfer { bytes, direction, pinned, done });
+            if !done {
                 return Err(ComponentError::Transfer {
                     what: format!("{} across the simulated link", format_size(bytes)),
                     message: format!("injected fault on transfer #{}", state.stats.transfers),
@@ -439,6 +540,25 @@ impl SimCard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ledger_log_patched_readings_and_a_reset_peak_are_what_a_test_asks_for() {
+        let card = SimCard::new(CardSpec::parse("1000").unwrap().with_mode(Mode::Hard).with_context_overhead(0));
+        card.allocate(600).unwrap();
+        card.transfer(600, Direction::HostToDevice).unwrap();
+        assert!(card.allocate(500).is_err());
+        card.free(600);
+        let calls: Vec<String> = card.log().iter().map(ToString::to_string).collect();
+        assert_eq!(calls, ["allocate 600", "transfer 600", "allocate 500 failed", "free 600"]);
+        assert_eq!(card.peak(), 600);
+        card.reset_peak();
+        assert_eq!(card.peak(), 0);
+        card.patch_available(Some(42));
+        assert_eq!(card.available(), 42, "a patched reading ignores the allocations");
+        assert!(card.allocate(1001).is_err(), "a patched reading does not lift the hard cap");
+        card.patch_available(None);
+        assert_eq!(card.available(), 1000);
+    }
 
     #[test]
     fn cards_come_from_sizes_or_the_catalogue() {

@@ -31,7 +31,7 @@ pub mod optimum;
 pub mod profile;
 pub mod run;
 
-pub use card::{CATALOGUE, CardSpec, CardStats, Faults, Mode, SimCard, Timing};
+pub use card::{CATALOGUE, CardSpec, CardStats, Faults, LOG_LIMIT, LedgerCall, Mode, SimCard, Timing};
 pub use component::{ActivationProfile, ComponentProfile, VirtualComponent};
 pub use error::SimError;
 pub use expect::{CardExpectation, Expectations};

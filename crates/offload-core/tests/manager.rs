@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{Dummy, FakeCard, UNIT};
+use common::{Dummy, UNIT, hard_card, patched_card};
 use expect_test::expect;
 use offload_core::{Action, ComponentsManager, DeviceName, Error, Lookup, Reason};
 use offload_strategy::OffloadView;
@@ -40,7 +40,7 @@ fn run(manager: &ComponentsManager, id: &str) -> f64 {
 
 #[test]
 fn add_and_get_one() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let id = manager.add("unet", Dummy::new(4 * UNIT, &card), None).unwrap();
     assert!(manager.ids().contains(&id));
@@ -50,7 +50,7 @@ fn add_and_get_one() {
 
 #[test]
 fn lookups_that_match_none_or_several_are_errors() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let a = manager.add("vae", Dummy::new(UNIT, &card), Some("flux")).unwrap();
     let b = manager.add("vae", Dummy::new(UNIT, &card), Some("sdxl")).unwrap();
@@ -67,7 +67,7 @@ fn lookups_that_match_none_or_several_are_errors() {
 
 #[test]
 fn a_collection_holds_one_component_per_name() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let old = manager.add("vae", Dummy::new(UNIT, &card), Some("flux")).unwrap();
     let new = manager.add("vae", Dummy::new(2 * UNIT, &card), Some("flux")).unwrap();
@@ -77,7 +77,7 @@ fn a_collection_holds_one_component_per_name() {
 
 #[test]
 fn remove_hands_the_component_back_and_a_second_remove_is_an_error() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let id = manager.add("unet", Dummy::new(4 * UNIT, &card), None).unwrap();
     let component = manager.remove(&id).unwrap();
@@ -88,7 +88,7 @@ fn remove_hands_the_component_back_and_a_second_remove_is_an_error() {
 
 #[test]
 fn component_info_reports_size_and_class() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let id = manager.add("unet", Dummy::new(4 * UNIT, &card), Some("sd")).unwrap();
     let info = manager.component_info(&id).unwrap();
@@ -101,7 +101,7 @@ fn component_info_reports_size_and_class() {
 
 #[test]
 fn invalid_names_and_wrong_types_are_typed_errors_and_move_nothing() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     assert!(matches!(manager.add("", Dummy::new(UNIT, &card), None), Err(Error::InvalidName { .. })));
     assert!(matches!(manager.add("a b", Dummy::new(UNIT, &card), None), Err(Error::InvalidName { .. })));
@@ -115,7 +115,7 @@ fn invalid_names_and_wrong_types_are_typed_errors_and_move_nothing() {
 
 #[test]
 fn summary_lists_components() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     manager.add("text_encoder", Dummy::new(8 * UNIT, &card), None).unwrap();
     manager.add("vae", Dummy::new(UNIT + UNIT / 2, &card), Some("flux")).unwrap();
@@ -134,7 +134,7 @@ fn summary_lists_components() {
 
 #[test]
 fn auto_offload_starts_with_all_components_on_cpu() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let mut on_device = Dummy::new(4 * UNIT, &card);
     on_device.device = DeviceName::parse("cuda").unwrap();
@@ -145,18 +145,18 @@ fn auto_offload_starts_with_all_components_on_cpu() {
 
 #[test]
 fn offloads_resident_model_under_memory_pressure() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
     let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
     manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
     run(&manager, &m1);
     assert_eq!(device_of(&manager, &m1), "cuda:0");
-    card.set_available(4 * UNIT);
+    card.patch_available(Some(4 * UNIT));
     run(&manager, &m2);
     assert_eq!(device_of(&manager, &m2), "cuda:0");
     assert_eq!(device_of(&manager, &m1), "cpu");
-    card.set_available(70 * UNIT);
+    card.patch_available(Some(70 * UNIT));
     run(&manager, &m1);
     assert_eq!(device_of(&manager, &m1), "cuda:0");
     assert_eq!(device_of(&manager, &m2), "cuda:0");
@@ -167,7 +167,7 @@ fn offloads_resident_model_under_memory_pressure() {
 
 #[test]
 fn set_offload_strategy_replaces_the_decisions() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
     let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
@@ -185,7 +185,7 @@ fn set_offload_strategy_replaces_the_decisions() {
 
 #[test]
 fn a_strategy_that_chooses_a_protected_component_is_refused() {
-    let card = FakeCard::patched(4 * UNIT);
+    let card = patched_card(4 * UNIT);
     let manager = ComponentsManager::new();
     let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
     let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
@@ -200,13 +200,13 @@ fn a_strategy_that_chooses_a_protected_component_is_refused() {
 
 #[test]
 fn record_captures_what_the_strategy_saw() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
     let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
     manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
     run(&manager, &m1);
-    card.set_available(4 * UNIT);
+    card.patch_available(Some(4 * UNIT));
     run(&manager, &m2);
     let events = manager.offload_record().events();
     assert_eq!(events.len(), 3);
@@ -240,7 +240,7 @@ fn record_captures_what_the_strategy_saw() {
 
 #[test]
 fn enable_twice_is_idempotent() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
     manager.enable_auto_offload(card.clone(), UNIT, true).unwrap();
@@ -255,7 +255,7 @@ fn enable_twice_is_idempotent() {
 
 #[test]
 fn add_model_after_a_run_keeps_residents_in_place() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
     let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
@@ -274,7 +274,7 @@ fn add_model_after_a_run_keeps_residents_in_place() {
 
 #[test]
 fn added_model_can_displace_residents_under_pressure() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
     let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
@@ -282,7 +282,7 @@ fn added_model_can_displace_residents_under_pressure() {
     run(&manager, &m1);
     run(&manager, &m2);
     let m3 = manager.add("m3", Dummy::new(4 * UNIT, &card), None).unwrap();
-    card.set_available(4 * UNIT);
+    card.patch_available(Some(4 * UNIT));
     run(&manager, &m3);
     assert_eq!(device_of(&manager, &m3), "cuda:0");
     assert_eq!(device_of(&manager, &m1), "cpu", "sizes are equal: the first added goes");
@@ -291,7 +291,7 @@ fn added_model_can_displace_residents_under_pressure() {
 
 #[test]
 fn remove_model_after_a_run_leaves_others_resident() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let m1 = manager.add("m1", Dummy::new(4 * UNIT, &card), None).unwrap();
     let m2 = manager.add("m2", Dummy::new(4 * UNIT, &card), None).unwrap();
@@ -312,7 +312,7 @@ fn remove_model_after_a_run_leaves_others_resident() {
 /// The anchor's setup scaled to units: a 32-unit model, a 64-unit resident, a 40-unit output, 120 units free.
 #[test]
 fn oom_retry_offloads_a_resident_model_and_reruns() {
-    let card = FakeCard::hard(120 * UNIT);
+    let card = hard_card(120 * UNIT);
     let manager = ComponentsManager::new();
     let model = manager.add("model", Dummy::new(32 * UNIT, &card), None).unwrap();
     let resident = manager.add("resident", Dummy::new(64 * UNIT, &card), None).unwrap();
@@ -332,7 +332,7 @@ fn oom_retry_offloads_a_resident_model_and_reruns() {
 
 #[test]
 fn oom_reraises_with_advice_when_nothing_is_left_to_offload() {
-    let card = FakeCard::hard(64 * UNIT);
+    let card = hard_card(64 * UNIT);
     let manager = ComponentsManager::new();
     let model = manager.add("model", Dummy::new(32 * UNIT, &card), None).unwrap();
     manager.enable_auto_offload(card.clone(), 0, true).unwrap();
@@ -346,7 +346,7 @@ fn oom_reraises_with_advice_when_nothing_is_left_to_offload() {
 
 #[test]
 fn oom_retry_covers_other_entry_points() {
-    let card = FakeCard::hard(120 * UNIT);
+    let card = hard_card(120 * UNIT);
     let manager = ComponentsManager::new();
     let decoder = manager.add("decoder", Dummy::new(32 * UNIT, &card), None).unwrap();
     let resident = manager.add("resident", Dummy::new(64 * UNIT, &card), None).unwrap();
@@ -360,7 +360,7 @@ fn oom_retry_covers_other_entry_points() {
 
 #[test]
 fn oom_during_onload_is_retried_too() {
-    let card = FakeCard::hard(100 * UNIT);
+    let card = hard_card(100 * UNIT);
     let manager = ComponentsManager::new();
     let a = manager.add("a", Dummy::new(60 * UNIT, &card), None).unwrap();
     let b = manager.add("b", Dummy::new(50 * UNIT, &card), None).unwrap();
@@ -378,7 +378,7 @@ fn oom_during_onload_is_retried_too() {
 
 #[test]
 fn oom_without_retry_is_returned_as_is() {
-    let card = FakeCard::hard(120 * UNIT);
+    let card = hard_card(120 * UNIT);
     let manager = ComponentsManager::new();
     let model = manager.add("model", Dummy::new(32 * UNIT, &card), None).unwrap();
     let resident = manager.add("resident", Dummy::new(64 * UNIT, &card), None).unwrap();
@@ -393,7 +393,7 @@ fn oom_without_retry_is_returned_as_is() {
 #[test]
 fn offloading_reduces_peak_memory() {
     let peak_on = |capacity: Option<u64>| {
-        let card = FakeCard::hard(capacity.unwrap_or(1 << 40));
+        let card = hard_card(capacity.unwrap_or(1 << 40));
         let manager = ComponentsManager::new();
         let ids: Vec<String> =
             ["a", "b", "c"].iter().map(|n| manager.add(n, Dummy::new(64 * UNIT, &card), None).unwrap()).collect();
@@ -434,7 +434,7 @@ impl offload_core::DeviceMemory for HostReadings {
 #[test]
 fn auto_offload_onto_the_host_is_refused_and_nothing_moves() {
     // diffusers raises here too: with the host as the execution device there is nothing to offload to.
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let id = manager.add("unet", Dummy::new(4 * UNIT, &card), None).unwrap();
     let error = manager.enable_auto_offload(Arc::new(HostReadings), UNIT, true).expect_err("the host is refused");
@@ -449,7 +449,7 @@ fn auto_offload_onto_the_host_is_refused_and_nothing_moves() {
 /// counted once, cleared by a new enable.
 #[test]
 fn the_schedule_of_uses_is_kept_by_name() {
-    let card = FakeCard::patched(70 * UNIT);
+    let card = patched_card(70 * UNIT);
     let manager = ComponentsManager::new();
     let encoder = manager.add("text_encoder", Dummy::new(4 * UNIT, &card), None).unwrap();
     let denoiser = manager.add("transformer", Dummy::new(4 * UNIT, &card), None).unwrap();
@@ -470,7 +470,7 @@ fn the_timeline_holds_each_run_onload_and_offload_with_memory_samples_around_eac
     use offload_core::Timeline;
     use offload_core::timeline::{ArgValue, EventKind, category};
 
-    let card = FakeCard::hard(10 * UNIT);
+    let card = hard_card(10 * UNIT);
     let manager = ComponentsManager::new();
     let a = manager.add("text_encoder", Dummy::new(6 * UNIT, &card), None).unwrap();
     let b = manager.add("transformer", Dummy::new(6 * UNIT, &card), None).unwrap();

@@ -13,6 +13,7 @@
 //! | [`Sequential`] | every candidate, even when it fits (model CPU offload) |
 //! | [`KeepTogether`] | as [`Auto`], but never a component co-scheduled with the incoming one |
 //! | [`Lookahead`] | the candidates used furthest in the future, from a captured sequence of uses |
+//! | [`Staged`] | every candidate but the ones a phase-staged plan keeps resident, even when it fits |
 //!
 //! [`smallest_sufficient`] exposes the search behind [`Auto`] on plain sizes, for strategies of one's own.
 //!
@@ -56,12 +57,14 @@ pub mod auto;
 mod keep_together;
 mod lookahead;
 mod sequential;
+mod staged;
 mod view;
 
 pub use auto::{Auto, MEET_IN_THE_MIDDLE_MAX, smallest_sufficient};
 pub use keep_together::KeepTogether;
 pub use lookahead::Lookahead;
 pub use sequential::Sequential;
+pub use staged::Staged;
 pub use view::{ComponentView, MemoryReading, OffloadView, ResidentComponent};
 
 /// Decides which resident components to offload so that an incoming component fits on the execution device.

@@ -25,10 +25,10 @@ use std::time::Instant;
 
 use burn::tensor::{DType, Device, Distribution, FloatDType, Tensor};
 use group_offload::{CappedDevice, GroupOffloadConfig, PoolReadings};
+use group_offload::{GroupLevel, GroupOptions, GroupedModel};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, DeviceName, parse_size};
 use pipeline_zimage::config::TransformerConfig;
-use pipeline_zimage::grouped::{GroupLevel, GroupOptions, GroupedTransformer};
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 
 struct Args {
@@ -133,7 +133,7 @@ fn golden(name: &str, tensor: &str) -> anyhow::Result<Tensor<4>> {
 }
 
 fn parity(args: &Args) -> anyhow::Result<()> {
-    use pipeline_zimage::offload::{Placement, Unbounded};
+    use group_offload::{Placement, Unbounded};
     use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
     let exec = device(&args.device)?;
     let name = DeviceName::parse(&args.device)?;
@@ -180,7 +180,7 @@ fn parity(args: &Args) -> anyhow::Result<()> {
 
 /// The tiny pipeline under auto offload on the device's own readings, then under a hard cap over them.
 fn readings(args: &Args) -> anyhow::Result<()> {
-    use pipeline_zimage::offload::Placement;
+    use group_offload::Placement;
     use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
     let exec = device(&args.device)?;
     let name = DeviceName::parse(&args.device)?;
@@ -300,10 +300,10 @@ fn bench(args: &Args) -> anyhow::Result<()> {
             pinned_budget: if pinned { u64::MAX } else { 0 },
             ..GroupOptions::default()
         };
-        let grouped = GroupedTransformer::new(model, offload, &options, ledger)?;
+        let grouped = GroupedModel::<ZImageTransformer2DModel>::new(model, offload, &options, ledger)?;
         let (x, t, cap) = inputs(&exec);
         let timing = time(&exec, args, || {
-            grouped.forward(x.clone(), t.clone(), cap.clone())?;
+            grouped.weights().forward(x.clone(), t.clone(), cap.clone())?;
             Ok(())
         })?;
         row(mode, timing, Some(peak.peak()));

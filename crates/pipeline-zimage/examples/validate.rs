@@ -14,10 +14,10 @@
 //! `--preset NAME` runs one preset; `--calls-only` skips the table.
 
 use anyhow::Context;
+use group_offload::Placement;
 use offload_core::DeviceName;
 use offload_core::plan::Preset;
 use pipeline_zimage::loading::LoadOptions;
-use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::validate::{Case, Table, Target, validate, validation_cards};
 

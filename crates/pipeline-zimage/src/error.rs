@@ -238,46 +238,12 @@ pub enum Error {
     #[error(transparent)]
     Plan(#[from] offload_core::plan::PlanError),
 
-    /// A plan routed a component `off`, which leaves it unmanaged, but this pipeline runs every component
-    /// through its manager.
-    #[error(
-        "cannot apply preset {preset} to {component}: route `off` leaves it unmanaged, but the pipeline runs every \
-         component through its manager; choose another preset, or place components yourself with \
-         enable_auto_offload and enable_group_offload"
-    )]
-    Unmanaged {
-        /// The component.
-        component: String,
-        /// The preset that routed it `off`.
-        preset: String,
-    },
-
-    /// A plan chose a route this pipeline cannot run for a component, and its fallback does not fit either.
-    #[error("cannot apply {route} to {component}: {reason}; use a larger card or a preset that streams by blocks")]
-    RouteUnsupported {
-        /// The component.
-        component: String,
-        /// The planned route.
-        route: String,
-        /// Why it cannot run, with the fallback's needs.
-        reason: String,
-    },
-
     /// The memory plot could not be drawn or written.
     #[error("cannot draw the memory plot {}: {reason}", path.display())]
     Plot {
         /// The PNG file asked for.
         path: std::path::PathBuf,
         /// What went wrong and what to do instead.
-        reason: String,
-    },
-
-    /// Offload was already set up in a way a new plan cannot undo.
-    #[error("cannot plan offload of {component}: {reason}; load the pipeline again and plan it once")]
-    OffloadAlreadyApplied {
-        /// The component.
-        component: String,
-        /// What was set up before.
         reason: String,
     },
 }
@@ -290,11 +256,13 @@ fn first(names: &[String]) -> String {
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// The error a failed component call reports to the manager: a group upload's out-of-memory or device failure
-/// stays typed (so the OOM retry sees it); anything else is the call's own error.
-pub fn into_component_error(error: Error) -> offload_core::ComponentError {
-    match error {
-        Error::GroupOffload(inner) => inner.into(),
-        other => offload_core::ComponentError::other(other),
+impl From<Error> for offload_core::ComponentError {
+    /// The error a failed component call reports to the manager: a group upload's out-of-memory or device failure
+    /// stays typed (so the OOM retry sees it); anything else is the call's own error.
+    fn from(error: Error) -> Self {
+        match error {
+            Error::GroupOffload(inner) => inner.into(),
+            other => offload_core::ComponentError::other(other),
+        }
     }
 }

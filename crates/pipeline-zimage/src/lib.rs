@@ -8,8 +8,10 @@
 //! - [`transformer`]: `ZImageTransformer2DModel`, exposed block by block so an offloader can drive the main loop.
 //! - [`loading`]: opening a checkpoint directory and loading (sharded) safetensors into any module, loudly.
 //! - [`text_encoder`], [`vae`], [`scheduler`], [`tokenizer`]: the other pipeline components.
-//! - [`pipeline`]: `ZImagePipeline`, text-to-image and image-to-image with every component run through a
-//!   `ComponentsManager`; [`offload`]: burn modules as offloadable components.
+//! - [`pipeline`]: `ZImagePipeline`, text-to-image and image-to-image with every component a
+//!   `group_offload::ModelHandle` run through one `ComponentsManager`. The transformer and the text encoder are
+//!   `group_offload::OffloadModel`s (their block lists declared once, their forward written once over their
+//!   weights, resident or streamed); the offload machinery itself lives in `group-offload` and `offload-core`.
 //! - [`presets`]: `offload-core`'s planner applied to the pipeline (presets, budgets, staged phases, capacity
 //!   profiles and calibration).
 //! - [`plot`]: the device memory plot of a run's timeline (`--memory-plot`).
@@ -25,12 +27,9 @@
 
 pub mod config;
 pub mod error;
-pub mod grouped;
 pub mod host;
-pub mod layer;
 pub mod loading;
 pub mod nn;
-pub mod offload;
 pub mod pipeline;
 pub mod plot;
 pub mod presets;

@@ -22,17 +22,19 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use clap::{Parser, Subcommand, ValueEnum};
+use group_offload::Placement;
 use group_offload::device::describe_device;
 use group_offload::{CappedDevice, PagePolicy, PoolReadings, open_device_with};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::Timeline;
+use offload_core::plan::DeviceFacts;
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
 use pipeline_zimage::loading::LoadOptions;
-use pipeline_zimage::offload::Placement;
-use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
+use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::plot::{PlotOptions, draw_memory_plot};
-use pipeline_zimage::presets::{DeviceFacts, enable_pipeline_offload, exact_reserve, generate_profiled};
+use pipeline_zimage::presets::{enable_pipeline_offload, exact_reserve, generate_profiled};
+use pipeline_zimage::quantize::quantize;
 use pipeline_zimage::schedule::{StrategyChoice, compare_moves, lookahead_after_first_image};
 
 /// Z-Image(-Turbo) on burn.
@@ -586,10 +588,10 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         report_loaded(&pipeline, anonymous);
     }
     if args.quantize {
-        for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
-            let count = pipeline.quantize(component)?;
-            eprintln!("{component}: {count} linear weights quantized to 8 bits");
-        }
+        let text_encoder = quantize(pipeline.text_encoder_mut())?;
+        eprintln!("text_encoder: {text_encoder} linear weights quantized to 8 bits");
+        let transformer = quantize(pipeline.transformer_mut())?;
+        eprintln!("transformer: {transformer} linear weights quantized to 8 bits");
     }
     // Before any offload is set up: every group offloader keeps the timeline it is built with.
     let timeline =
@@ -642,7 +644,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             (Err(error), None) => return Err(error.into()),
         };
         let facts = match &target {
-            Target::Host { card: Some(card) } => DeviceFacts::simulated(card.clone(), host),
+            Target::Host { card: Some(card) } => card.device_facts(host),
             Target::Real { cap, .. } => {
                 let memory = target.memory().context("a real device has readings")?;
                 let facts = DeviceFacts::new(memory, host);
@@ -658,7 +660,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         plan = Some(applied);
     } else if let (Some(memory), true) = (target.memory(), offload != Offload::None) {
         if offload == Offload::Group {
-            pipeline.enable_group_offload(target.ledger(), Some(memory.clone()), 1, 1)?;
+            pipeline.enable_group_offload(1, 1)?;
         }
         pipeline.enable_auto_offload(memory, manual_reserve, true)?;
         pipeline.manager().set_offload_strategy(strategy.first_image())?;
@@ -666,7 +668,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         // No offload: every component is onloaded on its first run and stays (weights load on the host; on a
         // device this is what moves them there). The moves still go through the manager's record.
         let device = pipeline.placement().name.clone();
-        pipeline.enable_auto_offload(Arc::new(pipeline_zimage::offload::Unbounded { device }), 0, true)?;
+        pipeline.enable_auto_offload(Arc::new(group_offload::Unbounded { device }), 0, true)?;
     }
 
     let bar = indicatif::ProgressBar::new(args.steps as u64);
@@ -801,8 +803,9 @@ fn host_for_plan(read: HostMemory, loaded: u64) -> HostMemory {
 
 /// The bytes of the components' weights as loaded (in host memory until the manager moves them).
 fn loaded_weight_bytes(pipeline: &ZImagePipeline) -> u64 {
-    let ids = pipeline.ids();
-    [&ids.text_encoder, &ids.transformer, &ids.vae]
+    pipeline
+        .components()
+        .map(|c| c.id())
         .into_iter()
         .filter_map(|id| pipeline.manager().component_info(id).ok())
         .map(|info| info.bytes)
@@ -826,9 +829,8 @@ fn numbered(path: &Path, index: usize, images: usize) -> PathBuf {
 /// pipeline print each phase's peak as it finishes (`--memory-report`).
 fn report_loaded(pipeline: &ZImagePipeline, anonymous: &pipeline_zimage::host::AnonymousPeak) {
     use pipeline_zimage::host::{peak_resident_bytes, reset_peak_resident, resident_bytes};
-    let ids = pipeline.ids();
     let mut weights = 0;
-    for (component, id) in [("text_encoder", &ids.text_encoder), ("transformer", &ids.transformer), ("vae", &ids.vae)] {
+    for (component, id) in pipeline.components().map(|c| (c.name(), c.id())) {
         let bytes = pipeline.manager().component_info(id).map(|info| info.bytes).unwrap_or(0);
         weights += bytes;
         println!("memory: loaded {component}: {bytes} bytes ({})", format_size(bytes));

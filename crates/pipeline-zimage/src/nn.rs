@@ -159,6 +159,13 @@ impl GroupNorm {
     }
 }
 
+/// The leaf predicate for this crate's models: burn's layers plus [`PtLinear`] and the text encoder's
+/// `TokenEmbedding`. At leaf level each linear layer is a group, and the norms travel with the struct that holds
+/// them (the root group `""` for a block's sandwich norms, `"attention"` for the per-head query and key norms).
+pub fn leaf_types() -> group_offload::LeafPredicate {
+    group_offload::LeafPredicate::default_layers().or_types(&["PtLinear", "TokenEmbedding"])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,16 +16,14 @@ use std::path::Path;
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
-use group_offload::GroupOffloadConfig;
+use group_offload::{Component, GroupLevel, GroupOffload, GroupOptions, GroupStats, ModelHandle, Placement};
 use offload_core::plan::{PhaseReport, Phases};
 use offload_core::timeline::{Timeline, category};
-use offload_core::{ComponentsManager, DeviceLedger, DeviceMemory};
+use offload_core::{ComponentsManager, DeviceMemory};
 
 use crate::config::TransformerConfig;
 use crate::error::{Error, Result};
-use crate::grouped::{GroupLevel, GroupOptions, GroupedModel, GroupedTextEncoder, GroupedTransformer};
 use crate::loading::{Checkpoint, LoadOptions, LoadReport};
-use crate::offload::{BurnComponent, Placement};
 use crate::scheduler::{Schedule, SchedulerConfig};
 use crate::text_encoder::{TextEncoder, TextEncoderConfig};
 use crate::tokenizer::PromptTokenizer;
@@ -147,59 +145,6 @@ impl GenerateOptions {
     }
 }
 
-/// The ids of the pipeline's components in its manager.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ComponentIds {
-    /// The Qwen3 text encoder.
-    pub text_encoder: String,
-    /// The Z-Image transformer.
-    pub transformer: String,
-    /// The VAE.
-    pub vae: String,
-}
-
-/// The pipeline's components, by the names the planner and the manager use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PipelineComponent {
-    /// The Qwen3 text encoder (`text_encoder`).
-    TextEncoder,
-    /// The Z-Image transformer (`transformer`).
-    Transformer,
-    /// The VAE (`vae`).
-    Vae,
-}
-
-impl PipelineComponent {
-    /// Every component, in the order the pipeline runs them.
-    pub const ALL: [PipelineComponent; 3] =
-        [PipelineComponent::TextEncoder, PipelineComponent::Transformer, PipelineComponent::Vae];
-
-    /// The component's name: `text_encoder`, `transformer`, `vae`.
-    pub fn name(self) -> &'static str {
-        match self {
-            PipelineComponent::TextEncoder => "text_encoder",
-            PipelineComponent::Transformer => "transformer",
-            PipelineComponent::Vae => "vae",
-        }
-    }
-
-    /// Its id in `pipeline`'s manager.
-    pub fn id(self, pipeline: &ZImagePipeline) -> &str {
-        let ids = pipeline.ids();
-        match self {
-            PipelineComponent::TextEncoder => &ids.text_encoder,
-            PipelineComponent::Transformer => &ids.transformer,
-            PipelineComponent::Vae => &ids.vae,
-        }
-    }
-}
-
-impl std::fmt::Display for PipelineComponent {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.pad(self.name())
-    }
-}
-
 /// A generated image and the timings of the phases that made it.
 #[derive(Debug, Clone)]
 pub struct Generated {
@@ -212,10 +157,13 @@ pub struct Generated {
 /// The names of the phases [`ZImagePipeline::generate_with_report`] runs, in order.
 pub const PHASES: [&str; 3] = ["encode", "denoise", "decode"];
 
-/// The Z-Image(-Turbo) pipeline, its components registered in a `ComponentsManager`.
+/// The Z-Image(-Turbo) pipeline: its three components, each a [`ModelHandle`] registered in one
+/// `ComponentsManager`, and the generation flow.
 pub struct ZImagePipeline {
     manager: Arc<ComponentsManager>,
-    ids: ComponentIds,
+    text_encoder: ModelHandle<TextEncoder>,
+    transformer: ModelHandle<ZImageTransformer2DModel>,
+    vae: ModelHandle<AutoencoderKl>,
     tokenizer: PromptTokenizer,
     scheduler: SchedulerConfig,
     transformer_config: TransformerConfig,
@@ -223,12 +171,6 @@ pub struct ZImagePipeline {
     vae_config: VaeConfig,
     placement: Placement,
     reports: Vec<LoadReport>,
-    /// Whether the text encoder is under group offload.
-    grouped_text_encoder: bool,
-    /// Whether the transformer is under group offload.
-    grouped_transformer: bool,
-    /// The components whose linear weights are quantized.
-    quantized: Vec<PipelineComponent>,
     transformer_dtype: DType,
     /// Called with each phase's name once it finished ([`set_phase_observer`](Self::set_phase_observer)).
     phase_observer: Option<PhaseObserver>,
@@ -239,9 +181,18 @@ pub type PhaseObserver = Arc<dyn Fn(&str) + Send + Sync>;
 
 impl std::fmt::Debug for ZImagePipeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ZImagePipeline").field("ids", &self.ids).field("placement", &self.placement).finish()
+        f.debug_struct("ZImagePipeline")
+            .field("text_encoder", &self.text_encoder)
+            .field("transformer", &self.transformer)
+            .field("vae", &self.vae)
+            .field("placement", &self.placement)
+            .finish()
     }
 }
+
+/// The names of the pipeline's components, as the planner, the manager and the record know them, in pipeline
+/// order.
+pub const COMPONENTS: [&str; 3] = ["text_encoder", "transformer", "vae"];
 
 impl ZImagePipeline {
     /// Loads a diffusers checkpoint directory onto `placement.host` and registers its components in a new
@@ -278,20 +229,12 @@ impl ZImagePipeline {
     pub fn from_parts(parts: Parts, placement: Placement, reports: Vec<LoadReport>) -> Result<Self> {
         let manager = Arc::new(ComponentsManager::new());
         let dtype = parts.transformer.dtype();
-        let text_encoder = manager.add(
-            "text_encoder",
-            BurnComponent::new(parts.text_encoder, "Qwen3Model", placement.clone()),
-            None,
-        )?;
-        let transformer = manager.add(
-            "transformer",
-            BurnComponent::new(parts.transformer, "ZImageTransformer2DModel", placement.clone()),
-            None,
-        )?;
-        let vae = manager.add("vae", BurnComponent::new(parts.vae, "AutoencoderKL", placement.clone()), None)?;
+        let [te, tr, vae] = COMPONENTS;
         Ok(Self {
+            text_encoder: ModelHandle::register(&manager, te, parts.text_encoder, placement.clone())?,
+            transformer: ModelHandle::register(&manager, tr, parts.transformer, placement.clone())?,
+            vae: ModelHandle::register(&manager, vae, parts.vae, placement.clone())?,
             manager,
-            ids: ComponentIds { text_encoder, transformer, vae },
             tokenizer: parts.tokenizer,
             scheduler: parts.scheduler,
             transformer_config: parts.transformer_config,
@@ -299,9 +242,6 @@ impl ZImagePipeline {
             vae_config: parts.vae_config,
             placement,
             reports,
-            grouped_text_encoder: false,
-            grouped_transformer: false,
-            quantized: Vec::new(),
             transformer_dtype: dtype,
             phase_observer: None,
         })
@@ -312,222 +252,96 @@ impl ZImagePipeline {
     /// (none when `prefetch_depth` is 0). Every group move is charged to `ledger` and recorded in the manager's
     /// record. The manager then holds it as a group-offloaded component, never evicted wholesale.
     ///
-    /// Call it before [`enable_auto_offload`](Self::enable_auto_offload). See
-    /// [`enable_group_offload_with`](Self::enable_group_offload_with) for the text encoder, leaf level, the
-    /// resident budget, a disk store and release between phases.
-    pub fn enable_group_offload(
-        &mut self,
-        ledger: Arc<dyn DeviceLedger>,
-        memory: Option<Arc<dyn DeviceMemory>>,
-        blocks_per_group: usize,
-        prefetch_depth: usize,
-    ) -> Result<()> {
+    /// Call it before [`enable_auto_offload`](Self::enable_auto_offload). For the text encoder, leaf level, the
+    /// resident budget, a disk store and release between phases, call
+    /// [`ModelHandle::enable_group_offload`] on [`transformer_mut`](Self::transformer_mut) or
+    /// [`text_encoder_mut`](Self::text_encoder_mut) with [`GroupOptions`].
+    pub fn enable_group_offload(&mut self, blocks_per_group: usize, prefetch_depth: usize) -> Result<()> {
         let options = GroupOptions {
             level: GroupLevel::Block { blocks_per_group },
             prefetch: prefetch_depth > 0,
             prefetch_depth: prefetch_depth.max(1),
             ..GroupOptions::default()
         };
-        self.enable_group_offload_with(PipelineComponent::Transformer, ledger, memory, &options)
+        Ok(self.transformer.enable_group_offload(&options)?)
     }
 
-    /// Puts the transformer or the text encoder under group offload, at block or leaf level, with every option
-    /// of [`GroupOptions`]. Does nothing when the component already is (the first options stay). The VAE has no
-    /// blocks to stream: it is refused with [`Error::RouteUnsupported`] (after the options are checked).
-    ///
-    /// Nothing is lost when it fails: the options and the offloader's configuration are checked before the
-    /// component is touched, and the component stays registered as it was.
-    pub fn enable_group_offload_with(
-        &mut self,
-        component: PipelineComponent,
-        ledger: Arc<dyn DeviceLedger>,
-        memory: Option<Arc<dyn DeviceMemory>>,
-        options: &GroupOptions,
-    ) -> Result<()> {
-        if self.is_grouped(component) {
-            return Ok(());
-        }
-        if self.is_quantized(component) {
-            return Err(Error::RouteUnsupported {
-                component: component.name().into(),
-                route: "group offload".into(),
-                reason: "its linear weights are quantized, and group offload streams float parameters only: a \
-                         quantized component moves whole (component offload keeps its quantized tensors and \
-                         kernels); load it unquantized to stream it by blocks or leaves"
-                    .into(),
-            });
-        }
-        options.validate()?;
-        let mut config = GroupOffloadConfig::new(component.name(), self.placement.exec.clone())
-            .with_device_name(self.placement.name.clone())
-            .with_ledger(ledger.clone())
-            .with_record(self.manager.offload_record())
-            .with_timeline(self.manager.timeline());
-        if let Some(memory) = memory {
-            config = config.with_memory(memory);
-        }
-        options.configure(config.clone()).validate()?;
-        // Taking the model apart into an in-memory store touches no device and cannot fail once the options
-        // are valid (resident layers upload later, when the manager onloads the model), so the registered
-        // component is taken out and consumed: its host tensors become the group store without a copy. A disk
-        // store can fail (a full or read-only disk), so then the store is built from a copy of the handles while
-        // the registered component stays where it is, and is removed only once the store exists.
-        let copy = options.disk_store.is_some();
-        let id = component.id(self).to_string();
-        let new_id = match component {
-            PipelineComponent::Transformer => {
-                let module: ZImageTransformer2DModel = self.take_module(&id, copy)?;
-                let grouped = GroupedTransformer::new(module, config, options, ledger)?;
-                self.register_grouped(&id, copy, component, grouped)?
-            }
-            PipelineComponent::TextEncoder => {
-                let module: TextEncoder = self.take_module(&id, copy)?;
-                let grouped = GroupedTextEncoder::new(module, config, options, ledger)?;
-                self.register_grouped(&id, copy, component, grouped)?
-            }
-            PipelineComponent::Vae => {
-                return Err(Error::RouteUnsupported {
-                    component: "vae".into(),
-                    route: "group offload".into(),
-                    reason: "the VAE is not cut into blocks in this pipeline; it moves whole under component offload \
-                             (the default when auto offload is on)"
-                        .into(),
-                });
-            }
-        };
-        match component {
-            PipelineComponent::Transformer => {
-                self.ids.transformer = new_id;
-                self.grouped_transformer = true;
-            }
-            _ => {
-                self.ids.text_encoder = new_id;
-                self.grouped_text_encoder = true;
-            }
-        }
-        Ok(())
+    /// The Qwen3 text encoder.
+    pub fn text_encoder(&self) -> &ModelHandle<TextEncoder> {
+        &self.text_encoder
     }
 
-    /// The registered module of `id`: a copy of its handles (`copy`), or the module itself, unregistered.
-    fn take_module<M: burn::module::Module + Clone + 'static>(&self, id: &str, copy: bool) -> Result<M> {
-        if copy {
-            return Ok(self.manager.inspect(id, |c: &BurnComponent<M>| c.module().clone())?);
-        }
-        let component: Box<dyn std::any::Any> = self.manager.remove(id)?;
-        let component = component.downcast::<BurnComponent<M>>().map_err(|_| Error::Shape {
-            op: "group offload".into(),
-            reason: format!("the component {id} has another type"),
-        })?;
-        Ok(component.into_module())
+    /// The Qwen3 text encoder, to put it under group offload or quantize it.
+    pub fn text_encoder_mut(&mut self) -> &mut ModelHandle<TextEncoder> {
+        &mut self.text_encoder
     }
 
-    /// Registers a grouped component in place of `id` (removed first when it was copied); returns the new id.
-    fn register_grouped<P: Send + 'static>(
-        &self,
-        id: &str,
-        copied: bool,
-        component: PipelineComponent,
-        grouped: GroupedModel<P>,
-    ) -> Result<String> {
-        if copied {
-            self.manager.remove(id)?;
-        }
-        Ok(self.manager.add(component.name(), grouped, None)?)
+    /// The Z-Image transformer.
+    pub fn transformer(&self) -> &ModelHandle<ZImageTransformer2DModel> {
+        &self.transformer
     }
 
-    /// Quantizes the linear weights of `component` to 8 bits with burn's quantized tensors
-    /// ([`crate::quantize`]): the weights stay quantized wherever the manager moves the component, and its
-    /// linear layers run burn's quantized kernels. Returns how many weights were quantized. Refused for a
-    /// component under group offload (quantize first: a quantized component then moves whole), and does nothing
-    /// the second time.
-    ///
-    /// The component is re-registered with its new size (its id changes, see [`ids`](Self::ids)); a failure
-    /// leaves it registered as it was.
-    pub fn quantize(&mut self, component: PipelineComponent) -> Result<usize> {
-        if self.is_grouped(component) {
-            return Err(Error::OffloadAlreadyApplied {
-                component: component.name().into(),
-                reason: "it is under group offload, whose host copies are float; quantize it before enabling \
-                         offload (a quantized component moves whole)"
-                    .into(),
-            });
-        }
-        if self.is_quantized(component) {
-            return Ok(0);
-        }
-        let id = component.id(self).to_string();
-        let scheme = crate::quantize::int8_scheme();
-        let (new_id, count) = match component {
-            PipelineComponent::TextEncoder => {
-                self.requantize::<TextEncoder>(&id, "text_encoder", "Qwen3Model", &scheme)?
-            }
-            PipelineComponent::Transformer => {
-                self.requantize::<ZImageTransformer2DModel>(&id, "transformer", "ZImageTransformer2DModel", &scheme)?
-            }
-            PipelineComponent::Vae => self.requantize::<AutoencoderKl>(&id, "vae", "AutoencoderKL", &scheme)?,
-        };
-        match component {
-            PipelineComponent::TextEncoder => self.ids.text_encoder = new_id,
-            PipelineComponent::Transformer => self.ids.transformer = new_id,
-            PipelineComponent::Vae => self.ids.vae = new_id,
-        }
-        self.quantized.push(component);
-        Ok(count)
+    /// The Z-Image transformer, to put it under group offload or quantize it.
+    pub fn transformer_mut(&mut self) -> &mut ModelHandle<ZImageTransformer2DModel> {
+        &mut self.transformer
     }
 
-    /// Replaces the registered module `id` with its quantized copy, registered as `name`.
-    fn requantize<M: burn::module::Module + Clone + 'static>(
-        &self,
-        id: &str,
-        name: &str,
-        class: &'static str,
-        scheme: &burn::tensor::quantization::QuantScheme,
-    ) -> Result<(String, usize)> {
-        // Quantize a copy of the handles first, so nothing is unregistered until the quantized module exists.
-        let module: M = self.take_module(id, true)?;
-        let (quantized, count) = crate::quantize::quantize_linear_weights(module, scheme);
-        self.manager.remove(id)?;
-        let new_id = self.manager.add(name, BurnComponent::new(quantized, class, self.placement.clone()), None)?;
-        Ok((new_id, count))
+    /// The VAE.
+    pub fn vae(&self) -> &ModelHandle<AutoencoderKl> {
+        &self.vae
     }
 
-    /// Whether `component`'s linear weights are quantized ([`quantize`](Self::quantize)).
-    pub fn is_quantized(&self, component: PipelineComponent) -> bool {
-        self.quantized.contains(&component)
+    /// The VAE, to quantize it.
+    pub fn vae_mut(&mut self) -> &mut ModelHandle<AutoencoderKl> {
+        &mut self.vae
     }
 
-    /// Whether `component` is under group offload.
-    pub fn is_grouped(&self, component: PipelineComponent) -> bool {
-        match component {
-            PipelineComponent::TextEncoder => self.grouped_text_encoder,
-            PipelineComponent::Transformer => self.grouped_transformer,
-            PipelineComponent::Vae => false,
-        }
+    /// The three components in pipeline order ([`COMPONENTS`]), as the planner sees them.
+    pub fn components(&self) -> [&dyn Component; 3] {
+        [&self.text_encoder, &self.transformer, &self.vae]
+    }
+
+    /// The three components in pipeline order, to apply a plan's routes.
+    pub fn components_mut(&mut self) -> [&mut dyn Component; 3] {
+        [&mut self.text_encoder, &mut self.transformer, &mut self.vae]
+    }
+
+    /// The component named `name` ([`COMPONENTS`]).
+    pub fn component(&self, name: &str) -> Option<&dyn Component> {
+        self.components().into_iter().find(|c| c.name() == name)
+    }
+
+    /// The component named `name` ([`COMPONENTS`]), to put it under group offload.
+    pub fn component_mut(&mut self, name: &str) -> Option<&mut dyn Component> {
+        self.components_mut().into_iter().find(|c| c.name() == name)
+    }
+
+    /// Puts the component named `name` under group offload with `options` ([`ModelHandle::enable_group_offload`]);
+    /// refused for a name that is not a component ([`Error::InvalidArgument`]) and for the VAE, which declares no
+    /// blocks (`group_offload::Error::RouteUnsupported`).
+    pub fn enable_group_offload_with(&mut self, name: &str, options: &GroupOptions) -> Result<()> {
+        let component = self.component_mut(name).ok_or_else(|| unknown_component(name))?;
+        Ok(component.enable_group_offload(options)?)
+    }
+
+    /// The group offloader of the component named `name`, when it is grouped (a handle that shares it).
+    pub fn group_offload(&self, name: &str) -> Option<GroupOffload> {
+        self.component(name).and_then(|c| c.group_offload().cloned())
+    }
+
+    /// Group-offload statistics of the component named `name`, when it is grouped.
+    pub fn group_stats(&self, name: &str) -> Option<GroupStats> {
+        self.component(name).and_then(|c| c.group_stats())
+    }
+
+    /// Whether the component named `name` is under group offload.
+    pub fn is_grouped(&self, name: &str) -> bool {
+        self.component(name).is_some_and(|c| c.is_grouped())
     }
 
     /// The dtype the transformer computes in, which the activation estimates assume.
     pub fn dtype(&self) -> DType {
         self.transformer_dtype
-    }
-
-    /// The group offloader of `component`, when it is grouped: its statistics, groups, order and pinned bytes.
-    /// The handle shares the offloader.
-    pub fn group_offload(&self, component: PipelineComponent) -> Option<group_offload::GroupOffload> {
-        let id = component.id(self);
-        match component {
-            PipelineComponent::Transformer if self.grouped_transformer => {
-                self.manager.inspect(id, |g: &GroupedTransformer| g.offload().clone()).ok()
-            }
-            PipelineComponent::TextEncoder if self.grouped_text_encoder => {
-                self.manager.inspect(id, |g: &GroupedTextEncoder| g.offload().clone()).ok()
-            }
-            _ => None,
-        }
-    }
-
-    /// Group-offload statistics of `component` (onloads, prefetch hits, misses, stray loads), when it is grouped.
-    pub fn group_stats(&self, component: PipelineComponent) -> Option<group_offload::GroupStats> {
-        self.group_offload(component).map(|offload| offload.stats())
     }
 
     /// Where the components execute and what accounts for them.
@@ -538,11 +352,6 @@ impl ZImagePipeline {
     /// The manager holding the components.
     pub fn manager(&self) -> &Arc<ComponentsManager> {
         &self.manager
-    }
-
-    /// The components' ids.
-    pub fn ids(&self) -> &ComponentIds {
-        &self.ids
     }
 
     /// What loading applied, and found missing or unused, per component.
@@ -592,17 +401,8 @@ impl ZImagePipeline {
         let tokens = tokenizer.encode(prompts)?;
         let activations =
             text_encoder_activation_bytes(&self.text_encoder_config, max_sequence_length, self.transformer_dtype);
-        if self.grouped_text_encoder {
-            return Ok(self.manager.run(&self.ids.text_encoder, |c: &mut GroupedTextEncoder| {
-                c.run(activations, |model, device| {
-                    model.encode(tokens.input_ids_tensor(device), tokens.attention_mask_tensor(device))
-                })
-            })?);
-        }
-        let run = self.manager.run(&self.ids.text_encoder, |c: &mut BurnComponent<TextEncoder>| {
-            c.run(activations, |module, device| {
-                module.encode(tokens.input_ids_tensor(device), tokens.attention_mask_tensor(device))
-            })
+        let run = self.text_encoder.run(activations, |weights, device| {
+            weights.encode(tokens.input_ids_tensor(device), tokens.attention_mask_tensor(device))
         });
         Ok(run?)
     }
@@ -725,21 +525,11 @@ impl ZImagePipeline {
                 .cast(dtype);
             (items, time, caps)
         };
-        let outs = if self.grouped_transformer {
-            self.manager.run(&self.ids.transformer, |c: &mut GroupedTransformer| {
-                c.run(activations, |model, device| {
-                    let (items, time, caps) = inputs(self.transformer_dtype(), device);
-                    model.forward_items(items, time, caps)
-                })
-            })?
-        } else {
-            self.manager.run(&self.ids.transformer, |c: &mut BurnComponent<ZImageTransformer2DModel>| {
-                c.run(activations, |model, device| {
-                    let (items, time, caps) = inputs(model.dtype(), device);
-                    Ok(model.forward_items(items, time, caps))
-                })
-            })?
-        };
+        let dtype = self.transformer_dtype();
+        let outs = self.transformer.run(activations, |weights, device| {
+            let (items, time, caps) = inputs(dtype, device);
+            weights.forward_items(items, time, caps)
+        })?;
         let mut outs = outs.into_iter().map(|o| o.cast(DType::F32));
         let positive =
             outs.next().ok_or_else(|| Error::Shape { op: "transformer".into(), reason: "no output".into() })?;
@@ -754,11 +544,9 @@ impl ZImagePipeline {
     }
 
     fn encode_image(&self, image: Tensor<4>, activations: u64) -> Result<Tensor<4>> {
-        let run = self.manager.run(&self.ids.vae, |c: &mut BurnComponent<AutoencoderKl>| {
-            c.run(activations, |vae, device| {
-                let pixels = (image.clone().to_device(device) * 2.0 - 1.0).cast(vae_dtype(vae));
-                Ok(vae.scale_latents(vae.encode_mean(pixels).cast(DType::F32)))
-            })
+        let run = self.vae.run(activations, |vae, device| {
+            let pixels = (image.clone().to_device(device) * 2.0 - 1.0).cast(vae_dtype(vae));
+            Ok::<_, Error>(vae.scale_latents(vae.encode_mean(pixels).cast(DType::F32)))
         });
         Ok(run?)
     }
@@ -773,11 +561,9 @@ impl ZImagePipeline {
     }
 
     fn decode_with(&self, latents: Tensor<4>, activations: u64) -> Result<Tensor<4>> {
-        let run = self.manager.run(&self.ids.vae, |c: &mut BurnComponent<AutoencoderKl>| {
-            c.run(activations, |vae, device| {
-                let z = vae.unscale_latents(latents.clone().to_device(device)).cast(vae_dtype(vae));
-                Ok(AutoencoderKl::postprocess(vae.decode(z).cast(DType::F32)))
-            })
+        let run = self.vae.run(activations, |vae, device| {
+            let z = vae.unscale_latents(latents.clone().to_device(device)).cast(vae_dtype(vae));
+            Ok::<_, Error>(AutoencoderKl::postprocess(vae.decode(z).cast(DType::F32)))
         });
         Ok(run?)
     }
@@ -796,7 +582,7 @@ impl ZImagePipeline {
     /// or leaves): a group offloader keeps the timeline it was built with, so a later call is refused with
     /// [`Error::InvalidArgument`].
     pub fn set_timeline(&mut self, timeline: Timeline) -> Result<()> {
-        if self.grouped_text_encoder || self.grouped_transformer {
+        if self.components().iter().any(|c| c.group_offload().is_some()) {
             return Err(Error::InvalidArgument {
                 name: "timeline",
                 reason: "group offload is already enabled and its offloaders keep the timeline they were built \
@@ -842,6 +628,13 @@ impl ZImagePipeline {
     /// Checks `opts` for this pipeline ([`GenerateOptions::validate`] with its VAE's scale factor).
     pub fn validate(&self, opts: &GenerateOptions) -> Result<()> {
         opts.validate(self.vae_scale_factor())
+    }
+}
+
+pub(crate) fn unknown_component(name: &str) -> Error {
+    Error::InvalidArgument {
+        name: "component",
+        reason: format!("{name:?} is not a component of this pipeline; use one of {COMPONENTS:?}"),
     }
 }
 

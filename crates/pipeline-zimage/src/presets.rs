@@ -1,30 +1,26 @@
 //! Presets applied to the Z-Image pipeline: one call that describes the three components to `offload-core`'s
-//! planner, plans them for the device, applies each route through the `ComponentsManager` and group offload, and
-//! returns what was chosen and why; capacity profiles and named calibration recorded from measured runs.
+//! planner, plans them for the device, applies each route, and returns what was chosen and why; capacity profiles
+//! and named calibration recorded from measured runs.
 //!
 //! # Who decides what
 //!
-//! The planner (`offload_core::plan`) is policy: it sees [`ComponentSpec`]s and a [`Machine`] and returns a
-//! [`Plan`]. This module is the mechanism that feeds and applies it:
+//! The planner (`offload_core::plan`) is policy: it sees [`ComponentSpec`]s and a [`Machine`](offload_core::plan::Machine)
+//! and returns a [`Plan`]. `group_offload::apply` is the model-agnostic mechanism that applies it (resident,
+//! component offload, block or leaf group offload, the [`Staged`] strategy). This module holds what only Z-Image
+//! knows:
 //!
-//! - [`component_specs`] describes the loaded components at their loaded sizes: the manager's weight bytes, the
-//!   text encoder's decoder layers and the transformer's blocks in execution order (`noise_refiner`,
-//!   `context_refiner`, `layers`) measured from their parameters, the activation estimates of
-//!   [`ZImagePipeline::activation_estimates`] for the workload, and FLOPs from the configs. The VAE is described
-//!   without blocks (it is not cut into blocks here), so it is routed resident or component-offloaded.
-//! - [`enable_pipeline_offload`] plans and applies: `resident` components are onloaded once and kept,
-//!   `component offload` moves a component whole through the manager, `block` puts the text encoder or the
-//!   transformer under block-level group offload with the plan's resident budget, prefetch depth and disk store,
-//!   and `leaf` under leaf-level group offload (one linear layer at a time, [`crate::layer`]); `off` is refused
-//!   with [`Error::Unmanaged`]. The manager runs the [`Staged`] strategy: when a component comes onto the
-//!   device, every other one that is not planned resident leaves, which is the phase staging the planner
-//!   assumes (each component is priced against the whole device less the resident ones).
+//! - [`component_specs`] completes each component's spec ([`group_offload::component_spec`]: weight bytes, the
+//!   layout its `OffloadModel` census names, quantization) with the activation estimates of
+//!   [`ZImagePipeline::activation_estimates`] for the workload and FLOPs from the configs. The VAE names no
+//!   blocks, so it is routed resident or component-offloaded.
+//! - [`enable_pipeline_offload`] plans and applies ([`group_offload::apply_plan`]); `off` is refused with
+//!   `group_offload::Error::Unmanaged`.
 //! - [`generate_profiled`] runs the phase-staged pipeline and records the measured peak in the capacity profile
 //!   of the workload ([`PipelinePlan::record_run`]); with a `profile_name`, the first run is a calibration run
 //!   whose recommended resident budget later plans reuse.
 //!
 //! Settings are validated once, by `Settings::resolve` (the edge); generation options by
-//! [`GenerateOptions::validate`]. A component quantized with [`ZImagePipeline::quantize`] is described as
+//! [`GenerateOptions::validate`]. A component quantized with [`crate::quantize::quantize`] is described as
 //! quantized, so the planner routes it resident or whole (component offload keeps burn's quantized tensors and
 //! kernels), never to block or leaf offload (see `docs/presets.md`).
 
@@ -32,180 +28,37 @@ use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use burn::module::Module;
 use burn::tensor::Tensor;
-use memory_sim::SimCard;
-use offload_core::offload_strategy::{OffloadStrategy, OffloadView};
+pub use group_offload::AppliedRoute;
+use group_offload::{apply_plan, component_spec};
+use offload_core::DeviceMemory;
 use offload_core::plan::{
-    BlockLayout, CapacityProfile, CapacityWarning, ComponentPlan, ComponentSpec, HostMemory, Machine, Observation,
-    Outcome, PhaseReport, Plan, ProfileStore, Recommendation, Route, Settings, TimeModel, Workload, plan_pipeline,
+    CapacityProfile, CapacityWarning, ComponentPlan, ComponentSpec, DeviceFacts, Observation, Outcome, PhaseReport,
+    Plan, ProfileStore, Recommendation, Route, Settings, Workload, plan_pipeline,
 };
-use offload_core::{DeviceMemory, format_size};
+
+pub use offload_core::offload_strategy::Staged;
 
 use crate::error::{Error, Result};
-use crate::grouped::{GroupLevel, GroupOptions};
-use crate::offload::{BurnComponent, module_bytes};
 use crate::pipeline::{GenerateOptions, ZImagePipeline};
-use crate::text_encoder::TextEncoder;
-use crate::transformer::ZImageTransformer2DModel;
 
-pub use crate::pipeline::PipelineComponent;
-
-/// The facts about the execution device a plan is made from: its memory readings, the host's RAM, the time
-/// model of its link and compute, and a label that identifies it in capacity profiles.
-#[derive(Clone)]
-pub struct DeviceFacts {
-    /// Readings of the execution device (a simulated card, or a real device's readings). The manager's auto
-    /// offload reads it too.
-    pub memory: Arc<dyn DeviceMemory>,
-    /// Host RAM, from [`HostMemory::read`] or given; the `host_available` setting replaces its `available`.
-    pub host: HostMemory,
-    /// Link and compute figures for the predictions.
-    pub time: TimeModel,
-    /// The device's label in capacity profiles (`"12MB"`, `"rtx4090"`, `"cuda:0"`).
-    pub label: String,
-}
-
-impl fmt::Debug for DeviceFacts {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DeviceFacts")
-            .field("device", &self.memory.device().as_str().to_string())
-            .field("host", &self.host)
-            .field("label", &self.label)
-            .finish()
-    }
-}
-
-impl DeviceFacts {
-    /// Facts from device readings and a host reading, with the generic time model (PCIe 4.0 x16, 100 TFLOP/s)
-    /// and the device's name as label.
-    pub fn new(memory: Arc<dyn DeviceMemory>, host: HostMemory) -> Self {
-        let label = memory.device().as_str().to_string();
-        Self { memory, host, time: TimeModel::generic(), label }
-    }
-
-    /// Facts for a simulated card: its readings, its link and compute figures (its pageable fraction too, so
-    /// the predictions price pinned and pageable copies as the card does), its label.
-    pub fn simulated(card: Arc<SimCard>, host: HostMemory) -> Self {
-        let timing = card.spec().timing;
-        let mut time =
-            TimeModel::new(timing.link_bytes_per_second, timing.link_latency.as_secs_f64(), timing.flops_per_second);
-        time.pageable_fraction = timing.pageable_fraction;
-        let label = card.spec().label.clone();
-        Self { memory: card, host, time, label }
-    }
-
-    /// The same facts with another time model.
-    pub fn with_time(mut self, time: TimeModel) -> Self {
-        self.time = time;
-        self
-    }
-
-    /// The planner's machine, read now: the device's total and available bytes, the host, the time model.
-    pub fn machine(&self) -> Machine {
-        Machine::from_device(&*self.memory, self.host).with_time(self.time)
-    }
-}
-
-/// The transformer's block structure, measured from its loaded parameters: the bytes of each block in the order
-/// the forward runs them (`noise_refiner`, `context_refiner`, then `layers`), the bytes outside the blocks
-/// (embedders, final layer, pad tokens), and its leaf groups ([`group_offload::leaf_groups`]).
-///
-/// Fails with [`Error::OffloadAlreadyApplied`] once the transformer is under group offload: its parameters have
-/// moved into the group store.
-pub fn transformer_layout(pipeline: &ZImagePipeline) -> Result<BlockLayout> {
-    not_grouped(pipeline, PipelineComponent::Transformer)?;
-    let id = &pipeline.ids().transformer;
-    Ok(pipeline.manager().inspect(id, |c: &BurnComponent<ZImageTransformer2DModel>| {
-        let model = c.module();
-        // A modulated block's forward takes `adaLN_modulation.0` first, an unmodulated one its norms.
-        let first =
-            if model.noise_refiner.first().is_some_and(|b| b.is_modulated()) { "adaLN_modulation.0" } else { "" };
-        measure_layout(model, model.noise_refiner.iter().chain(&model.context_refiner).chain(&model.layers), first)
-    })?)
-}
-
-/// The text encoder's block structure, measured from its loaded parameters: the bytes of each decoder layer,
-/// the bytes outside them (the token embedding) and its leaf groups ([`group_offload::leaf_groups`]).
-///
-/// Fails with [`Error::OffloadAlreadyApplied`] once the text encoder is under group offload.
-pub fn text_encoder_layout(pipeline: &ZImagePipeline) -> Result<BlockLayout> {
-    not_grouped(pipeline, PipelineComponent::TextEncoder)?;
-    let id = &pipeline.ids().text_encoder;
-    Ok(pipeline
-        .manager()
-        // A decoder layer's forward takes its norms (the group of the parameters under no leaf) first.
-        .inspect(id, |c: &BurnComponent<TextEncoder>| measure_layout(c.module(), c.module().layers.iter(), ""))?)
-}
-
-fn not_grouped(pipeline: &ZImagePipeline, component: PipelineComponent) -> Result<()> {
-    if pipeline.is_grouped(component) {
-        return Err(Error::OffloadAlreadyApplied {
-            component: component.name().into(),
-            reason: "it is already under group offload, so its blocks cannot be measured again".into(),
-        });
-    }
-    Ok(())
-}
-
-/// The layout of `model` with `blocks` in execution order; the leaves are those inside the blocks (leaf level
-/// keeps the layers outside the blocks resident, as block level does), `first_part` the leaf group of a block
-/// its forward takes first.
-fn measure_layout<'a, M: Module, B: Module + 'a>(
-    model: &M,
-    blocks: impl Iterator<Item = &'a B>,
-    first_part: &str,
-) -> BlockLayout {
-    let (mut block_bytes, mut largest_leaf_bytes, mut leaf_count, mut first_leaf_bytes) = (Vec::new(), 0, 0, None);
-    for block in blocks {
-        block_bytes.push(module_bytes(block));
-        let groups = group_offload::leaf_groups(block, &crate::layer::leaf_types());
-        largest_leaf_bytes = largest_leaf_bytes.max(groups.iter().map(|(_, bytes)| *bytes).max().unwrap_or(0));
-        leaf_count += groups.len();
-        first_leaf_bytes =
-            first_leaf_bytes.or_else(|| groups.iter().find(|(path, _)| path == first_part).map(|(_, bytes)| *bytes));
-    }
-    let outside_bytes = module_bytes(model).saturating_sub(block_bytes.iter().sum());
-    BlockLayout {
-        outside_bytes,
-        block_bytes,
-        largest_leaf_bytes,
-        leaf_count,
-        first_leaf_bytes: first_leaf_bytes.unwrap_or(0),
-    }
-}
-
-/// The three components as plan input, for the workload `opts`: weight bytes from the manager, the text
-/// encoder's and the transformer's layouts ([`text_encoder_layout`], [`transformer_layout`]), the activation
-/// estimates of [`ZImagePipeline::activation_estimates`], FLOPs per call from the configs (for the time model
-/// only), the denoising steps as the transformer's calls per image, and whether each is quantized
-/// ([`ZImagePipeline::quantize`]: the planner then moves it only whole).
-///
-/// The VAE has no layout: it is not cut into blocks in this pipeline, so it is resident or component-offloaded.
+/// The three components as plan input, for the workload `opts`: weight bytes, layout and quantization from
+/// [`group_offload::component_spec`], the activation estimates of [`ZImagePipeline::activation_estimates`],
+/// FLOPs per call from the configs (for the time model only) and the denoising steps as the transformer's calls
+/// per image. Refused once the text encoder or the transformer is under group offload (its blocks cannot be
+/// measured again).
 pub fn component_specs(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Result<Vec<ComponentSpec>> {
     pipeline.validate(opts)?;
-    let manager = pipeline.manager();
-    let ids = pipeline.ids();
-    let bytes = |id: &str| manager.component_info(id).map(|info| info.bytes);
-    let [text_activation, transformer_activation, vae_activation] = pipeline.activation_estimates(opts);
-    let [text_flops, transformer_flops, vae_flops] = flops_per_call(pipeline, opts);
+    let activations = pipeline.activation_estimates(opts);
+    let flops = flops_per_call(pipeline, opts);
     let steps = u32::try_from(opts.steps).unwrap_or(u32::MAX);
-    Ok(vec![
-        ComponentSpec::new("text_encoder", bytes(&ids.text_encoder)?)
-            .with_layout(text_encoder_layout(pipeline)?)
-            .with_activation(text_activation)
-            .with_cost(text_flops, 1)
-            .quantized(pipeline.is_quantized(PipelineComponent::TextEncoder)),
-        ComponentSpec::new("transformer", bytes(&ids.transformer)?)
-            .with_layout(transformer_layout(pipeline)?)
-            .with_activation(transformer_activation)
-            .with_cost(transformer_flops, steps)
-            .quantized(pipeline.is_quantized(PipelineComponent::Transformer)),
-        ComponentSpec::new("vae", bytes(&ids.vae)?)
-            .with_activation(vae_activation)
-            .with_cost(vae_flops, 1)
-            .quantized(pipeline.is_quantized(PipelineComponent::Vae)),
-    ])
+    let calls = [1, steps, 1];
+    let mut specs = Vec::with_capacity(3);
+    for (i, component) in pipeline.components().into_iter().enumerate() {
+        let spec = component_spec(pipeline.manager(), component)?;
+        specs.push(spec.with_activation(activations[i]).with_cost(flops[i], calls[i]));
+    }
+    Ok(specs)
 }
 
 /// FLOPs of one call of each component, `[text encoder, transformer, VAE]`: 2 × parameters × tokens for the
@@ -242,75 +95,6 @@ fn flops_per_call(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> [f64; 3]
 /// `reserve` unset and let the planner add its margin.
 pub fn exact_reserve(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> u64 {
     pipeline.activation_estimates(opts).into_iter().max().unwrap_or(0)
-}
-
-/// The manager strategy of a phase-staged plan: when a component comes onto the device, every other resident
-/// component leaves except those the plan keeps resident.
-///
-/// This is the planner's staging model as an [`OffloadStrategy`]: each phase's component runs with the device
-/// to itself and the resident components. Like every strategy it only returns candidates (a component running on
-/// another thread, or one under non-releasable group offload, stays).
-///
-/// ```
-/// use offload_core::offload_strategy::{ComponentView, MemoryReading, OffloadStrategy, OffloadView, ResidentComponent};
-/// use pipeline_zimage::presets::Staged;
-///
-/// let incoming = ComponentView::new("vae_3", "vae", 1 << 20);
-/// let resident = [
-///     ResidentComponent::new("text_encoder_1", "text_encoder", 7 << 30),
-///     ResidentComponent::new("transformer_4", "transformer", 1 << 30),
-/// ];
-/// let view = OffloadView {
-///     incoming: &incoming,
-///     resident: &resident,
-///     reading: MemoryReading { available: 60 << 30, total: 80 << 30, peak: 20 << 30 },
-///     reserve: 0,
-///     device: "cuda:0",
-///     use_index: 3,
-/// };
-/// let staged = Staged::keeping(["text_encoder_1".to_string()]);
-/// assert_eq!(staged.decide(&view), ["transformer_4"]);
-/// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Staged {
-    keep: Vec<String>,
-}
-
-impl Staged {
-    /// A staged strategy that never offloads the components with these ids.
-    pub fn keeping(ids: impl IntoIterator<Item = String>) -> Self {
-        Self { keep: ids.into_iter().collect() }
-    }
-
-    /// The ids it keeps.
-    pub fn kept(&self) -> &[String] {
-        &self.keep
-    }
-}
-
-impl OffloadStrategy for Staged {
-    fn decide(&self, view: &OffloadView<'_>) -> Vec<String> {
-        view.candidates().filter(|r| !self.keep.iter().any(|k| k == r.id())).map(|r| r.id().to_string()).collect()
-    }
-
-    fn name(&self) -> &str {
-        "staged"
-    }
-}
-
-/// What was applied to one component: the planned route, the route the pipeline runs, and how.
-#[derive(Debug, Clone, PartialEq)]
-pub struct AppliedRoute {
-    /// The component's name.
-    pub component: String,
-    /// Its id in the manager.
-    pub id: String,
-    /// The route the plan chose; `None` when the component was not planned ([`enable_offload`] plans one).
-    pub planned: Option<Route>,
-    /// The route the pipeline applied (differs from the plan where a route is not supported yet).
-    pub applied: Route,
-    /// The mechanism, in words, and any difference from the plan.
-    pub how: String,
 }
 
 /// A plan for the pipeline as applied: the planner's [`Plan`] (its `Display` is the table and one reason per
@@ -466,7 +250,7 @@ fn metrics(opts: &GenerateOptions) -> [(&'static str, f64); 3] {
 /// the activation estimates are made for (plan again for a larger image). With `settings.profile_name`, the
 /// named calibration is loaded from the profile store first. Auto offload is (re-)enabled on `device.memory`
 /// with the [`Staged`] strategy, so any earlier auto offload session ends; a pipeline whose transformer is
-/// already under group offload is refused ([`Error::OffloadAlreadyApplied`]): load it again to plan anew.
+/// already under group offload is refused (`group_offload::Error::AlreadyApplied`): load it again to plan anew.
 pub fn enable_pipeline_offload(
     pipeline: &mut ZImagePipeline,
     settings: impl Into<Settings>,
@@ -479,20 +263,23 @@ pub fn enable_pipeline_offload(
 
 /// Plans one component alone for the device and applies its route; the other components are left to the
 /// manager, which moves them whole when they run (component offload, staged). Meaningful for the transformer,
-/// the one component with block and leaf routes; for the text encoder and the VAE it chooses between resident
-/// and component offload.
+/// the component with block and leaf routes; for the VAE it chooses between resident and component offload.
+/// `component` is one of [`crate::pipeline::COMPONENTS`].
 ///
 /// The plan sees only this component, so a `resident` route is decided without the others' weights: prefer
 /// [`enable_pipeline_offload`] when more than one component competes for the device.
 pub fn enable_offload(
     pipeline: &mut ZImagePipeline,
-    component: PipelineComponent,
+    component: &str,
     settings: impl Into<Settings>,
     device: &DeviceFacts,
     opts: &GenerateOptions,
 ) -> Result<PipelinePlan> {
     let specs: Vec<ComponentSpec> =
-        component_specs(pipeline, opts)?.into_iter().filter(|spec| spec.name == component.name()).collect();
+        component_specs(pipeline, opts)?.into_iter().filter(|spec| spec.name == component).collect();
+    if specs.is_empty() {
+        return Err(crate::pipeline::unknown_component(component));
+    }
     plan_and_apply(pipeline, specs, settings.into(), device)
 }
 
@@ -509,80 +296,11 @@ fn plan_and_apply(
     pipeline.manager().disable_auto_offload()?;
     let machine = device.machine();
     let plan = plan_pipeline(&specs, settings.clone(), &machine)?;
-    if let Some(off) = plan.components.iter().find(|c| c.route == Route::Off) {
-        return Err(Error::Unmanaged { component: off.component.clone(), preset: plan.preset.to_string() });
-    }
     let transformer_outside =
         specs.iter().find(|s| s.name == "transformer").and_then(|s| s.layout.as_ref()).map_or(0, |l| l.outside_bytes);
-    let mut streamed = Vec::new();
-    for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
-        let layout = specs.iter().find(|s| s.name == component.name()).and_then(|s| s.layout.clone());
-        if let Some(applied) = apply_group_offload(pipeline, component, &plan, &settings, device, layout.as_ref())? {
-            streamed.push((component, applied));
-        }
-    }
-    let mut notes = Vec::new();
-    for planned in &plan.components {
-        let streams = streamed.iter().any(|(c, _)| c.name() == planned.component);
-        if planned.pinned_bytes > 0 && !streams {
-            notes.push(format!(
-                "{}: the plan pins {} of its host copy, but a component that moves whole goes with burn's to_device \
-                 from its own host tensors, which are not pinned (on CUDA, burn stages copies under 100 MiB through \
-                 its pinned pool by itself): its copies run at the pageable rate, so its predicted time is optimistic",
-                planned.component,
-                format_size(planned.pinned_bytes)
-            ));
-        }
-    }
-    for (component, _) in &streamed {
-        let Some(offload) = pipeline.group_offload(*component) else { continue };
-        let (pinned, page_locked) = offload.pinned_bytes();
-        if pinned > page_locked {
-            notes.push(format!(
-                "{component}: {} of host copies pinned through the device's staging, {} of them page-locked: this \
-                 backend has no page-locked memory, so only the simulated card's pricing sees the difference",
-                format_size(pinned),
-                format_size(page_locked)
-            ));
-        }
-    }
-
+    // Group moves are charged to the account the pipeline's components are charged to (their placement).
     let manager = pipeline.manager().clone();
-    let reserve = plan.components.iter().map(|c| c.headroom_bytes).max().unwrap_or(0);
-    manager.enable_auto_offload(device.memory.clone(), reserve, settings.retry_on_oom)?;
-    let mut applied = Vec::new();
-    let mut keep = Vec::new();
-    for component in PipelineComponent::ALL {
-        let id = component.id(pipeline).to_string();
-        let planned = plan.component(component.name()).map(|c| c.route);
-        let group = streamed.iter().find(|(c, _)| *c == component).map(|(_, applied)| applied.clone());
-        let (route, how) = match (group, planned) {
-            (Some(applied), _) => applied,
-            (_, Some(Route::Resident)) => {
-                keep.push(id.clone());
-                (Route::Resident, "resident: onloaded now and kept; the staged strategy never offloads it".to_string())
-            }
-            (_, Some(route)) => (
-                route,
-                "component offload: the manager moves it whole onto the device when it runs and off when the next \
-                 phase's component comes"
-                    .to_string(),
-            ),
-            (_, None) => (
-                Route::ComponentOffload,
-                "not planned: the manager moves it whole when it runs (component offload, staged)".to_string(),
-            ),
-        };
-        applied.push(AppliedRoute { component: component.name().to_string(), id, planned, applied: route, how });
-    }
-    manager.set_offload_strategy(Arc::new(Staged::keeping(keep.clone())))?;
-    for id in &keep {
-        manager.run_any(id, |_| Ok(()))?;
-    }
-    for route in &applied {
-        tracing::info!(component = %route.component, route = %route.applied, "{}", route.how);
-    }
-
+    let applied = apply_plan(&manager, &mut pipeline.components_mut(), &specs, &plan, &settings, device)?;
     let calibration_run = settings.profile_name.is_some()
         && settings.resident_budget.is_none()
         && (settings.calibration.is_none() || settings.calibrate)
@@ -590,81 +308,14 @@ fn plan_and_apply(
     let workload = workload(pipeline, device, &plan);
     Ok(PipelinePlan {
         plan,
-        applied,
-        notes,
+        applied: applied.applied,
+        notes: applied.notes,
         settings,
         calibration_run,
         memory: device.memory.clone(),
         workload,
         transformer_outside,
     })
-}
-
-/// Puts `component` under group offload when its planned route streams it (block or leaf level, with the plan's
-/// resident budget, prefetch and disk store; the layers outside the blocks kept resident unless the plan streams
-/// them); returns the applied route and how.
-fn apply_group_offload(
-    pipeline: &mut ZImagePipeline,
-    component: PipelineComponent,
-    plan: &Plan,
-    settings: &Settings,
-    device: &DeviceFacts,
-    layout: Option<&BlockLayout>,
-) -> Result<Option<(Route, String)>> {
-    let (Some(planned), Some(layout)) = (plan.component(component.name()), layout) else { return Ok(None) };
-    let outside = layout.outside_bytes;
-    let disk_store = if planned.on_disk { settings.disk_store_dir.clone() } else { None };
-    let options = match planned.route {
-        Route::BlockGroupOffload { blocks_per_group, prefetch, depth } => {
-            // The plan's resident bytes are the kept groups plus the outside layers, unless the full-pin rule
-            // streams those too (then it keeps nothing).
-            let keep_outside = planned.resident_bytes >= outside;
-            GroupOptions {
-                level: GroupLevel::Block { blocks_per_group },
-                prefetch,
-                prefetch_depth: depth,
-                resident_budget: planned.resident_bytes.saturating_sub(if keep_outside { outside } else { 0 }),
-                pinned_budget: planned.pinned_bytes,
-                disk_store,
-                releasable: true,
-                keep_outside,
-            }
-        }
-        Route::LeafGroupOffload { prefetch } => GroupOptions {
-            prefetch,
-            pinned_budget: planned.pinned_bytes,
-            disk_store,
-            releasable: true,
-            ..GroupOptions::leaf()
-        },
-        _ => return Ok(None),
-    };
-    // Group moves are charged to the ledger the pipeline's components are charged to (the simulated card).
-    let ledger = pipeline.placement().ledger.clone();
-    pipeline.enable_group_offload_with(component, ledger, Some(device.memory.clone()), &options)?;
-    let level = match options.level {
-        GroupLevel::Block { blocks_per_group: 1 } => "block level, 1 block per group".to_string(),
-        GroupLevel::Block { blocks_per_group } => format!("block level, {blocks_per_group} blocks per group"),
-        GroupLevel::Leaf => "leaf level, one linear layer at a time".to_string(),
-    };
-    let offload = pipeline.group_offload(component);
-    let (pinned, page_locked) = offload.map_or((0, 0), |o| o.pinned_bytes());
-    let how = format!(
-        "group offload: {level}, {}, resident budget {} of groups, {} of host copies pinned ({} page-locked), the {} \
-         outside the blocks {}, host copies {}; the staged strategy releases every group when the next phase's \
-         component comes",
-        if options.prefetch { format!("prefetch depth {}", options.prefetch_depth) } else { "no prefetch".into() },
-        format_size(options.resident_budget),
-        format_size(pinned),
-        format_size(page_locked),
-        format_size(outside),
-        if options.keep_outside { "resident" } else { "streamed as one group" },
-        match &options.disk_store {
-            Some(dir) => format!("as files in {}", dir.display()),
-            None => "in host memory".to_string(),
-        }
-    );
-    Ok(Some((planned.route, how)))
 }
 
 /// The workload identity shared by every run of a plan.

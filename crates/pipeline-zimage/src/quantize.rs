@@ -9,7 +9,7 @@
 //!
 //! A quantized component moves only whole: the manager onloads and offloads it with burn's `to_device`, which
 //! keeps the quantized representation. Group offload moves float parameters, so it refuses quantized ones
-//! ([`crate::pipeline::ZImagePipeline::enable_group_offload_with`] returns `RouteUnsupported`), and the
+//! (`group_offload::ModelHandle::enable_group_offload` returns `RouteUnsupported`), and the
 //! planner never routes a quantized component to block or leaf offload.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
@@ -69,4 +69,29 @@ pub fn quantized_params<M: Module>(module: &M) -> usize {
     let mut count = Count(0);
     module.visit(&mut count);
     count.0
+}
+
+/// Quantizes the linear weights of a pipeline component with [`int8_scheme`]: the component is re-registered
+/// with its new size (its id changes) and its weights stay quantized wherever the manager moves it. Returns how
+/// many weights were quantized; does nothing the second time. Refused for a component under group offload, whose
+/// host copies are float (quantize first: a quantized component then moves whole). A failure leaves the
+/// component registered as it was.
+pub fn quantize<M: group_offload::OffloadModel + Clone>(
+    component: &mut group_offload::ModelHandle<M>,
+) -> crate::Result<usize> {
+    if component.is_grouped() {
+        return Err(group_offload::Error::AlreadyApplied {
+            component: component.name().to_string(),
+            action: "quantize".into(),
+            reason: "it is under group offload, whose host copies are float; quantize it before enabling offload \
+                     (a quantized component moves whole)"
+                .into(),
+        }
+        .into());
+    }
+    if component.is_quantized() {
+        return Ok(0);
+    }
+    // A copy of the handles is quantized first, so nothing is unregistered until the quantized module exists.
+    Ok(component.replace(|module| quantize_linear_weights(module, &int8_scheme()))?)
 }

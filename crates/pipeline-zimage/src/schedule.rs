@@ -98,10 +98,11 @@ impl OffloadStrategy for LookaheadAfter {
 /// bytes, charged its activation estimate on each call in one allocation, with nothing left behind (what a
 /// simulated card charges the pipeline).
 pub fn replay_components(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Result<Vec<ComponentProfile>> {
-    let ids = pipeline.ids();
     let estimates = pipeline.activation_estimates(opts);
-    [&ids.text_encoder, &ids.transformer, &ids.vae]
+    pipeline
+        .components()
         .into_iter()
+        .map(|component| component.id())
         .zip(estimates)
         .map(|(id, working)| {
             let info = pipeline.manager().component_info(id)?;

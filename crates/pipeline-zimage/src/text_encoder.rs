@@ -20,7 +20,8 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use serde::Deserialize;
 
-use crate::layer::{Layer, whole};
+use group_offload::{Layer, OffloadModel, whole};
+
 use crate::loading::{LoadOptions, LoadReport, load_component};
 use crate::nn::{PtLinear, RmsNorm};
 use crate::{Error, Result};
@@ -474,11 +475,7 @@ impl TextEncoder {
     /// Shapes: `input_ids` `[batch, seq]` -> `[batch, seq, hidden]`. Attention is causal, so with right padding the
     /// rows of real tokens never depend on the pads; pad rows are computed but meaningless.
     pub fn forward(&self, input_ids: Tensor<2, Int>) -> Tensor<3> {
-        let (mut x, cos, sin) = self.embed(input_ids);
-        for layer in &self.layers {
-            x = layer.forward(x, cos.clone(), sin.clone());
-        }
-        x
+        whole(self.weights().forward(input_ids))
     }
 
     /// The token embeddings of `input_ids` `[batch, seq]` and the RoPE tables for their positions, in the
@@ -504,7 +501,7 @@ impl TextEncoder {
     /// `max_i len_i` positions are computed (trailing pads cannot influence real tokens under causal attention).
     /// Errors if the shapes differ or a mask row is not right-padded (ones, then zeros).
     pub fn encode(&self, input_ids: Tensor<2, Int>, attention_mask: Tensor<2, Bool>) -> Result<Vec<Tensor<2>>> {
-        encode_valid_rows(input_ids, attention_mask, self.hidden_size(), |ids| Ok(self.forward(ids)))
+        self.weights().encode(input_ids, attention_mask)
     }
 
     /// The dtype of the weights (and of the embeddings this module returns).
@@ -513,13 +510,36 @@ impl TextEncoder {
     }
 }
 
+// The text encoder under offload: its decoder layers. A layer's forward takes its norms (the group of the
+// parameters under no leaf) first.
+group_offload::offload_model!(
+    TextEncoder as "Qwen3Model",
+    weights TextEncoderWeights,
+    parts TextEncoderParts { layers: DecoderLayer },
+    leaves crate::nn::leaf_types(),
+);
+
+impl TextEncoderWeights<'_> {
+    /// `hidden_states[-2]` for right-padded ids `[batch, seq]` → `[batch, seq, hidden]`, as
+    /// [`TextEncoder::forward`].
+    pub fn forward(self, input_ids: Tensor<2, Int>) -> Result<Tensor<3>> {
+        let (x, cos, sin) = self.shell.get()?.embed(input_ids);
+        self.layers.fold(x, |layer, x| decoder_layer_forward(layer, x, cos.clone(), sin.clone()))
+    }
+
+    /// Each prompt's valid rows of `hidden_states[-2]`, as [`TextEncoder::encode`].
+    pub fn encode(self, input_ids: Tensor<2, Int>, attention_mask: Tensor<2, Bool>) -> Result<Vec<Tensor<2>>> {
+        // The width is read from the shell only when no prompt has a token (no forward to read it from).
+        encode_valid_rows(input_ids, attention_mask, || Ok(self.shell.get()?.hidden_size()), |ids| self.forward(ids))
+    }
+}
+
 /// [`TextEncoder::encode`] with the forward given: validates the mask (right-padded rows), runs `forward` over
-/// the first `max len` positions and returns each prompt's valid rows `[len_i, hidden]`. Shared with the
-/// grouped text encoder.
-pub(crate) fn encode_valid_rows(
+/// the first `max len` positions and returns each prompt's valid rows `[len_i, hidden]`.
+fn encode_valid_rows(
     input_ids: Tensor<2, Int>,
     attention_mask: Tensor<2, Bool>,
-    hidden: usize,
+    hidden: impl FnOnce() -> Result<usize>,
     forward: impl FnOnce(Tensor<2, Int>) -> Result<Tensor<3>>,
 ) -> Result<Vec<Tensor<2>>> {
     let [b, seq] = input_ids.dims();
@@ -551,6 +571,7 @@ pub(crate) fn encode_valid_rows(
     let longest = lengths.iter().copied().max().unwrap_or(0);
     if longest == 0 {
         let device = input_ids.device();
+        let hidden = hidden()?;
         return Ok(lengths.iter().map(|_| Tensor::zeros([0, hidden], &device)).collect());
     }
     let hidden = forward(input_ids.narrow(1, 0, longest))?;

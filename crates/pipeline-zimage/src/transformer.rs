@@ -39,7 +39,8 @@ use crate::config::{
     FINAL_NORM_EPS, FREQUENCY_EMBEDDING_SIZE, QK_NORM_EPS, SEQ_MULTI_OF, T_EMBED_MID_DIM, TransformerConfig,
 };
 use crate::error::{Error, Result};
-use crate::layer::{Layer, whole};
+use group_offload::{Layer, OffloadModel, whole};
+
 use crate::nn::{PtLinear, RmsNorm, layer_norm_no_affine};
 
 /// Checkpoint key renames applied when loading a diffusers transformer: `(regex, replacement)`.
@@ -464,7 +465,7 @@ pub struct ZImageState {
 
 /// Runs `forward` once per item, as a batch of one (`xs[i]` `[C, F, H, W]` with `t[i]` and `caps[i]`
 /// `[L_i, cap_feat_dim]`), and returns each output `[C, F, H, W]`: the loop behind
-/// [`ZImageTransformer2DModel::forward_items`] and the grouped transformer's.
+/// [`ZImageTransformer2DModel::forward_items`] and [`TransformerWeights::forward_items`].
 pub fn forward_each(
     xs: Vec<Tensor<4>>,
     t: Tensor<1>,
@@ -678,14 +679,50 @@ impl ZImageTransformer2DModel {
         whole(forward_each(xs, t, caps, |x, t, cap| Ok(self.forward(x, t, cap))))
     }
 
-    /// The whole forward: [`Self::prepare`], every block of `layers`, [`Self::finish`].
+    /// The whole forward: [`Self::prepare`], every block of `layers`, [`Self::finish`] (the forward of
+    /// [`TransformerWeights`], over the resident weights).
     ///
     /// Shapes: `x` `[B, C, F, H, W]`, `t` `[B]` in `[0, 1]`, `cap_feats` `[B, L, cap_feat_dim]` ->
     /// `[B, C, F, H, W]` in the model dtype (the model's prediction; the pipeline negates it into the velocity).
     pub fn forward(&self, x: Tensor<5>, t: Tensor<1>, cap_feats: Tensor<3>) -> Tensor<5> {
-        let state = self.prepare(x, t, cap_feats);
-        let state = self.layers.iter().fold(state, |state, block| block_forward(block, state));
-        self.finish(state)
+        whole(self.weights().forward(x, t, cap_feats))
+    }
+}
+
+// The transformer under offload: its three block lists, in the order the forward runs them. A modulated block's
+// forward takes `adaLN_modulation.0` first (the noise refiner's and the main layers' blocks).
+group_offload::offload_model!(
+    ZImageTransformer2DModel as "ZImageTransformer2DModel",
+    weights TransformerWeights,
+    parts TransformerParts { noise_refiner: ZImageBlock, context_refiner: ZImageBlock, layers: ZImageBlock },
+    first leaf "adaLN_modulation.0",
+    leaves crate::nn::leaf_types(),
+);
+
+impl TransformerWeights<'_> {
+    /// The forward over items of possibly different sizes, one at a time (as
+    /// [`ZImageTransformer2DModel::forward_items`]): `xs[i]` `[C, F, H, W]`, `t` `[n]`, `caps[i]` `[L_i, D_cap]`.
+    pub fn forward_items(self, xs: Vec<Tensor<4>>, t: Tensor<1>, caps: Vec<Tensor<2>>) -> Result<Vec<Tensor<4>>> {
+        forward_each(xs, t, caps, |x, t, cap| self.forward(x, t, cap))
+    }
+
+    /// One forward: `x` `[B, C, F, H, W]`, `t` `[B]`, `cap_feats` `[B, L, D_cap]` → `[B, C, F, H, W]`: embed,
+    /// the noise refiner over the image tokens, the context refiner over the caption, the main layers over the
+    /// unified sequence, the final layer.
+    pub fn forward(self, x: Tensor<5>, t: Tensor<1>, cap_feats: Tensor<3>) -> Result<Tensor<5>> {
+        let mut embedded = self.shell.get()?.embed(x, t, cap_feats);
+        let (rope, adaln) = (embedded.image_rope.clone(), embedded.adaln.clone());
+        embedded.image = self
+            .noise_refiner
+            .fold(embedded.image, |block, image| block_layer_forward(block, image, &rope, Some(&adaln)))?;
+        let rope = embedded.caption_rope.clone();
+        embedded.caption = self
+            .context_refiner
+            .fold(embedded.caption, |block, caption| block_layer_forward(block, caption, &rope, None))?;
+        let ZImageState { hidden, rope, adaln, layout } = embedded.unify();
+        let hidden =
+            self.layers.fold(hidden, |block, hidden| block_layer_forward(block, hidden, &rope, Some(&adaln)))?;
+        Ok(self.shell.get()?.finish(ZImageState { hidden, rope, adaln, layout }))
     }
 }
 

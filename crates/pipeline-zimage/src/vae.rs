@@ -565,6 +565,9 @@ pub struct AutoencoderKl {
     pub shift_factor: f64,
 }
 
+// The VAE declares no block lists: it moves only whole (component offload), and its forward reads the module.
+group_offload::offload_model!(AutoencoderKl as "AutoencoderKL");
+
 impl AutoencoderKl {
     /// Builds the module with lazily initialised parameters on `device`. `config` must be valid
     /// ([`VaeConfig::validate`]).

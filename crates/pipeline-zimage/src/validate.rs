@@ -37,9 +37,10 @@ use offload_core::plan::{HostMemory, Preset, Route, Settings, SettingsLayer};
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, format_size};
 
 use crate::error::Result;
-use crate::offload::Placement;
 use crate::pipeline::{GenerateOptions, ZImagePipeline};
-use crate::presets::{DeviceFacts, PipelinePlan, component_specs, enable_pipeline_offload, exact_reserve};
+use crate::presets::{PipelinePlan, component_specs, enable_pipeline_offload, exact_reserve};
+use group_offload::{Placement, Unbounded};
+use offload_core::plan::DeviceFacts;
 
 /// What a [`Meter`] counted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -343,7 +344,7 @@ fn run_case(
             let meter = Meter::on_card(sim.clone());
             let placement = Placement { ledger: meter.clone(), ..Placement::simulated(sim.clone()) };
             let mut pipeline = load(placement)?;
-            let facts = DeviceFacts::simulated(sim.clone(), validation_host());
+            let facts = sim.device_facts(validation_host());
             let settings = settings(preset, exact_reserve(&pipeline, opts))?;
             let plan = enable_pipeline_offload(&mut pipeline, settings, &facts, opts)?;
             // The first image captures each streamed component's call order (no prefetch); the second is the one
@@ -495,7 +496,7 @@ pub fn measure_calls(
         memory: Some(readings.clone()),
     };
     let pipeline = load(placement)?;
-    pipeline.enable_auto_offload(Arc::new(crate::offload::Unbounded { device: name.clone() }), 0, true)?;
+    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true)?;
     pipeline.generate(opts, &mut |_, _| {})?;
     let calls = meter.calls();
     drop(pipeline);

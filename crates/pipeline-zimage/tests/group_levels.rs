@@ -6,12 +6,11 @@ use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use group_offload::GroupOffloadConfig;
+use group_offload::Placement;
+use group_offload::{GroupLevel, GroupOptions, GroupedModel};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, Offloadable};
-use pipeline_zimage::grouped::{GroupLevel, GroupOptions, GroupedTextEncoder, GroupedTransformer};
 use pipeline_zimage::loading::{Checkpoint, LoadOptions};
-use pipeline_zimage::offload::Placement;
-use pipeline_zimage::pipeline::PipelineComponent;
 use pipeline_zimage::text_encoder::TextEncoder;
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 
@@ -71,12 +70,16 @@ fn the_transformer_gives_the_resident_output_at_every_level_and_leaf_level_holds
     let mut peaks = Vec::new();
     for level in LEVELS {
         let card = card();
-        let mut grouped =
-            GroupedTransformer::new(transformer(), config("transformer", &card), &options(level), card.clone())
-                .expect("groups");
+        let mut grouped = GroupedModel::<ZImageTransformer2DModel>::new(
+            transformer(),
+            config("transformer", &card),
+            &options(level),
+            card.clone(),
+        )
+        .expect("groups");
         grouped.onload(&card.device()).expect("the shell uploads");
         for pass in 0..3 {
-            let out = values(grouped.forward(x.clone(), t.clone(), cap.clone()).expect("forward"));
+            let out = values(grouped.weights().forward(x.clone(), t.clone(), cap.clone()).expect("forward"));
             let error = max_abs_diff(&out, &resident);
             assert!(error <= 1e-6, "{level:?}, pass {pass}: differs from the resident output by {error}");
         }
@@ -102,6 +105,35 @@ fn the_transformer_gives_the_resident_output_at_every_level_and_leaf_level_holds
     assert!(leaf < block, "leaf level should hold less than one block per group: {peaks:?}");
 }
 
+/// The check every `OffloadModel` gets for free, on both streamed models of the tiny checkpoint: each forward
+/// streams at block and leaf level as it runs resident, every leaf path names a group, no weight is read outside
+/// the group that holds it, every group is taken, and the census names the blocks the split makes.
+#[test]
+fn the_transformer_and_the_text_encoder_pass_the_free_streaming_check() {
+    let golden = golden("transformer.safetensors");
+    let device = Device::flex();
+    let input = |name: &str| {
+        let (shape, values) = &golden[name];
+        TensorData::new(values.clone(), shape.clone())
+    };
+    let x: Tensor<5> = Tensor::<4>::from_data(input("x"), (&device, DType::F32)).unsqueeze_dim(0);
+    let t: Tensor<1> = Tensor::from_data(input("t"), (&device, DType::F32));
+    let cap: Tensor<3> = Tensor::<2>::from_data(input("cap_feats"), (&device, DType::F32)).unsqueeze_dim(0);
+    let model = transformer();
+    let blocks = model.noise_refiner.len() + model.context_refiner.len() + model.layers.len();
+    let check =
+        group_offload::check_streaming(model, &device, |weights| weights.forward(x.clone(), t.clone(), cap.clone()))
+            .expect("the transformer streams");
+    assert_eq!(check.block_groups, blocks);
+
+    let ids: Tensor<2, Int> = Tensor::from_data(TensorData::new(vec![5i64, 9, 2, 7, 3, 1, 4, 8], [2, 4]), &device);
+    let model = text_encoder();
+    let layers = model.layers.len();
+    let check = group_offload::check_streaming(model, &device, |weights| weights.forward(ids.clone()))
+        .expect("the text encoder streams");
+    assert_eq!(check.block_groups, layers);
+}
+
 #[test]
 fn the_text_encoder_gives_the_resident_embeddings_at_every_level() {
     let device = Device::flex();
@@ -114,12 +146,16 @@ fn the_text_encoder_gives_the_resident_embeddings_at_every_level() {
 
     for level in LEVELS {
         let card = card();
-        let mut grouped =
-            GroupedTextEncoder::new(text_encoder(), config("text_encoder", &card), &options(level), card.clone())
-                .expect("groups");
+        let mut grouped = GroupedModel::<TextEncoder>::new(
+            text_encoder(),
+            config("text_encoder", &card),
+            &options(level),
+            card.clone(),
+        )
+        .expect("groups");
         grouped.onload(&card.device()).expect("the embedding uploads");
         for pass in 0..2 {
-            let embeds = grouped.encode(ids.clone(), mask.clone()).expect("encode");
+            let embeds = grouped.weights().encode(ids.clone(), mask.clone()).expect("encode");
             assert_eq!(embeds.len(), resident.len());
             for (got, want) in embeds.into_iter().zip(&resident) {
                 let error = max_abs_diff(&values(got), want);
@@ -132,7 +168,7 @@ fn the_text_encoder_gives_the_resident_embeddings_at_every_level() {
         // A bad mask is still the typed error it is without group offload.
         let bad = Tensor::<2, Int>::from_data(TensorData::new(vec![0i64, 1, 1, 1, 1, 1, 1, 1, 0, 0], [2, 5]), &device)
             .equal_elem(1);
-        assert!(matches!(grouped.encode(ids.clone(), bad), Err(pipeline_zimage::Error::Shape { .. })));
+        assert!(matches!(grouped.weights().encode(ids.clone(), bad), Err(pipeline_zimage::Error::Shape { .. })));
     }
 }
 
@@ -146,21 +182,22 @@ fn the_pipeline_streams_both_encoders_at_leaf_level_and_gives_the_golden_image()
     let placement = Placement::simulated(card.clone());
     let mut pipeline = load_tiny(placement);
     let leaf = GroupOptions { releasable: true, ..GroupOptions::leaf() };
-    for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
-        pipeline.enable_group_offload_with(component, card.clone(), Some(card.clone()), &leaf).expect("group offload");
+    for component in ["text_encoder", "transformer"] {
+        pipeline.enable_group_offload_with(component, &leaf).expect("group offload");
         assert!(pipeline.is_grouped(component));
     }
-    let error = pipeline
-        .enable_group_offload_with(PipelineComponent::Vae, card.clone(), None, &leaf)
-        .expect_err("the VAE has no blocks");
-    assert!(matches!(error, pipeline_zimage::Error::RouteUnsupported { .. }), "{error:?}");
+    let error = pipeline.enable_group_offload_with("vae", &leaf).expect_err("the VAE has no blocks");
+    assert!(
+        matches!(error, pipeline_zimage::Error::GroupOffload(group_offload::Error::RouteUnsupported { .. })),
+        "{error:?}"
+    );
     assert_eq!(pipeline.manager().placement().len(), 3, "every component is still registered");
 
     pipeline.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
     let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("generate"));
     assert!(max_abs_diff(&image, &resident) <= 1e-6);
     assert!(max_abs_diff(&image, &golden_image) <= 1e-3);
-    for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
+    for component in ["text_encoder", "transformer"] {
         let stats = pipeline.group_stats(component).expect("grouped");
         assert!(stats.onloads > 0, "{component}: {stats:?}");
         assert_eq!(stats.stray_loads, 0, "{component}: {stats:?}");
@@ -180,11 +217,12 @@ fn bad_group_options_are_typed_errors_that_leave_the_component_registered() {
         GroupOptions { prefetch: true, prefetch_depth: 0, ..GroupOptions::leaf() },
     ];
     for options in bad {
-        for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
-            let error = pipeline
-                .enable_group_offload_with(component, card.clone(), None, &options)
-                .expect_err("the options are refused");
-            assert!(matches!(error, pipeline_zimage::Error::InvalidArgument { .. }), "{error:?}");
+        for component in ["text_encoder", "transformer"] {
+            let error = pipeline.enable_group_offload_with(component, &options).expect_err("the options are refused");
+            assert!(
+                matches!(error, pipeline_zimage::Error::GroupOffload(group_offload::Error::InvalidConfig { .. })),
+                "{error:?}"
+            );
             assert!(error.to_string().contains("use 1 or more") || error.to_string().contains("at least 1"), "{error}");
             assert!(!pipeline.is_grouped(component));
         }

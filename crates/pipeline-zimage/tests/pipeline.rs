@@ -5,11 +5,11 @@
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Tensor};
+use group_offload::Placement;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, Reason};
 use pipeline_zimage::loading::LoadOptions;
-use pipeline_zimage::offload::Placement;
-use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
+use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 
 mod common;
 
@@ -106,7 +106,7 @@ fn simulated(group: bool, card_bytes: u64, reserve: u64) -> (ZImagePipeline, Arc
     let placement = Placement::simulated(card.clone());
     let mut pipeline = load(placement);
     if group {
-        pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1).expect("group offload");
+        pipeline.enable_group_offload(1, 1).expect("group offload");
     }
     pipeline.enable_auto_offload(card.clone(), reserve, true).expect("auto offload");
     (pipeline, card)
@@ -121,8 +121,9 @@ fn the_same_image_under_auto_and_group_offload_on_a_small_card() {
 
     let (sizes, estimates) = {
         let probe = load(resident_placement());
-        let ids = probe.ids().clone();
-        let sizes = [ids.text_encoder, ids.transformer, ids.vae]
+        let sizes = probe
+            .components()
+            .map(|c| c.id().to_string())
             .map(|id| probe.manager().component_info(&id).expect("info").bytes);
         (sizes, probe.activation_estimates(&opts))
     };
@@ -165,7 +166,7 @@ fn the_same_image_under_auto_and_group_offload_on_a_small_card() {
                 assert!(record.events().iter().any(|e| expected(&e.reason)), "{name}: not the expected move\n{record}");
             }
             assert!(card.peak() <= card_bytes, "{name}, group={group}: the hard card exceeded its capacity");
-            if let Some(stats) = pipeline.group_stats(PipelineComponent::Transformer) {
+            if let Some(stats) = pipeline.group_stats("transformer") {
                 assert_eq!(stats.misses, 0, "{name}: steady steps prefetch every group: {stats:?}");
             }
         }
@@ -213,9 +214,8 @@ fn the_tiny_pipeline_meets_its_card_declarations() {
     .expect("valid declarations");
     let (opts, _) = turbo_options();
     let probe = load(resident_placement());
-    let ids = probe.ids().clone();
     let size = |id: &str| probe.manager().component_info(id).expect("info").bytes;
-    let (te, tr) = (size(&ids.text_encoder), size(&ids.transformer));
+    let (te, tr) = (size(probe.text_encoder().id()), size(probe.transformer().id()));
     let card_bytes = tr + probe.activation_estimates(&opts)[1] + te / 2;
     let (pipeline, _) = simulated(false, card_bytes, 0);
     pipeline.generate(&opts, &mut |_, _| {}).expect("the run completes");

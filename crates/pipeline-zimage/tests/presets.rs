@@ -7,14 +7,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use group_offload::Placement;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::DeviceMemory;
 use offload_core::plan::{HostMemory, Outcome, Preset, Route, Settings, SettingsLayer, WarningKind};
-use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, PHASES, ZImagePipeline};
 use pipeline_zimage::presets::{
-    DeviceFacts, PipelineComponent, PipelinePlan, component_specs, enable_offload, enable_pipeline_offload,
-    exact_reserve, generate_profiled,
+    PipelinePlan, component_specs, enable_offload, enable_pipeline_offload, exact_reserve, generate_profiled,
 };
 
 mod common;
@@ -122,7 +121,7 @@ fn plan_on(
     opts: &GenerateOptions,
 ) -> (ZImagePipeline, Arc<SimCard>, pipeline_zimage::Result<PipelinePlan>) {
     let (mut pipeline, card) = on_card(card_bytes);
-    let facts = DeviceFacts::simulated(card.clone(), host());
+    let facts = card.device_facts(host());
     let plan = enable_pipeline_offload(&mut pipeline, settings(pairs), &facts, opts);
     (pipeline, card, plan)
 }
@@ -152,8 +151,8 @@ fn every_preset_gives_the_resident_image_on_a_card_that_must_stream_the_transfor
         }
         let plan = plan.unwrap_or_else(|e| panic!("{preset}: {e}"));
         println!("{preset} on {card_bytes} bytes:\n{plan}");
-        for component in PipelineComponent::ALL {
-            let why = plan.why(component.name()).unwrap_or_default();
+        for component in pipeline_zimage::pipeline::COMPONENTS {
+            let why = plan.why(component).unwrap_or_default();
             assert!(!why.is_empty(), "{preset}: no reason for {component}");
         }
         let transformer = plan.applied("transformer").expect("applied");
@@ -179,9 +178,9 @@ fn every_preset_gives_the_resident_image_on_a_card_that_must_stream_the_transfor
         assert!(error <= 1e-6, "{preset}: the image differs from the resident run's by {error}");
         assert!(card.peak() <= card_bytes, "{preset}: the hard card went past its capacity");
         assert_eq!(run.peak_device, card.peak());
-        let stats = pipeline.group_stats(PipelineComponent::Transformer).expect("grouped");
+        let stats = pipeline.group_stats("transformer").expect("grouped");
         assert!(stats.onloads + stats.prefetches > 0, "{preset}: no group moved: {stats:?}");
-        for component in PipelineComponent::ALL {
+        for component in pipeline_zimage::pipeline::COMPONENTS {
             if let Some(stats) = pipeline.group_stats(component) {
                 assert_eq!(stats.stray_loads, 0, "{preset}: {component} touched a weight it had not taken: {stats:?}");
             }
@@ -335,14 +334,14 @@ fn one_component_can_be_planned_alone() {
     let sizes = sizes(&opts);
     let scratch = Scratch::new("one");
     let (mut pipeline, card) = on_card(sizes.streaming_card());
-    let facts = DeviceFacts::simulated(card.clone(), host());
+    let facts = card.device_facts(host());
     let pairs = [
         ("preset", "diffusers_offload_compat".to_string()),
         ("reserve", sizes.reserve.to_string()),
         ("profile_dir", scratch.0.display().to_string()),
     ];
-    let plan = enable_offload(&mut pipeline, PipelineComponent::Transformer, settings(&pairs), &facts, &opts)
-        .expect("plans the transformer");
+    let plan =
+        enable_offload(&mut pipeline, "transformer", settings(&pairs), &facts, &opts).expect("plans the transformer");
     assert_eq!(plan.plan.components.len(), 1);
     assert!(matches!(plan.applied("transformer").map(|a| a.applied), Some(Route::BlockGroupOffload { .. })));
     assert_eq!(plan.applied("vae").and_then(|a| a.planned), None);
@@ -362,9 +361,12 @@ fn a_card_too_small_for_any_route_is_a_typed_planning_error() {
     // Planning again after group offload was applied is refused rather than half-done.
     let (mut pipeline, card, plan) = plan_on(sizes.streaming_card(), &[("reserve", sizes.reserve.to_string())], &opts);
     plan.expect("plans");
-    let facts = DeviceFacts::simulated(card, host());
+    let facts = card.device_facts(host());
     let again = enable_pipeline_offload(&mut pipeline, Preset::Auto, &facts, &opts).expect_err("refused");
-    assert!(matches!(again, pipeline_zimage::Error::OffloadAlreadyApplied { .. }), "{again}");
+    assert!(
+        matches!(again, pipeline_zimage::Error::GroupOffload(group_offload::Error::AlreadyApplied { .. })),
+        "{again}"
+    );
 }
 
 #[test]
@@ -409,7 +411,7 @@ fn pinned_host_copies_are_staged_and_priced_as_pinned_copies_on_the_card() {
         let card = SimCard::new(spec);
         let placement = Placement::simulated(card.clone());
         let mut pipeline = load(placement);
-        let facts = DeviceFacts::simulated(card.clone(), host());
+        let facts = card.device_facts(host());
         let pairs = [
             ("preset", preset.name().to_string()),
             ("reserve", sizes.reserve.to_string()),
@@ -417,7 +419,7 @@ fn pinned_host_copies_are_staged_and_priced_as_pinned_copies_on_the_card() {
         ];
         let plan = enable_pipeline_offload(&mut pipeline, settings(&pairs), &facts, &opts).expect("plans");
         let planned = plan.component("transformer").expect("planned").pinned_bytes;
-        let offload = pipeline.group_offload(PipelineComponent::Transformer).expect("the transformer streams");
+        let offload = pipeline.group_offload("transformer").expect("the transformer streams");
         let (pinned, page_locked) = offload.pinned_bytes();
         assert_eq!(page_locked, 0, "{preset}: the CPU backend has no page-locked memory");
         if pins {

@@ -3,13 +3,14 @@
 
 use std::sync::Arc;
 
+use group_offload::GroupOptions;
+use group_offload::{BurnComponent, Placement};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{Action, DeviceMemory};
-use pipeline_zimage::grouped::GroupOptions;
-use pipeline_zimage::offload::{BurnComponent, Placement};
-use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
-use pipeline_zimage::presets::{DeviceFacts, enable_pipeline_offload, exact_reserve};
+use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
+use pipeline_zimage::presets::{enable_pipeline_offload, exact_reserve};
+use pipeline_zimage::quantize::quantize;
 use pipeline_zimage::quantize::quantized_params;
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 
@@ -32,9 +33,8 @@ fn quantized_on_card(bytes: u64) -> (ZImagePipeline, Arc<SimCard>) {
     );
     let placement = Placement::simulated(card.clone());
     let mut pipeline = load(placement);
-    for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
-        pipeline.quantize(component).expect("quantizes");
-    }
+    quantize(pipeline.text_encoder_mut()).expect("quantizes");
+    quantize(pipeline.transformer_mut()).expect("quantizes");
     (pipeline, card)
 }
 
@@ -44,8 +44,12 @@ fn settings(reserve: u64) -> Settings {
     Settings::resolve(&explicit, std::iter::empty::<(String, String)>(), None).expect("valid settings")
 }
 
-fn bytes(pipeline: &ZImagePipeline, component: PipelineComponent) -> u64 {
-    pipeline.manager().component_info(component.id(pipeline)).expect("registered").bytes
+fn bytes(pipeline: &ZImagePipeline, component: &str) -> u64 {
+    pipeline
+        .manager()
+        .component_info(pipeline.component(component).expect("a component").id())
+        .expect("registered")
+        .bytes
 }
 
 #[test]
@@ -54,11 +58,11 @@ fn quantized_linear_weights_shrink_the_components_and_keep_the_image_close() {
     let float = load(resident());
     let float_image = values(float.generate(&opts, &mut |_, _| {}).expect("float run"));
     let mut pipeline = load(resident());
-    let transformer_before = bytes(&pipeline, PipelineComponent::Transformer);
-    let text_before = bytes(&pipeline, PipelineComponent::TextEncoder);
-    let transformer_linears = pipeline.quantize(PipelineComponent::Transformer).expect("quantizes");
-    let text_linears = pipeline.quantize(PipelineComponent::TextEncoder).expect("quantizes");
-    assert_eq!(pipeline.quantize(PipelineComponent::Transformer).expect("again"), 0, "quantizing twice does nothing");
+    let transformer_before = bytes(&pipeline, "transformer");
+    let text_before = bytes(&pipeline, "text_encoder");
+    let transformer_linears = quantize(pipeline.transformer_mut()).expect("quantizes");
+    let text_linears = quantize(pipeline.text_encoder_mut()).expect("quantizes");
+    assert_eq!(quantize(pipeline.transformer_mut()).expect("again"), 0, "quantizing twice does nothing");
     // Every PtLinear weight: per modulated block 8, per context-refiner block 7, plus the embedders and head.
     let config = pipeline.transformer_config().clone();
     let blocks = 8 * (config.n_layers + config.n_refiner_layers) + 7 * config.n_refiner_layers;
@@ -66,13 +70,13 @@ fn quantized_linear_weights_shrink_the_components_and_keep_the_image_close() {
     assert_eq!(text_linears, 7 * (pipeline.text_encoder_config().num_hidden_layers - 1));
     let counted = pipeline
         .manager()
-        .inspect(&pipeline.ids().transformer, |c: &BurnComponent<ZImageTransformer2DModel>| {
+        .inspect(pipeline.transformer().id(), |c: &BurnComponent<ZImageTransformer2DModel>| {
             quantized_params(c.module())
         })
         .expect("inspects");
     assert_eq!(counted, transformer_linears);
-    let transformer_after = bytes(&pipeline, PipelineComponent::Transformer);
-    let text_after = bytes(&pipeline, PipelineComponent::TextEncoder);
+    let transformer_after = bytes(&pipeline, "transformer");
+    let text_after = bytes(&pipeline, "text_encoder");
     println!(
         "transformer {transformer_before} -> {transformer_after} bytes, text encoder {text_before} -> {text_after}"
     );
@@ -93,37 +97,37 @@ fn a_quantized_pipeline_moves_whole_under_the_plan_and_gives_the_same_image() {
     let (probe, _) = quantized_on_card(1 << 30);
     let quantized_image = values(probe.generate(&opts, &mut |_, _| {}).expect("resident quantized run"));
     let reserve = exact_reserve(&probe, &opts);
-    let [text, transformer, vae] =
-        [PipelineComponent::TextEncoder, PipelineComponent::Transformer, PipelineComponent::Vae]
-            .map(|c| bytes(&probe, c));
+    let [text, transformer, vae] = ["text_encoder", "transformer", "vae"].map(|c| bytes(&probe, c));
     let largest = text.max(transformer).max(vae);
 
     // Room for any one component whole beside the activations, not for all of them at once.
     let card_bytes = largest + reserve + vae.min(text) / 2;
     assert!(card_bytes < text + transformer + vae + reserve);
     let (mut pipeline, card) = quantized_on_card(card_bytes);
-    let facts = DeviceFacts::simulated(card.clone(), HostMemory::new(64 << 30, 60 << 30));
+    let facts = card.device_facts(HostMemory::new(64 << 30, 60 << 30));
     let plan = enable_pipeline_offload(&mut pipeline, settings(reserve), &facts, &opts).expect("plans");
-    for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
-        let route = plan.applied(component.name()).expect("applied").applied;
+    for component in ["text_encoder", "transformer"] {
+        let route = plan.applied(component).expect("applied").applied;
         assert!(!route.is_group_offload(), "{component} is quantized, yet it was routed {route}\n{plan}");
     }
     let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("runs"));
     assert!(max_abs_diff(&image, &quantized_image) <= 1e-6, "moving quantized weights changed the image");
     assert!(card.peak() <= card_bytes);
     let record = pipeline.manager().offload_record();
-    let transformer_id = pipeline.ids().transformer.clone();
+    let transformer_id = pipeline.transformer().id().to_string();
     assert!(
         record.events().iter().any(|e| e.action == Action::Offload && e.id == transformer_id),
         "the quantized transformer moved whole: {record}"
     );
 
     // Group offload refuses quantized weights, and loses nothing doing so.
-    let card = card.clone();
     let error = pipeline
-        .enable_group_offload_with(PipelineComponent::Transformer, card.clone(), None, &GroupOptions::default())
+        .enable_group_offload_with("transformer", &GroupOptions::default())
         .expect_err("quantized weights are not streamed");
-    assert!(matches!(error, pipeline_zimage::Error::RouteUnsupported { .. }), "{error:?}");
+    assert!(
+        matches!(error, pipeline_zimage::Error::GroupOffload(group_offload::Error::RouteUnsupported { .. })),
+        "{error:?}"
+    );
     assert!(error.to_string().contains("quantized"), "{error}");
     assert_eq!(pipeline.manager().placement().len(), 3);
     let again = values(pipeline.generate(&opts, &mut |_, _| {}).expect("still runs"));
@@ -135,9 +139,9 @@ fn a_card_too_small_for_the_quantized_transformer_whole_is_a_typed_planning_erro
     let opts = options();
     let (probe, _) = quantized_on_card(1 << 30);
     let reserve = exact_reserve(&probe, &opts);
-    let transformer = bytes(&probe, PipelineComponent::Transformer);
+    let transformer = bytes(&probe, "transformer");
     let (mut pipeline, card) = quantized_on_card(transformer / 2 + reserve);
-    let facts = DeviceFacts::simulated(card, HostMemory::new(64 << 30, 60 << 30));
+    let facts = card.device_facts(HostMemory::new(64 << 30, 60 << 30));
     let error = enable_pipeline_offload(&mut pipeline, settings(reserve), &facts, &opts).expect_err("does not fit");
     let message = error.to_string();
     assert!(message.contains("quantized weights keep their own kernels"), "{message}");

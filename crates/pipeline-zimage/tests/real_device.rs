@@ -18,12 +18,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use common::{fixtures, golden, load_tiny, max_abs_diff, tensor4, turbo_options, values};
+use group_offload::{BurnComponent, Placement, Unbounded};
 use group_offload::{CappedDevice, GroupOffloadConfig, PagePolicy, PoolReadings, open_device_with};
+use group_offload::{GroupLevel, GroupOptions, GroupedModel};
 use offload_core::{Action, ComponentError, DeviceLedger, DeviceMemory, DeviceName, NoLedger, Offloadable, Reason};
-use pipeline_zimage::grouped::{GroupLevel, GroupOptions, GroupedTransformer};
 use pipeline_zimage::loading::{Checkpoint, LoadOptions};
-use pipeline_zimage::offload::{BurnComponent, Placement, Unbounded};
-use pipeline_zimage::pipeline::{GenerateOptions, PipelineComponent, ZImagePipeline};
+use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 use pipeline_zimage::vae::AutoencoderKl;
 
@@ -74,8 +74,12 @@ fn resident(device: &Device, name: &DeviceName) -> ZImagePipeline {
     pipeline
 }
 
-fn bytes(pipeline: &ZImagePipeline, component: PipelineComponent) -> u64 {
-    pipeline.manager().component_info(component.id(pipeline)).expect("registered").bytes
+fn bytes(pipeline: &ZImagePipeline, component: &str) -> u64 {
+    pipeline
+        .manager()
+        .component_info(pipeline.component(component).expect("a component").id())
+        .expect("registered")
+        .bytes
 }
 
 #[test]
@@ -101,7 +105,7 @@ fn the_tiny_pipeline_matches_diffusers_on_the_real_device() {
     for (id, placed) in pipeline.manager().placement() {
         assert_eq!(placed, name, "{id}");
     }
-    let weights: u64 = PipelineComponent::ALL.iter().map(|c| bytes(&pipeline, *c)).sum();
+    let weights: u64 = pipeline_zimage::pipeline::COMPONENTS.iter().map(|c| bytes(&pipeline, *c)).sum();
     assert!(in_use(&device) >= weights, "the pool holds {} for {weights} of weights", in_use(&device));
 }
 
@@ -126,7 +130,7 @@ fn auto_offload_decides_from_the_devices_own_readings() {
     // Load first (on the host) to size the device: the transformer fits, the transformer and the text encoder
     // together do not, so the strategy must evict on the device's own numbers.
     let probe = load_tiny(Placement::host_only());
-    let (te, tr) = (bytes(&probe, PipelineComponent::TextEncoder), bytes(&probe, PipelineComponent::Transformer));
+    let (te, tr) = (bytes(&probe, "text_encoder"), bytes(&probe, "transformer"));
     drop(probe);
     let total = baseline + tr + te / 2;
     let memory = readings(&device, &name, total);
@@ -140,16 +144,14 @@ fn auto_offload_decides_from_the_devices_own_readings() {
     println!("{record}");
     let events = record.events();
     let first = events.iter().find(|e| e.action == Action::Onload).expect("an onload");
-    assert_eq!(first.id, PipelineComponent::TextEncoder.id(&pipeline));
+    assert_eq!(first.id, pipeline.text_encoder().id());
     // Before the first onload nothing of the run was on the device: the column is the pool's own figure.
     assert_eq!(first.available, Some(total - baseline), "{record}");
     let evicted = events
         .iter()
-        .find(|e| e.action == Action::Offload && e.id == PipelineComponent::TextEncoder.id(&pipeline))
+        .find(|e| e.action == Action::Offload && e.id == pipeline.text_encoder().id())
         .expect("the text encoder is evicted for the transformer");
-    assert!(
-        matches!(&evicted.reason, Some(Reason::ReleaseMemoryFor(id)) if *id == PipelineComponent::Transformer.id(&pipeline))
-    );
+    assert!(matches!(&evicted.reason, Some(Reason::ReleaseMemoryFor(id)) if *id == pipeline.transformer().id()));
     // The eviction's reading was taken with the text encoder on the device: the pool held at least its weights.
     assert!(evicted.available.expect("a reading") <= total - baseline - te, "{record}");
     assert!(evicted.peak.expect("a reading") >= baseline + te, "{record}");
@@ -199,7 +201,8 @@ fn group_offload_streams_within_the_ring_bound_and_returns_every_groups_memory()
             .with_device_name(name.clone())
             .with_memory(memory.clone());
         let mut grouped =
-            GroupedTransformer::new(model.clone(), config, &options, Arc::new(NoLedger)).expect("group offload");
+            GroupedModel::<ZImageTransformer2DModel>::new(model.clone(), config, &options, Arc::new(NoLedger))
+                .expect("group offload");
         let offload = grouped.offload().clone();
         let inputs = in_use(&device);
 
@@ -284,15 +287,13 @@ fn the_pipeline_streams_both_encoders_on_the_device_and_gives_the_resident_image
     let mut pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
     let block = GroupOptions { prefetch_depth: 2, ..GroupOptions::default() };
     let leaf = GroupOptions { prefetch_depth: 2, ..GroupOptions::leaf() };
-    for (component, options) in [(PipelineComponent::Transformer, &block), (PipelineComponent::TextEncoder, &leaf)] {
-        pipeline
-            .enable_group_offload_with(component, Arc::new(NoLedger), Some(memory.clone()), options)
-            .expect("group offload");
+    for (component, options) in [("transformer", &block), ("text_encoder", &leaf)] {
+        pipeline.enable_group_offload_with(component, options).expect("group offload");
     }
     pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload");
     let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("generate"));
     assert!(max_abs_diff(&image, &reference) <= 1e-6, "{}", max_abs_diff(&image, &reference));
-    let stats = pipeline.group_stats(PipelineComponent::Transformer).expect("grouped");
+    let stats = pipeline.group_stats("transformer").expect("grouped");
     assert!(stats.prefetch_hits > 0 && stats.misses == 0, "{stats:?}");
     // Each prefetch was recorded with the device's reading.
     let record = pipeline.manager().offload_record();
@@ -314,8 +315,8 @@ fn the_decode_oom_recovers_under_a_hard_cap_over_the_real_device() {
     let before = memory.observe().reserved;
     let _ = values(pipeline.decode(opts.latents.clone().expect("the golden latents")).expect("decode"));
     let decode = memory.observe().reserved - before;
-    let te = bytes(&pipeline, PipelineComponent::TextEncoder);
-    let tr = bytes(&pipeline, PipelineComponent::Transformer);
+    let te = bytes(&pipeline, "text_encoder");
+    let tr = bytes(&pipeline, "transformer");
     println!("pool pages with every component resident: {before} B; the decode adds {decode} B");
     assert!(te < decode / 2 && decode / 2 < te + tr, "the decode fits once the transformer left, not before");
     drop(pipeline);
@@ -333,7 +334,7 @@ fn the_decode_oom_recovers_under_a_hard_cap_over_the_real_device() {
     println!("{record}");
     let image = values(generated.expect("the OOM retry recovers"));
     assert_eq!(max_abs_diff(&image, &reference), 0.0, "the same image as the uncapped run");
-    let vae = PipelineComponent::Vae.id(&pipeline).to_string();
+    let vae = pipeline.vae().id().to_string();
     let retries: Vec<(String, String)> = record
         .events()
         .into_iter()
@@ -342,10 +343,8 @@ fn the_decode_oom_recovers_under_a_hard_cap_over_the_real_device() {
             _ => None,
         })
         .collect();
-    let expected = [
-        (PipelineComponent::TextEncoder.id(&pipeline).to_string(), vae.clone()),
-        (PipelineComponent::Transformer.id(&pipeline).to_string(), vae),
-    ];
+    let expected =
+        [(pipeline.text_encoder().id().to_string(), vae.clone()), (pipeline.transformer().id().to_string(), vae)];
     assert_eq!(retries, expected, "{record}");
 }
 
@@ -355,12 +354,14 @@ fn a_refused_allocation_is_a_typed_device_error_and_nothing_is_lost() {
     let memory = readings(&device, &name, TOTAL);
     let pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
     pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload");
-    let vae = PipelineComponent::Vae.id(&pipeline).to_string();
+    let vae = pipeline.vae().id().to_string();
     // A buffer larger than the device can ever give: the runtime refuses it when it is read, not when asked.
     let error = pipeline
         .manager()
         .run(&vae, |c: &mut BurnComponent<AutoencoderKl>| {
-            c.run(0, |_, device| Ok(Tensor::<1>::zeros([1usize << 34], (device, DType::F32)) + 1.0))
+            c.run(0, |_, device| {
+                Ok::<_, ComponentError>(Tensor::<1>::zeros([1usize << 34], (device, DType::F32)) + 1.0)
+            })
         })
         .expect_err("the allocation is refused");
     println!("{error}");

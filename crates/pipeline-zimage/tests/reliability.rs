@@ -24,10 +24,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
+use group_offload::{BurnComponent, Placement};
 use memory_sim::{CardSpec, Faults, Mode, SimCard};
 use offload_core::{Action, ComponentError, DeviceLedger, DeviceMemory, Direction, OffloadRecord, Offloadable, Reason};
-use pipeline_zimage::offload::{BurnComponent, Placement};
-use pipeline_zimage::pipeline::PipelineComponent;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::text_encoder::TextEncoder;
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
@@ -101,16 +100,28 @@ struct Weights {
     groups: Vec<(String, Result<u64, String>)>,
 }
 
+/// The components' ids in the manager.
+struct Ids {
+    text_encoder: String,
+    transformer: String,
+    vae: String,
+}
+
+fn ids(pipeline: &ZImagePipeline) -> Ids {
+    let [text_encoder, transformer, vae] = pipeline.components().map(|c| c.id().to_string());
+    Ids { text_encoder, transformer, vae }
+}
+
 fn weights(pipeline: &ZImagePipeline) -> Weights {
     let manager = pipeline.manager();
-    let ids = pipeline.ids();
-    let text_encoder = if pipeline.is_grouped(PipelineComponent::TextEncoder) {
+    let ids = ids(pipeline);
+    let text_encoder = if pipeline.is_grouped("text_encoder") {
         None
     } else {
         Some(manager.inspect(&ids.text_encoder, |c: &BurnComponent<TextEncoder>| checksum(c.module())).unwrap())
     };
     let vae = manager.inspect(&ids.vae, |c: &BurnComponent<AutoencoderKl>| checksum(c.module())).unwrap();
-    let transformer = if pipeline.is_grouped(PipelineComponent::Transformer) {
+    let transformer = if pipeline.is_grouped("transformer") {
         None
     } else {
         Some(
@@ -119,7 +130,7 @@ fn weights(pipeline: &ZImagePipeline) -> Weights {
                 .unwrap(),
         )
     };
-    let groups = PipelineComponent::ALL
+    let groups = pipeline_zimage::pipeline::COMPONENTS
         .into_iter()
         .filter_map(|c| pipeline.group_offload(c))
         .flat_map(|offload| offload.host_checksums())
@@ -132,7 +143,7 @@ fn weights(pipeline: &ZImagePipeline) -> Weights {
 /// offloader uploaded less those it dropped, once no prefetch is in flight).
 fn check_placement(pipeline: &ZImagePipeline, card: &SimCard, context: &str) {
     let manager = pipeline.manager();
-    let ids = pipeline.ids();
+    let ids = ids(pipeline);
     let placement = manager.placement();
     assert_eq!(placement.len(), 3, "{context}: every component is still registered: {placement:?}");
     let mut resident = 0;
@@ -140,13 +151,13 @@ fn check_placement(pipeline: &ZImagePipeline, card: &SimCard, context: &str) {
         let info = manager.component_info(id).unwrap();
         assert_eq!(&info.device, device, "{context}: {id}: placement and component info disagree");
         assert!(device.is_cpu() || *device == card.device(), "{context}: {id} is on an unknown device {device}");
-        let own = if *id == ids.text_encoder && !pipeline.is_grouped(PipelineComponent::TextEncoder) {
+        let own = if *id == ids.text_encoder && !pipeline.is_grouped("text_encoder") {
             Some(manager.inspect(id, |c: &BurnComponent<TextEncoder>| c.device()).unwrap())
         } else if *id == ids.text_encoder {
             None
         } else if *id == ids.vae {
             Some(manager.inspect(id, |c: &BurnComponent<AutoencoderKl>| c.device()).unwrap())
-        } else if !pipeline.is_grouped(PipelineComponent::Transformer) {
+        } else if !pipeline.is_grouped("transformer") {
             Some(manager.inspect(id, |c: &BurnComponent<ZImageTransformer2DModel>| c.device()).unwrap())
         } else {
             None
@@ -159,7 +170,7 @@ fn check_placement(pipeline: &ZImagePipeline, card: &SimCard, context: &str) {
         }
     }
     let groups = || {
-        PipelineComponent::ALL
+        pipeline_zimage::pipeline::COMPONENTS
             .into_iter()
             .filter_map(|c| pipeline.group_stats(c))
             .map(|s| s.bytes_onloaded - s.bytes_offloaded)
@@ -327,11 +338,11 @@ fn pipeline_on_card(
     let enabled = (|| {
         match setup {
             Setup::Auto => {}
-            Setup::Block => pipeline.enable_group_offload(traced.clone(), Some(card.clone()), 1, 1)?,
+            Setup::Block => pipeline.enable_group_offload(1, 1)?,
             Setup::Leaf => {
-                for component in [PipelineComponent::TextEncoder, PipelineComponent::Transformer] {
-                    let leaf = pipeline_zimage::grouped::GroupOptions::leaf();
-                    pipeline.enable_group_offload_with(component, traced.clone(), Some(card.clone()), &leaf)?;
+                for component in ["text_encoder", "transformer"] {
+                    let leaf = group_offload::GroupOptions::leaf();
+                    pipeline.enable_group_offload_with(component, &leaf)?;
                 }
             }
         }
@@ -345,7 +356,7 @@ fn pipeline_on_card(
 fn card_capacity(setup: Setup) -> u64 {
     let resident = Placement::host_only();
     let probe = load(resident);
-    let ids = probe.ids().clone();
+    let ids = ids(&probe);
     let bytes = |id: &str| probe.manager().component_info(id).unwrap().bytes;
     let activations = probe.activation_estimates(&options());
     // Under group offload the transformer's outside layers stay on the card through the decode, whose measured
@@ -421,7 +432,7 @@ fn every_point(setup: Setup, fault: Fault) -> Tally {
                 tally.recovered += 1;
                 if point.prefetch {
                     // A failed prefetch is absorbed: the group is loaded again, synchronously, when taken.
-                    let failed: u64 = PipelineComponent::ALL
+                    let failed: u64 = pipeline_zimage::pipeline::COMPONENTS
                         .into_iter()
                         .filter_map(|c| pipeline.group_stats(c))
                         .map(|stats| stats.failed_prefetches)
@@ -446,7 +457,7 @@ fn every_point(setup: Setup, fault: Fault) -> Tally {
             Err(error) => {
                 assert!(!point.prefetch, "{context}: a failed prefetch surfaced as an error: {error}");
                 let message = error.to_string();
-                let ids = pipeline.ids();
+                let ids = ids(&pipeline);
                 let names_component =
                     [&ids.text_encoder, &ids.transformer, &ids.vae].iter().any(|id| message.contains(id.as_str()));
                 assert!(names_component, "{context}: the error names no component: {message}");
@@ -529,7 +540,7 @@ fn enabling_group_offload_loses_nothing() {
         SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
     let placement = Placement::simulated(card.clone());
     let mut pipeline = load(placement);
-    pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1).unwrap();
+    pipeline.enable_group_offload(1, 1).unwrap();
     assert_eq!(card.stats().allocations, 0, "building the groups allocates nothing on the device");
 
     let card =
@@ -540,15 +551,8 @@ fn enabling_group_offload_loses_nothing() {
     let blocked = std::env::temp_dir().join(format!("zimage-blocked-store-{}", std::process::id()));
     std::fs::write(&blocked, b"not a directory").unwrap();
     let options_with_store =
-        pipeline_zimage::grouped::GroupOptions { disk_store: Some(blocked.join("groups")), ..Default::default() };
-    let error = pipeline
-        .enable_group_offload_with(
-            PipelineComponent::Transformer,
-            card.clone(),
-            Some(card.clone()),
-            &options_with_store,
-        )
-        .unwrap_err();
+        group_offload::GroupOptions { disk_store: Some(blocked.join("groups")), ..Default::default() };
+    let error = pipeline.enable_group_offload_with("transformer", &options_with_store).unwrap_err();
     assert!(matches!(error, pipeline_zimage::Error::GroupOffload(group_offload::Error::Disk { .. })), "{error:?}");
     assert_eq!(pipeline.manager().placement().len(), 3, "the transformer is still registered");
     pipeline.enable_auto_offload(card.clone(), 0, true).unwrap();

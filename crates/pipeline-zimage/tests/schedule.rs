@@ -6,9 +6,9 @@ mod common;
 use std::sync::Arc;
 
 use common::{load_tiny, turbo_options};
+use group_offload::Placement;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::DeviceMemory;
-use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::schedule::{StrategyChoice, compare_moves, lookahead_after_first_image, recorded_moves};
 
@@ -19,8 +19,7 @@ const IMAGES: usize = 3;
 fn card_for(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> CardSpec {
     let manager = pipeline.manager();
     let bytes = |id: &str| manager.component_info(id).expect("registered").resident_bytes;
-    let ids = pipeline.ids();
-    let (te, tr, vae) = (bytes(&ids.text_encoder), bytes(&ids.transformer), bytes(&ids.vae));
+    let [te, tr, vae] = pipeline.components().map(|c| bytes(c.id()));
     let [_, transformer_activations, _] = pipeline.activation_estimates(opts);
     let capacity = te + tr + vae + transformer_activations - vae / 2;
     CardSpec::parse(&capacity.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0)

@@ -7,13 +7,13 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use group_offload::Placement;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{Action, DeviceMemory, OffloadRecord, Reason, Timeline};
-use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{PHASES, ZImagePipeline};
 use pipeline_zimage::plot::{ALLOCATED_COLOUR, PlotOptions, draw_memory_plot};
-use pipeline_zimage::presets::{DeviceFacts, PipelineComponent, enable_pipeline_offload};
+use pipeline_zimage::presets::enable_pipeline_offload;
 use serde_json::Value;
 
 mod common;
@@ -34,9 +34,9 @@ fn traced_run() -> (ZImagePipeline, Arc<SimCard>, Timeline) {
     explicit.set("preset", "auto").expect("a preset");
     explicit.set("reserve", "6MB").expect("a size");
     let settings = Settings::resolve(&explicit, std::iter::empty::<(String, String)>(), None).expect("valid");
-    let facts = DeviceFacts::simulated(card.clone(), HostMemory::new(64 << 30, 60 << 30));
+    let facts = card.device_facts(HostMemory::new(64 << 30, 60 << 30));
     let plan = enable_pipeline_offload(&mut pipeline, settings, &facts, &opts).expect("the preset applies");
-    assert!(pipeline.is_grouped(PipelineComponent::Transformer), "the 8 MB card must stream the transformer\n{plan}");
+    assert!(pipeline.is_grouped("transformer"), "the 8 MB card must stream the transformer\n{plan}");
     let sampler = timeline.sample_every(card.clone(), Duration::from_millis(1));
     pipeline.generate_with_report(&opts, &mut |_, _| {}).expect("the run succeeds");
     sampler.stop();
@@ -108,10 +108,9 @@ fn the_trace_of_a_run_on_an_8mb_card_holds_its_phases_moves_threads_and_memory()
     assert_eq!(spans(&events, "step").count(), 4);
 
     // Every component's onload, and as many whole-component onloads and offloads as the record holds.
-    let ids = pipeline.ids();
     let onloaded: HashSet<&str> = spans(&events, "onload").map(|e| text(e, "name")).collect();
-    for id in [&ids.text_encoder, &ids.transformer, &ids.vae] {
-        assert!(onloaded.contains(id.as_str()), "no onload of {id} in the trace: {onloaded:?}");
+    for id in pipeline.components().map(|c| c.id()) {
+        assert!(onloaded.contains(id), "no onload of {id} in the trace: {onloaded:?}");
     }
     assert_eq!(spans(&events, "onload").count(), count(&record, Action::Onload, &[None]));
     let offloads = spans(&events, "offload").count();
@@ -185,7 +184,7 @@ fn a_timeline_set_after_group_offload_is_refused() {
     let spec = CardSpec::parse("8MB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
     let card = SimCard::new(spec);
     let mut pipeline = load_tiny(Placement::simulated(card.clone()));
-    pipeline.enable_group_offload(card.clone(), Some(card.clone()), 1, 1).expect("group offload");
+    pipeline.enable_group_offload(1, 1).expect("group offload");
     let error = pipeline.set_timeline(Timeline::enabled()).expect_err("refused");
     assert!(error.to_string().contains("set the timeline before enabling group offload"), "{error}");
     assert!(!pipeline.timeline().is_enabled());

@@ -3,8 +3,8 @@
 //! component's phase within 1% below to 10% above; a prefetched phase's as a bound, since a late prefetch lowers
 //! what it measures), and its bytes moved and moves per image are the ones the ledger counted, exactly (`docs/benchmarks.md`, "Predicted beside measured").
 
+use group_offload::Placement;
 use offload_core::plan::Preset;
-use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::ZImagePipeline;
 use pipeline_zimage::validate::{Case, Table, Target, validate, validation_cards};
 

@@ -13,11 +13,11 @@
 mod common;
 
 use common::fixtures;
+use group_offload::Placement;
 use group_offload::{PagePolicy, open_device_with};
 use offload_core::DeviceName;
 use offload_core::plan::Preset;
 use pipeline_zimage::loading::LoadOptions;
-use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::validate::{Case, Table, Target, measure_calls, validate, validation_cards};
 

@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::DType;
 use common::{fixtures, golden, max_abs_diff, tensor4, values};
+use group_offload::Placement;
 use pipeline_zimage::Error;
 use pipeline_zimage::loading::LoadOptions;
-use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::tokenizer::ChatTemplate;
 
@@ -127,7 +127,7 @@ fn a_checkpoint_stored_in_bf16_runs_in_bf16_without_an_f32_round_trip() {
         assert!(report.is_complete(), "{report}");
     }
     let transformer_bytes = |pipeline: &ZImagePipeline| {
-        pipeline.manager().component_info(&pipeline.ids().transformer).expect("the transformer").bytes
+        pipeline.manager().component_info(pipeline.transformer().id()).expect("the transformer").bytes
     };
     let f32_bytes = transformer_bytes(&load(&fixtures().join("tiny-z-image-turbo"), &LoadOptions::new()));
     let bf16_bytes = transformer_bytes(&pipeline);

@@ -1,123 +1,43 @@
-//! Test doubles and a small model: a fake card that is both ledger and memory readings, and a six-block MLP.
+//! The mock device (memory-sim's `SimCard`, hard, named `cuda:0`) and a small model: a six-block MLP.
 
 #![allow(dead_code)] // Each test binary uses a different subset of these helpers.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Distribution, Tensor};
-use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction};
-use parking_lot::Mutex;
+use memory_sim::{CardSpec, Faults, Mode, SimCard, Timing};
 
-/// A fake card: tracks allocated bytes and peak, can fail the nth allocation or transfer, and can sleep per
-/// transfer to emulate a slow link.
-#[derive(Debug, Default)]
-pub struct FakeCard {
-    pub capacity: u64,
-    allocated: AtomicU64,
-    peak: AtomicU64,
-    allocations: AtomicUsize,
-    transfers: AtomicUsize,
-    /// Bytes copied from pinned host memory.
-    pinned: AtomicU64,
-    /// 1-based index of the allocation that fails (0 = none).
-    pub fail_allocation: AtomicUsize,
-    /// 1-based index of the transfer that fails (0 = none).
-    pub fail_transfer: AtomicUsize,
-    pub transfer_sleep: Mutex<Duration>,
-    pub log: Mutex<Vec<String>>,
+/// A hard simulated card of `capacity` bytes with no context overhead, named `cuda:0`: the one mock device.
+pub fn hard_card(capacity: u64) -> Arc<SimCard> {
+    let spec = CardSpec::parse(&capacity.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
+    SimCard::new(spec)
 }
 
-impl FakeCard {
-    pub fn new(capacity: u64) -> Self {
-        Self { capacity, ..Default::default() }
-    }
-
-    pub fn allocated(&self) -> u64 {
-        self.allocated.load(Ordering::SeqCst)
-    }
-
-    pub fn peak(&self) -> u64 {
-        self.peak.load(Ordering::SeqCst)
-    }
-
-    pub fn allocations(&self) -> usize {
-        self.allocations.load(Ordering::SeqCst)
-    }
-
-    /// Bytes copied from pinned host memory so far.
-    pub fn pinned_bytes(&self) -> u64 {
-        self.pinned.load(Ordering::SeqCst)
-    }
-
-    pub fn reset_peak(&self) {
-        self.peak.store(self.allocated(), Ordering::SeqCst);
-    }
+/// [`hard_card`] whose every transfer takes `per_transfer` of wall time (a slow link), so a prefetch overlaps compute.
+pub fn slow_card(capacity: u64, per_transfer: Duration) -> Arc<SimCard> {
+    let timing = Timing { link_bytes_per_second: f64::INFINITY, link_latency: per_transfer, ..Timing::GENERIC };
+    let spec = CardSpec::parse(&capacity.to_string())
+        .expect("a size")
+        .with_mode(Mode::Hard)
+        .with_context_overhead(0)
+        .with_timing(timing);
+    let card = SimCard::new(spec);
+    card.set_faults(Faults { real_time_scale: Some(1.0), ..Faults::default() });
+    card
 }
 
-impl DeviceLedger for FakeCard {
-    fn allocate(&self, bytes: u64) -> Result<(), ComponentError> {
-        let n = self.allocations.fetch_add(1, Ordering::SeqCst) + 1;
-        let available = self.capacity.saturating_sub(self.allocated());
-        if n == self.fail_allocation.load(Ordering::SeqCst) || bytes > available {
-            self.log.lock().push(format!("allocate {bytes} failed"));
-            return Err(ComponentError::OutOfMemory {
-                device: DeviceName::parse("cuda").unwrap(),
-                requested: bytes,
-                available,
-            });
-        }
-        let now = self.allocated.fetch_add(bytes, Ordering::SeqCst) + bytes;
-        self.peak.fetch_max(now, Ordering::SeqCst);
-        self.log.lock().push(format!("allocate {bytes}"));
-        Ok(())
-    }
-
-    fn free(&self, bytes: u64) {
-        self.allocated.fetch_sub(bytes, Ordering::SeqCst);
-        self.log.lock().push(format!("free {bytes}"));
-    }
-
-    fn transfer(&self, bytes: u64, _direction: Direction) -> Result<(), ComponentError> {
-        let n = self.transfers.fetch_add(1, Ordering::SeqCst) + 1;
-        let sleep = *self.transfer_sleep.lock();
-        if !sleep.is_zero() {
-            std::thread::sleep(sleep);
-        }
-        if n == self.fail_transfer.load(Ordering::SeqCst) {
-            self.log.lock().push(format!("transfer {bytes} failed"));
-            return Err(ComponentError::Transfer { what: format!("{bytes} bytes"), message: "link reset".into() });
-        }
-        self.log.lock().push(format!("transfer {bytes}"));
-        Ok(())
-    }
-
-    fn transfer_pinned(&self, bytes: u64) -> Result<(), ComponentError> {
-        self.transfer(bytes, Direction::HostToDevice)?;
-        self.pinned.fetch_add(bytes, Ordering::SeqCst);
-        Ok(())
-    }
+/// Fails the card's allocation with this ordinal (counted from its creation), once.
+pub fn fail_allocation(card: &SimCard, ordinal: u64) {
+    card.set_faults(Faults { fail_allocation: Some(ordinal), ..Faults::default() });
 }
 
-impl DeviceMemory for FakeCard {
-    fn device(&self) -> DeviceName {
-        DeviceName::parse("cuda").unwrap()
-    }
-    fn total(&self) -> u64 {
-        self.capacity
-    }
-    fn available(&self) -> u64 {
-        self.capacity.saturating_sub(self.allocated())
-    }
-    fn allocated(&self) -> u64 {
-        FakeCard::allocated(self)
-    }
-    fn peak(&self) -> u64 {
-        FakeCard::peak(self)
-    }
+/// Fails the card's transfer with this ordinal (counted from its creation), once.
+pub fn fail_transfer(card: &SimCard, ordinal: u64) {
+    card.set_faults(Faults { fail_transfer: Some(ordinal), ..Faults::default() });
 }
 
 pub const DIM: usize = 16;

@@ -1,5 +1,7 @@
 //! The machine a plan is made for: device memory, host memory, and the time model its predictions use.
 
+use std::sync::Arc;
+
 use crate::device::DeviceMemory;
 use crate::plan::error::PlanError;
 use crate::plan::host::HostMemory;
@@ -137,6 +139,57 @@ impl Machine {
     pub fn with_host_available(mut self, available: u64) -> Self {
         self.host = self.host.with_available(available);
         self
+    }
+}
+
+/// The facts about the execution device a plan is made from: its memory readings, the host's RAM, the time
+/// model of its link and compute, and a label that identifies it in capacity profiles.
+#[derive(Clone)]
+pub struct DeviceFacts {
+    /// Readings of the execution device (a simulated card, or a real device's readings). The manager's auto
+    /// offload reads it too.
+    pub memory: Arc<dyn DeviceMemory>,
+    /// Host RAM, from [`HostMemory::read`] or given; the `host_available` setting replaces its `available`.
+    pub host: HostMemory,
+    /// Link and compute figures for the predictions.
+    pub time: TimeModel,
+    /// The device's label in capacity profiles (`"12MB"`, `"rtx4090"`, `"cuda:0"`).
+    pub label: String,
+}
+
+impl std::fmt::Debug for DeviceFacts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceFacts")
+            .field("device", &self.memory.device().as_str().to_string())
+            .field("host", &self.host)
+            .field("label", &self.label)
+            .finish()
+    }
+}
+
+impl DeviceFacts {
+    /// Facts from device readings and a host reading, with the generic time model (PCIe 4.0 x16, 100 TFLOP/s)
+    /// and the device's name as label.
+    pub fn new(memory: Arc<dyn DeviceMemory>, host: HostMemory) -> Self {
+        let label = memory.device().as_str().to_string();
+        Self { memory, host, time: TimeModel::generic(), label }
+    }
+
+    /// The same facts with another label.
+    pub fn with_label(mut self, label: &str) -> Self {
+        self.label = label.to_string();
+        self
+    }
+
+    /// The same facts with another time model.
+    pub fn with_time(mut self, time: TimeModel) -> Self {
+        self.time = time;
+        self
+    }
+
+    /// The planner's machine, read now: the device's total and available bytes, the host, the time model.
+    pub fn machine(&self) -> Machine {
+        Machine::from_device(&*self.memory, self.host).with_time(self.time)
     }
 }
 

@@ -41,7 +41,7 @@ pub use capacity::{
 pub use component::{BlockLayout, ComponentSpec, Route};
 pub use error::{Origin, PlanError};
 pub use host::HostMemory;
-pub use machine::{Machine, TimeModel};
+pub use machine::{DeviceFacts, Machine, TimeModel};
 pub use phases::{PhaseReport, PhaseTiming, Phases};
 pub use planner::{ComponentPlan, Plan, enable_offload, plan_pipeline};
 pub use preset::{PRESET_NAMES, PinPolicy, Preset, PresetDefaults, ResidentPolicy, Routing, presets_table};

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
+use group_offload::Placement;
 use pipeline_zimage::loading::LoadOptions;
-use pipeline_zimage::offload::Placement;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 
 /// The f32 tensors of a golden file, by name: shape and values.

@@ -1,20 +1,20 @@
-//! Burn modules as `offload-core` components: moved between the host and the execution device by the
-//! `ComponentsManager`, with every byte reported to a [`DeviceLedger`] (a simulated card, or nothing on a real
-//! device).
+//! Whole-component moves: a burn module as an `offload-core` component ([`BurnComponent`]), moved between the
+//! host and the execution device by the `ComponentsManager`, with every byte reported to a [`DeviceLedger`] (a
+//! simulated card, or nothing on a real device), and the [`Placement`] that says where it computes.
 //!
 //! On a real accelerator `onload` is `Module::to_device(accelerator)` followed by a sync, which is where burn's
-//! cubecl backends report an out-of-memory ([`group_offload::device::check_device`] types it); `offload` is
-//! `to_device(host)`. Each call runs through [`group_offload::run_call`], so it reports success only once the
+//! cubecl backends report an out-of-memory ([`crate::device::check_device`] types it); `offload` drops the device
+//! copy. Each call runs through [`crate::run_call`], so it reports success only once the
 //! device has done its work. On the CPU with a simulated card (`--card 8GB`) the weights stay in host memory,
 //! and the card is charged for them and for each run's activations, so a tiny checkpoint exercises the
 //! manager's real decisions, real OOM retries and real output.
 
 use std::sync::Arc;
 
+use crate::device::{DeviceOutput, catch_device_panic, check_device, check_outputs, run_call};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::quantization::quantized_data_len;
 use burn::tensor::{DType, Device, Tensor};
-use group_offload::device::{DeviceOutput, catch_device_panic, check_device, check_outputs, run_call};
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, Offloadable};
 
 /// Bytes of a module's float parameters, at their current dtypes (a quantized tensor's values and scales).
@@ -39,6 +39,19 @@ pub fn tensor_bytes<const D: usize>(tensor: &Tensor<D>) -> u64 {
         dtype => shape.num_elements() * dtype.size(),
     };
     bytes as u64
+}
+
+/// Whether any of a module's float parameters is a burn quantized tensor.
+pub fn module_is_quantized<M: Module>(module: &M) -> bool {
+    struct Quantized(bool);
+    impl ModuleVisitor for Quantized {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0 |= matches!(param.val().dtype(), DType::QFloat(_));
+        }
+    }
+    let mut quantized = Quantized(false);
+    module.visit(&mut quantized);
+    quantized.0
 }
 
 /// A module's float parameters as a call's output: reading one value of each back proves every upload landed.
@@ -91,9 +104,10 @@ impl Placement {
         }
     }
 
-    /// A simulated card on the CPU: the weights stay in host memory (burn's `flex` backend), the card is the
-    /// ledger and the readings, and the components are known by the card's device name.
-    pub fn simulated(card: Arc<memory_sim::SimCard>) -> Self {
+    /// A simulated card on the CPU: the weights stay in host memory (burn's `flex` backend), the card (anything
+    /// that is both the ledger and the readings: `memory_sim::SimCard`) accounts for them, and the components
+    /// are known by the card's device name.
+    pub fn simulated<C: DeviceLedger + DeviceMemory + 'static>(card: Arc<C>) -> Self {
         Self {
             exec: Device::flex(),
             host: Device::flex(),
@@ -157,16 +171,17 @@ impl<M: Module + 'static> BurnComponent<M> {
     }
 
     /// Runs `f` on the module with `activation_bytes` accounted on the ledger for the call: the entry point the
-    /// manager wraps ([`group_offload::run_call`]).
+    /// manager wraps ([`crate::run_call`]). `f`'s own error becomes the component's (a group upload's
+    /// out-of-memory stays typed, so the manager's OOM retry sees it).
     ///
     /// On the ledger of a simulated card in hard mode the charge fails with out-of-memory when the card is
     /// full, exactly like a real allocation; on a real device the call succeeds only once the device has done
     /// its work, and its out-of-memory (or a hard cap's) is typed. The manager's OOM retry then makes room and
     /// calls again.
-    pub fn run<R: DeviceOutput>(
+    pub fn run<R: DeviceOutput, E: Into<ComponentError>>(
         &mut self,
         activation_bytes: u64,
-        f: impl FnOnce(&M, &Device) -> crate::Result<R>,
+        f: impl FnOnce(&M, &Device) -> Result<R, E>,
     ) -> Result<R, ComponentError> {
         let device = self.burn_device().clone();
         let placement = &self.placement;
@@ -177,7 +192,7 @@ impl<M: Module + 'static> BurnComponent<M> {
             placement.ledger.as_ref(),
             placement.memory.as_deref(),
             activation_bytes,
-            || f(module, &device).map_err(crate::error::into_component_error),
+            || f(module, &device).map_err(Into::into),
         )
     }
 

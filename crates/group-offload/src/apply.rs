@@ -1,0 +1,218 @@
+//! A plan applied to a pipeline's components: the mechanism behind presets, for any model crate.
+//!
+//! The planner (`offload_core::plan`) is policy: it sees [`ComponentSpec`]s and a machine and returns a [`Plan`].
+//! [`component_spec`] describes a registered component at its loaded size (weights, layout, quantization), which
+//! the model crate completes with its activation estimate and FLOPs; [`apply_plan`] applies every route through
+//! the manager and group offload:
+//!
+//! - `resident`: onloaded now and kept (the [`Staged`] strategy never offloads it);
+//! - `component offload`: moved whole by the manager when it runs, off when the next phase's component comes;
+//! - `block` / `leaf`: put under group offload ([`Component::enable_group_offload`]) with the plan's resident
+//!   budget, prefetch depth, pinned budget and disk store, released whole between phases;
+//! - `off` is refused ([`Error::Unmanaged`]): a pipeline runs every component through its manager.
+//!
+//! Auto offload is enabled on the device's readings with the [`Staged`] strategy, so each phase's component runs
+//! with the device to itself and the resident components: the staging the planner assumes.
+
+use std::sync::Arc;
+
+use offload_core::offload_strategy::Staged;
+use offload_core::plan::{ComponentSpec, DeviceFacts, Plan, Route, Settings};
+use offload_core::{ComponentsManager, format_size};
+
+use crate::error::{Error, Result};
+use crate::handle::Component;
+use crate::model::{GroupLevel, GroupOptions};
+
+/// What was applied to one component: the planned route, the route it runs, and how.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AppliedRoute {
+    /// The component's name.
+    pub component: String,
+    /// Its id in the manager.
+    pub id: String,
+    /// The route the plan chose; `None` when the component was not planned (a plan of one component).
+    pub planned: Option<Route>,
+    /// The route applied (differs from the plan where a route is not supported).
+    pub applied: Route,
+    /// The mechanism, in words, and any difference from the plan.
+    pub how: String,
+}
+
+/// A plan as applied: per component, what it runs under, and notes on what differs from the plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AppliedPlan {
+    /// Per component, in the order given: planned and applied route.
+    pub applied: Vec<AppliedRoute>,
+    /// What the application does differently from the plan, or assumes, one sentence each.
+    pub notes: Vec<String>,
+}
+
+/// A registered component as plan input, at its loaded size: its weight bytes (from the manager), its layout
+/// ([`Component::layout`]: blocks in execution order, the bytes outside them, its leaf groups) and whether it is
+/// quantized (the planner then moves it only whole). The model crate adds the activation estimate and the FLOPs.
+/// Refused once the component is under group offload (its blocks cannot be measured again).
+pub fn component_spec(manager: &ComponentsManager, component: &dyn Component) -> Result<ComponentSpec> {
+    let bytes = manager.component_info(component.id())?.bytes;
+    let mut spec = ComponentSpec::new(component.name(), bytes).quantized(component.is_quantized());
+    if let Some(layout) = component.layout()? {
+        spec = spec.with_layout(layout);
+    }
+    Ok(spec)
+}
+
+/// Applies every route of `plan` to `components` (see the module documentation): group moves are charged to
+/// each component's placement (its device's one account), auto offload reads `device.memory`, the resident ones
+/// are onloaded now. Components the plan does not
+/// name move whole (component offload, staged).
+pub fn apply_plan(
+    manager: &Arc<ComponentsManager>,
+    components: &mut [&mut dyn Component],
+    specs: &[ComponentSpec],
+    plan: &Plan,
+    settings: &Settings,
+    device: &DeviceFacts,
+) -> Result<AppliedPlan> {
+    if let Some(off) = plan.components.iter().find(|c| c.route == Route::Off) {
+        return Err(Error::Unmanaged { component: off.component.clone(), preset: plan.preset.to_string() });
+    }
+    let mut streamed: Vec<(String, Route, String)> = Vec::new();
+    for component in components.iter_mut() {
+        let spec = specs.iter().find(|s| s.name == component.name());
+        if let Some(applied) = apply_group_offload(&mut **component, plan, settings, spec)? {
+            streamed.push((component.name().to_string(), applied.0, applied.1));
+        }
+    }
+    let mut notes = Vec::new();
+    for planned in &plan.components {
+        let streams = streamed.iter().any(|(name, ..)| *name == planned.component);
+        if planned.pinned_bytes > 0 && !streams {
+            notes.push(format!(
+                "{}: the plan pins {} of its host copy, but a component that moves whole goes with burn's to_device \
+                 from its own host tensors, which are not pinned (on CUDA, burn stages copies under 100 MiB through \
+                 its pinned pool by itself): its copies run at the pageable rate, so its predicted time is optimistic",
+                planned.component,
+                format_size(planned.pinned_bytes)
+            ));
+        }
+    }
+    for component in components.iter() {
+        let Some(offload) = component.group_offload() else { continue };
+        let (pinned, page_locked) = offload.pinned_bytes();
+        if pinned > page_locked {
+            notes.push(format!(
+                "{}: {} of host copies pinned through the device's staging, {} of them page-locked: this backend has \
+                 no page-locked memory, so only the simulated card's pricing sees the difference",
+                component.name(),
+                format_size(pinned),
+                format_size(page_locked)
+            ));
+        }
+    }
+
+    let reserve = plan.components.iter().map(|c| c.headroom_bytes).max().unwrap_or(0);
+    manager.enable_auto_offload(device.memory.clone(), reserve, settings.retry_on_oom)?;
+    let mut applied = Vec::new();
+    let mut keep = Vec::new();
+    for component in components.iter() {
+        let (name, id) = (component.name().to_string(), component.id().to_string());
+        let planned = plan.component(&name).map(|c| c.route);
+        let group = streamed.iter().find(|(n, ..)| *n == name).map(|(_, route, how)| (*route, how.clone()));
+        let (route, how) = match (group, planned) {
+            (Some(applied), _) => applied,
+            (_, Some(Route::Resident)) => {
+                keep.push(id.clone());
+                (Route::Resident, "resident: onloaded now and kept; the staged strategy never offloads it".to_string())
+            }
+            (_, Some(route)) => (
+                route,
+                "component offload: the manager moves it whole onto the device when it runs and off when the next \
+                 phase's component comes"
+                    .to_string(),
+            ),
+            (_, None) => (
+                Route::ComponentOffload,
+                "not planned: the manager moves it whole when it runs (component offload, staged)".to_string(),
+            ),
+        };
+        applied.push(AppliedRoute { component: name, id, planned, applied: route, how });
+    }
+    manager.set_offload_strategy(Arc::new(Staged::keeping(keep.clone())))?;
+    for id in &keep {
+        manager.run_any(id, |_| Ok(()))?;
+    }
+    for route in &applied {
+        tracing::info!(component = %route.component, route = %route.applied, "{}", route.how);
+    }
+    Ok(AppliedPlan { applied, notes })
+}
+
+/// The group options a planned route streams a component with (block or leaf level, with the plan's resident
+/// budget, prefetch and disk store; the layers outside the blocks kept resident unless the plan streams them),
+/// or `None` for a route that does not stream.
+pub fn group_options(plan: &Plan, settings: &Settings, spec: &ComponentSpec) -> Option<GroupOptions> {
+    let planned = plan.component(&spec.name)?;
+    let outside = spec.layout.as_ref()?.outside_bytes;
+    let disk_store = if planned.on_disk { settings.disk_store_dir.clone() } else { None };
+    match planned.route {
+        Route::BlockGroupOffload { blocks_per_group, prefetch, depth } => {
+            // The plan's resident bytes are the kept groups plus the outside layers, unless the full-pin rule
+            // streams those too (then it keeps nothing).
+            let keep_outside = planned.resident_bytes >= outside;
+            Some(GroupOptions {
+                level: GroupLevel::Block { blocks_per_group },
+                prefetch,
+                prefetch_depth: depth,
+                resident_budget: planned.resident_bytes.saturating_sub(if keep_outside { outside } else { 0 }),
+                pinned_budget: planned.pinned_bytes,
+                disk_store,
+                releasable: true,
+                keep_outside,
+            })
+        }
+        Route::LeafGroupOffload { prefetch } => Some(GroupOptions {
+            prefetch,
+            pinned_budget: planned.pinned_bytes,
+            disk_store,
+            releasable: true,
+            ..GroupOptions::leaf()
+        }),
+        _ => None,
+    }
+}
+
+/// Puts `component` under group offload when its planned route streams it; returns the applied route and how.
+fn apply_group_offload(
+    component: &mut dyn Component,
+    plan: &Plan,
+    settings: &Settings,
+    spec: Option<&ComponentSpec>,
+) -> Result<Option<(Route, String)>> {
+    let Some(spec) = spec else { return Ok(None) };
+    let Some(options) = group_options(plan, settings, spec) else { return Ok(None) };
+    let Some(planned) = plan.component(&spec.name) else { return Ok(None) };
+    let outside = spec.layout.as_ref().map_or(0, |l| l.outside_bytes);
+    component.enable_group_offload(&options)?;
+    let level = match options.level {
+        GroupLevel::Block { blocks_per_group: 1 } => "block level, 1 block per group".to_string(),
+        GroupLevel::Block { blocks_per_group } => format!("block level, {blocks_per_group} blocks per group"),
+        GroupLevel::Leaf => "leaf level, one leaf layer at a time".to_string(),
+    };
+    let (pinned, page_locked) = component.group_offload().map_or((0, 0), |o| o.pinned_bytes());
+    let how = format!(
+        "group offload: {level}, {}, resident budget {} of groups, {} of host copies pinned ({} page-locked), the {} \
+         outside the blocks {}, host copies {}; the staged strategy releases every group when the next phase's \
+         component comes",
+        if options.prefetch { format!("prefetch depth {}", options.prefetch_depth) } else { "no prefetch".into() },
+        format_size(options.resident_budget),
+        format_size(pinned),
+        format_size(page_locked),
+        format_size(outside),
+        if options.keep_outside { "resident" } else { "streamed as one group" },
+        match &options.disk_store {
+            Some(dir) => format!("as files in {}", dir.display()),
+            None => "in host memory".to_string(),
+        }
+    );
+    Ok(Some((planned.route, how)))
+}

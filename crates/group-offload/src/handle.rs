@@ -1,0 +1,356 @@
+//! A model registered with a [`ComponentsManager`]: [`ModelHandle`], the one handle a pipeline keeps per
+//! component. It runs the model wherever its weights are (moved whole by the manager, [`BurnComponent`], or
+//! streamed by group offload, [`GroupedModel`]) through the model's one forward over its
+//! [`Weights`](OffloadModel::Weights), and it switches the model to group offload in place.
+//!
+//! One onload, followed through the crates: the pipeline calls [`ModelHandle::run`]; the manager
+//! (`ComponentsManager::run`) asks its strategy what to evict, calls the component's `onload`
+//! ([`BurnComponent`]: the ledger's `allocate` and `transfer`, burn's `to_device`, a read-back that proves the
+//! upload landed; [`GroupedModel`]: the resident groups' upload), then runs the call through
+//! [`run_call`](crate::run_call) (the activations charged, the device synced and read back), and on an
+//! out-of-memory evicts and calls again. Under group offload, each group the forward takes is uploaded by the
+//! engine (`allocate`, `transfer`, an event in the manager's record) and released when its guard drops.
+
+use std::any::Any;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use burn::tensor::Device;
+use offload_core::plan::BlockLayout;
+use offload_core::{ComponentError, ComponentsManager, DeviceLedger, DeviceName, Offloadable};
+
+use crate::component::GroupOffloadedModel;
+use crate::config::GroupOffloadConfig;
+use crate::device::{DeviceOutput, run_call};
+use crate::engine::GroupStats;
+use crate::error::{Error, Result};
+use crate::model::{GroupOptions, OffloadModel, Split, measure_layout};
+use crate::parts::GroupOffload;
+use crate::whole::{BurnComponent, Placement, module_is_quantized};
+
+/// A model taken apart for group offload: its parts, the offloader that streams them, the ledger its activations
+/// are charged to. Registered with the manager as group-offloaded (never evicted wholesale) unless
+/// [`GroupOptions::releasable`].
+pub struct GroupedModel<M: OffloadModel> {
+    model: GroupOffloadedModel,
+    parts: M::Parts,
+    ledger: Arc<dyn DeviceLedger>,
+    exec: Device,
+    releasable: bool,
+}
+
+impl<M: OffloadModel> std::fmt::Debug for GroupedModel<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupedModel")
+            .field("class", &M::CLASS)
+            .field("groups", &self.model.offload().groups().len())
+            .field("releasable", &self.releasable)
+            .finish()
+    }
+}
+
+impl<M: OffloadModel> GroupedModel<M> {
+    /// Takes `model` apart under `config` (its device, ledger, readings and record) with `options` (level,
+    /// prefetch, budgets, disk store: [`GroupOptions::configure`]); `ledger` is charged each call's activations.
+    pub fn new(
+        model: M,
+        config: GroupOffloadConfig,
+        options: &GroupOptions,
+        ledger: Arc<dyn DeviceLedger>,
+    ) -> Result<Self> {
+        options.validate(&config.model)?;
+        let offload = GroupOffload::new(options.configure(config))?;
+        let parts = model.split(&Split::new(&offload, options, M::leaf_types()))?;
+        let exec = offload.config().device.clone();
+        Ok(Self { model: GroupOffloadedModel::new(offload), parts, ledger, exec, releasable: options.releasable })
+    }
+
+    /// The offloader, for its statistics and call order.
+    pub fn offload(&self) -> &GroupOffload {
+        self.model.offload()
+    }
+
+    /// The weights as the forward reads them.
+    pub fn weights(&self) -> M::Weights<'_> {
+        M::streamed(&self.parts)
+    }
+
+    /// Runs `f` over the weights with `activation_bytes` accounted on the ledger, as [`BurnComponent::run`] does
+    /// ([`run_call`]: the call succeeds only once the device has done its work).
+    pub fn run<R: DeviceOutput, E: Into<ComponentError>>(
+        &mut self,
+        activation_bytes: u64,
+        f: impl FnOnce(M::Weights<'_>, &Device) -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, ComponentError> {
+        let config = self.model.offload().config();
+        let (name, memory) = (config.device_name.clone(), config.memory.clone());
+        let (exec, weights) = (&self.exec, M::streamed(&self.parts));
+        run_call(exec, &name, self.ledger.as_ref(), memory.as_deref(), activation_bytes, || {
+            f(weights, exec).map_err(Into::into)
+        })
+    }
+}
+
+impl<M: OffloadModel> Offloadable for GroupedModel<M> {
+    fn bytes(&self) -> u64 {
+        self.model.bytes()
+    }
+
+    fn device(&self) -> DeviceName {
+        self.model.device()
+    }
+
+    fn onload(&mut self, device: &DeviceName) -> std::result::Result<(), ComponentError> {
+        self.model.onload(device)
+    }
+
+    fn offload(&mut self) -> std::result::Result<(), ComponentError> {
+        Offloadable::offload(&mut self.model)
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        self.model.resident_bytes()
+    }
+
+    fn evictable(&self) -> bool {
+        self.releasable
+    }
+
+    fn class_name(&self) -> String {
+        format!("{} (group offload)", M::CLASS)
+    }
+}
+
+/// A model registered with a manager, as the pipeline keeps it: its name and id, where it computes, and whether
+/// it is under group offload. Every call goes through [`run`](Self::run), whatever moves the weights.
+pub struct ModelHandle<M: OffloadModel> {
+    manager: Arc<ComponentsManager>,
+    name: String,
+    id: String,
+    placement: Placement,
+    grouped: Option<GroupOffload>,
+    model: PhantomData<fn() -> M>,
+}
+
+impl<M: OffloadModel> std::fmt::Debug for ModelHandle<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelHandle")
+            .field("id", &self.id)
+            .field("class", &M::CLASS)
+            .field("grouped", &self.grouped.is_some())
+            .finish()
+    }
+}
+
+impl<M: OffloadModel + Clone> ModelHandle<M> {
+    /// Registers `model` (on `placement.host`) with `manager` as `name`, moved whole ([`BurnComponent`]).
+    pub fn register(
+        manager: &Arc<ComponentsManager>,
+        name: &str,
+        model: M,
+        placement: Placement,
+    ) -> offload_core::Result<Self> {
+        let id = manager.add(name, BurnComponent::new(model, M::CLASS, placement.clone()), None)?;
+        Ok(Self { manager: manager.clone(), name: name.to_string(), id, placement, grouped: None, model: PhantomData })
+    }
+
+    /// The component's name (the planner's and the record's: `transformer`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its id in the manager (it changes when the component is re-registered).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Where it computes and what accounts for it.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
+    /// The manager holding it.
+    pub fn manager(&self) -> &Arc<ComponentsManager> {
+        &self.manager
+    }
+
+    /// The group offloader when the model is under group offload (a handle that shares it).
+    pub fn group_offload(&self) -> Option<&GroupOffload> {
+        self.grouped.as_ref()
+    }
+
+    /// Whether the model is under group offload.
+    pub fn is_grouped(&self) -> bool {
+        self.grouped.is_some()
+    }
+
+    /// Group-offload statistics (onloads, prefetch hits, misses, stray loads), when it is grouped.
+    pub fn group_stats(&self) -> Option<GroupStats> {
+        self.grouped.as_ref().map(GroupOffload::stats)
+    }
+
+    /// Runs `f` over the model's weights on its execution device with `activation_bytes` charged for the call,
+    /// through the manager (which onloads it, evicts others, and retries after an out-of-memory: so `f` may run
+    /// more than once).
+    pub fn run<R: DeviceOutput, E: Into<ComponentError>>(
+        &self,
+        activation_bytes: u64,
+        mut f: impl FnMut(M::Weights<'_>, &Device) -> std::result::Result<R, E>,
+    ) -> offload_core::Result<R> {
+        if self.grouped.is_some() {
+            return self.manager.run(&self.id, |c: &mut GroupedModel<M>| c.run(activation_bytes, &mut f));
+        }
+        self.manager.run(&self.id, |c: &mut BurnComponent<M>| {
+            c.run(activation_bytes, |model, device| f(model.weights(), device))
+        })
+    }
+
+    /// Reads the model while it is whole (not under group offload, whose store holds its weights).
+    pub fn inspect<T>(&self, action: &str, f: impl FnOnce(&M) -> T) -> Result<T> {
+        self.not_grouped(action)?;
+        Ok(self.manager.inspect(&self.id, |c: &BurnComponent<M>| f(c.module()))?)
+    }
+
+    /// The planner's layout of the model ([`measure_layout`]); `None` for a model with no block lists. Refused
+    /// once the model is under group offload (its parameters moved into the group store).
+    pub fn layout(&self) -> Result<Option<BlockLayout>> {
+        self.inspect("measure the blocks of", measure_layout)
+    }
+
+    /// Whether the model's weights are quantized (burn's quantized tensors); a model under group offload is not
+    /// (group offload streams float parameters only).
+    pub fn is_quantized(&self) -> bool {
+        self.inspect("read", module_is_quantized).unwrap_or(false)
+    }
+
+    /// Replaces the model with `f` of a copy of it (quantization, say), re-registered under the same name with
+    /// its new size; the id changes. Nothing is unregistered until `f` returned, so a failure leaves the model as
+    /// it was. Refused under group offload.
+    pub fn replace<T>(&mut self, f: impl FnOnce(M) -> (M, T)) -> Result<T> {
+        let (model, value) = f(self.inspect("replace", M::clone)?);
+        self.manager.remove(&self.id)?;
+        self.id = self.manager.add(&self.name, BurnComponent::new(model, M::CLASS, self.placement.clone()), None)?;
+        Ok(value)
+    }
+
+    /// Puts the model under group offload with `options` on the device of its [`Placement`]: its groups are
+    /// charged to the placement's ledger, read through its readings for the out-of-memory reports (the device's one
+    /// account, the same as the whole model's), recorded in the manager's record and timeline. Does nothing when
+    /// it already is (the first options stay); refused for a quantized model and for one that declares no blocks
+    /// ([`Error::RouteUnsupported`]).
+    ///
+    /// Nothing is lost when it fails: the options and the offloader's configuration are checked before the model
+    /// is touched, and the model stays registered as it was.
+    pub fn enable_group_offload(&mut self, options: &GroupOptions) -> Result<()> {
+        if self.grouped.is_some() {
+            return Ok(());
+        }
+        if self.is_quantized() {
+            return Err(Error::RouteUnsupported {
+                component: self.name.clone(),
+                route: "group offload".into(),
+                reason: "its weights are quantized, and group offload streams float parameters only: a quantized \
+                         component moves whole (component offload keeps its quantized tensors and kernels); load it \
+                         unquantized to stream it by blocks or leaves"
+                    .into(),
+            });
+        }
+        options.validate(&self.name)?;
+        let placement = &self.placement;
+        let ledger = placement.ledger.clone();
+        let mut config = GroupOffloadConfig::new(self.name.as_str(), placement.exec.clone())
+            .with_device_name(placement.name.clone())
+            .with_ledger(ledger.clone())
+            .with_record(self.manager.offload_record())
+            .with_timeline(self.manager.timeline());
+        if let Some(memory) = &placement.memory {
+            config = config.with_memory(memory.clone());
+        }
+        options.configure(config.clone()).validate()?;
+        // Taking the model apart into an in-memory store touches no device and cannot fail once the options are
+        // valid (resident layers upload later, when the manager onloads the model), so the registered component
+        // is taken out and consumed: its host tensors become the group store without a copy. A disk store can
+        // fail (a full or read-only disk), and a model may refuse to be split, so then the store is built from a
+        // copy of the handles while the registered component stays where it is, and is removed only once the
+        // store exists.
+        let copy = options.disk_store.is_some() || self.inspect("split", |m| measure_layout(m).is_none())?;
+        let model = if copy {
+            self.inspect("split", M::clone)?
+        } else {
+            let component: Box<dyn Any> = self.manager.remove(&self.id)?;
+            match component.downcast::<BurnComponent<M>>() {
+                Ok(component) => component.into_module(),
+                Err(_) => unreachable!("the handle registered {} as a BurnComponent", self.id),
+            }
+        };
+        let grouped = GroupedModel::new(model, config, options, ledger)?;
+        if copy {
+            self.manager.remove(&self.id)?;
+        }
+        self.grouped = Some(grouped.offload().clone());
+        self.id = self.manager.add(&self.name, grouped, None)?;
+        Ok(())
+    }
+
+    fn not_grouped(&self, action: &str) -> Result<()> {
+        if self.grouped.is_some() {
+            return Err(Error::AlreadyApplied {
+                component: self.name.clone(),
+                action: action.to_string(),
+                reason: "it is under group offload, whose store holds its weights".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// What a pipeline asks of any of its components without knowing its model type: the planner's and the
+/// presets' view of a [`ModelHandle`].
+pub trait Component {
+    /// The component's name.
+    fn name(&self) -> &str;
+    /// Its id in the manager.
+    fn id(&self) -> &str;
+    /// The group offloader when it is under group offload.
+    fn group_offload(&self) -> Option<&GroupOffload>;
+    /// Whether it is under group offload.
+    fn is_grouped(&self) -> bool {
+        self.group_offload().is_some()
+    }
+    /// Group-offload statistics, when it is grouped.
+    fn group_stats(&self) -> Option<GroupStats> {
+        self.group_offload().map(GroupOffload::stats)
+    }
+    /// Whether its weights are quantized.
+    fn is_quantized(&self) -> bool;
+    /// Its layout for the planner; `None` for a model without block lists.
+    fn layout(&self) -> Result<Option<BlockLayout>>;
+    /// Puts it under group offload ([`ModelHandle::enable_group_offload`]).
+    fn enable_group_offload(&mut self, options: &GroupOptions) -> Result<()>;
+}
+
+impl<M: OffloadModel + Clone> Component for ModelHandle<M> {
+    fn name(&self) -> &str {
+        ModelHandle::name(self)
+    }
+
+    fn id(&self) -> &str {
+        ModelHandle::id(self)
+    }
+
+    fn group_offload(&self) -> Option<&GroupOffload> {
+        ModelHandle::group_offload(self)
+    }
+
+    fn is_quantized(&self) -> bool {
+        ModelHandle::is_quantized(self)
+    }
+
+    fn layout(&self) -> Result<Option<BlockLayout>> {
+        ModelHandle::layout(self)
+    }
+
+    fn enable_group_offload(&mut self, options: &GroupOptions) -> Result<()> {
+        ModelHandle::enable_group_offload(self, options)
+    }
+}

@@ -1,0 +1,205 @@
+//! The one trait for a model under offload: a model declared once runs the same forward resident and streamed
+//! at both levels, the free streaming check catches a forward that reads a weight through the wrong part or a
+//! path that names no group, and a `ModelHandle` switches a registered model to group offload in place.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::{Device, Distribution, Tensor};
+use group_offload::{
+    Blocks, Census, Error, GroupLevel, GroupOptions, Layer, ModelHandle, ModuleOffload, OffloadModel, Placement, Shell,
+    Split, Streamed, check_streaming, measure_layout,
+};
+use offload_core::{Action, ComponentsManager, Reason};
+
+#[derive(Module, Debug)]
+struct Block {
+    fc1: Linear,
+    fc2: Linear,
+    norm: LayerNorm,
+}
+
+#[derive(Module, Debug)]
+struct Net {
+    embed: Linear,
+    blocks: Vec<Block>,
+    head: Linear,
+}
+
+#[derive(Clone, Copy)]
+struct NetWeights<'a> {
+    shell: Shell<'a, Net>,
+    blocks: Blocks<'a, Block>,
+}
+
+struct NetParts {
+    shell: ModuleOffload<Net>,
+    blocks: Streamed<Block>,
+}
+
+impl OffloadModel for Net {
+    const CLASS: &'static str = "Net";
+    type Weights<'a> = NetWeights<'a>;
+    type Parts = NetParts;
+
+    fn weights(&self) -> NetWeights<'_> {
+        NetWeights { shell: Shell::Resident(self), blocks: Blocks::Resident(&self.blocks) }
+    }
+
+    fn streamed(parts: &NetParts) -> NetWeights<'_> {
+        NetWeights { shell: Shell::Streamed(&parts.shell), blocks: Blocks::Streamed(&parts.blocks) }
+    }
+
+    fn split(mut self, split: &Split<'_>) -> group_offload::Result<NetParts> {
+        let blocks = split.blocks("blocks", std::mem::take(&mut self.blocks))?;
+        Ok(NetParts { shell: split.shell(self)?, blocks })
+    }
+
+    fn census(&self, census: &mut Census) {
+        census.blocks(&self.blocks);
+        census.first_leaf("fc1");
+    }
+}
+
+/// The forward, with the path it takes the second projection at (`"fc2"` when correct).
+fn forward(weights: NetWeights<'_>, x: Tensor<2>, fc2_at: &str) -> Result<Tensor<2>, Error> {
+    let x = weights.shell.get()?.embed.forward(x);
+    let x = weights.blocks.fold(x, |block: Layer<'_, Block>, x| {
+        let h = block.part(format_args!("fc1"))?.fc1.forward(x.clone());
+        let h = block.part(format_args!("{fc2_at}"))?.fc2.forward(h);
+        Ok::<_, Error>(block.part(format_args!(""))?.norm.forward(x + h))
+    })?;
+    Ok(weights.shell.get()?.head.forward(x))
+}
+
+fn net(device: &Device) -> Net {
+    let block = || Block {
+        fc1: LinearConfig::new(16, 32).init(device),
+        fc2: LinearConfig::new(32, 16).init(device),
+        norm: LayerNormConfig::new(16).init(device),
+    };
+    Net {
+        embed: LinearConfig::new(8, 16).init(device),
+        blocks: (0..4).map(|_| block()).collect(),
+        head: LinearConfig::new(16, 4).init(device),
+    }
+}
+
+fn input(device: &Device) -> Tensor<2> {
+    Tensor::random([3, 8], Distribution::Normal(0.0, 1.0), device)
+}
+
+#[test]
+fn a_model_declared_once_streams_at_both_levels_as_it_runs_resident() {
+    let device = Device::flex();
+    let (model, x) = (net(&device), input(&device));
+    let check = check_streaming(model, &device, |weights| forward(weights, x.clone(), "fc2")).expect("it streams");
+    assert_eq!(check.block_groups, 4);
+    // Per block: fc1, fc2, and the group of the norm (parameters under no leaf travel with their block).
+    assert_eq!(check.leaf_groups, 4 * 3 + 1, "{check:?}");
+    assert!(check.max_relative_difference <= 1e-4, "{check:?}");
+}
+
+#[test]
+fn a_forward_that_reads_a_weight_through_another_part_fails_the_free_check() {
+    let device = Device::flex();
+    let (model, x) = (net(&device), input(&device));
+    // Takes fc1's group, then uses fc2 through it: at leaf level fc2's weights are not on the device.
+    let error = check_streaming(model, &device, |weights| forward(weights, x.clone(), "fc1")).expect_err("caught");
+    let message = error.to_string();
+    assert!(matches!(error, Error::Streaming { ref level, .. } if level == "leaf level"), "{message}");
+    assert!(message.contains("outside their group") && message.contains("fc2"), "{message}");
+}
+
+#[test]
+fn a_path_left_behind_by_a_rename_fails_the_free_check() {
+    let device = Device::flex();
+    let (model, x) = (net(&device), input(&device));
+    let error = check_streaming(model, &device, |weights| forward(weights, x.clone(), "fc_2")).expect_err("caught");
+    let message = error.to_string();
+    assert!(matches!(error, Error::Streaming { .. }), "{message}");
+    assert!(message.contains("\"fc_2\"") && message.contains("\"fc2\""), "names the path and the groups: {message}");
+}
+
+#[test]
+fn the_census_gives_the_planners_layout() {
+    let device = Device::flex();
+    let model = net(&device);
+    let layout = measure_layout(&model).expect("the model names blocks");
+    let block = (16 * 32 + 32) * 4 + (32 * 16 + 16) * 4 + 2 * 16 * 4;
+    assert_eq!(layout.block_bytes, vec![block as u64; 4]);
+    assert_eq!(layout.outside_bytes, ((8 * 16 + 16) + (16 * 4 + 4)) * 4);
+    assert_eq!(layout.leaf_count, 12);
+    assert_eq!(layout.first_leaf_bytes, (16 * 32 + 32) * 4);
+    assert_eq!(layout.largest_leaf_bytes, (16 * 32 + 32) * 4);
+}
+
+#[test]
+fn a_handle_runs_the_one_forward_whole_then_streamed_and_records_the_group_moves() {
+    let device = Device::flex();
+    let manager = Arc::new(ComponentsManager::new());
+    let x = input(&device);
+    let mut handle = ModelHandle::register(&manager, "net", net(&device), Placement::host_only()).expect("registers");
+    let whole = handle.run(0, |weights, _| forward(weights, x.clone(), "fc2")).expect("runs whole");
+    assert!(!handle.is_grouped());
+    assert_eq!(handle.layout().expect("whole").expect("blocks").block_bytes.len(), 4);
+
+    let options = GroupOptions { level: GroupLevel::Leaf, ..GroupOptions::leaf() };
+    handle.enable_group_offload(&options).expect("streams");
+    assert!(handle.is_grouped());
+    assert_eq!(manager.ids(), vec![handle.id().to_string()], "one registration, under the new id");
+    for _ in 0..2 {
+        let streamed = handle.run(0, |weights, _| forward(weights, x.clone(), "fc2")).expect("runs streamed");
+        let difference: f32 = (streamed - whole.clone()).abs().max().into_scalar();
+        assert!(difference <= 1e-5, "{difference}");
+    }
+    let stats = handle.group_stats().expect("grouped");
+    assert_eq!(stats.stray_loads, 0);
+    assert!(stats.prefetches > 0 && stats.misses == 0, "prefetched in the captured order: {stats:?}");
+    let record = manager.offload_record();
+    let onloads = record.events().into_iter().filter(|e| e.reason == Some(Reason::GroupOnload)).count();
+    assert!(onloads > 0, "group uploads are typed record reasons: {record}");
+    assert!(record.events().iter().any(|e| e.action == Action::Onload && e.id.starts_with("net/")));
+
+    // Its blocks cannot be measured again, and enabling twice keeps the first options.
+    assert!(matches!(handle.layout(), Err(Error::AlreadyApplied { .. })));
+    handle.enable_group_offload(&GroupOptions::default()).expect("does nothing");
+}
+
+/// A model that declares no blocks.
+#[derive(Module, Debug)]
+struct Head {
+    fc: Linear,
+}
+
+impl OffloadModel for Head {
+    const CLASS: &'static str = "Head";
+    type Weights<'a> = &'a Head;
+    type Parts = std::convert::Infallible;
+
+    fn weights(&self) -> &Head {
+        self
+    }
+
+    fn streamed(parts: &std::convert::Infallible) -> &Head {
+        match *parts {}
+    }
+}
+
+#[test]
+fn a_model_without_blocks_is_refused_group_offload_and_stays_registered() {
+    let device = Device::flex();
+    let manager = Arc::new(ComponentsManager::new());
+    let head = Head { fc: LinearConfig::new(8, 2).init(&device) };
+    let mut handle = ModelHandle::register(&manager, "head", head, Placement::host_only()).expect("registers");
+    let id = handle.id().to_string();
+    let error = handle.enable_group_offload(&GroupOptions::default()).expect_err("refused");
+    assert!(matches!(error, Error::RouteUnsupported { .. }), "{error}");
+    assert!(error.to_string().contains("declares no block lists"), "{error}");
+    assert_eq!(handle.id(), id);
+    assert_eq!(manager.ids(), vec![id]);
+    let x = input(&device);
+    let out = handle.run(0, |head, _| Ok::<_, Error>(head.fc.forward(x.clone()))).expect("still runs whole");
+    assert_eq!(out.dims(), [3, 2]);
+}
