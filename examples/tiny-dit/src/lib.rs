@@ -1,0 +1,351 @@
+//! A second model on the offload library: a small diffusion transformer (DiT) with random weights, a small
+//! condition encoder and a decoder, run as a three-component pipeline through one `ComponentsManager`.
+//!
+//! It depends on the library crates only (`offload-core`, `group-offload`; `memory-sim` in its tests) and gets
+//! everything the Z-Image pipeline gets: auto offload, block- and leaf-level group offload with prefetch, the OOM
+//! retry, presets planned for the device and the record of every move. What it writes for that is marked
+//! between `offload: begin` and `offload: end` below: the three `OffloadModel` declarations (which parts are
+//! blocks), the weights views its forwards read, the handles and the preset call. `tests/offload.rs` counts those
+//! lines.
+//!
+//! Shapes: the DiT maps latents `[B, T, P]` (T tokens of P values), a time `[B, 1]` and a condition `[B, C]` to a
+//! velocity `[B, T, P]`; the encoder maps token ids `[B, L]` to the condition `[B, C]`; the decoder maps latents
+//! to an image `[B, T, P']`.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::activation::{gelu, silu};
+use burn::tensor::module::attention;
+use burn::tensor::ops::AttentionModuleOptions;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use group_offload::{AppliedPlan, Layer, ModelHandle, Placement};
+use offload_core::ComponentsManager;
+use offload_core::plan::{DeviceFacts, Settings};
+
+/// Everything the pipeline can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The manager refused a call or a registration (an out-of-memory the retry could not recover, say).
+    #[error(transparent)]
+    Offload(#[from] offload_core::Error),
+    /// Group offload failed (options, an upload).
+    #[error(transparent)]
+    GroupOffload(#[from] group_offload::Error),
+    /// The planner refused the settings or the device.
+    #[error(transparent)]
+    Plan(#[from] offload_core::plan::PlanError),
+}
+
+/// The sizes of the three models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// Latent tokens per image.
+    pub tokens: usize,
+    /// Values per latent token.
+    pub patch: usize,
+    /// The DiT's width.
+    pub dim: usize,
+    /// Attention heads (dividing `dim`).
+    pub heads: usize,
+    /// DiT blocks.
+    pub depth: usize,
+    /// The condition's width.
+    pub cond: usize,
+    /// Encoder layers.
+    pub encoder_depth: usize,
+    /// Token ids the encoder knows.
+    pub vocab: usize,
+    /// Values per decoded token.
+    pub pixels: usize,
+}
+
+impl Config {
+    /// A DiT of 6 blocks of width 64 (about 1.2 MB of f32 weights), a 3-layer encoder, a small decoder.
+    pub fn small() -> Self {
+        Self { tokens: 16, patch: 8, dim: 64, heads: 4, depth: 6, cond: 32, encoder_depth: 3, vocab: 100, pixels: 12 }
+    }
+}
+
+/// One DiT block: adaptive-norm attention and MLP, modulated by the time and condition embedding.
+#[derive(Module, Debug)]
+pub struct DitBlock {
+    /// Shift and scale of both norms from the conditioning: `dim -> 4·dim`.
+    pub modulation: Linear,
+    /// Norm before attention (no affine of its own use: modulated).
+    pub norm1: LayerNorm,
+    /// Query, key and value projections: `dim -> 3·dim`.
+    pub qkv: Linear,
+    /// Attention output projection.
+    pub proj: Linear,
+    /// Norm before the MLP.
+    pub norm2: LayerNorm,
+    /// MLP up projection `dim -> 4·dim`.
+    pub fc1: Linear,
+    /// MLP down projection `4·dim -> dim`.
+    pub fc2: Linear,
+}
+
+/// The diffusion transformer.
+#[derive(Module, Debug)]
+pub struct Dit {
+    /// Latent patch embedding `patch -> dim`.
+    pub patch: Linear,
+    /// Time embedding `1 -> dim`.
+    pub time: Linear,
+    /// Condition embedding `cond -> dim`.
+    pub cond: Linear,
+    /// The blocks, run in order.
+    pub blocks: Vec<DitBlock>,
+    /// Output projection `dim -> patch`.
+    pub out: Linear,
+    /// Attention heads.
+    pub heads: usize,
+}
+
+/// One encoder layer: a residual MLP.
+#[derive(Module, Debug)]
+pub struct EncoderLayer {
+    /// Norm before the MLP.
+    pub norm: LayerNorm,
+    /// Up projection `cond -> 2·cond`.
+    pub fc1: Linear,
+    /// Down projection `2·cond -> cond`.
+    pub fc2: Linear,
+}
+
+/// The condition encoder: token embeddings, residual MLP layers, mean over the tokens.
+#[derive(Module, Debug)]
+pub struct Encoder {
+    /// Token embedding `vocab -> cond`.
+    pub embed: Embedding,
+    /// The layers, run in order.
+    pub layers: Vec<EncoderLayer>,
+}
+
+/// The decoder: a two-layer MLP per latent token.
+#[derive(Module, Debug)]
+pub struct Decoder {
+    /// `patch -> 4·pixels`.
+    pub fc1: Linear,
+    /// `4·pixels -> pixels`.
+    pub fc2: Linear,
+}
+
+/// The three models with random weights (burn's default initialisers).
+#[derive(Debug, Clone)]
+pub struct Models {
+    /// The condition encoder.
+    pub encoder: Encoder,
+    /// The DiT.
+    pub dit: Dit,
+    /// The decoder.
+    pub decoder: Decoder,
+}
+
+impl Models {
+    /// Random models of `config`'s sizes on `device`.
+    pub fn random(config: &Config, device: &Device) -> Self {
+        let linear = |i, o| LinearConfig::new(i, o).init(device);
+        let norm = |d| LayerNormConfig::new(d).init(device);
+        let (d, c) = (config.dim, config.cond);
+        let block = || DitBlock {
+            modulation: linear(d, 4 * d),
+            norm1: norm(d),
+            qkv: linear(d, 3 * d),
+            proj: linear(d, d),
+            norm2: norm(d),
+            fc1: linear(d, 4 * d),
+            fc2: linear(4 * d, d),
+        };
+        let layer = || EncoderLayer { norm: norm(c), fc1: linear(c, 2 * c), fc2: linear(2 * c, c) };
+        Self {
+            encoder: Encoder {
+                embed: EmbeddingConfig::new(config.vocab, c).init(device),
+                layers: (0..config.encoder_depth).map(|_| layer()).collect(),
+            },
+            dit: Dit {
+                patch: linear(config.patch, d),
+                time: linear(1, d),
+                cond: linear(c, d),
+                blocks: (0..config.depth).map(|_| block()).collect(),
+                out: linear(d, config.patch),
+                heads: config.heads,
+            },
+            decoder: Decoder {
+                fc1: linear(config.patch, 4 * config.pixels),
+                fc2: linear(4 * config.pixels, config.pixels),
+            },
+        }
+    }
+}
+
+/// One DiT block over a layer's weights, taking each part at the path of its field.
+fn dit_block(
+    block: Layer<'_, DitBlock>,
+    x: Tensor<3>,
+    c: &Tensor<2>,
+    heads: usize,
+) -> group_offload::Result<Tensor<3>> {
+    let [b, s, d] = x.dims();
+    let m = block.part(format_args!("modulation"))?.modulation.forward(silu(c.clone())).reshape([b, 1, 4 * d]);
+    let chunk = |i: usize| m.clone().narrow(2, i * d, d);
+    let norms = block.part(format_args!(""))?;
+    let h = norms.norm1.forward(x.clone()) * (chunk(0) + 1.0) + chunk(1);
+    let qkv = block.part(format_args!("qkv"))?.qkv.forward(h).reshape([b, s, 3, heads, d / heads]);
+    let head = |i: usize| qkv.clone().narrow(2, i, 1).reshape([b, s, heads, d / heads]).swap_dims(1, 2);
+    let options =
+        AttentionModuleOptions { scale: Some(1.0 / ((d / heads) as f64).sqrt()), softcap: None, is_causal: false };
+    let attended = attention(head(0), head(1), head(2), None, None, options).swap_dims(1, 2).reshape([b, s, d]);
+    let x = x + block.part(format_args!("proj"))?.proj.forward(attended);
+    let h = norms.norm2.forward(x.clone()) * (chunk(2) + 1.0) + chunk(3);
+    let h = gelu(block.part(format_args!("fc1"))?.fc1.forward(h));
+    Ok(x + block.part(format_args!("fc2"))?.fc2.forward(h))
+}
+
+/// One encoder layer over a layer's weights.
+fn encoder_layer(layer: Layer<'_, EncoderLayer>, x: Tensor<3>) -> group_offload::Result<Tensor<3>> {
+    let h = layer.part(format_args!(""))?.norm.forward(x.clone());
+    let h = gelu(layer.part(format_args!("fc1"))?.fc1.forward(h));
+    Ok(x + layer.part(format_args!("fc2"))?.fc2.forward(h))
+}
+
+impl Decoder {
+    /// Latents `[B, T, P]` to pixels `[B, T, pixels]`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.fc2.forward(gelu(self.fc1.forward(x)))
+    }
+}
+
+// offload: begin
+group_offload::offload_model!(
+    Dit as "TinyDit", weights DitWeights, parts DitParts { blocks: DitBlock }, first leaf "modulation"
+);
+group_offload::offload_model!(
+    Encoder as "TinyEncoder", weights EncoderWeights, parts EncoderParts { layers: EncoderLayer }
+);
+group_offload::offload_model!(Decoder as "TinyDecoder");
+// offload: end
+
+impl DitWeights<'_> {
+    /// The velocity `[B, T, P]` at latents `x` `[B, T, P]`, time `t` `[B, 1]`, condition `c` `[B, C]`.
+    pub fn forward(self, x: Tensor<3>, t: Tensor<2>, c: Tensor<2>) -> group_offload::Result<Tensor<3>> {
+        let shell = self.shell.get()?;
+        let (h, heads) = (shell.patch.forward(x), shell.heads);
+        let c = shell.time.forward(t) + shell.cond.forward(c);
+        drop(shell);
+        let h = self.blocks.fold(h, |block, h| dit_block(block, h, &c, heads))?;
+        Ok(self.shell.get()?.out.forward(h))
+    }
+}
+
+impl EncoderWeights<'_> {
+    /// The condition `[B, C]` of token ids `[B, L]`: the layers' output averaged over the tokens.
+    pub fn forward(self, ids: Tensor<2, Int>) -> group_offload::Result<Tensor<2>> {
+        let x = self.shell.get()?.embed.forward(ids);
+        let x = self.layers.fold(x, encoder_layer)?;
+        Ok(x.mean_dim(1).squeeze_dim(1))
+    }
+}
+
+/// The three models registered with one manager, and the generation flow.
+pub struct TinyDitPipeline {
+    manager: Arc<ComponentsManager>,
+    config: Config,
+    placement: Placement,
+    /// The condition encoder.
+    pub encoder: ModelHandle<Encoder>,
+    /// The DiT.
+    pub dit: ModelHandle<Dit>,
+    /// The decoder.
+    pub decoder: ModelHandle<Decoder>,
+}
+
+impl TinyDitPipeline {
+    /// Registers `models` (on `placement.host`) with a new manager.
+    pub fn new(models: Models, config: Config, placement: Placement) -> Result<Self, Error> {
+        let manager = Arc::new(ComponentsManager::new());
+        // offload: begin
+        let encoder = ModelHandle::register(&manager, "encoder", models.encoder, placement.clone())?;
+        let dit = ModelHandle::register(&manager, "dit", models.dit, placement.clone())?;
+        let decoder = ModelHandle::register(&manager, "decoder", models.decoder, placement.clone())?;
+        // offload: end
+        Ok(Self { manager, config, placement, encoder, dit, decoder })
+    }
+
+    /// The manager holding the three models.
+    pub fn manager(&self) -> &Arc<ComponentsManager> {
+        &self.manager
+    }
+
+    // offload: begin
+    /// Bytes of activations one call of each model allocates, `[encoder, dit, decoder]`, at batch 1: what a
+    /// simulated card charges each call (an estimate: the widest intermediate tensors, f32).
+    pub fn activation_estimates(&self, prompt_tokens: usize) -> [u64; 3] {
+        let c = &self.config;
+        let f32s = |n: usize| (n * 4) as u64;
+        let encoder = f32s(prompt_tokens * 4 * c.cond);
+        let dit = f32s(c.tokens * (3 * c.dim + 4 * c.dim + c.dim) + c.heads * c.tokens * c.tokens);
+        let decoder = f32s(c.tokens * 5 * c.pixels);
+        [encoder, dit, decoder]
+    }
+    // offload: end
+
+    /// Plans the three models for `device` with `settings` (a preset and its overrides) and applies every route:
+    /// resident, component offload, or block / leaf group offload with prefetch.
+    pub fn enable_preset(
+        &mut self,
+        settings: Settings,
+        device: &DeviceFacts,
+        prompt_tokens: usize,
+    ) -> Result<AppliedPlan, Error> {
+        let activations = self.activation_estimates(prompt_tokens);
+        // offload: begin
+        let mut components: [&mut dyn group_offload::Component; 3] =
+            [&mut self.encoder, &mut self.dit, &mut self.decoder];
+        let mut specs = Vec::new();
+        for (component, activation) in components.iter().zip(activations) {
+            specs.push(group_offload::component_spec(&self.manager, &**component)?.with_activation(activation));
+        }
+        let plan = offload_core::plan::plan_pipeline(&specs, settings.clone(), &device.machine())?;
+        Ok(group_offload::apply_plan(&self.manager, &mut components, &specs, &plan, &settings, device)?)
+        // offload: end
+    }
+
+    /// Generates an image `[1, T, pixels]` from `prompt` (token ids below the vocabulary size) with `steps`
+    /// Euler steps of the flow from deterministic noise.
+    pub fn generate(&self, prompt: &[i64], steps: usize) -> Result<Tensor<3>, Error> {
+        let c = &self.config;
+        let host = &self.placement.host;
+        // offload: begin (each call goes through its handle, which the manager onloads, charges and retries)
+        let [encoder, dit, decoder] = self.activation_estimates(prompt.len());
+        // offload: end
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(prompt.to_vec(), [1, prompt.len()]), host);
+        // offload: begin
+        let cond = self.encoder.run(encoder, |weights, device| weights.forward(ids.clone().to_device(device)))?;
+        // offload: end
+        let values = (0..c.tokens * c.patch).map(|i| ((i as f32) * 0.37).sin()).collect::<Vec<_>>();
+        let mut x = Tensor::<3>::from_data(TensorData::new(values, [1, c.tokens, c.patch]), host);
+        let dt = 1.0 / steps.max(1) as f32;
+        for step in 0..steps {
+            let t = Tensor::<2>::from_data(TensorData::new(vec![1.0 - step as f32 * dt], [1, 1]), host);
+            // offload: begin
+            let velocity = self.dit.run(dit, |weights, device| {
+                weights.forward(
+                    x.clone().to_device(device),
+                    t.clone().to_device(device),
+                    cond.clone().to_device(device),
+                )
+            })?;
+            // offload: end
+            x = x + velocity.to_device(host) * dt;
+        }
+        // offload: begin
+        let image = self.decoder.run(decoder, |decoder, device| {
+            Ok::<_, group_offload::Error>(decoder.forward(x.clone().to_device(device)))
+        })?;
+        // offload: end
+        Ok(image.to_device(host))
+    }
+}
