@@ -1,5 +1,19 @@
-//! Group offload inside one burn model: block-level and leaf-level groups streamed through an execution device
-//! with less memory than the weights, prefetched on a worker thread in the order the model calls them.
+//! Everything burn-facing a model crate needs to run its models on a device with less memory than their weights:
+//! whole-component moves, group offload inside one model (block-level and leaf-level groups streamed through the
+//! device, prefetched on a worker thread in the order the model calls them), presets applied, and real devices.
+//!
+//! # A model crate
+//!
+//! 1. Declare each model once ([`offload_model!`], or [`OffloadModel`] by hand): which fields are block lists.
+//! 2. Write each model's forward once, over its weights view ([`Blocks::fold`], [`Shell::get`], [`Layer::part`]);
+//!    the resident forward is the same function. [`check_streaming`] is its free test.
+//! 3. Register each model with a `ComponentsManager` as a [`ModelHandle`] on a [`Placement`] (the device's one
+//!    account), and call it with [`ModelHandle::run`]: auto offload, the OOM retry and the record apply.
+//! 4. Stream a model with [`ModelHandle::enable_group_offload`], or plan every component for the device with
+//!    [`component_spec`] and [`apply_plan`].
+//!
+//! `examples/tiny-dit` is a whole pipeline built this way. The rest of this page is the mechanism underneath:
+//! group offload driven by hand.
 //!
 //! # The pattern
 //!

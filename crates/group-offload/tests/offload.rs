@@ -11,11 +11,11 @@ use std::time::Duration;
 use burn::nn::Linear;
 use burn::tensor::{Device, Tensor};
 use common::{BLOCKS, Block, Model, Top, hard_card, input, max_abs_diff, slow_card};
-use memory_sim::SimCard;
 use group_offload::{
     BlockOffload, Error, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, LeafOffload, LeafPredicate,
     ModuleOffload, Residency,
 };
+use memory_sim::SimCard;
 use offload_core::{Action, ComponentsManager, DeviceMemory, DeviceName, OffloadRecord, Offloadable, Reason};
 
 const GIB: u64 = 1 << 30;
