@@ -17,8 +17,10 @@
 use std::sync::Arc;
 
 use offload_core::offload_strategy::Staged;
-use offload_core::plan::{ComponentSpec, DeviceFacts, Plan, Route, Settings};
-use offload_core::{ComponentsManager, format_size};
+#[cfg(feature = "io")]
+use offload_core::plan::ProfileStore;
+use offload_core::plan::{ComponentPlan, ComponentSpec, DeviceFacts, Plan, Route, Settings, Workload, plan_pipeline};
+use offload_core::{ComponentsManager, DeviceMemory, format_size};
 
 use crate::error::{Error, Result};
 use crate::handle::Component;
@@ -215,4 +217,214 @@ fn apply_group_offload(
         }
     );
     Ok(Some((planned.route, how)))
+}
+
+/// A pipeline's plan as applied: the planner's [`Plan`] (its `Display` is the table and one reason per
+/// component), what each component runs under, notes on what differs from the plan, and the capacity-profile
+/// identity of its runs. Made by [`plan_and_apply`].
+pub struct PipelinePlan {
+    /// The planner's plan.
+    pub plan: Plan,
+    /// Per component, in pipeline order: planned and applied route.
+    pub applied: Vec<AppliedRoute>,
+    /// What the application does differently from the plan, or assumes, one sentence each.
+    pub notes: Vec<String>,
+    /// The settings the plan was made with (with the named profile's calibration loaded, if any).
+    pub settings: Settings,
+    /// Whether this plan is a calibration run of `settings.profile_name`: `record_run` then stores the
+    /// recommended resident budget.
+    pub calibration_run: bool,
+    memory: Arc<dyn DeviceMemory>,
+    workload: Workload,
+    /// The component a calibration sizes the resident budget of, and its bytes outside the blocks (to tell its
+    /// resident budget from its resident bytes).
+    #[cfg_attr(not(feature = "io"), allow(dead_code))]
+    calibrated: Option<(String, u64)>,
+}
+
+impl std::fmt::Debug for PipelinePlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PipelinePlan")
+            .field("plan", &self.plan)
+            .field("applied", &self.applied)
+            .field("notes", &self.notes)
+            .field("calibration_run", &self.calibration_run)
+            .finish()
+    }
+}
+
+impl std::fmt::Display for PipelinePlan {
+    /// The planner's plan, then what was applied per component and the notes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.plan)?;
+        writeln!(f, "applied:")?;
+        for applied in &self.applied {
+            writeln!(f, "  {} ({}): {}", applied.component, applied.id, applied.how)?;
+        }
+        if !self.notes.is_empty() {
+            writeln!(f, "notes:")?;
+            for note in &self.notes {
+                writeln!(f, "  {note}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Plans `specs` for `device` with `settings` and applies the plan to `components` ([`apply_plan`]). Every
+/// component goes back to the host first, so the reading is the device as the plan will have it; auto offload is
+/// (re-)enabled with the [`Staged`] strategy.
+///
+/// `workload` is the capacity-profile identity of the pipeline (its model and sizes); the device's label and
+/// total and the preset are added to it. `calibrated` names the component whose resident budget a calibration
+/// run sizes (the one that streams by blocks). With `settings.profile_name`, the named calibration is loaded
+/// from the profile store first (feature `io`; without it a profile name is refused).
+pub fn plan_and_apply(
+    manager: &Arc<ComponentsManager>,
+    components: &mut [&mut dyn Component],
+    specs: &[ComponentSpec],
+    mut settings: Settings,
+    device: &DeviceFacts,
+    workload: Workload,
+    calibrated: &str,
+) -> Result<PipelinePlan> {
+    if settings.profile_name.is_some() {
+        load_calibration(&mut settings)?;
+    }
+    manager.disable_auto_offload()?;
+    let plan = plan_pipeline(specs, settings.clone(), &device.machine())?;
+    let outside = specs.iter().find(|s| s.name == calibrated).and_then(|s| s.layout.as_ref()).map(|l| l.outside_bytes);
+    let applied = apply_plan(manager, components, specs, &plan, &settings, device)?;
+    let calibration_run = settings.profile_name.is_some()
+        && settings.resident_budget.is_none()
+        && (settings.calibration.is_none() || settings.calibrate)
+        && plan.component(calibrated).is_some_and(|c| matches!(c.route, Route::BlockGroupOffload { .. }));
+    let workload = workload
+        .with("device", device.label.clone())
+        .with("device_total", plan.machine.device_total.to_string())
+        .with("preset", plan.preset.name());
+    Ok(PipelinePlan {
+        plan,
+        applied: applied.applied,
+        notes: applied.notes,
+        settings,
+        calibration_run,
+        memory: device.memory.clone(),
+        workload,
+        calibrated: outside.map(|outside| (calibrated.to_string(), outside)),
+    })
+}
+
+#[cfg(feature = "io")]
+fn load_calibration(settings: &mut Settings) -> Result<()> {
+    ProfileStore::from_settings(settings)?.apply_calibration(settings)?;
+    Ok(())
+}
+
+#[cfg(not(feature = "io"))]
+fn load_calibration(settings: &mut Settings) -> Result<()> {
+    Err(Error::InvalidConfig {
+        model: settings.profile_name.clone().unwrap_or_default(),
+        problem: "named calibration profiles are read from disk, which this build leaves out: enable \
+                  group-offload's `io` feature, or unset profile_name"
+            .into(),
+    })
+}
+
+impl PipelinePlan {
+    /// A component's plan by name.
+    pub fn component(&self, name: &str) -> Option<&ComponentPlan> {
+        self.plan.component(name)
+    }
+
+    /// A component's applied route by name.
+    pub fn applied(&self, name: &str) -> Option<&AppliedRoute> {
+        self.applied.iter().find(|a| a.component == name)
+    }
+
+    /// Why the plan routed a component as it did.
+    pub fn why(&self, name: &str) -> Option<&str> {
+        self.component(name).map(|c| c.why.as_str())
+    }
+
+    /// The device readings the plan was made from and the run is measured with.
+    pub fn memory(&self) -> &Arc<dyn DeviceMemory> {
+        &self.memory
+    }
+
+    /// The capacity profile's identity for a run: the pipeline's, the device's and the preset's, with `extra`
+    /// (the task, say). The capacity metrics (pixels, tokens, batch) stay out of it.
+    pub fn workload(&self, extra: &[(&str, &str)]) -> Workload {
+        extra.iter().fold(self.workload.clone(), |workload, (key, value)| workload.with(*key, *value))
+    }
+}
+
+/// What recording a run stored and found.
+#[cfg(feature = "io")]
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunRecord {
+    /// The profile file.
+    pub path: std::path::PathBuf,
+    /// The profile as saved.
+    pub profile: offload_core::plan::CapacityProfile,
+    /// The run's metrics past what the profile had validated (already logged).
+    pub warnings: Vec<offload_core::plan::CapacityWarning>,
+    /// The recommendation stored by a calibration run.
+    pub calibration: Option<offload_core::plan::Recommendation>,
+}
+
+#[cfg(feature = "io")]
+impl PipelinePlan {
+    /// The store the settings name (`profile_dir`, or the platform's data directory).
+    pub fn profile_store(&self) -> Result<ProfileStore> {
+        Ok(ProfileStore::from_settings(&self.settings)?)
+    }
+
+    /// The warnings a run of `workload` with `metrics` deserves against the stored profile, before it runs (each
+    /// also logged).
+    pub fn check_capacity(
+        &self,
+        workload: &Workload,
+        metrics: &[(&str, f64)],
+    ) -> Result<Vec<offload_core::plan::CapacityWarning>> {
+        Ok(self.profile_store()?.check(workload, metrics)?)
+    }
+
+    /// Records a run of `workload` with `metrics` in its capacity profile: its outcome and the measured device and
+    /// host peaks. A successful calibration run also stores the resident budget it recommends for the named
+    /// profile. The warnings compare the run with the profile as it was before.
+    pub fn record_run(
+        &self,
+        workload: &Workload,
+        metrics: &[(&str, f64)],
+        outcome: offload_core::plan::Outcome,
+        peak_device: u64,
+        peak_host: u64,
+    ) -> Result<RunRecord> {
+        use offload_core::plan::{Observation, Outcome};
+        let store = self.profile_store()?;
+        let mut observation = match outcome {
+            Outcome::Success => Observation::success(peak_device, peak_host),
+            Outcome::Failure => Observation::failure(peak_device, peak_host),
+        };
+        for (name, value) in metrics {
+            observation = observation.with_metric(*name, *value);
+        }
+        let recorded = store.record(workload, observation)?;
+        let calibration = match (&self.settings.profile_name, self.calibration_run, outcome) {
+            (Some(name), true, Outcome::Success) => {
+                let budget_used = self.calibrated.as_ref().map_or(0, |(component, outside)| {
+                    self.component(component).map_or(0, |c| c.resident_bytes.saturating_sub(*outside))
+                });
+                Some(store.record_calibration(name, self.plan.machine.device_available, peak_device, budget_used)?)
+            }
+            _ => None,
+        };
+        Ok(RunRecord {
+            path: store.path(workload),
+            profile: recorded.profile,
+            warnings: recorded.warnings,
+            calibration,
+        })
+    }
 }

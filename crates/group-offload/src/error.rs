@@ -175,6 +175,11 @@ pub enum Error {
         problem: String,
     },
 
+    /// The planner refused the settings, the components or the device, or a capacity profile could not be read or
+    /// written.
+    #[error(transparent)]
+    Plan(#[from] offload_core::plan::PlanError),
+
     /// The manager refused a registration, removal or inspection.
     #[error(transparent)]
     Manager(#[from] offload_core::Error),

@@ -116,7 +116,9 @@ mod store;
 mod walk;
 pub mod whole;
 
-pub use apply::{AppliedPlan, AppliedRoute, apply_plan, component_spec, group_options};
+#[cfg(feature = "io")]
+pub use apply::RunRecord;
+pub use apply::{AppliedPlan, AppliedRoute, PipelinePlan, apply_plan, component_spec, group_options, plan_and_apply};
 pub use bench::{OverlapConfig, OverlapReport, overlap_benchmark};
 pub use component::GroupOffloadedModel;
 pub use config::{DEFAULT_LEAF_TYPES, GroupOffloadConfig, LeafPredicate};

@@ -229,9 +229,9 @@ pub enum Error {
     #[error(transparent)]
     Simulation(#[from] memory_sim::SimError),
 
-    /// Group offload of the transformer failed.
+    /// Group offload failed, or refused a route (a model without blocks, a quantized one).
     #[error(transparent)]
-    GroupOffload(#[from] group_offload::Error),
+    GroupOffload(group_offload::Error),
 
     /// Planning failed: an unknown preset, a bad setting, a component that fits no route, an unreadable
     /// capacity profile.
@@ -255,6 +255,18 @@ fn first(names: &[String]) -> String {
 
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<group_offload::Error> for Error {
+    /// The library's planner and manager errors keep their own variants ([`Error::Plan`], [`Error::Offload`]),
+    /// whichever crate passed them on.
+    fn from(error: group_offload::Error) -> Self {
+        match error {
+            group_offload::Error::Plan(inner) => Error::Plan(inner),
+            group_offload::Error::Manager(inner) => Error::Offload(inner),
+            other => Error::GroupOffload(other),
+        }
+    }
+}
 
 impl From<Error> for offload_core::ComponentError {
     /// The error a failed component call reports to the manager: a group upload's out-of-memory or device failure

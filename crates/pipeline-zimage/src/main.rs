@@ -33,7 +33,7 @@ use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::plot::{PlotOptions, draw_memory_plot};
-use pipeline_zimage::presets::{enable_pipeline_offload, exact_reserve, generate_profiled};
+use pipeline_zimage::presets::{check_capacity, enable_pipeline_offload, exact_reserve, generate_profiled};
 use pipeline_zimage::quantize::quantize;
 use pipeline_zimage::schedule::{StrategyChoice, compare_moves, lookahead_after_first_image};
 
@@ -689,7 +689,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         let outcome = match &plan {
             Some(plan) => {
                 if index == 0 {
-                    for warning in plan.check_capacity(&opts)? {
+                    for warning in check_capacity(plan, &opts)? {
                         eprintln!("capacity: {warning}");
                     }
                 }

@@ -24,18 +24,10 @@
 //! quantized, so the planner routes it resident or whole (component offload keeps burn's quantized tensors and
 //! kernels), never to block or leaf offload (see `docs/presets.md`).
 
-use std::fmt;
-use std::path::PathBuf;
-use std::sync::Arc;
-
 use burn::tensor::Tensor;
-pub use group_offload::AppliedRoute;
-use group_offload::{apply_plan, component_spec};
-use offload_core::DeviceMemory;
-use offload_core::plan::{
-    CapacityProfile, CapacityWarning, ComponentPlan, ComponentSpec, DeviceFacts, Observation, Outcome, PhaseReport,
-    Plan, ProfileStore, Recommendation, Route, Settings, Workload, plan_pipeline,
-};
+use group_offload::component_spec;
+pub use group_offload::{AppliedRoute, PipelinePlan, RunRecord};
+use offload_core::plan::{CapacityWarning, ComponentSpec, DeviceFacts, Outcome, PhaseReport, Settings, Workload};
 
 pub use offload_core::offload_strategy::Staged;
 
@@ -97,145 +89,29 @@ pub fn exact_reserve(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> u64 {
     pipeline.activation_estimates(opts).into_iter().max().unwrap_or(0)
 }
 
-/// A plan for the pipeline as applied: the planner's [`Plan`] (its `Display` is the table and one reason per
-/// component), what each component runs under, notes on what the pipeline does differently from the plan, and
-/// the capacity-profile identity of the workload.
-pub struct PipelinePlan {
-    /// The planner's plan.
-    pub plan: Plan,
-    /// Per component, in pipeline order: planned and applied route.
-    pub applied: Vec<AppliedRoute>,
-    /// What the pipeline does differently from the plan, or assumes, one sentence each.
-    pub notes: Vec<String>,
-    /// The settings the plan was made with (with the named profile's calibration loaded, if any).
-    pub settings: Settings,
-    /// Whether this plan is a calibration run of `settings.profile_name`: [`record_run`](Self::record_run)
-    /// then stores the recommended resident budget.
-    pub calibration_run: bool,
-    memory: Arc<dyn DeviceMemory>,
-    workload: Workload,
-    /// Bytes outside the transformer's blocks, to tell its resident budget from its resident bytes.
-    transformer_outside: u64,
+/// The capacity profile's identity for a run of `plan` with `opts`: the model's sizes, dtype, device, preset and
+/// task. The capacity metrics (pixels, tokens, batch) stay out of it.
+pub fn run_workload(plan: &PipelinePlan, opts: &GenerateOptions) -> Workload {
+    plan.workload(&[("task", if opts.image.is_some() { "image-to-image" } else { "text-to-image" })])
 }
 
-impl fmt::Debug for PipelinePlan {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PipelinePlan")
-            .field("plan", &self.plan)
-            .field("applied", &self.applied)
-            .field("notes", &self.notes)
-            .field("calibration_run", &self.calibration_run)
-            .finish()
-    }
+/// The warnings a run of `plan` with `opts` deserves against the stored profile, before it runs (each also
+/// logged).
+pub fn check_capacity(plan: &PipelinePlan, opts: &GenerateOptions) -> Result<Vec<CapacityWarning>> {
+    Ok(plan.check_capacity(&run_workload(plan, opts), &metrics(opts))?)
 }
 
-impl fmt::Display for PipelinePlan {
-    /// The planner's plan, then what was applied per component and the notes.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.plan)?;
-        writeln!(f, "applied:")?;
-        for applied in &self.applied {
-            writeln!(f, "  {} ({}): {}", applied.component, applied.id, applied.how)?;
-        }
-        if !self.notes.is_empty() {
-            writeln!(f, "notes:")?;
-            for note in &self.notes {
-                writeln!(f, "  {note}")?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// What recording a run stored and found.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RunRecord {
-    /// The profile file.
-    pub path: PathBuf,
-    /// The profile as saved.
-    pub profile: CapacityProfile,
-    /// The run's metrics past what the profile had validated (already logged).
-    pub warnings: Vec<CapacityWarning>,
-    /// The recommendation stored by a calibration run.
-    pub calibration: Option<Recommendation>,
-}
-
-impl PipelinePlan {
-    /// A component's plan by name.
-    pub fn component(&self, name: &str) -> Option<&ComponentPlan> {
-        self.plan.component(name)
-    }
-
-    /// A component's applied route by name.
-    pub fn applied(&self, name: &str) -> Option<&AppliedRoute> {
-        self.applied.iter().find(|a| a.component == name)
-    }
-
-    /// Why the plan routed a component as it did.
-    pub fn why(&self, name: &str) -> Option<&str> {
-        self.component(name).map(|c| c.why.as_str())
-    }
-
-    /// The device readings the plan was made from and the run is measured with.
-    pub fn memory(&self) -> &Arc<dyn DeviceMemory> {
-        &self.memory
-    }
-
-    /// The capacity profile's identity for a run with `opts`: the model's sizes, dtype, device, preset and task.
-    /// The capacity metrics (pixels, tokens, batch) stay out of it.
-    pub fn workload(&self, opts: &GenerateOptions) -> Workload {
-        let task = if opts.image.is_some() { "image-to-image" } else { "text-to-image" };
-        self.workload.clone().with("task", task)
-    }
-
-    /// The store the settings name (`profile_dir`, or the platform's data directory).
-    pub fn profile_store(&self) -> Result<ProfileStore> {
-        Ok(ProfileStore::from_settings(&self.settings)?)
-    }
-
-    /// The warnings a run with `opts` deserves against the stored profile, before it runs (each also logged).
-    pub fn check_capacity(&self, opts: &GenerateOptions) -> Result<Vec<CapacityWarning>> {
-        let metrics = metrics(opts);
-        let metrics: Vec<(&str, f64)> = metrics.iter().map(|(k, v)| (*k, *v)).collect();
-        Ok(self.profile_store()?.check(&self.workload(opts), &metrics)?)
-    }
-
-    /// Records a run with `opts` in the workload's capacity profile: its outcome, the measured device and host
-    /// peaks and its metrics. A successful calibration run also stores the resident budget it recommends for
-    /// the named profile. The warnings compare the run with the profile as it was before.
-    pub fn record_run(
-        &self,
-        opts: &GenerateOptions,
-        outcome: Outcome,
-        peak_device: u64,
-        peak_host: u64,
-    ) -> Result<RunRecord> {
-        let store = self.profile_store()?;
-        let workload = self.workload(opts);
-        let mut observation = match outcome {
-            Outcome::Success => Observation::success(peak_device, peak_host),
-            Outcome::Failure => Observation::failure(peak_device, peak_host),
-        };
-        for (name, value) in metrics(opts) {
-            observation = observation.with_metric(name, value);
-        }
-        let recorded = store.record(&workload, observation)?;
-        let calibration = match (&self.settings.profile_name, self.calibration_run, outcome) {
-            (Some(name), true, Outcome::Success) => {
-                let budget_used = self
-                    .component("transformer")
-                    .map_or(0, |c| c.resident_bytes.saturating_sub(self.transformer_outside));
-                Some(store.record_calibration(name, self.plan.machine.device_available, peak_device, budget_used)?)
-            }
-            _ => None,
-        };
-        Ok(RunRecord {
-            path: store.path(&workload),
-            profile: recorded.profile,
-            warnings: recorded.warnings,
-            calibration,
-        })
-    }
+/// Records a run of `plan` with `opts` in the workload's capacity profile ([`PipelinePlan::record_run`]): its
+/// outcome, the measured device and host peaks and its metrics; a successful calibration run also stores the
+/// resident budget it recommends.
+pub fn record_run(
+    plan: &PipelinePlan,
+    opts: &GenerateOptions,
+    outcome: Outcome,
+    peak_device: u64,
+    peak_host: u64,
+) -> Result<RunRecord> {
+    Ok(plan.record_run(&run_workload(plan, opts), &metrics(opts), outcome, peak_device, peak_host)?)
 }
 
 /// The capacity metrics of a run: pixels, prompt tokens kept, prompts per call.
@@ -286,49 +162,20 @@ pub fn enable_offload(
 fn plan_and_apply(
     pipeline: &mut ZImagePipeline,
     specs: Vec<ComponentSpec>,
-    mut settings: Settings,
+    settings: Settings,
     device: &DeviceFacts,
 ) -> Result<PipelinePlan> {
-    if settings.profile_name.is_some() {
-        ProfileStore::from_settings(&settings)?.apply_calibration(&mut settings)?;
-    }
-    // Everything goes back to the host first, so the reading is the device as the plan will have it.
-    pipeline.manager().disable_auto_offload()?;
-    let machine = device.machine();
-    let plan = plan_pipeline(&specs, settings.clone(), &machine)?;
-    let transformer_outside =
-        specs.iter().find(|s| s.name == "transformer").and_then(|s| s.layout.as_ref()).map_or(0, |l| l.outside_bytes);
-    // Group moves are charged to the account the pipeline's components are charged to (their placement).
-    let manager = pipeline.manager().clone();
-    let applied = apply_plan(&manager, &mut pipeline.components_mut(), &specs, &plan, &settings, device)?;
-    let calibration_run = settings.profile_name.is_some()
-        && settings.resident_budget.is_none()
-        && (settings.calibration.is_none() || settings.calibrate)
-        && plan.component("transformer").is_some_and(|c| matches!(c.route, Route::BlockGroupOffload { .. }));
-    let workload = workload(pipeline, device, &plan);
-    Ok(PipelinePlan {
-        plan,
-        applied: applied.applied,
-        notes: applied.notes,
-        settings,
-        calibration_run,
-        memory: device.memory.clone(),
-        workload,
-        transformer_outside,
-    })
-}
-
-/// The workload identity shared by every run of a plan.
-fn workload(pipeline: &ZImagePipeline, device: &DeviceFacts, plan: &Plan) -> Workload {
-    Workload::new()
+    let workload = Workload::new()
         .with("model", "z-image")
         .with("transformer_params", pipeline.transformer_config().num_params().to_string())
         .with("text_encoder_params", pipeline.text_encoder_config().num_params_used().to_string())
         .with("vae_params", pipeline.vae_config().num_params().to_string())
-        .with("dtype", format!("{:?}", pipeline.dtype()))
-        .with("device", device.label.clone())
-        .with("device_total", plan.machine.device_total.to_string())
-        .with("preset", plan.preset.name())
+        .with("dtype", format!("{:?}", pipeline.dtype()));
+    let manager = pipeline.manager().clone();
+    // Group moves are charged to the account the pipeline's components are charged to (their placement); a
+    // calibration sizes the transformer's resident budget.
+    let components = &mut pipeline.components_mut();
+    Ok(group_offload::plan_and_apply(&manager, components, &specs, settings, device, workload, "transformer")?)
 }
 
 /// A run of [`generate_profiled`]: the image, its phases, the measured peaks and what the profile said.
@@ -357,15 +204,15 @@ pub fn generate_profiled(
 ) -> Result<ProfiledRun> {
     match pipeline.generate_with_report(opts, progress) {
         Ok(generated) => {
-            let peak_device = plan.memory.peak();
+            let peak_device = plan.memory().peak();
             let peak_host = crate::host::peak_resident_bytes();
-            let record = plan.record_run(opts, Outcome::Success, peak_device, peak_host)?;
+            let record = record_run(plan, opts, Outcome::Success, peak_device, peak_host)?;
             Ok(ProfiledRun { image: generated.image, phases: generated.phases, peak_device, peak_host, record })
         }
         Err(error) => {
             if is_out_of_memory(&error)
                 && let Err(record_error) =
-                    plan.record_run(opts, Outcome::Failure, plan.memory.peak(), crate::host::peak_resident_bytes())
+                    record_run(plan, opts, Outcome::Failure, plan.memory().peak(), crate::host::peak_resident_bytes())
             {
                 tracing::warn!("cannot record the failed run in its capacity profile: {record_error}");
             }

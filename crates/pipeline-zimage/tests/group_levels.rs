@@ -54,17 +54,23 @@ fn largest_streamed_group(groups: &[(String, u64)]) -> u64 {
     groups.iter().filter(|(id, _)| !id.ends_with("shell")).map(|(_, bytes)| *bytes).max().unwrap_or(0)
 }
 
-#[test]
-fn the_transformer_gives_the_resident_output_at_every_level_and_leaf_level_holds_least() {
+/// The golden transformer inputs: latents `[1, C, F, H, W]`, time `[1]`, caption features `[1, L, D]`.
+fn transformer_inputs(device: &Device) -> (Tensor<5>, Tensor<1>, Tensor<3>) {
     let golden = golden("transformer.safetensors");
-    let device = Device::flex();
     let input = |name: &str| {
         let (shape, values) = &golden[name];
         TensorData::new(values.clone(), shape.clone())
     };
-    let x: Tensor<5> = Tensor::<4>::from_data(input("x"), (&device, DType::F32)).unsqueeze_dim(0);
-    let t: Tensor<1> = Tensor::from_data(input("t"), (&device, DType::F32));
-    let cap: Tensor<3> = Tensor::<2>::from_data(input("cap_feats"), (&device, DType::F32)).unsqueeze_dim(0);
+    let x = Tensor::<4>::from_data(input("x"), (device, DType::F32)).unsqueeze_dim(0);
+    let t = Tensor::from_data(input("t"), (device, DType::F32));
+    let cap = Tensor::<2>::from_data(input("cap_feats"), (device, DType::F32)).unsqueeze_dim(0);
+    (x, t, cap)
+}
+
+#[test]
+fn the_transformer_gives_the_resident_output_at_every_level_and_leaf_level_holds_least() {
+    let device = Device::flex();
+    let (x, t, cap) = transformer_inputs(&device);
     let resident = values(transformer().forward(x.clone(), t.clone(), cap.clone()));
 
     let mut peaks = Vec::new();
@@ -110,15 +116,8 @@ fn the_transformer_gives_the_resident_output_at_every_level_and_leaf_level_holds
 /// the group that holds it, every group is taken, and the census names the blocks the split makes.
 #[test]
 fn the_transformer_and_the_text_encoder_pass_the_free_streaming_check() {
-    let golden = golden("transformer.safetensors");
     let device = Device::flex();
-    let input = |name: &str| {
-        let (shape, values) = &golden[name];
-        TensorData::new(values.clone(), shape.clone())
-    };
-    let x: Tensor<5> = Tensor::<4>::from_data(input("x"), (&device, DType::F32)).unsqueeze_dim(0);
-    let t: Tensor<1> = Tensor::from_data(input("t"), (&device, DType::F32));
-    let cap: Tensor<3> = Tensor::<2>::from_data(input("cap_feats"), (&device, DType::F32)).unsqueeze_dim(0);
+    let (x, t, cap) = transformer_inputs(&device);
     let model = transformer();
     let blocks = model.noise_refiner.len() + model.context_refiner.len() + model.layers.len();
     let check =

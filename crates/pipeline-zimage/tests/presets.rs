@@ -13,7 +13,8 @@ use offload_core::DeviceMemory;
 use offload_core::plan::{HostMemory, Outcome, Preset, Route, Settings, SettingsLayer, WarningKind};
 use pipeline_zimage::pipeline::{GenerateOptions, PHASES, ZImagePipeline};
 use pipeline_zimage::presets::{
-    PipelinePlan, component_specs, enable_offload, enable_pipeline_offload, exact_reserve, generate_profiled,
+    PipelinePlan, check_capacity, component_specs, enable_offload, enable_pipeline_offload, exact_reserve,
+    generate_profiled, run_workload,
 };
 
 mod common;
@@ -254,7 +255,8 @@ fn a_run_is_recorded_in_its_capacity_profile_and_a_larger_one_is_warned_about() 
     assert!(first.record.path.is_file());
     // The profile was empty: every metric is unvalidated until this run.
     assert!(first.record.warnings.iter().all(|w| w.kind == WarningKind::Unvalidated), "{:?}", first.record.warnings);
-    let stored = plan.profile_store().expect("store").load(&plan.workload(&small)).expect("readable").expect("saved");
+    let stored =
+        plan.profile_store().expect("store").load(&run_workload(&plan, &small)).expect("readable").expect("saved");
     assert_eq!(stored, first.record.profile);
     assert_eq!(stored.peaks.device, card.peak());
     assert_eq!(stored.limits.get("pixels").and_then(|l| l.max_success), Some(4096.0));
@@ -263,7 +265,7 @@ fn a_run_is_recorded_in_its_capacity_profile_and_a_larger_one_is_warned_about() 
     assert_eq!(stored.observations[0].outcome, Outcome::Success);
 
     // Before the larger run, and in its result: 64 tokens is past the 32 that were validated.
-    let before = plan.check_capacity(&large).expect("checks");
+    let before = check_capacity(&plan, &large).expect("checks");
     assert_eq!(before.len(), 1, "{before:?}");
     assert_eq!(before[0].metric, "tokens");
     assert_eq!(before[0].kind, WarningKind::BeyondValidated { max_success: 32.0 });
@@ -275,7 +277,7 @@ fn a_run_is_recorded_in_its_capacity_profile_and_a_larger_one_is_warned_about() 
     let second = generate_profiled(&pipeline, &plan, &large, &mut |_, _| {}).expect("runs");
     assert_eq!(second.record.warnings, before);
     // The same size again is validated now.
-    assert_eq!(plan.check_capacity(&large).expect("checks"), []);
+    assert_eq!(check_capacity(&plan, &large).expect("checks"), []);
 }
 
 #[test]

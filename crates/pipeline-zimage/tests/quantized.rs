@@ -16,7 +16,7 @@ use pipeline_zimage::transformer::ZImageTransformer2DModel;
 
 mod common;
 
-use common::{load_tiny as load, max_abs_diff, turbo_options, values};
+use common::{component_bytes as bytes, load_tiny as load, max_abs_diff, turbo_options, values};
 
 fn options() -> GenerateOptions {
     turbo_options().0
@@ -42,14 +42,6 @@ fn settings(reserve: u64) -> Settings {
     let mut explicit = SettingsLayer::default();
     explicit.set("reserve", &reserve.to_string()).expect("a size");
     Settings::resolve(&explicit, std::iter::empty::<(String, String)>(), None).expect("valid settings")
-}
-
-fn bytes(pipeline: &ZImagePipeline, component: &str) -> u64 {
-    pipeline
-        .manager()
-        .component_info(pipeline.component(component).expect("a component").id())
-        .expect("registered")
-        .bytes
 }
 
 #[test]

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use common::{fixtures, golden, load_tiny, max_abs_diff, tensor4, turbo_options, values};
+use common::{component_bytes as bytes, fixtures, golden, load_tiny, max_abs_diff, tensor4, turbo_options, values};
 use group_offload::{BurnComponent, Placement, Unbounded};
 use group_offload::{CappedDevice, GroupOffloadConfig, PagePolicy, PoolReadings, open_device_with};
 use group_offload::{GroupLevel, GroupOptions, GroupedModel};
@@ -72,14 +72,6 @@ fn resident(device: &Device, name: &DeviceName) -> ZImagePipeline {
     let pipeline = load_tiny(placement(device, name, Arc::new(NoLedger), memory));
     pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true).expect("auto offload");
     pipeline
-}
-
-fn bytes(pipeline: &ZImagePipeline, component: &str) -> u64 {
-    pipeline
-        .manager()
-        .component_info(pipeline.component(component).expect("a component").id())
-        .expect("registered")
-        .bytes
 }
 
 #[test]

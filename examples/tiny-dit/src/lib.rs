@@ -20,9 +20,9 @@ use burn::tensor::activation::{gelu, silu};
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use group_offload::{AppliedPlan, Layer, ModelHandle, Placement};
+use group_offload::{Layer, ModelHandle, PipelinePlan, Placement};
 use offload_core::ComponentsManager;
-use offload_core::plan::{DeviceFacts, Settings};
+use offload_core::plan::{DeviceFacts, Settings, Workload};
 
 /// Everything the pipeline can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -293,13 +293,14 @@ impl TinyDitPipeline {
     // offload: end
 
     /// Plans the three models for `device` with `settings` (a preset and its overrides) and applies every route:
-    /// resident, component offload, or block / leaf group offload with prefetch.
+    /// resident, component offload, or block / leaf group offload with prefetch. The plan's `Display` is the
+    /// planner's table, why each route, and what was applied.
     pub fn enable_preset(
         &mut self,
         settings: Settings,
         device: &DeviceFacts,
         prompt_tokens: usize,
-    ) -> Result<AppliedPlan, Error> {
+    ) -> Result<PipelinePlan, Error> {
         let activations = self.activation_estimates(prompt_tokens);
         // offload: begin
         let mut components: [&mut dyn group_offload::Component; 3] =
@@ -308,8 +309,8 @@ impl TinyDitPipeline {
         for (component, activation) in components.iter().zip(activations) {
             specs.push(group_offload::component_spec(&self.manager, &**component)?.with_activation(activation));
         }
-        let plan = offload_core::plan::plan_pipeline(&specs, settings.clone(), &device.machine())?;
-        Ok(group_offload::apply_plan(&self.manager, &mut components, &specs, &plan, &settings, device)?)
+        let workload = Workload::new().with("model", "tiny-dit");
+        Ok(group_offload::plan_and_apply(&self.manager, &mut components, &specs, settings, device, workload, "dit")?)
         // offload: end
     }
 

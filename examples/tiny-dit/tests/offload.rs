@@ -146,9 +146,10 @@ fn the_auto_preset_streams_the_dit_on_a_card_too_small_for_it() {
     explicit.set("reserve", &reserve.to_string()).expect("a size");
     let settings = Settings::resolve(&explicit, std::iter::empty::<(String, String)>(), None).expect("valid");
     let facts = card.device_facts(HostMemory::new(64 << 30, 60 << 30));
-    let applied = pipeline.enable_preset(settings, &facts, PROMPT.len()).expect("plans and applies");
-    let route = applied.applied.iter().find(|a| a.component == "dit").expect("the DiT is planned").applied;
-    assert!(route.is_group_offload(), "a DiT larger than the card must stream, got {route}: {applied:?}");
+    let plan = pipeline.enable_preset(settings, &facts, PROMPT.len()).expect("plans and applies");
+    let route = plan.applied("dit").expect("the DiT is planned").applied;
+    assert!(route.is_group_offload(), "a DiT larger than the card must stream, got {route}:\n{plan}");
+    assert!(plan.to_string().contains("dit"), "{plan}");
     assert!(!matches!(route, Route::Off));
     assert!(pipeline.dit.is_grouped());
     assert_same(&values(pipeline.generate(&PROMPT, STEPS).expect("runs")), &resident, "the auto preset");

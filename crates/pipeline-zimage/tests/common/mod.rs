@@ -68,3 +68,9 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "element counts differ");
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
+
+/// Bytes of the component named `component` in the pipeline's manager.
+pub fn component_bytes(pipeline: &pipeline_zimage::pipeline::ZImagePipeline, component: &str) -> u64 {
+    let id = pipeline.component(component).expect("a component of the pipeline").id();
+    pipeline.manager().component_info(id).expect("registered").bytes
+}
