@@ -60,6 +60,12 @@ impl<M: OffloadModel> GroupedModel<M> {
     ) -> Result<Self> {
         options.validate(&config.model)?;
         let offload = GroupOffload::new(options.configure(config))?;
+        Self::split(model, offload, options, ledger)
+    }
+
+    /// Takes `model` apart into an offloader already built with `options` (its worker started), so that nothing
+    /// fallible but the split itself is left once the model is given.
+    fn split(model: M, offload: GroupOffload, options: &GroupOptions, ledger: Arc<dyn DeviceLedger>) -> Result<Self> {
         let parts = model.split(&Split::new(&offload, options, M::leaf_types()))?;
         let exec = offload.config().device.clone();
         Ok(Self { model: GroupOffloadedModel::new(offload), parts, ledger, exec, releasable: options.releasable })
@@ -266,7 +272,8 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         if let Some(memory) = &placement.memory {
             config = config.with_memory(memory.clone());
         }
-        options.configure(config.clone()).validate()?;
+        // The offloader (its configuration checked, its worker started) exists before the model is touched.
+        let offload = GroupOffload::new(options.configure(config))?;
         // Taking the model apart into an in-memory store touches no device and cannot fail once the options are
         // valid (resident layers upload later, when the manager onloads the model), so the registered component
         // is taken out and consumed: its host tensors become the group store without a copy. A disk store can
@@ -283,7 +290,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
                 Err(_) => unreachable!("the handle registered {} as a BurnComponent", self.id),
             }
         };
-        let grouped = GroupedModel::new(model, config, options, ledger)?;
+        let grouped = GroupedModel::split(model, offload, options, ledger)?;
         if copy {
             self.manager.remove(&self.id)?;
         }
