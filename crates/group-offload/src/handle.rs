@@ -211,8 +211,14 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         })
     }
 
-    /// Reads the model while it is whole (not under group offload, whose store holds its weights).
-    pub fn inspect<T>(&self, action: &str, f: impl FnOnce(&M) -> T) -> Result<T> {
+    /// Reads the model while it is whole (not under group offload, whose store holds its weights: then
+    /// [`Error::AlreadyApplied`]).
+    pub fn inspect<T>(&self, f: impl FnOnce(&M) -> T) -> Result<T> {
+        self.whole("read", f)
+    }
+
+    /// [`inspect`](Self::inspect), refused in the words of `action`.
+    fn whole<T>(&self, action: &str, f: impl FnOnce(&M) -> T) -> Result<T> {
         self.not_grouped(action)?;
         Ok(self.manager.inspect(&self.id, |c: &BurnComponent<M>| f(c.module()))?)
     }
@@ -220,20 +226,20 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     /// The planner's layout of the model ([`measure_layout`]); `None` for a model with no block lists. Refused
     /// once the model is under group offload (its parameters moved into the group store).
     pub fn layout(&self) -> Result<Option<BlockLayout>> {
-        self.inspect("measure the blocks of", measure_layout)
+        self.whole("measure the blocks of", measure_layout)
     }
 
     /// Whether the model's weights are quantized (burn's quantized tensors); a model under group offload is not
     /// (group offload streams float parameters only).
     pub fn is_quantized(&self) -> bool {
-        self.inspect("read", module_is_quantized).unwrap_or(false)
+        self.inspect(module_is_quantized).unwrap_or(false)
     }
 
     /// Replaces the model with `f` of a copy of it (quantization, say), re-registered under the same name with
     /// its new size; the id changes. Nothing is unregistered until `f` returned, so a failure leaves the model as
     /// it was. Refused under group offload.
     pub fn replace<T>(&mut self, f: impl FnOnce(M) -> (M, T)) -> Result<T> {
-        let (model, value) = f(self.inspect("replace", M::clone)?);
+        let (model, value) = f(self.whole("replace", M::clone)?);
         self.manager.remove(&self.id)?;
         self.id = self.manager.add(&self.name, BurnComponent::new(model, M::CLASS, self.placement.clone()), None)?;
         Ok(value)
@@ -280,9 +286,9 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         // fail (a full or read-only disk), and a model may refuse to be split, so then the store is built from a
         // copy of the handles while the registered component stays where it is, and is removed only once the
         // store exists.
-        let copy = options.disk_store.is_some() || self.inspect("split", |m| measure_layout(m).is_none())?;
+        let copy = options.disk_store.is_some() || self.whole("split", |m| measure_layout(m).is_none())?;
         let model = if copy {
-            self.inspect("split", M::clone)?
+            self.whole("split", M::clone)?
         } else {
             let component: Box<dyn Any> = self.manager.remove(&self.id)?;
             match component.downcast::<BurnComponent<M>>() {
