@@ -7,7 +7,7 @@
 //! (`ComponentsManager::run`) asks its strategy what to evict, calls the component's `onload`
 //! ([`BurnComponent`]: the ledger's `allocate` and `transfer`, burn's `to_device`, a read-back that proves the
 //! upload landed; [`GroupedModel`]: the resident groups' upload), then runs the call through
-//! [`run_call`](crate::run_call) (the activations charged, the device synced and read back), and on an
+//! [`run_call`] (the activations charged, the device synced and read back), and on an
 //! out-of-memory evicts and calls again. Under group offload, each group the forward takes is uploaded by the
 //! engine (`allocate`, `transfer`, an event in the manager's record) and released when its guard drops.
 

@@ -5,7 +5,7 @@
 //! # Who decides what
 //!
 //! The planner (`offload_core::plan`) is policy: it sees [`ComponentSpec`]s and a [`Machine`](offload_core::plan::Machine)
-//! and returns a [`Plan`]. `group_offload::apply` is the model-agnostic mechanism that applies it (resident,
+//! and returns a [`Plan`](offload_core::plan::Plan). `group_offload::apply` is the model-agnostic mechanism that applies it (resident,
 //! component offload, block or leaf group offload, the [`Staged`] strategy). This module holds what only Z-Image
 //! knows:
 //!

@@ -1,6 +1,6 @@
 //! Weight-only quantization of the pipeline's linear layers with burn's quantized tensors.
 //!
-//! [`quantize_linear_weights`] replaces the weight matrix of every [`PtLinear`] in a module with a burn quantized
+//! [`quantize_linear_weights`] replaces the weight matrix of every [`PtLinear`](crate::nn::PtLinear) in a module with a burn quantized
 //! tensor (8-bit symmetric, one f32 scale per tensor: [`QuantScheme`] with `Q8S`), leaving biases, norms,
 //! embeddings, pad tokens and convolutions in their float dtype. The layers keep burn's own quantized kernels:
 //! `PtLinear::forward` hands the quantized weight to `burn::tensor::module::linear`, which runs the backend's
