@@ -141,7 +141,7 @@ pub enum Direction {
 ///
 /// # Contract
 ///
-/// - `allocate` either takes all `bytes` or fails with [`ComponentError::OutOfMemory`] and takes none.
+/// - `allocate` either takes all `bytes` or fails with [`ComponentError::OutOfMemory`](crate::ComponentError::OutOfMemory) and takes none.
 /// - `free` returns bytes a previous `allocate` took; it never fails.
 /// - `transfer` is called once per copy across the link, after the destination is allocated; an error there
 ///   (a failed transfer) leaves the source intact, and the caller frees what it allocated. A host-to-device
@@ -149,7 +149,7 @@ pub enum Direction {
 /// - A component's call (a forward, an encode, a decode) is bracketed by `begin_call` and `end_call` on the
 ///   thread that runs it, `end_call` only once the call's device work has completed (after a sync). A simulated
 ///   card charges the call's activation estimate between the two; a capped real device measures instead and
-///   fails `end_call` with [`ComponentError::OutOfMemory`] when the call's high-water passed the cap. Every
+///   fails `end_call` with [`ComponentError::OutOfMemory`](crate::ComponentError::OutOfMemory) when the call's high-water passed the cap. Every
 ///   `begin_call` that succeeded is matched by one `end_call`, whether the call succeeded or not.
 pub trait DeviceLedger: Send + Sync {
     /// Takes `bytes` on the device.

@@ -10,7 +10,7 @@
 //!
 //! Timestamps are nanoseconds since one origin (the [`Timeline::enabled`] call), so events from every thread
 //! line up. Threads are numbered in the order they first record (1, 2, ...) and named from
-//! [`std::thread::current`]. [`Timeline::write_chrome_trace`] writes the
+//! [`std::thread::current`]. `Timeline::write_chrome_trace` (feature `io`) writes the
 //! [Chrome trace-event format](https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU):
 //! complete (`"X"`) events with `ts` and `dur` in microseconds, instant (`"i"`) events, counter (`"C"`) events of
 //! device memory and `thread_name` metadata (`"M"`), which Perfetto (<https://ui.perfetto.dev>) and

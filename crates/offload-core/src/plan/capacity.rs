@@ -337,7 +337,7 @@ impl fmt::Display for CapacityWarning {
     }
 }
 
-/// What [`ProfileStore::record`] returns: the updated profile, and the warnings the run deserved against the
+/// What `ProfileStore::record` (feature `io`) returns: the updated profile, and the warnings the run deserved against the
 /// profile as it was before.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Recorded {

@@ -149,7 +149,7 @@ pub struct DeviceFacts {
     /// Readings of the execution device (a simulated card, or a real device's readings). The manager's auto
     /// offload reads it too.
     pub memory: Arc<dyn DeviceMemory>,
-    /// Host RAM, from [`HostMemory::read`] or given; the `host_available` setting replaces its `available`.
+    /// Host RAM, from `HostMemory::read` (feature `io`) or given; the `host_available` setting replaces its `available`.
     pub host: HostMemory,
     /// Link and compute figures for the predictions.
     pub time: TimeModel,

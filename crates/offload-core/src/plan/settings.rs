@@ -3,7 +3,7 @@
 //!
 //! This is the layer that validates user input for planning. [`Settings::resolve`] takes the three layers as
 //! plain values (an explicit [`SettingsLayer`], an iterator of environment pairs, the TOML text), so it is
-//! tested without touching the process environment; [`Settings::from_process`] feeds it the real ones. Every
+//! tested without touching the process environment; `Settings::from_process` (feature `io`) feeds it the real ones. Every
 //! bad key or value is a [`PlanError`] naming the key, where it came from and what is accepted; the planner
 //! trusts what comes out.
 //!
@@ -30,7 +30,7 @@ use crate::size::parse_size;
 /// The prefix of every environment variable the settings read.
 pub const ENV_PREFIX: &str = "OFFLOAD_";
 
-/// The environment variable naming the TOML settings file ([`Settings::from_process`]); not a setting itself.
+/// The environment variable naming the TOML settings file (`Settings::from_process`, feature `io`); not a setting itself.
 pub const CONFIG_VARIABLE: &str = "OFFLOAD_CONFIG";
 
 /// The type of a setting's value, which decides how it is parsed.
@@ -436,7 +436,7 @@ impl SettingsLayer {
 
 /// The resolved settings: every key's value, and where each came from.
 ///
-/// Build it with [`Settings::resolve`], [`Settings::from_process`], or from a preset alone
+/// Build it with [`Settings::resolve`], `Settings::from_process` (feature `io`), or from a preset alone
 /// (`Settings::from(Preset::Auto)`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
@@ -471,7 +471,7 @@ pub struct Settings {
     /// Host RAM available to the plan, replacing the OS reading.
     pub host_available: Option<u64>,
     /// The named profile's stored recommendation, once loaded
-    /// ([`ProfileStore::apply_calibration`](crate::plan::ProfileStore::apply_calibration)); not a key.
+    /// (`ProfileStore::apply_calibration`, feature `io`); not a key.
     pub calibration: Option<Recommendation>,
     origins: BTreeMap<&'static str, Origin>,
 }
