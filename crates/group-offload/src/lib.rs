@@ -5,7 +5,8 @@
 //! # A model crate
 //!
 //! 1. Declare each model once ([`offload_model!`], or [`OffloadModel`] by hand): which fields are block lists.
-//! 2. Write each model's forward once, over its weights view ([`Blocks::fold`], [`Shell::get`], [`Layer::part`]);
+//! 2. Write each model's forward once, over its weights view ([`Blocks::fold`], [`Shell::get`], [`leaf!`],
+//!    [`Layer::part`]);
 //!    the resident forward is the same function. [`check_streaming`] is its free test.
 //! 3. Register each model with a `ComponentsManager` as a [`ModelHandle`] on a [`Placement`] (the device's one
 //!    account), and call it with [`ModelHandle::run`]: auto offload, the OOM retry and the record apply.

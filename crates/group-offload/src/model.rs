@@ -696,3 +696,40 @@ macro_rules! offload_model {
         }
     };
 }
+
+/// Takes the leaf at a field path of a [`Layer`] and evaluates to that field: `leaf!(block, attention.to_q)` is
+/// `block.part(format_args!("attention.to_q"))?.attention.to_q`. The group's path and the field it names are the
+/// same tokens, so renaming the field is a compile error here rather than a path left behind (which
+/// [`check_streaming`] would catch at test time). Use it inside a function whose error type is
+/// `From<group_offload::Error>`; the part stays on the device until the end of the statement.
+///
+/// ```
+/// use burn::module::Module;
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::tensor::{Device, Tensor};
+/// use group_offload::{Error, Layer, leaf};
+///
+/// #[derive(Module, Debug)]
+/// struct Mlp { up: Linear, down: Linear }
+///
+/// fn forward(mlp: Layer<'_, Mlp>, x: Tensor<2>) -> Result<Tensor<2>, Error> {
+///     let h = leaf!(mlp, up).forward(x);
+///     Ok(leaf!(mlp, down).forward(h))
+/// }
+///
+/// let device = Device::flex();
+/// let mlp = Mlp { up: LinearConfig::new(4, 8).init(&device), down: LinearConfig::new(8, 4).init(&device) };
+/// assert_eq!(forward(Layer::Whole(&mlp), Tensor::<2>::ones([1, 4], &device))?.dims(), [1, 4]);
+/// # Ok::<(), Error>(())
+/// ```
+///
+/// Parameters under no leaf (a norm's weight) travel with the struct that holds them: take that group with
+/// `layer.part(format_args!(""))` (a block's own parameters), as the field path names no group of its own.
+#[macro_export]
+macro_rules! leaf {
+    ($layer:expr, $first:ident $(. $rest:ident)*) => {
+        $layer
+            .part(::core::format_args!(::core::concat!(::core::stringify!($first) $(, ".", ::core::stringify!($rest))*)))?
+            .$first$(.$rest)*
+    };
+}

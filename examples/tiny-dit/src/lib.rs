@@ -20,7 +20,7 @@ use burn::tensor::activation::{gelu, silu};
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use group_offload::{Layer, ModelHandle, PipelinePlan, Placement};
+use group_offload::{Layer, ModelHandle, PipelinePlan, Placement, leaf};
 use offload_core::ComponentsManager;
 use offload_core::plan::{DeviceFacts, Settings, Workload};
 
@@ -181,7 +181,8 @@ impl Models {
     }
 }
 
-/// One DiT block over a layer's weights, taking each part at the path of its field.
+/// One DiT block over a layer's weights, taking each leaf by its field (`leaf!`: the path is the field's) and the
+/// norms with the block's own group (`""`).
 fn dit_block(
     block: Layer<'_, DitBlock>,
     x: Tensor<3>,
@@ -189,26 +190,26 @@ fn dit_block(
     heads: usize,
 ) -> group_offload::Result<Tensor<3>> {
     let [b, s, d] = x.dims();
-    let m = block.part(format_args!("modulation"))?.modulation.forward(silu(c.clone())).reshape([b, 1, 4 * d]);
+    let m = leaf!(block, modulation).forward(silu(c.clone())).reshape([b, 1, 4 * d]);
     let chunk = |i: usize| m.clone().narrow(2, i * d, d);
     let norms = block.part(format_args!(""))?;
     let h = norms.norm1.forward(x.clone()) * (chunk(0) + 1.0) + chunk(1);
-    let qkv = block.part(format_args!("qkv"))?.qkv.forward(h).reshape([b, s, 3, heads, d / heads]);
+    let qkv = leaf!(block, qkv).forward(h).reshape([b, s, 3, heads, d / heads]);
     let head = |i: usize| qkv.clone().narrow(2, i, 1).reshape([b, s, heads, d / heads]).swap_dims(1, 2);
     let options =
         AttentionModuleOptions { scale: Some(1.0 / ((d / heads) as f64).sqrt()), softcap: None, is_causal: false };
     let attended = attention(head(0), head(1), head(2), None, None, options).swap_dims(1, 2).reshape([b, s, d]);
-    let x = x + block.part(format_args!("proj"))?.proj.forward(attended);
+    let x = x + leaf!(block, proj).forward(attended);
     let h = norms.norm2.forward(x.clone()) * (chunk(2) + 1.0) + chunk(3);
-    let h = gelu(block.part(format_args!("fc1"))?.fc1.forward(h));
-    Ok(x + block.part(format_args!("fc2"))?.fc2.forward(h))
+    let h = gelu(leaf!(block, fc1).forward(h));
+    Ok(x + leaf!(block, fc2).forward(h))
 }
 
 /// One encoder layer over a layer's weights.
 fn encoder_layer(layer: Layer<'_, EncoderLayer>, x: Tensor<3>) -> group_offload::Result<Tensor<3>> {
     let h = layer.part(format_args!(""))?.norm.forward(x.clone());
-    let h = gelu(layer.part(format_args!("fc1"))?.fc1.forward(h));
-    Ok(x + layer.part(format_args!("fc2"))?.fc2.forward(h))
+    let h = gelu(leaf!(layer, fc1).forward(h));
+    Ok(x + leaf!(layer, fc2).forward(h))
 }
 
 impl Decoder {
