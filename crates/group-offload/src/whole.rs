@@ -116,6 +116,18 @@ impl Placement {
             memory: Some(card),
         }
     }
+
+    /// `exec` computes (a real device, or the CPU under a card of the caller's), offloaded weights live on the CPU
+    /// backend, the device is known as `name`, and `ledger` and `memory` are its one account (`NoLedger` and
+    /// `PoolReadings` on an uncapped device, a `CappedDevice` for both under a cap, a `SimCard` on the CPU).
+    pub fn on_device(
+        exec: Device,
+        name: DeviceName,
+        ledger: Arc<dyn DeviceLedger>,
+        memory: Option<Arc<dyn DeviceMemory>>,
+    ) -> Self {
+        Self { exec, host: Device::flex(), name, ledger, memory }
+    }
 }
 
 impl std::fmt::Debug for Placement {

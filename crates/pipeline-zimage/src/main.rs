@@ -558,16 +558,11 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         // Bad settings are reported before the weights load; the simulated card's reserve is added once they have.
         resolve_settings(args, &env, None)?;
     }
-    let placement = Placement {
-        exec: exec.clone(),
-        host: Device::flex(),
-        name: match &target {
-            Target::Host { card: Some(card) } => card.device(),
-            _ => name.clone(),
-        },
-        ledger: target.ledger(),
-        memory: target.memory(),
+    let device_name = match &target {
+        Target::Host { card: Some(card) } => card.device(),
+        _ => name.clone(),
     };
+    let placement = Placement::on_device(exec.clone(), device_name, target.ledger(), target.memory());
     let anonymous = args
         .memory_report
         .then(|| Arc::new(pipeline_zimage::host::AnonymousPeak::start(std::time::Duration::from_millis(10))));

@@ -370,14 +370,8 @@ fn run_case(
             // before each call and reads its pages (a soft cap's ledger would only keep a call window, which
             // the meter keeps).
             let meter = Meter::probing(Arc::new(offload_core::NoLedger), readings.clone());
-            let placement = Placement {
-                exec: device.clone(),
-                host: Device::flex(),
-                name: name.clone(),
-                ledger: meter.clone(),
-                memory: Some(cap.clone()),
-            };
-            let mut pipeline = load(placement)?;
+            let mut pipeline =
+                load(Placement::on_device(device.clone(), name.clone(), meter.clone(), Some(cap.clone())))?;
             let facts = DeviceFacts::new(cap.clone(), validation_host());
             let settings = settings(preset, exact_reserve(&pipeline, opts))?;
             let plan = enable_pipeline_offload(&mut pipeline, settings, &facts, opts)?;
@@ -488,14 +482,7 @@ pub fn measure_calls(
     device.memory_cleanup();
     let readings = PoolReadings::open(device.clone(), name.clone(), Some(total))?;
     let meter = Meter::probing(Arc::new(offload_core::NoLedger), readings.clone());
-    let placement = Placement {
-        exec: device.clone(),
-        host: Device::flex(),
-        name: name.clone(),
-        ledger: meter.clone(),
-        memory: Some(readings.clone()),
-    };
-    let pipeline = load(placement)?;
+    let pipeline = load(Placement::on_device(device.clone(), name.clone(), meter.clone(), Some(readings.clone())))?;
     pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true)?;
     pipeline.generate(opts, &mut |_, _| {})?;
     let calls = meter.calls();

@@ -59,7 +59,7 @@ fn placement(
     ledger: Arc<dyn DeviceLedger>,
     memory: Arc<dyn DeviceMemory>,
 ) -> Placement {
-    Placement { exec: device.clone(), host: Device::flex(), name: name.clone(), ledger, memory: Some(memory) }
+    Placement::on_device(device.clone(), name.clone(), ledger, Some(memory))
 }
 
 fn in_use(device: &Device) -> u64 {
