@@ -94,20 +94,15 @@ struct State {
 const STRAYS_KEPT: usize = 16;
 
 impl State {
-    /// Bookkeeping of one call. During the capture the call is appended; the capture ends when the first group
-    /// of the sequence is called again. After it, a call that is not the expected next one is learnt: a new
+    /// Bookkeeping of one call. During the capture the call is appended; the capture ends when the first forward
+    /// returns ([`GroupOffload::run`](crate::GroupOffload::run)) or at `end_capture`. After it, a call that is not the expected next one is learnt: a new
     /// group, or a repeat while the sequence is shorter than twice the number of distinct groups, is inserted
     /// after the previous call; otherwise the cursor jumps to the group's next occurrence.
     fn note_call(&mut self, group: usize, model: &str) {
         if self.capturing {
-            if self.order.first() == Some(&group) {
-                self.capturing = false;
-                self.cursor = Some(0);
-                tracing::info!(model, calls = self.order.len(), "group offload captured the call order");
-            } else {
-                self.order.push(group);
-                self.cursor = Some(self.order.len() - 1);
-            }
+            // Every take of the first forward is a step, repeats included: a part taken twice is two steps.
+            self.order.push(group);
+            self.cursor = Some(self.order.len() - 1);
             return;
         }
         let len = self.order.len();
@@ -623,7 +618,17 @@ impl Engine {
     }
 
     pub fn end_capture(&self) {
-        self.shared.state.lock().capturing = false;
+        let mut state = self.shared.state.lock();
+        if state.capturing {
+            state.capturing = false;
+            // The last take of the forward; the next take is expected to be the order's first step, which is
+            // prefetched now, as a steady forward's last take prefetches the next forward's first groups.
+            state.cursor = state.order.len().checked_sub(1);
+            tracing::info!(model = self.model(), calls = state.order.len(), "group offload captured the call order");
+            if let Some(&last) = state.order.last() {
+                self.schedule(&mut state, last);
+            }
+        }
     }
 
     pub fn recapture(&self) {

@@ -76,9 +76,16 @@ impl<M: OffloadModel> GroupedModel<M> {
         self.model.offload()
     }
 
-    /// The weights as the forward reads them.
+    /// The weights as the forward reads them. A forward over them outside [`call`](Self::call) is not one
+    /// [`GroupOffload::run`], so it does not end the capture.
     pub fn weights(&self) -> M::Weights<'_> {
         M::streamed(&self.parts)
+    }
+
+    /// One forward over the weights, with no device accounting: one [`GroupOffload::run`] (the first is the
+    /// capture). [`run`](Self::run) is the same with the call's activations charged and the device checked.
+    pub fn call<T, E>(&self, forward: impl FnOnce(M::Weights<'_>) -> std::result::Result<T, E>) -> std::result::Result<T, E> {
+        self.offload().run(|| forward(self.weights()))
     }
 
     /// Runs `f` over the weights with `activation_bytes` accounted on the ledger, as [`BurnComponent::run`] does
@@ -91,8 +98,10 @@ impl<M: OffloadModel> GroupedModel<M> {
         let config = self.model.offload().config();
         let (name, memory) = (config.device_name.clone(), config.memory.clone());
         let (exec, weights) = (&self.exec, M::streamed(&self.parts));
+        // One call is one forward: the first that returns ends the capture of the call order.
+        let offload = self.model.offload();
         run_call(exec, &name, self.ledger.as_ref(), memory.as_deref(), activation_bytes, || {
-            f(weights, exec).map_err(Into::into)
+            offload.run(|| f(weights, exec).map_err(Into::into))
         })
     }
 }
@@ -197,8 +206,22 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
 
     /// Runs `f` over the model's weights on its execution device with `activation_bytes` charged for the call,
     /// through the manager (which onloads it, evicts others, and retries after an out-of-memory: so `f` may run
-    /// more than once).
-    pub fn run<R: DeviceOutput, E: Into<ComponentError>>(
+    /// more than once). One call is one forward: under group offload, the first call that returns is the
+    /// capture of the order the forward takes its groups in.
+    ///
+    /// `f` returns this crate's [`Result`], so a closure that cannot fail is `|vae, device| Ok(vae.decode(z))`;
+    /// [`try_run`](Self::try_run) takes a closure with an error type of its own.
+    pub fn run<R: DeviceOutput>(
+        &self,
+        activation_bytes: u64,
+        f: impl FnMut(M::Weights<'_>, &Device) -> Result<R>,
+    ) -> offload_core::Result<R> {
+        self.try_run(activation_bytes, f)
+    }
+
+    /// [`run`](Self::run) for a closure whose error type is its own (`Into<ComponentError>`: the manager
+    /// recognises an out-of-memory inside it).
+    pub fn try_run<R: DeviceOutput, E: Into<ComponentError>>(
         &self,
         activation_bytes: u64,
         mut f: impl FnMut(M::Weights<'_>, &Device) -> std::result::Result<R, E>,

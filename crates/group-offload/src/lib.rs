@@ -4,14 +4,20 @@
 //!
 //! # A model crate
 //!
-//! 1. Declare each model once ([`offload_model!`], or [`OffloadModel`] by hand): which fields are block lists.
-//! 2. Write each model's forward once, over its weights view ([`Blocks::fold`], [`Shell::get`], [`leaf!`],
-//!    [`Layer::part`]);
-//!    the resident forward is the same function. [`check_streaming`] is its free test.
+//! A model crate imports [`prelude`] and learns the ten concepts of `docs/model-guide.md`:
+//!
+//! 1. Declare each model once, on its struct: `#[derive(OffloadModel)]` with `#[offload(blocks)]`,
+//!    `#[offload(block)]` or `#[offload(nested)]` on the fields that stream ([`OffloadModel`]). Nested lists (a
+//!    UNet's stages), several lists and single modules are all declared in the shape the struct already has, and
+//!    checkpoint keys do not change.
+//! 2. Write each model's forward once, over its weights view: [`Blocks`] (by index, iteration or fold),
+//!    [`Single`], [`Nested`], [`Shell`]; inside a block, a [`Layer`], whose leaves [`leaf!`] takes by their field
+//!    paths and which [`narrow!`] narrows to a sub-module. The resident forward is the same function.
+//!    [`check_streaming`] is its free test.
 //! 3. Register each model with a `ComponentsManager` as a [`ModelHandle`] on a [`Placement`] (the device's one
 //!    account), and call it with [`ModelHandle::run`]: auto offload, the OOM retry and the record apply.
-//! 4. Stream a model with [`ModelHandle::enable_group_offload`], or plan every component for the device with
-//!    [`component_spec`] and [`apply_plan`].
+//! 4. Stream a model with [`ModelHandle::enable_group_offload`] and [`GroupOptions`], or plan every component
+//!    for the device with [`component_spec`] and [`apply_plan`].
 //!
 //! `examples/tiny-dit` is a whole pipeline built this way. The rest of this page is the mechanism underneath:
 //! group offload driven by hand.
@@ -41,7 +47,8 @@
 //! let blocks = offload.blocks("blocks", blocks, 1)?;
 //! let head = offload.module("head", head, Residency::Resident)?;
 //!
-//! let forward = |x: Tensor<2>| -> Result<Tensor<2>, group_offload::Error> {
+//! // One forward is one `run`: the first is the capture of the order the groups are taken in.
+//! let forward = |x: Tensor<2>| offload.run(|| -> Result<Tensor<2>, group_offload::Error> {
 //!     offload.ensure_device(&x.device())?;
 //!     let mut x = x;
 //!     for group in blocks.iter() {
@@ -51,20 +58,24 @@
 //!         }
 //!     }                                      // dropped: offloaded, the next one is already prefetched
 //!     Ok(head.get()?.forward(x))
-//! };
+//! });
 //! let x = Tensor::<2>::ones([1, 8], &device);
 //! let first = forward(x.clone())?;           // the capture pass: blocking, records the call order
 //! let second = forward(x)?;                  // prefetched in the captured order
 //! assert_eq!(first.into_data(), second.into_data());
-//! assert_eq!(offload.stats().misses, 0);
+//! let stats = offload.stats();
+//! assert_eq!((stats.misses, stats.order_inserts), (0, 0));
+//! assert!(stats.prefetch_hits + stats.prefetch_waits > 0);
 //! # Ok::<(), group_offload::Error>(())
 //! ```
 //!
 //! # What happens underneath
 //!
 //! - **Capture.** The first forward runs blocking: every group is uploaded when taken, and the order of the
-//!   takes is recorded. The capture ends when a group is taken a second time (the next forward), or at
-//!   [`GroupOffload::end_capture`]. Order comes from calls, never from declaration (diffusers #11307).
+//!   takes is recorded, a part taken twice as two steps. The capture is exactly the first forward: it ends when
+//!   the first [`GroupOffload::run`] returns (which [`ModelHandle::run`] and [`check_streaming`] call), however
+//!   often a part is taken inside it, or at [`GroupOffload::end_capture`]. Order comes from calls, never from
+//!   declaration (diffusers #11307).
 //! - **Prefetch.** After the capture, taking group *k* hands the next `prefetch_depth` groups of the captured
 //!   order (wrapping into the next forward) to a worker thread, which allocates them on the
 //!   [`DeviceLedger`](offload_core::DeviceLedger), pays the transfer, and builds the device tensors. On CUDA each
@@ -113,7 +124,9 @@ pub mod error;
 pub mod handle;
 pub mod model;
 pub mod parts;
+pub mod prelude;
 mod store;
+pub mod view;
 mod walk;
 pub mod whole;
 
@@ -130,9 +143,12 @@ pub use device::{
 pub use engine::GroupStats;
 pub use error::{Error, Result};
 pub use handle::{Component, GroupedModel, ModelHandle};
+/// `#[derive(OffloadModel)]`: see [`OffloadModel`].
+pub use group_offload_derive::OffloadModel;
 pub use model::{
-    Blocks, Census, GroupLevel, GroupOptions, Layer, OffloadModel, Part, Shell, Split, Streamed, check_streaming,
-    measure_layout, whole,
+    Census, GroupLevel, GroupOptions, OffloadModel, Split, Streamed, StreamedOne, check_streaming, measure_layout,
+    whole,
 };
+pub use view::{BlockIter, Blocks, Layer, Nested, Part, Shell, Single};
 pub use parts::{BlockOffload, GroupGuard, GroupOffload, LeafOffload, ModuleOffload, Residency, leaf_groups};
 pub use whole::{BurnComponent, Placement, Unbounded, module_bytes, tensor_bytes};

@@ -1,106 +1,97 @@
-//! One trait for a model under offload: [`OffloadModel`].
+//! One trait for a model under offload: [`OffloadModel`], usually derived.
 //!
-//! A model crate declares once which of its parts are block lists (and so which layers are leaves), and writes its
-//! forward once, against its weights as a [`OffloadModel::Weights`] view. The view is the same type whether the
-//! weights are resident (borrowed from the model) or streamed (handed out by group offload), so the resident
-//! forward and the streamed forward are one function:
+//! A model crate declares once, on the struct it already has, which of its fields are parts that stream
+//! (`#[derive(OffloadModel)]`, see [`OffloadModel`]): block lists, single blocks, and nested sub-models with
+//! lists of their own (a UNet's stages). It writes its forward once, against its weights as a
+//! [`OffloadModel::Weights`] view ([`crate::view`]). The view is the same type whether the weights are resident
+//! (borrowed from the model) or streamed (handed out by group offload), so the resident forward and the streamed
+//! forward are one function.
 //!
-//! - a block list is a [`Blocks`]: [`Blocks::fold`] walks its layers in order, each as a [`Layer`], taking each
-//!   block group as it comes (block level) or each leaf as the layer's forward asks for it (leaf level);
-//! - the layers outside the blocks are a [`Shell`]: [`Shell::get`] hands out the model's remaining weights,
-//!   resident or streamed as one group;
-//! - inside a layer, [`Layer::part`] takes the leaf group at a dotted path (`"attention.to_q"`): the whole layer
-//!   when it is resident or taken by block, the one leaf's guard at leaf level.
+//! Taking the model apart ([`OffloadModel::split`]) moves each declared part into a [`Split`], and the model's
+//! [`census`](OffloadModel::census) names the same parts for the planner's layout ([`measure_layout`]).
+//! Checkpoint keys never change: the struct is the one burn loads and saves.
 //!
-//! Taking the model apart ([`OffloadModel::split`]) moves each block list into a [`Split`], and the model's
-//! [`census`](OffloadModel::census) names the same lists for the planner's layout ([`measure_layout`]).
+//! # A renamed field cannot break streaming
 //!
-//! # A renamed field cannot break streaming silently
-//!
-//! A leaf's path is a string, so a rename is checked by a test every model gets for free: [`check_streaming`]
-//! runs the forward resident, then under block-level and leaf-level group offload with prefetch, and fails with
-//! [`Error::Streaming`] when the outputs differ, when a parameter was read outside the group that holds it (a
-//! stray load: the forward used a weight through the wrong part), when a path names no group, when a group is
-//! never taken, or when the census disagrees with the split. A rename that leaves the forward's path behind makes
-//! the path name no group (an `UnknownGroup` error at leaf level) and its weights stray-load: both fail the check.
+//! The derive names every part by its field and [`leaf!`](crate::leaf) and [`narrow!`](crate::narrow) name every
+//! leaf by its field path, so a rename is a compile error. A path written by hand ([`Layer::part_at`]) is caught
+//! by the test every model gets for free: [`check_streaming`] runs the forward resident, then under block-level
+//! and leaf-level group offload with prefetch, and fails with [`Error::Streaming`] when the outputs differ, when
+//! a parameter was read outside the group that holds it (a stray load), when a path names no group, when a group
+//! is never taken, when the second forward missed a prefetch or learnt a new step, or when the census disagrees
+//! with the split.
 
-use burn::module::Module;
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Device, Tensor};
 use offload_core::plan::BlockLayout;
 
 use crate::config::{GroupOffloadConfig, LeafPredicate};
 use crate::error::{Error, Result};
-use crate::parts::{BlockOffload, GroupGuard, GroupOffload, LeafOffload, ModuleOffload, Residency, leaf_groups};
+use crate::parts::{BlockOffload, GroupOffload, LeafOffload, ModuleOffload, Residency, leaf_groups};
 use crate::whole::module_bytes;
 
+#[cfg(doc)]
+use crate::view::Layer;
+
 /// A burn model that the manager can move whole and group offload can stream, with one forward for both.
+///
+/// Derive it on the model's struct, marking the fields that stream; the derive writes the `{Model}Weights<'a>`
+/// view the forward reads and the `{Model}Parts` group offload fills:
+///
+/// | attribute | on a field of type | in the view | at block level |
+/// |---|---|---|---|
+/// | `#[offload(blocks)]` | `Vec<B>` | [`Blocks<'a, B>`](crate::Blocks) | a group per block |
+/// | `#[offload(block)]` | `B` | [`Single<'a, B>`](crate::Single) | one group |
+/// | `#[offload(nested)]` | `Vec<S>`, `S: OffloadModel` | [`Nested<'a, S>`](crate::Nested) | each element's parts and rest |
+/// | `#[offload(nested)]` | `S: OffloadModel` | `S::Weights<'a>` | its parts and its rest |
+///
+/// `#[offload(blocks, first = adaLN_modulation[0])]` names the leaf a block's forward takes first (the planner
+/// sizes a leaf-level forward's first upload by it; checked against the block's fields). On the struct,
+/// `#[offload(class = "UNet2DConditionModel")]` is the class the record shows (the struct's name by default) and
+/// `#[offload(leaves = path::to_fn)]` a function returning the [`LeafPredicate`] that cuts leaves (burn's layers
+/// by default). Everything not marked is the `shell`. A struct with no marked field moves only whole: its view
+/// is `&Self`.
 ///
 /// ```
 /// use burn::module::Module;
 /// use burn::nn::{Linear, LinearConfig};
 /// use burn::tensor::{Device, Tensor};
-/// use group_offload::model::{Blocks, Census, OffloadModel, Shell, Split, check_streaming};
-/// use group_offload::{Error, ModuleOffload};
-/// use group_offload::model::Streamed;
+/// use group_offload::prelude::*;
 ///
 /// #[derive(Module, Debug)]
 /// struct Block { fc: Linear }
-/// #[derive(Module, Debug)]
-/// struct Mlp { blocks: Vec<Block>, head: Linear }
+/// #[derive(Module, Debug, OffloadModel)]
+/// struct Mlp { #[offload(blocks)] blocks: Vec<Block>, head: Linear }
 ///
-/// /// The weights as the forward reads them.
-/// #[derive(Clone, Copy)]
-/// struct MlpWeights<'a> { shell: Shell<'a, Mlp>, blocks: Blocks<'a, Block> }
-/// /// The model taken apart.
-/// struct MlpParts { shell: ModuleOffload<Mlp>, blocks: Streamed<Block> }
-///
-/// impl OffloadModel for Mlp {
-///     const CLASS: &'static str = "Mlp";
-///     type Weights<'a> = MlpWeights<'a>;
-///     type Parts = MlpParts;
-///     fn weights(&self) -> MlpWeights<'_> {
-///         MlpWeights { shell: Shell::Resident(self), blocks: Blocks::Resident(&self.blocks) }
+/// impl MlpWeights<'_> {
+///     /// The one forward, resident or streamed.
+///     fn forward(self, x: Tensor<2>) -> Result<Tensor<2>> {
+///         let x = self.blocks.fold(x, |block, x| Ok(leaf!(block, fc).forward(x)))?;
+///         Ok(self.shell.get()?.head.forward(x))
 ///     }
-///     fn streamed(parts: &MlpParts) -> MlpWeights<'_> {
-///         MlpWeights { shell: Shell::Streamed(&parts.shell), blocks: Blocks::Streamed(&parts.blocks) }
-///     }
-///     fn split(mut self, split: &Split<'_>) -> Result<MlpParts, Error> {
-///         let blocks = split.blocks("blocks", std::mem::take(&mut self.blocks))?;
-///         Ok(MlpParts { blocks, shell: split.shell(self)? })
-///     }
-///     fn census(&self, census: &mut Census) {
-///         census.blocks(&self.blocks);
-///     }
-/// }
-///
-/// /// The one forward.
-/// fn forward(weights: MlpWeights<'_>, x: Tensor<2>) -> Result<Tensor<2>, Error> {
-///     let x = weights.blocks.fold(x, |block, x| Ok::<_, Error>(block.part(format_args!("fc"))?.fc.forward(x)))?;
-///     Ok(weights.shell.get()?.head.forward(x))
 /// }
 ///
 /// let device = Device::flex();
-/// let mlp = Mlp {
-///     blocks: (0..3).map(|_| Block { fc: LinearConfig::new(8, 8).init(&device) }).collect(),
-///     head: LinearConfig::new(8, 2).init(&device),
-/// };
+/// let blocks = (0..3).map(|_| Block { fc: LinearConfig::new(8, 8).init(&device) }).collect();
+/// let mlp = Mlp { blocks, head: LinearConfig::new(8, 2).init(&device) };
 /// let x = Tensor::<2>::ones([1, 8], &device);
-/// let check = check_streaming(mlp, &device, |weights| forward(weights, x.clone()))?;
-/// assert_eq!(check.block_groups, 3);
-/// # Ok::<(), Error>(())
+/// assert_eq!(check_streaming(mlp, &device, |weights| weights.forward(x.clone()))?.block_groups, 3);
+/// # Ok::<(), group_offload::Error>(())
 /// ```
+///
+/// Written by hand, the impl names the same parts in [`split`](Self::split) and [`census`](Self::census).
 pub trait OffloadModel: Module + Send + 'static {
     /// The class the manager and the record show (`ZImageTransformer2DModel`).
     const CLASS: &'static str;
 
-    /// The model's weights as its forward reads them: [`Blocks`] for each block list, a [`Shell`] for the rest.
-    type Weights<'a>
+    /// The model's weights as its forward reads them: a view per declared part, a [`Shell`](crate::Shell) for
+    /// the rest.
+    type Weights<'a>: Copy
     where
         Self: 'a;
 
-    /// The model taken apart for group offload: a [`Streamed`] per block list, a [`ModuleOffload`] for the rest.
-    /// A model with no block lists uses `std::convert::Infallible` (no parts exist) and keeps the default
-    /// [`split`](Self::split), which refuses.
+    /// The model taken apart for group offload. A model with no declared parts uses
+    /// `std::convert::Infallible` (no parts exist) and keeps the default [`split`](Self::split), which refuses.
     type Parts: Send + Sync + 'static;
 
     /// The weights of the resident model.
@@ -109,24 +100,24 @@ pub trait OffloadModel: Module + Send + 'static {
     /// The weights of the model under group offload.
     fn streamed(parts: &Self::Parts) -> Self::Weights<'_>;
 
-    /// Takes the model apart: each block list into [`Split::blocks`], then what is left into [`Split::shell`].
+    /// Takes the model apart: each declared part into the [`Split`] ([`Split::blocks`], [`Split::block`],
+    /// [`Split::nested`], [`Split::nested_one`]), then what is left into [`Split::shell`].
     ///
-    /// The default refuses: the model declares no block lists, so it moves only whole.
+    /// The default refuses: the model declares no parts, so it moves only whole.
     fn split(self, split: &Split<'_>) -> Result<Self::Parts> {
         Err(Error::RouteUnsupported {
             component: split.offload().config().model.clone(),
             route: "group offload".into(),
             reason: format!(
-                "{} declares no block lists (OffloadModel::split), so it moves only whole, under component offload \
-                 (the default when auto offload is on)",
+                "{} declares no parts that stream (no #[offload(..)] field), so it moves only whole, under \
+                 component offload (the default when auto offload is on)",
                 Self::CLASS
             ),
         })
     }
 
-    /// Names the same block lists as [`split`](Self::split), in the order the forward runs them, with
-    /// [`Census::blocks`] (and the leaf each block's forward takes first, [`Census::first_leaf`]): the planner's
-    /// layout comes from it ([`measure_layout`]). The default names none.
+    /// Names the same parts as [`split`](Self::split), in the order the forward runs them ([`Census::blocks_from`],
+    /// [`Census::nested`]): the planner's layout comes from it ([`measure_layout`]). The default names none.
     fn census(&self, census: &mut Census) {
         let _ = census;
     }
@@ -230,18 +221,21 @@ impl GroupOptions {
     }
 }
 
-/// What a model is taken apart into: the offloader, the level and the leaf types. See [`OffloadModel::split`].
+/// What a model is taken apart into: the offloader, the level, the leaf types, and where in the model the part
+/// being split sits. See [`OffloadModel::split`].
 pub struct Split<'a> {
     offload: &'a GroupOffload,
     level: GroupLevel,
     leaves: LeafPredicate,
     outside: Residency,
+    /// The dotted path of the sub-model being split, with a trailing dot (`"down_blocks.0."`); empty at the top.
+    prefix: String,
 }
 
 impl<'a> Split<'a> {
     /// A split into `offload` at `options`' level, cutting leaves with `leaves`.
     pub fn new(offload: &'a GroupOffload, options: &GroupOptions, leaves: LeafPredicate) -> Self {
-        Self { offload, level: options.level, leaves, outside: options.outside() }
+        Self { offload, level: options.level, leaves, outside: options.outside(), prefix: String::new() }
     }
 
     /// The offloader the parts go into.
@@ -249,12 +243,21 @@ impl<'a> Split<'a> {
         self.offload
     }
 
-    /// Moves a block list into the offloader as the part `name` (block level: groups of consecutive blocks;
-    /// leaf level: one leaf-level part `{name}.{i}` per block).
+    fn name(&self, field: &str) -> String {
+        format!("{}{field}", self.prefix)
+    }
+
+    fn child(&self, field: &str) -> Split<'a> {
+        Split { prefix: format!("{}{field}.", self.prefix), leaves: self.leaves.clone(), ..*self }
+    }
+
+    /// Moves a block list into the offloader as the part `name` (block level: groups of consecutive blocks
+    /// named `{name}_{first}_{last}`; leaf level: one leaf-level part `{name}.{i}` per block).
     pub fn blocks<B: Module>(&self, name: &str, blocks: Vec<B>) -> Result<Streamed<B>> {
+        let name = self.name(name);
         Ok(match self.level {
             GroupLevel::Block { blocks_per_group } => {
-                Streamed::Blocks(self.offload.blocks(name, blocks, blocks_per_group)?)
+                Streamed::Blocks(self.offload.blocks(&name, blocks, blocks_per_group)?)
             }
             GroupLevel::Leaf => Streamed::Leaves(
                 blocks
@@ -266,10 +269,55 @@ impl<'a> Split<'a> {
         })
     }
 
-    /// Moves what is left of the model (the layers outside the blocks) in as the part `shell`: resident, or
-    /// streamed as one group when the options do not keep it.
+    /// Moves one module into the offloader as a group of its own named `name` (block level), or cut at its
+    /// leaves (leaf level).
+    pub fn block<B: Module>(&self, name: &str, block: B) -> Result<StreamedOne<B>> {
+        let name = self.name(name);
+        Ok(match self.level {
+            GroupLevel::Block { .. } => StreamedOne::Group(self.offload.module(&name, block, Residency::Streamed)?),
+            GroupLevel::Leaf => StreamedOne::Leaves(self.offload.leaves(&name, block, &self.leaves)?),
+        })
+    }
+
+    /// Takes apart each element of a list of declared sub-models, element `i` under the path `{name}.{i}`.
+    pub fn nested<S: OffloadModel>(&self, name: &str, elements: Vec<S>) -> Result<Vec<S::Parts>> {
+        elements.into_iter().enumerate().map(|(i, element)| element.split(&self.child(&format!("{name}.{i}")))).collect()
+    }
+
+    /// Takes apart one declared sub-model under the path `name`.
+    pub fn nested_one<S: OffloadModel>(&self, name: &str, element: S) -> Result<S::Parts> {
+        element.split(&self.child(name))
+    }
+
+    /// Moves what is left of the model (the layers outside its declared parts) in: at the top the part `shell`,
+    /// resident, or streamed as one group when the options do not keep it; inside a nested sub-model a streamed
+    /// group named by the sub-model's path (`down_blocks.0`), resident when it holds no weights.
     pub fn shell<M: Module>(&self, module: M) -> Result<ModuleOffload<M>> {
-        self.offload.module("shell", module, self.outside)
+        if self.prefix.is_empty() {
+            return self.offload.module("shell", module, self.outside);
+        }
+        let residency = if module_bytes(&module) == 0 { Residency::Resident } else { Residency::Streamed };
+        self.offload.module(self.prefix.trim_end_matches('.'), module, residency)
+    }
+
+    /// Takes a field that is not a `Vec` out of the model, leaving a hollow copy in its place: the same
+    /// structure with every float weight zero-sized, so the shell holds none of its bytes and a weight read
+    /// through the shell fails loudly (a shape error) instead of reading another group's weights.
+    pub fn hollow<T: Module>(&self, field: &mut T) -> T {
+        let hollow = field.clone().map(&mut Hollower { device: self.offload.config().device.clone() });
+        std::mem::replace(field, hollow)
+    }
+}
+
+/// Replaces every float parameter with a zero-sized one.
+struct Hollower {
+    device: Device,
+}
+
+impl ModuleMapper for Hollower {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        drop(param);
+        Param::initialized(ParamId::new(), Tensor::zeros([0; D], &self.device))
     }
 }
 
@@ -290,141 +338,19 @@ impl<B> std::fmt::Debug for Streamed<B> {
     }
 }
 
-/// A block list as the forward reads it: resident, or streamed.
-pub enum Blocks<'a, B> {
-    /// The blocks, all where they run.
-    Resident(&'a [B]),
-    /// The blocks under group offload.
-    Streamed(&'a Streamed<B>),
+/// One module under group offload at either level ([`Split::block`]).
+pub enum StreamedOne<B> {
+    /// Block level: the module is one group.
+    Group(ModuleOffload<B>),
+    /// Leaf level: the module cut at its leaves.
+    Leaves(LeafOffload<B>),
 }
 
-impl<B> Clone for Blocks<'_, B> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<B> Copy for Blocks<'_, B> {}
-
-impl<B: Module> Blocks<'_, B> {
-    /// Runs `step` over every block in order, threading `state` through: a resident block or a block group taken
-    /// whole is a [`Layer::Whole`], a leaf-level block hands out its parts one at a time.
-    pub fn fold<T, E: From<Error>>(
-        self,
-        mut state: T,
-        mut step: impl FnMut(Layer<'_, B>, T) -> std::result::Result<T, E>,
-    ) -> std::result::Result<T, E> {
+impl<B> std::fmt::Debug for StreamedOne<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Blocks::Resident(blocks) => {
-                for block in blocks {
-                    state = step(Layer::Whole(block), state)?;
-                }
-            }
-            Blocks::Streamed(Streamed::Blocks(blocks)) => {
-                for group in blocks.iter() {
-                    let group = group?;
-                    for block in group.iter() {
-                        state = step(Layer::Whole(block), state)?;
-                    }
-                }
-            }
-            Blocks::Streamed(Streamed::Leaves(blocks)) => {
-                for block in blocks {
-                    state = step(Layer::Leaves(block), state)?;
-                }
-            }
-        }
-        Ok(state)
-    }
-}
-
-/// The layers outside the blocks as the forward reads them: the resident model, or its shell under offload.
-pub enum Shell<'a, M> {
-    /// The model itself (its block lists are there too, unused by the shell's calls).
-    Resident(&'a M),
-    /// The shell part: resident on the device, or streamed as one group.
-    Streamed(&'a ModuleOffload<M>),
-}
-
-impl<M> Clone for Shell<'_, M> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<M> Copy for Shell<'_, M> {}
-
-impl<'a, M: Module> Shell<'a, M> {
-    /// The shell's weights on the device while the returned part lives.
-    pub fn get(self) -> Result<Part<'a, M>> {
-        match self {
-            Shell::Resident(model) => Ok(Part::Whole(model)),
-            Shell::Streamed(shell) => Ok(Part::Guard(shell.get()?)),
-        }
-    }
-}
-
-/// Where one layer's weights come from during one forward.
-pub enum Layer<'a, M> {
-    /// A layer whose weights are all where it runs (resident, or a block group taken whole).
-    Whole(&'a M),
-    /// A layer under leaf-level group offload: each part is taken from its leaf group when asked for.
-    Leaves(&'a LeafOffload<M>),
-}
-
-impl<M> Clone for Layer<'_, M> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<M> Copy for Layer<'_, M> {}
-
-impl<'a, M: Module> Layer<'a, M> {
-    /// The part at `path` (`format_args!("")` for the layer's own norms, which travel with the struct that
-    /// holds them): the whole layer, or a guard holding the leaf group at `path` on the device while it lives.
-    /// The path is formatted only for a leaf-level layer, so the resident forward builds no strings. A path that
-    /// names no group is [`Error::UnknownGroup`].
-    pub fn part(self, path: std::fmt::Arguments<'_>) -> Result<Part<'a, M>> {
-        match self {
-            Layer::Whole(module) => Ok(Part::Whole(module)),
-            Layer::Leaves(leaves) => Ok(Part::Guard(leaves.group(&path.to_string())?)),
-        }
-    }
-
-    /// The part at `path` when the layer has one there (an optional sub-layer, absent in some configurations);
-    /// always the whole layer for [`Layer::Whole`].
-    pub fn optional_part(self, path: std::fmt::Arguments<'_>) -> Result<Option<Part<'a, M>>> {
-        match self {
-            Layer::Whole(module) => Ok(Some(Part::Whole(module))),
-            Layer::Leaves(leaves) => {
-                let path = path.to_string();
-                if leaves.group_paths().contains(&path.as_str()) {
-                    Ok(Some(Part::Guard(leaves.group(&path)?)))
-                } else {
-                    Ok(None)
-                }
-            }
-        }
-    }
-}
-
-/// One part of a model's weights, dereferencing to the module (only the part's own weights are guaranteed on the
-/// device under leaf-level offload).
-pub enum Part<'a, M> {
-    /// The whole module, where it runs.
-    Whole(&'a M),
-    /// A group's guard: the group stays on the device while it lives.
-    Guard(GroupGuard<'a, M>),
-}
-
-impl<M> std::ops::Deref for Part<'_, M> {
-    type Target = M;
-
-    fn deref(&self) -> &M {
-        match self {
-            Part::Whole(module) => module,
-            Part::Guard(guard) => guard,
+            StreamedOne::Group(group) => f.debug_tuple("Group").field(group).finish(),
+            StreamedOne::Leaves(leaves) => f.debug_tuple("Leaves").field(leaves).finish(),
         }
     }
 }
@@ -439,15 +365,23 @@ pub fn whole<T, E: std::fmt::Display>(result: std::result::Result<T, E>) -> T {
     }
 }
 
-/// The block lists a model names for the planner ([`OffloadModel::census`]).
+/// One entry of a census: a unit that is one group at block level.
+#[derive(Debug, Clone)]
+struct CensusBlock {
+    bytes: u64,
+    /// Its leaf groups at leaf level.
+    leaves: Vec<(String, u64)>,
+    /// The leaf its forward takes first (`""`: its own parameters).
+    first: String,
+}
+
+/// The parts a model names for the planner ([`OffloadModel::census`]), in the order the forward runs them.
 #[derive(Debug, Default, Clone)]
 pub struct Census {
     leaves: Option<LeafPredicate>,
-    /// Per block, in execution order: its bytes and its leaf groups.
-    blocks: Vec<(u64, Vec<(String, u64)>)>,
+    blocks: Vec<CensusBlock>,
     /// Per block list, its number of blocks.
     lists: Vec<usize>,
-    first_leaf: String,
 }
 
 impl Census {
@@ -456,22 +390,43 @@ impl Census {
         Self { leaves: Some(leaves), ..Self::default() }
     }
 
-    /// A block list, in the order the forward runs it.
-    pub fn blocks<B: Module>(&mut self, blocks: &[B]) {
+    /// A block list, in the order the forward runs it, whose blocks' forwards take the leaf at the dotted path
+    /// `first` first (`None`: the block's own parameters, its norms).
+    pub fn blocks_from<B: Module>(&mut self, blocks: &[B], first: Option<&str>) {
         let leaves = self.leaves.clone().unwrap_or_default();
         self.lists.push(blocks.len());
-        self.blocks.extend(blocks.iter().map(|block| (module_bytes(block), leaf_groups(block, &leaves))));
+        self.blocks.extend(blocks.iter().map(|block| CensusBlock {
+            bytes: module_bytes(block),
+            leaves: leaf_groups(block, &leaves),
+            first: first.unwrap_or_default().to_string(),
+        }));
     }
 
-    /// The leaf group a block's forward takes first (`""`, the block's norms, unless set): the planner sizes the
-    /// first upload of a leaf-level forward by it.
-    pub fn first_leaf(&mut self, path: &str) {
-        self.first_leaf = path.to_string();
+    /// A block list whose blocks' forwards start with their own parameters.
+    pub fn blocks<B: Module>(&mut self, blocks: &[B]) {
+        self.blocks_from(blocks, None);
     }
 
-    /// How many blocks each list has, in order.
+    /// A declared sub-model: its own parts, then the rest of it (one streamed group when it holds weights).
+    pub fn nested<S: OffloadModel>(&mut self, element: &S) {
+        let before = self.blocks.len();
+        element.census(self);
+        let declared: u64 = self.blocks[before..].iter().map(|b| b.bytes).sum();
+        let rest = module_bytes(element).saturating_sub(declared);
+        if rest > 0 {
+            self.lists.push(1);
+            self.blocks.push(CensusBlock { bytes: rest, leaves: vec![(String::new(), rest)], first: String::new() });
+        }
+    }
+
+    /// How many blocks each list has, in order (a nested sub-model's rest counts as a list of one).
     pub fn list_lengths(&self) -> &[usize] {
         &self.lists
+    }
+
+    /// How many groups the declared parts make at block level, one block per group.
+    pub fn block_groups(&self) -> usize {
+        self.blocks.len()
     }
 }
 
@@ -485,13 +440,13 @@ pub fn measure_layout<M: OffloadModel>(model: &M) -> Option<BlockLayout> {
     if census.lists.is_empty() {
         return None;
     }
-    let block_bytes: Vec<u64> = census.blocks.iter().map(|(bytes, _)| *bytes).collect();
-    let leaves = census.blocks.iter().flat_map(|(_, groups)| groups);
+    let block_bytes: Vec<u64> = census.blocks.iter().map(|block| block.bytes).collect();
+    let leaves = census.blocks.iter().flat_map(|block| &block.leaves);
     let largest_leaf_bytes = leaves.clone().map(|(_, bytes)| *bytes).max().unwrap_or(0);
     let first_leaf_bytes = census
         .blocks
         .iter()
-        .find_map(|(_, groups)| groups.iter().find(|(path, _)| *path == census.first_leaf).map(|(_, b)| *b))
+        .find_map(|block| block.leaves.iter().find(|(path, _)| *path == block.first).map(|(_, b)| *b))
         .unwrap_or(0);
     Some(BlockLayout {
         outside_bytes: module_bytes(model).saturating_sub(block_bytes.iter().sum()),
@@ -505,7 +460,7 @@ pub fn measure_layout<M: OffloadModel>(model: &M) -> Option<BlockLayout> {
 /// What [`check_streaming`] ran and found.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StreamingCheck {
-    /// Groups at block level (one block per group).
+    /// Groups at block level (one block per group), the layers outside the declared parts not counted.
     pub block_groups: usize,
     /// Groups at leaf level.
     pub leaf_groups: usize,
@@ -514,11 +469,13 @@ pub struct StreamingCheck {
 }
 
 /// The test every [`OffloadModel`] gets for free: runs `forward` on the resident model, then twice (the capture,
-/// then prefetched) under block-level and under leaf-level group offload on `device`, and checks that
+/// then prefetched, each as one [`GroupOffload::run`]) under block-level and under leaf-level group offload on
+/// `device`, and checks that
 ///
 /// - every streamed output equals the resident one (within 1e-4 of the largest value);
 /// - no parameter was loaded outside the group that holds it (no stray loads), and every path named a group;
-/// - every group was taken;
+/// - every group that holds weights was taken;
+/// - the second forward found every group prefetched (no miss) and followed the captured order (no new step);
 /// - the census names as many blocks as the split made block groups.
 ///
 /// Fails with [`Error::Streaming`], naming the level and what to fix. The model is cloned for each run.
@@ -542,8 +499,9 @@ where
         let config = options.configure(GroupOffloadConfig::new(M::CLASS, device.clone()));
         let offload = GroupOffload::new(config)?;
         let parts = model.clone().split(&Split::new(&offload, &options, M::leaf_types()))?;
+        let mut after_capture = None;
         for _ in 0..2 {
-            let out = forward(M::streamed(&parts)).map_err(|e| failed(name, e.to_string()))?;
+            let out = offload.run(|| forward(M::streamed(&parts))).map_err(|e| failed(name, e.to_string()))?;
             let difference = (out - reference.clone()).abs().max().into_scalar::<f32>() / scale;
             check.max_relative_difference = check.max_relative_difference.max(difference);
             if difference.is_nan() || difference > 1e-4 {
@@ -554,22 +512,34 @@ where
                     ),
                 ));
             }
+            offload.wait_idle();
+            after_capture.get_or_insert(offload.stats());
         }
-        offload.wait_idle();
         let stats = offload.stats();
         if stats.stray_loads > 0 {
             return Err(failed(
                 name,
                 format!(
-                    "{} parameter(s) were loaded outside their group (first: {}); the forward used a weight through a part that does not hold it: take the part at the weight's own path (Layer::part)",
+                    "{} parameter(s) were loaded outside their group (first: {}); the forward used a weight through a part that does not hold it: take the leaf by its own field path (leaf!)",
                     stats.stray_loads,
                     offload.stray_parameters().first().cloned().unwrap_or_default()
                 ),
             ));
         }
+        if let Some(first) = after_capture {
+            let (misses, inserts) = (stats.misses - first.misses, stats.order_inserts - first.order_inserts);
+            if misses > 0 || inserts > 0 {
+                return Err(failed(
+                    name,
+                    format!(
+                        "the second forward missed {misses} prefetch(es) and learnt {inserts} new step(s); the forward takes its groups in a different order each time (a part chosen by data?), so the captured order does not hold"
+                    ),
+                ));
+            }
+        }
         let order = offload.order();
         let groups = offload.groups();
-        if let Some((never, _)) = groups.iter().find(|(id, _)| !order.contains(id)) {
+        if let Some((never, _)) = groups.iter().find(|(id, bytes)| *bytes > 0 && !order.contains(id)) {
             return Err(failed(
                 name,
                 format!(
@@ -579,13 +549,13 @@ where
         }
         match options.level {
             GroupLevel::Block { .. } => {
-                check.block_groups = groups.iter().filter(|(id, _)| !id.ends_with("/shell")).count();
-                let named: usize = census.list_lengths().iter().sum();
+                check.block_groups = groups.iter().filter(|(id, bytes)| !id.ends_with("/shell") && *bytes > 0).count();
+                let named = census.blocks.iter().filter(|block| block.bytes > 0).count();
                 if named != check.block_groups {
                     return Err(failed(
                         name,
                         format!(
-                            "the census names {named} blocks but the split made {} block groups; name the same block lists in census and split",
+                            "the census names {named} blocks but the split made {} block groups; name the same parts in census and split",
                             check.block_groups
                         ),
                     ));
@@ -595,141 +565,4 @@ where
         }
     }
     Ok(check)
-}
-
-/// Declares a burn model to offload once: its class name and, for a model that streams, its block lists (fields
-/// of type `Vec<Block>`, in the order the forward runs them). It writes the model's [`OffloadModel`] impl, a
-/// `Copy` weights view (`shell` and one [`Blocks`] per list, all `pub`) that the model's one forward is written
-/// against, and the parts struct group offload fills.
-///
-/// The block lists are named by their fields, so a renamed field is a compile error, and each list's group
-/// names are its field's name (`layers_0_0`, or `layers.0.attn.q` at leaf level).
-///
-/// ```
-/// use burn::module::Module;
-/// use burn::nn::{Linear, LinearConfig};
-/// use burn::tensor::{Device, Tensor};
-/// use group_offload::{Error, check_streaming, offload_model};
-///
-/// #[derive(Module, Debug)]
-/// struct Block { fc: Linear }
-/// #[derive(Module, Debug)]
-/// struct Mlp { blocks: Vec<Block>, head: Linear }
-///
-/// offload_model!(Mlp as "Mlp", weights MlpWeights, parts MlpParts { blocks: Block });
-///
-/// /// The one forward, resident or streamed.
-/// fn forward(weights: MlpWeights<'_>, x: Tensor<2>) -> Result<Tensor<2>, Error> {
-///     let x = weights.blocks.fold(x, |block, x| Ok::<_, Error>(block.part(format_args!("fc"))?.fc.forward(x)))?;
-///     Ok(weights.shell.get()?.head.forward(x))
-/// }
-///
-/// let device = Device::flex();
-/// let blocks = (0..3).map(|_| Block { fc: LinearConfig::new(8, 8).init(&device) }).collect();
-/// let mlp = Mlp { blocks, head: LinearConfig::new(8, 2).init(&device) };
-/// let x = Tensor::<2>::ones([1, 8], &device);
-/// assert_eq!(check_streaming(mlp, &device, |weights| forward(weights, x.clone()))?.block_groups, 3);
-/// # Ok::<(), Error>(())
-/// ```
-///
-/// Options after the lists: `first leaf "path"` (the leaf a block's forward takes first, for the planner) and
-/// `leaves EXPR` (a [`LeafPredicate`] other than burn's layers). A model without block lists is declared
-/// `offload_model!(Decoder as "Decoder");`: its weights are `&Decoder` and it moves only whole.
-#[macro_export]
-macro_rules! offload_model {
-    ($model:ident as $class:literal) => {
-        impl $crate::OffloadModel for $model {
-            const CLASS: &'static str = $class;
-            type Weights<'a> = &'a $model;
-            type Parts = ::std::convert::Infallible;
-            fn weights(&self) -> &$model {
-                self
-            }
-            fn streamed(parts: &::std::convert::Infallible) -> &$model {
-                match *parts {}
-            }
-        }
-    };
-    ($model:ident as $class:literal, weights $weights:ident, parts $parts:ident { $($list:ident : $block:ty),+ $(,)? }
-        $(, first leaf $first:literal)? $(, leaves $leaves:expr)? $(,)?) => {
-        #[doc = concat!("The weights of [`", stringify!($model), "`] as its forward reads them, resident or streamed.")]
-        #[derive(Clone, Copy)]
-        pub struct $weights<'a> {
-            /// The layers outside the block lists.
-            pub shell: $crate::Shell<'a, $model>,
-            $(
-                #[doc = concat!("The block list `", stringify!($list), "`.")]
-                pub $list: $crate::Blocks<'a, $block>,
-            )+
-        }
-
-        #[doc = concat!("[`", stringify!($model), "`] taken apart for group offload.")]
-        pub struct $parts {
-            shell: $crate::ModuleOffload<$model>,
-            $($list: $crate::Streamed<$block>,)+
-        }
-
-        impl $crate::OffloadModel for $model {
-            const CLASS: &'static str = $class;
-            type Weights<'a> = $weights<'a>;
-            type Parts = $parts;
-            fn weights(&self) -> $weights<'_> {
-                $weights { shell: $crate::Shell::Resident(self), $($list: $crate::Blocks::Resident(&self.$list),)+ }
-            }
-            fn streamed(parts: &$parts) -> $weights<'_> {
-                $weights {
-                    shell: $crate::Shell::Streamed(&parts.shell),
-                    $($list: $crate::Blocks::Streamed(&parts.$list),)+
-                }
-            }
-            fn split(mut self, split: &$crate::Split<'_>) -> $crate::Result<$parts> {
-                $(let $list = split.blocks(stringify!($list), ::std::mem::take(&mut self.$list))?;)+
-                Ok($parts { shell: split.shell(self)?, $($list,)+ })
-            }
-            fn census(&self, census: &mut $crate::Census) {
-                $(census.blocks(&self.$list);)+
-                $(census.first_leaf($first);)?
-            }
-            $(fn leaf_types() -> $crate::LeafPredicate {
-                $leaves
-            })?
-        }
-    };
-}
-
-/// Takes the leaf at a field path of a [`Layer`] and evaluates to that field: `leaf!(block, attention.to_q)` is
-/// `block.part(format_args!("attention.to_q"))?.attention.to_q`. The group's path and the field it names are the
-/// same tokens, so renaming the field is a compile error here rather than a path left behind (which
-/// [`check_streaming`] would catch at test time). Use it inside a function whose error type is
-/// `From<group_offload::Error>`; the part stays on the device until the end of the statement.
-///
-/// ```
-/// use burn::module::Module;
-/// use burn::nn::{Linear, LinearConfig};
-/// use burn::tensor::{Device, Tensor};
-/// use group_offload::{Error, Layer, leaf};
-///
-/// #[derive(Module, Debug)]
-/// struct Mlp { up: Linear, down: Linear }
-///
-/// fn forward(mlp: Layer<'_, Mlp>, x: Tensor<2>) -> Result<Tensor<2>, Error> {
-///     let h = leaf!(mlp, up).forward(x);
-///     Ok(leaf!(mlp, down).forward(h))
-/// }
-///
-/// let device = Device::flex();
-/// let mlp = Mlp { up: LinearConfig::new(4, 8).init(&device), down: LinearConfig::new(8, 4).init(&device) };
-/// assert_eq!(forward(Layer::Whole(&mlp), Tensor::<2>::ones([1, 4], &device))?.dims(), [1, 4]);
-/// # Ok::<(), Error>(())
-/// ```
-///
-/// Parameters under no leaf (a norm's weight) travel with the struct that holds them: take that group with
-/// `layer.part(format_args!(""))` (a block's own parameters), as the field path names no group of its own.
-#[macro_export]
-macro_rules! leaf {
-    ($layer:expr, $first:ident $(. $rest:ident)*) => {
-        $layer
-            .part(::core::format_args!(::core::concat!(::core::stringify!($first) $(, ".", ::core::stringify!($rest))*)))?
-            .$first$(.$rest)*
-    };
 }

@@ -232,8 +232,27 @@ impl GroupOffload {
         self.engine.is_capturing()
     }
 
-    /// Ends the capture now, for a model that runs a single forward. Otherwise the capture ends by itself when
-    /// a group is taken a second time (the start of the second forward).
+    /// Runs one forward of the model: `forward` takes the model's groups, in whatever order and as often as
+    /// it needs (a part taken twice, a block applied twice, weights tied between two layers). The capture is the
+    /// first forward: when the first `run` returns `Ok`, the order it took its groups in is the captured order,
+    /// and from then on each take prefetches the next groups of that order. A first `run` that fails is
+    /// forgotten, so the next one captures again. [`ModelHandle::run`](crate::ModelHandle::run) and
+    /// [`check_streaming`](crate::check_streaming) call it for you.
+    pub fn run<T, E>(&self, forward: impl FnOnce() -> std::result::Result<T, E>) -> std::result::Result<T, E> {
+        let capturing = self.engine.is_capturing();
+        let out = forward();
+        if capturing {
+            match &out {
+                Ok(_) => self.engine.end_capture(),
+                Err(_) => self.engine.recapture(),
+            }
+        }
+        out
+    }
+
+    /// Ends the capture now: the groups taken since the offloader was built (or since
+    /// [`recapture`](Self::recapture)) are the captured order. [`run`](Self::run) calls it when the first forward
+    /// returns; call it yourself when you drive the parts without `run`.
     pub fn end_capture(&self) {
         self.engine.end_capture();
     }
@@ -543,6 +562,17 @@ impl<M: Module> LeafOffload<M> {
         let module = self.core.install(&self.skeleton, &self.slots, &taken);
         Ok(self.core.build(wanted, module))
     }
+
+    /// The module with no group taken: every weight a placeholder that loads itself when read (a stray load).
+    pub fn bare(&self) -> GroupGuard<'_, M> {
+        let module = self.core.install(&self.skeleton, &self.slots, &[]);
+        self.core.build(Vec::new(), module)
+    }
+
+    /// The module's structure, for its non-weight fields. Its weights are placeholders: read none through it.
+    pub fn skeleton(&self) -> &M {
+        &self.skeleton
+    }
 }
 
 /// A whole module as one group. See [`GroupOffload::module`].
@@ -565,5 +595,10 @@ impl<M: Module> ModuleOffload<M> {
         let taken = self.core.take(&[self.group])?;
         let module = self.core.install(&self.skeleton, &self.slots, &taken);
         Ok(self.core.build(vec![self.group], module))
+    }
+
+    /// The module's structure, for its non-weight fields. Its weights are placeholders: read none through it.
+    pub fn skeleton(&self) -> &M {
+        &self.skeleton
     }
 }

@@ -57,8 +57,7 @@ impl OffloadModel for Net {
     }
 
     fn census(&self, census: &mut Census) {
-        census.blocks(&self.blocks);
-        census.first_leaf("fc1");
+        census.blocks_from(&self.blocks, Some("fc1"));
     }
 }
 
@@ -66,9 +65,9 @@ impl OffloadModel for Net {
 fn forward(weights: NetWeights<'_>, x: Tensor<2>, fc2_at: &str) -> Result<Tensor<2>, Error> {
     let x = weights.shell.get()?.embed.forward(x);
     let x = weights.blocks.fold(x, |block: Layer<'_, Block>, x| {
-        let h = block.part(format_args!("fc1"))?.fc1.forward(x.clone());
-        let h = block.part(format_args!("{fc2_at}"))?.fc2.forward(h);
-        Ok::<_, Error>(block.part(format_args!(""))?.norm.forward(x + h))
+        let h = block.part("fc1")?.fc1.forward(x.clone());
+        let h = block.part(fc2_at)?.fc2.forward(h);
+        Ok(block.own()?.norm.forward(x + h))
     })?;
     Ok(weights.shell.get()?.head.forward(x))
 }
@@ -196,10 +195,10 @@ fn a_model_without_blocks_is_refused_group_offload_and_stays_registered() {
     let id = handle.id().to_string();
     let error = handle.enable_group_offload(&GroupOptions::default()).expect_err("refused");
     assert!(matches!(error, Error::RouteUnsupported { .. }), "{error}");
-    assert!(error.to_string().contains("declares no block lists"), "{error}");
+    assert!(error.to_string().contains("declares no parts that stream"), "{error}");
     assert_eq!(handle.id(), id);
     assert_eq!(manager.ids(), vec![id]);
     let x = input(&device);
-    let out = handle.run(0, |head, _| Ok::<_, Error>(head.fc.forward(x.clone()))).expect("still runs whole");
+    let out = handle.run(0, |head, _| Ok(head.fc.forward(x.clone()))).expect("still runs whole");
     assert_eq!(out.dims(), [3, 2]);
 }

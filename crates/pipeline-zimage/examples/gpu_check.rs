@@ -303,7 +303,7 @@ fn bench(args: &Args) -> anyhow::Result<()> {
         let grouped = GroupedModel::<ZImageTransformer2DModel>::new(model, offload, &options, ledger)?;
         let (x, t, cap) = inputs(&exec);
         let timing = time(&exec, args, || {
-            grouped.weights().forward(x.clone(), t.clone(), cap.clone())?;
+            grouped.call(|w| w.forward(x.clone(), t.clone(), cap.clone()))?;
             Ok(())
         })?;
         row(mode, timing, Some(peak.peak()));

@@ -401,7 +401,7 @@ impl ZImagePipeline {
         let tokens = tokenizer.encode(prompts)?;
         let activations =
             text_encoder_activation_bytes(&self.text_encoder_config, max_sequence_length, self.transformer_dtype);
-        let run = self.text_encoder.run(activations, |weights, device| {
+        let run = self.text_encoder.try_run(activations, |weights, device| {
             weights.encode(tokens.input_ids_tensor(device), tokens.attention_mask_tensor(device))
         });
         Ok(run?)
@@ -526,7 +526,7 @@ impl ZImagePipeline {
             (items, time, caps)
         };
         let dtype = self.transformer_dtype();
-        let outs = self.transformer.run(activations, |weights, device| {
+        let outs = self.transformer.try_run(activations, |weights, device| {
             let (items, time, caps) = inputs(dtype, device);
             weights.forward_items(items, time, caps)
         })?;
@@ -546,7 +546,7 @@ impl ZImagePipeline {
     fn encode_image(&self, image: Tensor<4>, activations: u64) -> Result<Tensor<4>> {
         let run = self.vae.run(activations, |vae, device| {
             let pixels = (image.clone().to_device(device) * 2.0 - 1.0).cast(vae_dtype(vae));
-            Ok::<_, Error>(vae.scale_latents(vae.encode_mean(pixels).cast(DType::F32)))
+            Ok(vae.scale_latents(vae.encode_mean(pixels).cast(DType::F32)))
         });
         Ok(run?)
     }
@@ -563,7 +563,7 @@ impl ZImagePipeline {
     fn decode_with(&self, latents: Tensor<4>, activations: u64) -> Result<Tensor<4>> {
         let run = self.vae.run(activations, |vae, device| {
             let z = vae.unscale_latents(latents.clone().to_device(device)).cast(vae_dtype(vae));
-            Ok::<_, Error>(AutoencoderKl::postprocess(vae.decode(z).cast(DType::F32)))
+            Ok(AutoencoderKl::postprocess(vae.decode(z).cast(DType::F32)))
         });
         Ok(run?)
     }

@@ -15,12 +15,12 @@ use std::path::Path;
 
 use burn::module::{Initializer, Module, Param};
 use burn::tensor::activation::silu;
-use burn::tensor::module::{attention, embedding};
+use burn::tensor::module::embedding;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use serde::Deserialize;
 
-use group_offload::{Layer, OffloadModel, whole};
+use group_offload::{Layer, OffloadModel, leaf, narrow, whole};
 
 use crate::loading::{LoadOptions, LoadReport, load_component};
 use crate::nn::{PtLinear, RmsNorm};
@@ -255,34 +255,22 @@ impl SelfAttention {
     /// Causal attention over `x` `[batch, seq, hidden]` -> `[batch, seq, hidden]`; `cos`/`sin` are
     /// `[seq, head_dim]` in `x`'s dtype.
     pub fn forward(&self, x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>) -> Tensor<3> {
-        whole(self_attention(Layer::Whole(self), "", |a| a, x, cos, sin))
+        whole(self_attention(&Layer::whole(self), x, cos, sin))
     }
 }
 
-/// The self-attention of a layer `M` at `prefix` inside it (`"self_attn."` in a decoder layer), taking
-/// `{prefix}q_proj`, `k_proj`, `v_proj`, the part holding the query and key norms (`self_attn`), then `o_proj`.
-fn self_attention<M: Module>(
-    layer: Layer<'_, M>,
-    prefix: &str,
-    attention_of: fn(&M) -> &SelfAttention,
-    x: Tensor<3>,
-    cos: Tensor<2>,
-    sin: Tensor<2>,
-) -> Result<Tensor<3>> {
+/// [`SelfAttention::forward`] over a [`Layer`], taking `q_proj`, `k_proj`, `v_proj`, the attention's own
+/// parameters (the query and key norms), then `o_proj`.
+fn self_attention(attention: &Layer<'_, SelfAttention>, x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>) -> Result<Tensor<3>> {
     let [b, l, _] = x.dims();
-    let project =
-        |leaf: &str, select: fn(&SelfAttention) -> &PtLinear, x: Tensor<3>| -> Result<(Tensor<3>, [usize; 3])> {
-            let part = layer.part(format_args!("{prefix}{leaf}"))?;
-            let attention = attention_of(&part);
-            Ok((select(attention).forward(x), [attention.num_heads, attention.num_kv_heads, attention.head_dim]))
-        };
-    let (q, [nh, nkv, hd]) = project("q_proj", |a| &a.q_proj, x.clone())?;
-    let (k, _) = project("k_proj", |a| &a.k_proj, x.clone())?;
-    let (v, _) = project("v_proj", |a| &a.v_proj, x)?;
+    let structure = attention.structure();
+    let [nh, nkv, hd] = [structure.num_heads, structure.num_kv_heads, structure.head_dim];
+    let q = leaf!(attention, q_proj).forward(x.clone());
+    let k = leaf!(attention, k_proj).forward(x.clone());
+    let v = leaf!(attention, v_proj).forward(x);
     let (q, k) = {
-        let part = layer.part(format_args!("{}", prefix.trim_end_matches('.')))?;
-        let attention = attention_of(&part);
-        (attention.q_norm.forward(q.reshape([b, l, nh, hd])), attention.k_norm.forward(k.reshape([b, l, nkv, hd])))
+        let norms = attention.own()?;
+        (norms.q_norm.forward(q.reshape([b, l, nh, hd])), norms.k_norm.forward(k.reshape([b, l, nkv, hd])))
     };
     let v = v.reshape([b, l, nkv, hd]);
     let cos = cos.unsqueeze_dims::<4>(&[0, 1]);
@@ -290,7 +278,7 @@ fn self_attention<M: Module>(
     let q = rope(q.swap_dims(1, 2), cos.clone(), sin.clone());
     let k = repeat_kv(rope(k.swap_dims(1, 2), cos, sin), nh / nkv);
     let v = repeat_kv(v.swap_dims(1, 2), nh / nkv);
-    let out = attention(
+    let out = burn::tensor::module::attention(
         q,
         k,
         v,
@@ -298,8 +286,7 @@ fn self_attention<M: Module>(
         None,
         AttentionModuleOptions { scale: Some(1.0 / (hd as f64).sqrt()), softcap: None, is_causal: true },
     );
-    let (out, _) = project("o_proj", |a| &a.o_proj, out.swap_dims(1, 2).reshape([b, l, nh * hd]))?;
-    Ok(out)
+    Ok(leaf!(attention, o_proj).forward(out.swap_dims(1, 2).reshape([b, l, nh * hd])))
 }
 
 /// `x·cos + rotate_half(x)·sin` with `rotate_half([x1, x2]) = [−x2, x1]` (halves of the last dimension).
@@ -336,19 +323,15 @@ pub struct Mlp {
 impl Mlp {
     /// `[..., hidden]` -> `[..., hidden]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        whole(mlp(Layer::Whole(self), "", |m| m, x))
+        whole(mlp(&Layer::whole(self), x))
     }
 }
 
-/// The MLP of a layer `M` at `prefix` inside it, taking `{prefix}gate_proj`, `up_proj`, then `down_proj`.
-fn mlp<M: Module>(layer: Layer<'_, M>, prefix: &str, mlp: fn(&M) -> &Mlp, x: Tensor<3>) -> Result<Tensor<3>> {
-    let linear = |leaf: &str, select: fn(&Mlp) -> &PtLinear, x: Tensor<3>| -> Result<Tensor<3>> {
-        let part = layer.part(format_args!("{prefix}{leaf}"))?;
-        Ok(select(mlp(&part)).forward(x))
-    };
-    let gate = silu(linear("gate_proj", |m| &m.gate_proj, x.clone())?);
-    let up = linear("up_proj", |m| &m.up_proj, x)?;
-    linear("down_proj", |m| &m.down_proj, gate * up)
+/// [`Mlp::forward`] over a [`Layer`], taking `gate_proj`, `up_proj`, then `down_proj`.
+fn mlp(mlp: &Layer<'_, Mlp>, x: Tensor<3>) -> Result<Tensor<3>> {
+    let gate = silu(leaf!(mlp, gate_proj).forward(x.clone()));
+    let up = leaf!(mlp, up_proj).forward(x);
+    Ok(leaf!(mlp, down_proj).forward(gate * up))
 }
 
 /// One pre-norm Qwen3 decoder layer.
@@ -367,33 +350,36 @@ pub struct DecoderLayer {
 impl DecoderLayer {
     /// `x` `[batch, seq, hidden]` -> same; `cos`/`sin` `[seq, head_dim]`.
     pub fn forward(&self, x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>) -> Tensor<3> {
-        whole(decoder_layer_forward(Layer::Whole(self), x, cos, sin))
+        whole(decoder_layer_forward(Layer::whole(self), x, cos, sin))
     }
 }
 
 /// [`DecoderLayer::forward`] over a [`Layer`]: the same computation, taking one part at a time in call order
-/// (the layer's norms `""`, `self_attn.q_proj`, `k_proj`, `v_proj`, `self_attn`, `o_proj`, `mlp.gate_proj`,
-/// `up_proj`, `down_proj`). Under leaf-level group offload only the part in use (and the norms) is on the device.
+/// (the layer's own norms, `self_attn.q_proj`, `k_proj`, `v_proj`, `self_attn`'s norms, `o_proj`,
+/// `mlp.gate_proj`, `up_proj`, `down_proj`). Under leaf-level group offload only the part in use (and the norms)
+/// is on the device.
 pub fn decoder_layer_forward(
     layer: Layer<'_, DecoderLayer>,
     x: Tensor<3>,
     cos: Tensor<2>,
     sin: Tensor<2>,
 ) -> Result<Tensor<3>> {
-    let norms = layer.part(format_args!(""))?;
-    let attended =
-        self_attention(layer, "self_attn.", |l| &l.self_attn, norms.input_layernorm.forward(x.clone()), cos, sin)?;
+    let norms = layer.own()?;
+    let attended = self_attention(&narrow!(layer, self_attn), norms.input_layernorm.forward(x.clone()), cos, sin)?;
     let h = x + attended;
-    let mlp_out = mlp(layer, "mlp.", |l| &l.mlp, norms.post_attention_layernorm.forward(h.clone()))?;
+    let mlp_out = mlp(&narrow!(layer, mlp), norms.post_attention_layernorm.forward(h.clone()))?;
     Ok(h + mlp_out)
 }
 
 /// The part of `Qwen3Model` that produces `hidden_states[-2]`: embeddings and all decoder layers but the last.
-#[derive(Module, Debug)]
+/// Under offload its decoder layers stream; a layer's forward takes its own norms first.
+#[derive(Module, Debug, OffloadModel)]
+#[offload(class = "Qwen3Model", weights = TextEncoderWeights, parts = TextEncoderParts, leaves = crate::nn::leaf_types)]
 pub struct TextEncoder {
     /// Token embedding.
     pub embed_tokens: TokenEmbedding,
     /// Decoder layers `0 ..= num_hidden_layers − 2` of the checkpoint.
+    #[offload(blocks)]
     pub layers: Vec<DecoderLayer>,
     /// RoPE base.
     pub rope_theta: f64,
@@ -510,21 +496,12 @@ impl TextEncoder {
     }
 }
 
-// The text encoder under offload: its decoder layers. A layer's forward takes its norms (the group of the
-// parameters under no leaf) first.
-group_offload::offload_model!(
-    TextEncoder as "Qwen3Model",
-    weights TextEncoderWeights,
-    parts TextEncoderParts { layers: DecoderLayer },
-    leaves crate::nn::leaf_types(),
-);
-
 impl TextEncoderWeights<'_> {
     /// `hidden_states[-2]` for right-padded ids `[batch, seq]` → `[batch, seq, hidden]`, as
     /// [`TextEncoder::forward`].
     pub fn forward(self, input_ids: Tensor<2, Int>) -> Result<Tensor<3>> {
         let (x, cos, sin) = self.shell.get()?.embed(input_ids);
-        self.layers.fold(x, |layer, x| decoder_layer_forward(layer, x, cos.clone(), sin.clone()))
+        self.layers.try_fold(x, |layer, x| decoder_layer_forward(layer, x, cos.clone(), sin.clone()))
     }
 
     /// Each prompt's valid rows of `hidden_states[-2]`, as [`TextEncoder::encode`].

@@ -39,7 +39,7 @@ use crate::config::{
     FINAL_NORM_EPS, FREQUENCY_EMBEDDING_SIZE, QK_NORM_EPS, SEQ_MULTI_OF, T_EMBED_MID_DIM, TransformerConfig,
 };
 use crate::error::{Error, Result};
-use group_offload::{Layer, OffloadModel, whole};
+use group_offload::{Layer, OffloadModel, leaf, narrow, whole};
 
 use crate::nn::{PtLinear, RmsNorm, layer_norm_no_affine};
 
@@ -127,39 +127,28 @@ impl Attention {
 
     /// Attends over `x` `[B, S, dim]` with `rope` for its `S` positions; returns `[B, S, dim]`.
     pub fn forward(&self, x: Tensor<3>, rope: &Rope) -> Tensor<3> {
-        whole(attention_forward(Layer::Whole(self), "", |a| a, x, rope))
+        whole(attention_forward(&Layer::whole(self), x, rope))
     }
 }
 
-/// The attention of a layer `M`, at `prefix` inside it (`"attention."` in a block) and reached by `attention`,
-/// taking each projection's part in turn: `{prefix}to_q`, `to_k`, `to_v`, the part holding the query and key
-/// norms (`attention` in a block, when the config has them) and `{prefix}to_out.0`.
-fn attention_forward<M: Module>(
-    layer: Layer<'_, M>,
-    prefix: &str,
-    attention: fn(&M) -> &Attention,
-    x: Tensor<3>,
-    rope: &Rope,
-) -> Result<Tensor<3>> {
+/// [`Attention::forward`] over a [`Layer`], taking each part in turn: `to_q`, `to_k`, `to_v`, the attention's own
+/// parameters (the query and key norms, when the config has them) and `to_out.0`.
+fn attention_forward(attention: &Layer<'_, Attention>, x: Tensor<3>, rope: &Rope) -> Result<Tensor<3>> {
     let [b, s, d] = x.dims();
-    let project =
-        |leaf: &str, select: fn(&Attention) -> &PtLinear, x: Tensor<3>| -> Result<(Tensor<3>, usize, usize)> {
-            let part = layer.part(format_args!("{prefix}{leaf}"))?;
-            let attention = attention(&part);
-            Ok((select(attention).forward(x), attention.n_heads, attention.to_out.len()))
-        };
-    let (q, h, outs) = project("to_q", |a| &a.to_q, x.clone())?;
-    let (k, _, _) = project("to_k", |a| &a.to_k, x.clone())?;
-    let (v, _, _) = project("to_v", |a| &a.to_v, x)?;
+    let (h, outs) = (attention.structure().n_heads, attention.structure().to_out.len());
+    let q = leaf!(attention, to_q).forward(x.clone());
+    let k = leaf!(attention, to_k).forward(x.clone());
+    let v = leaf!(attention, to_v).forward(x);
     let head_dim = d / h;
     let heads = |t: Tensor<3>| t.reshape([b, s, h, head_dim]);
     let (mut q, mut k, v) = (heads(q), heads(k), heads(v));
-    if let Some(part) = layer.optional_part(format_args!("{}", prefix.trim_end_matches('.')))? {
-        let attention = attention(&part);
-        if let Some(norm) = &attention.norm_q {
+    let structure = attention.structure();
+    if structure.norm_q.is_some() || structure.norm_k.is_some() {
+        let norms = attention.own()?;
+        if let Some(norm) = &norms.norm_q {
             q = norm.forward(q);
         }
-        if let Some(norm) = &attention.norm_k {
+        if let Some(norm) = &norms.norm_k {
             k = norm.forward(k);
         }
     }
@@ -170,8 +159,7 @@ fn attention_forward<M: Module>(
         AttentionModuleOptions { scale: Some(1.0 / (head_dim as f64).sqrt()), softcap: None, is_causal: false };
     let mut out = burn::tensor::module::attention(q, k, v, None, None, options).swap_dims(1, 2).reshape([b, s, d]);
     for i in 0..outs {
-        let part = layer.part(format_args!("{prefix}to_out.{i}"))?;
-        out = attention(&part).to_out[i].forward(out);
+        out = leaf!(attention, to_out[i]).forward(out);
     }
     Ok(out)
 }
@@ -198,24 +186,15 @@ impl FeedForward {
 
     /// `[..., dim] -> [..., dim]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        whole(feed_forward(Layer::Whole(self), "", |f| f, x))
+        whole(feed_forward(&Layer::whole(self), x))
     }
 }
 
-/// The feed-forward of a layer `M` at `prefix` inside it, taking `{prefix}w1`, `w3`, then `w2`.
-fn feed_forward<M: Module>(
-    layer: Layer<'_, M>,
-    prefix: &str,
-    feed_forward: fn(&M) -> &FeedForward,
-    x: Tensor<3>,
-) -> Result<Tensor<3>> {
-    let linear = |leaf: &str, select: fn(&FeedForward) -> &PtLinear, x: Tensor<3>| -> Result<Tensor<3>> {
-        let part = layer.part(format_args!("{prefix}{leaf}"))?;
-        Ok(select(feed_forward(&part)).forward(x))
-    };
-    let gate = silu(linear("w1", |f| &f.w1, x.clone())?);
-    let up = linear("w3", |f| &f.w3, x)?;
-    linear("w2", |f| &f.w2, gate * up)
+/// [`FeedForward::forward`] over a [`Layer`], taking `w1`, `w3`, then `w2`.
+fn feed_forward(feed_forward: &Layer<'_, FeedForward>, x: Tensor<3>) -> Result<Tensor<3>> {
+    let gate = silu(leaf!(feed_forward, w1).forward(x.clone()));
+    let up = leaf!(feed_forward, w3).forward(x);
+    Ok(leaf!(feed_forward, w2).forward(gate * up))
 }
 
 /// One `ZImageTransformerBlock`: sandwich-normed attention and SwiGLU, modulated by the timestep when it has an
@@ -271,12 +250,12 @@ impl ZImageBlock {
     /// Modulated: `x += tanh(g_msa)·norm2(attn(norm1(x)·(1+s_msa)))`, then the same with the feed-forward,
     /// where `(s_msa, g_msa, s_mlp, g_mlp)` are the four chunks of `adaLN_modulation(adaln)`.
     pub fn forward(&self, x: Tensor<3>, rope: &Rope, adaln: Option<&Tensor<2>>) -> Tensor<3> {
-        whole(block_layer_forward(Layer::Whole(self), x, rope, adaln))
+        whole(block_layer_forward(Layer::whole(self), x, rope, adaln))
     }
 }
 
 /// [`ZImageBlock::forward`] over a [`Layer`]: the same computation, taking one part at a time in call order
-/// (`adaLN_modulation.0`, the block's norms `""`, the attention's projections and norms, `feed_forward.w1`,
+/// (`adaLN_modulation.0`, the block's own norms, the attention's projections and norms, `feed_forward.w1`,
 /// `w3`, `w2`). Under leaf-level group offload only the part in use (and the norms) is on the device.
 pub fn block_layer_forward(
     block: Layer<'_, ZImageBlock>,
@@ -286,19 +265,19 @@ pub fn block_layer_forward(
 ) -> Result<Tensor<3>> {
     let [b, _, d] = x.dims();
     let modulation = match adaln {
-        Some(adaln) => block
-            .optional_part(format_args!("adaLN_modulation.0"))?
-            .and_then(|part| part.adaLN_modulation.first().map(|m| m.forward(adaln.clone()).reshape([b, 1, 4 * d]))),
-        None => None,
+        Some(adaln) if block.structure().is_modulated() => {
+            Some(leaf!(block, adaLN_modulation[0]).forward(adaln.clone()).reshape([b, 1, 4 * d]))
+        }
+        _ => None,
     };
     let chunk = |m: &Tensor<3>, i: usize| m.clone().narrow(2, i * d, d);
-    let norms = block.part(format_args!(""))?;
+    let norms = block.own()?;
     let h = norms.attention_norm1.forward(x.clone());
     let h = match &modulation {
         Some(m) => h * (chunk(m, 0) + 1.0),
         None => h,
     };
-    let attn = norms.attention_norm2.forward(attention_forward(block, "attention.", |b| &b.attention, h, rope)?);
+    let attn = norms.attention_norm2.forward(attention_forward(&narrow!(block, attention), h, rope)?);
     let x = match &modulation {
         Some(m) => x + chunk(m, 1).tanh() * attn,
         None => x + attn,
@@ -308,7 +287,7 @@ pub fn block_layer_forward(
         Some(m) => h * (chunk(m, 2) + 1.0),
         None => h,
     };
-    let ffn = norms.ffn_norm2.forward(feed_forward(block, "feed_forward.", |b| &b.feed_forward, h)?);
+    let ffn = norms.ffn_norm2.forward(feed_forward(&narrow!(block, feed_forward), h)?);
     Ok(match &modulation {
         Some(m) => x + chunk(m, 3).tanh() * ffn,
         None => x + ffn,
@@ -489,8 +468,16 @@ pub fn block_forward(block: &ZImageBlock, state: ZImageState) -> ZImageState {
     ZImageState { hidden, ..state }
 }
 
-/// The Z-Image transformer (diffusers `ZImageTransformer2DModel`).
-#[derive(Module, Debug)]
+/// The Z-Image transformer (diffusers `ZImageTransformer2DModel`). Under offload its three block lists stream, in
+/// the order the forward runs them; a modulated block's forward takes `adaLN_modulation.0` first (the noise
+/// refiner's and the main layers' blocks).
+#[derive(Module, Debug, OffloadModel)]
+#[offload(
+    class = "ZImageTransformer2DModel",
+    weights = TransformerWeights,
+    parts = TransformerParts,
+    leaves = crate::nn::leaf_types
+)]
 pub struct ZImageTransformer2DModel {
     /// `all_x_embedder.2-1`: patch embedding `patch_dim -> dim` with bias (renamed by [`KEY_REMAP`]).
     pub x_embedder: PtLinear,
@@ -505,10 +492,13 @@ pub struct ZImageTransformer2DModel {
     /// `cap_pad_token` `[1, dim]`: the embedding of caption padding tokens.
     pub cap_pad_token: Param<Tensor<2>>,
     /// `noise_refiner`: modulated blocks over the image tokens.
+    #[offload(blocks, first = adaLN_modulation[0])]
     pub noise_refiner: Vec<ZImageBlock>,
     /// `context_refiner`: unmodulated blocks over the caption tokens.
+    #[offload(blocks)]
     pub context_refiner: Vec<ZImageBlock>,
     /// `layers`: modulated blocks over the unified sequence, the main loop.
+    #[offload(blocks, first = adaLN_modulation[0])]
     pub layers: Vec<ZImageBlock>,
     /// The configuration the model was built from.
     #[module(skip)]
@@ -689,16 +679,6 @@ impl ZImageTransformer2DModel {
     }
 }
 
-// The transformer under offload: its three block lists, in the order the forward runs them. A modulated block's
-// forward takes `adaLN_modulation.0` first (the noise refiner's and the main layers' blocks).
-group_offload::offload_model!(
-    ZImageTransformer2DModel as "ZImageTransformer2DModel",
-    weights TransformerWeights,
-    parts TransformerParts { noise_refiner: ZImageBlock, context_refiner: ZImageBlock, layers: ZImageBlock },
-    first leaf "adaLN_modulation.0",
-    leaves crate::nn::leaf_types(),
-);
-
 impl TransformerWeights<'_> {
     /// The forward over items of possibly different sizes, one at a time (as
     /// [`ZImageTransformer2DModel::forward_items`]): `xs[i]` `[C, F, H, W]`, `t` `[n]`, `caps[i]` `[L_i, D_cap]`.
@@ -714,14 +694,14 @@ impl TransformerWeights<'_> {
         let (rope, adaln) = (embedded.image_rope.clone(), embedded.adaln.clone());
         embedded.image = self
             .noise_refiner
-            .fold(embedded.image, |block, image| block_layer_forward(block, image, &rope, Some(&adaln)))?;
+            .try_fold(embedded.image, |block, image| block_layer_forward(block, image, &rope, Some(&adaln)))?;
         let rope = embedded.caption_rope.clone();
         embedded.caption = self
             .context_refiner
-            .fold(embedded.caption, |block, caption| block_layer_forward(block, caption, &rope, None))?;
+            .try_fold(embedded.caption, |block, caption| block_layer_forward(block, caption, &rope, None))?;
         let ZImageState { hidden, rope, adaln, layout } = embedded.unify();
         let hidden =
-            self.layers.fold(hidden, |block, hidden| block_layer_forward(block, hidden, &rope, Some(&adaln)))?;
+            self.layers.try_fold(hidden, |block, hidden| block_layer_forward(block, hidden, &rope, Some(&adaln)))?;
         Ok(self.shell.get()?.finish(ZImageState { hidden, rope, adaln, layout }))
     }
 }

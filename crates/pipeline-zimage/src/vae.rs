@@ -550,8 +550,10 @@ impl Decoder {
     }
 }
 
-/// diffusers `AutoencoderKL` without quant convs (the FLUX VAE).
-#[derive(Module, Debug)]
+/// diffusers `AutoencoderKL` without quant convs (the FLUX VAE). It declares no parts that stream: it moves only
+/// whole (component offload), and its forward reads the module.
+#[derive(Module, Debug, group_offload::OffloadModel)]
+#[offload(class = "AutoencoderKL")]
 pub struct AutoencoderKl {
     /// Image -> moments.
     pub encoder: Encoder,
@@ -565,8 +567,6 @@ pub struct AutoencoderKl {
     pub shift_factor: f64,
 }
 
-// The VAE declares no block lists: it moves only whole (component offload), and its forward reads the module.
-group_offload::offload_model!(AutoencoderKl as "AutoencoderKL");
 
 impl AutoencoderKl {
     /// Builds the module with lazily initialised parameters on `device`. `config` must be valid

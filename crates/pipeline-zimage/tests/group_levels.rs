@@ -85,7 +85,7 @@ fn the_transformer_gives_the_resident_output_at_every_level_and_leaf_level_holds
         .expect("groups");
         grouped.onload(&card.device()).expect("the shell uploads");
         for pass in 0..3 {
-            let out = values(grouped.weights().forward(x.clone(), t.clone(), cap.clone()).expect("forward"));
+            let out = values(grouped.call(|w| w.forward(x.clone(), t.clone(), cap.clone())).expect("forward"));
             let error = max_abs_diff(&out, &resident);
             assert!(error <= 1e-6, "{level:?}, pass {pass}: differs from the resident output by {error}");
         }
@@ -154,7 +154,7 @@ fn the_text_encoder_gives_the_resident_embeddings_at_every_level() {
         .expect("groups");
         grouped.onload(&card.device()).expect("the embedding uploads");
         for pass in 0..2 {
-            let embeds = grouped.weights().encode(ids.clone(), mask.clone()).expect("encode");
+            let embeds = grouped.call(|w| w.encode(ids.clone(), mask.clone())).expect("encode");
             assert_eq!(embeds.len(), resident.len());
             for (got, want) in embeds.into_iter().zip(&resident) {
                 let error = max_abs_diff(&values(got), want);
@@ -167,7 +167,7 @@ fn the_text_encoder_gives_the_resident_embeddings_at_every_level() {
         // A bad mask is still the typed error it is without group offload.
         let bad = Tensor::<2, Int>::from_data(TensorData::new(vec![0i64, 1, 1, 1, 1, 1, 1, 1, 0, 0], [2, 5]), &device)
             .equal_elem(1);
-        assert!(matches!(grouped.weights().encode(ids.clone(), bad), Err(pipeline_zimage::Error::Shape { .. })));
+        assert!(matches!(grouped.call(|w| w.encode(ids.clone(), bad)), Err(pipeline_zimage::Error::Shape { .. })));
     }
 }
 

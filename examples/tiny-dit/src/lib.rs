@@ -20,7 +20,8 @@ use burn::tensor::activation::{gelu, silu};
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use group_offload::{Layer, ModelHandle, PipelinePlan, Placement, leaf};
+use group_offload::prelude::*;
+use group_offload::PipelinePlan;
 use offload_core::ComponentsManager;
 use offload_core::plan::{DeviceFacts, Settings, Workload};
 
@@ -88,7 +89,10 @@ pub struct DitBlock {
 }
 
 /// The diffusion transformer.
-#[derive(Module, Debug)]
+// offload: begin
+#[derive(Module, Debug, OffloadModel)]
+#[offload(class = "TinyDit")]
+// offload: end
 pub struct Dit {
     /// Latent patch embedding `patch -> dim`.
     pub patch: Linear,
@@ -97,6 +101,9 @@ pub struct Dit {
     /// Condition embedding `cond -> dim`.
     pub cond: Linear,
     /// The blocks, run in order.
+    // offload: begin
+    #[offload(blocks, first = modulation)]
+    // offload: end
     pub blocks: Vec<DitBlock>,
     /// Output projection `dim -> patch`.
     pub out: Linear,
@@ -116,16 +123,25 @@ pub struct EncoderLayer {
 }
 
 /// The condition encoder: token embeddings, residual MLP layers, mean over the tokens.
-#[derive(Module, Debug)]
+// offload: begin
+#[derive(Module, Debug, OffloadModel)]
+#[offload(class = "TinyEncoder")]
+// offload: end
 pub struct Encoder {
     /// Token embedding `vocab -> cond`.
     pub embed: Embedding,
     /// The layers, run in order.
+    // offload: begin
+    #[offload(blocks)]
+    // offload: end
     pub layers: Vec<EncoderLayer>,
 }
 
 /// The decoder: a two-layer MLP per latent token.
-#[derive(Module, Debug)]
+// offload: begin
+#[derive(Module, Debug, OffloadModel)]
+#[offload(class = "TinyDecoder")]
+// offload: end
 pub struct Decoder {
     /// `patch -> 4·pixels`.
     pub fc1: Linear,
@@ -182,7 +198,7 @@ impl Models {
 }
 
 /// One DiT block over a layer's weights, taking each leaf by its field (`leaf!`: the path is the field's) and the
-/// norms with the block's own group (`""`).
+/// norms with the block's own parameters (`own`).
 fn dit_block(
     block: Layer<'_, DitBlock>,
     x: Tensor<3>,
@@ -192,7 +208,7 @@ fn dit_block(
     let [b, s, d] = x.dims();
     let m = leaf!(block, modulation).forward(silu(c.clone())).reshape([b, 1, 4 * d]);
     let chunk = |i: usize| m.clone().narrow(2, i * d, d);
-    let norms = block.part(format_args!(""))?;
+    let norms = block.own()?;
     let h = norms.norm1.forward(x.clone()) * (chunk(0) + 1.0) + chunk(1);
     let qkv = leaf!(block, qkv).forward(h).reshape([b, s, 3, heads, d / heads]);
     let head = |i: usize| qkv.clone().narrow(2, i, 1).reshape([b, s, heads, d / heads]).swap_dims(1, 2);
@@ -207,7 +223,7 @@ fn dit_block(
 
 /// One encoder layer over a layer's weights.
 fn encoder_layer(layer: Layer<'_, EncoderLayer>, x: Tensor<3>) -> group_offload::Result<Tensor<3>> {
-    let h = layer.part(format_args!(""))?.norm.forward(x.clone());
+    let h = layer.own()?.norm.forward(x.clone());
     let h = gelu(leaf!(layer, fc1).forward(h));
     Ok(x + leaf!(layer, fc2).forward(h))
 }
@@ -218,16 +234,6 @@ impl Decoder {
         self.fc2.forward(gelu(self.fc1.forward(x)))
     }
 }
-
-// offload: begin
-group_offload::offload_model!(
-    Dit as "TinyDit", weights DitWeights, parts DitParts { blocks: DitBlock }, first leaf "modulation"
-);
-group_offload::offload_model!(
-    Encoder as "TinyEncoder", weights EncoderWeights, parts EncoderParts { layers: EncoderLayer }
-);
-group_offload::offload_model!(Decoder as "TinyDecoder");
-// offload: end
 
 impl DitWeights<'_> {
     /// The velocity `[B, T, P]` at latents `x` `[B, T, P]`, time `t` `[B, 1]`, condition `c` `[B, C]`.
@@ -345,7 +351,7 @@ impl TinyDitPipeline {
         }
         // offload: begin
         let image = self.decoder.run(decoder, |decoder, device| {
-            Ok::<_, group_offload::Error>(decoder.forward(x.clone().to_device(device)))
+            Ok(decoder.forward(x.clone().to_device(device)))
         })?;
         // offload: end
         Ok(image.to_device(host))

@@ -1,0 +1,15 @@
+//! What a model crate imports: `use group_offload::prelude::*;`. The concepts behind each name are in
+//! `docs/model-guide.md`.
+//!
+//! - declaring a model: [`OffloadModel`] (the trait and its derive);
+//! - writing its forward: [`Blocks`], [`Single`], [`Nested`], [`Shell`], [`Layer`], [`leaf!`], [`narrow!`],
+//!   [`Result`];
+//! - running it: [`ModelHandle`], [`Placement`], [`GroupOptions`];
+//! - testing it: [`check_streaming`].
+
+pub use crate::error::{Error, Result};
+pub use crate::handle::ModelHandle;
+pub use crate::model::{GroupOptions, check_streaming};
+pub use crate::view::{Blocks, Layer, Nested, Shell, Single};
+pub use crate::whole::Placement;
+pub use crate::{OffloadModel, leaf, narrow};
