@@ -95,9 +95,9 @@ const STRAYS_KEPT: usize = 16;
 
 impl State {
     /// Bookkeeping of one call. During the capture the call is appended; the capture ends when the first forward
-    /// returns ([`GroupOffload::run`](crate::GroupOffload::run)) or at `end_capture`. After it, a call that is not the expected next one is learnt: a new
-    /// group, or a repeat while the sequence is shorter than twice the number of distinct groups, is inserted
-    /// after the previous call; otherwise the cursor jumps to the group's next occurrence.
+    /// returns ([`GroupOffload::run`](crate::GroupOffload::run)) or at `end_capture`. After it, a call that is not the expected next one is learnt: a group
+    /// the capture never saw is inserted after the previous call; a known one moves the cursor to its next
+    /// occurrence.
     fn note_call(&mut self, group: usize, model: &str) {
         if self.capturing {
             // Every take of the first forward is a step, repeats included: a part taken twice is two steps.
@@ -111,14 +111,10 @@ impl State {
             self.cursor = Some(expected);
             return;
         }
+        // The capture holds the whole first forward, repeats included, so a known group taken out of turn is a
+        // jump in the order (a skipped branch), never a step to learn; only a group the capture never saw is.
         let known = self.order.contains(&group);
-        let distinct = {
-            let mut seen: Vec<usize> = self.order.clone();
-            seen.sort_unstable();
-            seen.dedup();
-            seen.len()
-        };
-        if !known || len < 2 * distinct {
+        if !known {
             let at = self.cursor.map_or(len, |c| c + 1);
             self.order.insert(at, group);
             self.cursor = Some(at);

@@ -317,7 +317,10 @@ struct Hollower {
 impl ModuleMapper for Hollower {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         drop(param);
-        Param::initialized(ParamId::new(), Tensor::zeros([0; D], &self.device))
+        // Zero elements, with every dimension but the first 1: a shape the backends reshape without dividing by 0.
+        let mut shape = [1; D];
+        shape[0] = 0;
+        Param::initialized(ParamId::new(), Tensor::zeros(shape, &self.device))
     }
 }
 
