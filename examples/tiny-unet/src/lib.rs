@@ -355,3 +355,8 @@ impl TinyUnetPipeline {
         Ok(x)
     }
 }
+
+/// The README's example, compiled as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct Readme;
