@@ -92,7 +92,10 @@ fn the_oom_retry_recovers_a_call_whose_activations_do_not_fit() {
     let probe = pipeline(&models, Placement::host_only());
     let [encoder, dit, _] = sizes(&probe);
     let [_, dit_activations, _] = probe.activation_estimates(PROMPT.len());
-    // Both weights fit, so auto offload (no reserve) keeps the encoder; the DiT's activations beside it do not.
+    // Both weights fit, so auto offload (no reserve) keeps the encoder; the DiT's activations beside it do not,
+    // and once the retry has evicted the encoder they do: which holds only while the encoder is at least half the
+    // activations.
+    assert!(encoder >= dit_activations / 2, "the recipe needs an encoder of at least half the DiT's activations");
     let capacity = encoder + dit + dit_activations / 2;
     let card = hard_card(capacity);
     let pipeline = pipeline(&models, Placement::simulated(card.clone()));
