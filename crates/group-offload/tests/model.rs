@@ -202,3 +202,70 @@ fn a_model_without_blocks_is_refused_group_offload_and_stays_registered() {
     let out = handle.run(0, |head, _| Ok(head.fc.forward(x.clone()))).expect("still runs whole");
     assert_eq!(out.dims(), [3, 2]);
 }
+
+/// A model whose forward takes parts more than once: the shell before and after the blocks, a block applied
+/// twice, and a head tied to the embedding (both read through the shell's one group).
+#[derive(Module, Debug, group_offload::OffloadModel)]
+struct Repeats {
+    embed: Linear,
+    #[offload(blocks)]
+    blocks: Vec<Block>,
+    #[offload(block)]
+    last: Block,
+    head: Linear,
+}
+
+impl RepeatsWeights<'_> {
+    fn forward(self, x: Tensor<2>) -> group_offload::Result<Tensor<2>> {
+        let mut x = self.shell.get()?.embed.forward(x);
+        for block in self.blocks.iter() {
+            x = block_forward(&block?, x)?;
+        }
+        // Block 1 again, then the single block twice: each take is a step of the captured order.
+        if let Some(block) = self.blocks.get(1) {
+            x = block_forward(&block?, x)?;
+        }
+        for _ in 0..2 {
+            x = block_forward(&self.last.get()?, x)?;
+        }
+        let shell = self.shell.get()?;
+        Ok(shell.head.forward(shell.embed.forward(x.clone().narrow(1, 0, 8)) + x))
+    }
+}
+
+fn block_forward(block: &Layer<'_, Block>, x: Tensor<2>) -> group_offload::Result<Tensor<2>> {
+    let h = group_offload::leaf!(block, fc1).forward(x.clone());
+    let h = group_offload::leaf!(block, fc2).forward(h);
+    Ok(block.own()?.norm.forward(x + h))
+}
+
+#[test]
+fn a_forward_that_takes_parts_twice_is_captured_whole_with_no_miss_at_both_levels() {
+    let device = Device::flex();
+    let Net { embed, blocks, .. } = net(&device);
+    let model = Repeats { embed, blocks, last: net(&device).blocks.remove(0), head: LinearConfig::new(16, 4).init(&device) };
+    let x = input(&device);
+    let resident = group_offload::whole(model.weights().forward(x.clone()));
+    // The free check fails on a second forward's miss or new step, at either level.
+    let check = check_streaming(model.clone(), &device, |weights| weights.forward(x.clone())).expect("it streams");
+    assert_eq!(check.block_groups, 5, "{check:?}");
+    for options in [GroupOptions::default(), GroupOptions::leaf()] {
+        let manager = Arc::new(ComponentsManager::new());
+        let card = memory_sim::SimCard::new(memory_sim::CardSpec::parse("1GB").expect("a size"));
+        let mut handle = ModelHandle::register(&manager, "repeats", model.clone(), Placement::simulated(card.clone()))
+            .expect("registers");
+        handle.enable_group_offload(&options).expect("streams");
+        manager.enable_auto_offload(card, 0, true).expect("auto offload");
+        for _ in 0..3 {
+            let out = handle.run(0, |weights, device| weights.forward(x.clone().to_device(device))).expect("runs");
+            let difference = (out - resident.clone()).abs().max().into_scalar::<f32>();
+            assert!(difference <= 1e-5, "{:?}: differs by {difference}", options.level);
+        }
+        let stats = handle.group_stats().expect("grouped");
+        assert_eq!((stats.misses, stats.order_inserts), (0, 0), "{:?}: {stats:?}", options.level);
+        let order = handle.group_offload().expect("grouped").order();
+        assert_eq!(order.iter().filter(|id| id.ends_with("/shell")).count(), 2, "{order:?}");
+        let last = order.iter().filter(|id| id.starts_with("repeats/last")).count();
+        assert!(last >= 2, "{:?}: the single block is taken twice: {order:?}", options.level);
+    }
+}
