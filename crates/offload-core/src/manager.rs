@@ -604,10 +604,19 @@ impl ComponentsManager {
                 last_use: e.last_use,
             })
             .collect();
+        // The decision is made on a reading that was taken: a device that cannot be read stops it, typed, rather
+        // than deciding on a number that stands for nothing.
+        let reading = memory.try_reading().map_err(|unknown| {
+            PrepareFailure::Manager(Error::Component {
+                operation: "read the device's memory for",
+                id: id.to_string(),
+                source: ComponentError::Device { device: unknown.device.clone(), message: unknown.to_string() },
+            })
+        })?;
         let view = OffloadView {
             incoming: &incoming,
             resident: &resident,
-            reading: memory.reading(),
+            reading,
             reserve,
             device: device.as_str(),
             use_index,

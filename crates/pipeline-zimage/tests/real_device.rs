@@ -176,9 +176,9 @@ fn group_offload_streams_within_the_ring_bound_and_returns_every_groups_memory()
     let resident_model = model.clone().to_device(&device);
     let _ = values(resident_model.forward_items(xs.clone(), t.clone(), caps.clone()).remove(0));
     device.memory_cleanup();
-    let before = memory.observe().reserved;
+    let before = memory.observe().expect("a reading").reserved;
     let reference = values(resident_model.forward_items(xs.clone(), t.clone(), caps.clone()).remove(0));
-    let activations = memory.observe().reserved - before;
+    let activations = memory.observe().expect("a reading").reserved - before;
     drop(resident_model);
     device.memory_cleanup();
 
@@ -211,7 +211,7 @@ fn group_offload_streams_within_the_ring_bound_and_returns_every_groups_memory()
         let mut outputs = Vec::new();
         let mut peaks = Vec::new();
         for _ in 0..3 {
-            memory.reset_peak();
+            memory.reset_peak().expect("a reading");
             let out = grouped
                 .run(0, |model, _| model.forward_items(xs.clone(), t.clone(), caps.clone()))
                 .expect("a forward under group offload");
@@ -304,9 +304,9 @@ fn the_decode_oom_recovers_under_a_hard_cap_over_the_real_device() {
     pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true).expect("auto offload");
     let reference = values(pipeline.generate(&opts, &mut |_, _| {}).expect("resident"));
     device.memory_cleanup();
-    let before = memory.observe().reserved;
+    let before = memory.observe().expect("a reading").reserved;
     let _ = values(pipeline.decode(opts.latents.clone().expect("the golden latents")).expect("decode"));
-    let decode = memory.observe().reserved - before;
+    let decode = memory.observe().expect("a reading").reserved - before;
     let te = bytes(&pipeline, "text_encoder");
     let tr = bytes(&pipeline, "transformer");
     println!("pool pages with every component resident: {before} B; the decode adds {decode} B");
@@ -415,4 +415,53 @@ fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driv
     assert!(!ok);
     assert!(stderr.contains("mesa-vulkan-drivers"), "{stderr}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The device account under contention: a hard cap over the device, the transformer under block-level group
+/// offload with prefetch depth 2 (the worker thread uploads the next two groups while the main thread takes its
+/// group and reserves its call's activations), the cap sized a group and a half under what the uncapped run's
+/// pages reached, so the worker and the main thread contend for the same free bytes. 100 runs: the account never
+/// holds more than the cap, every out-of-memory is retried or re-taken (each run ends with its image), and the
+/// image is the uncapped run's.
+#[test]
+fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() {
+    let (device, name, _turn) = device();
+    let (mut opts, _) = turbo_options();
+    opts.steps = 2;
+    // Calibration: the same setup uncapped, its image and the pages it reached.
+    let memory = readings(&device, &name, TOTAL);
+    let before = memory.observe().expect("a reading").reserved;
+    let mut pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
+    pipeline.enable_group_offload(1, 2).expect("group offload");
+    pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload");
+    let reference = values(pipeline.generate(&opts, &mut |_, _| {}).expect("uncapped"));
+    memory.reset_peak().expect("a reading");
+    let _ = values(pipeline.generate(&opts, &mut |_, _| {}).expect("uncapped"));
+    let high = memory.reserved_peak().saturating_sub(before);
+    let group = pipeline.group_offload("transformer").expect("grouped").largest_group();
+    drop(pipeline);
+    device.memory_cleanup();
+    let capacity = high.saturating_sub(group + group / 2);
+    println!("uncapped pages {high} B, largest group {group} B: a cap of {capacity} B");
+
+    let (mut retries, mut refused_prefetches) = (0usize, 0u64);
+    for run in 0..100 {
+        let cap = CappedDevice::new(readings(&device, &name, TOTAL), capacity, true, "cap");
+        let mut pipeline = load_tiny(placement(&device, &name, cap.clone(), cap.clone()));
+        pipeline.enable_group_offload(1, 2).expect("group offload");
+        pipeline.enable_auto_offload(cap.clone(), 0, true).expect("auto offload under the cap");
+        let image = match pipeline.generate(&opts, &mut |_, _| {}) {
+            Ok(image) => values(image),
+            Err(error) => panic!("run {run}: not recovered: {error}\n{}", pipeline.manager().offload_record()),
+        };
+        assert_eq!(max_abs_diff(&image, &reference), 0.0, "run {run}: the uncapped run's image");
+        let held = cap.reserved_high_water();
+        assert!(held <= capacity, "run {run}: the account held {held} B of a {capacity} B cap");
+        let record = pipeline.manager().offload_record();
+        retries += record.events().iter().filter(|e| matches!(e.reason, Some(Reason::OomRetry(_)))).count();
+        refused_prefetches += pipeline.group_offload("transformer").map_or(0, |g| g.stats().failed_prefetches);
+        drop(pipeline);
+        device.memory_cleanup();
+    }
+    println!("100 runs under a {capacity} B cap: {retries} oom_retry moves, {refused_prefetches} refused prefetches");
 }

@@ -559,3 +559,45 @@ fn enabling_group_offload_loses_nothing() {
     pipeline.generate(&options(), &mut |_, _| {}).expect("the pipeline still runs, without group offload");
     std::fs::remove_file(&blocked).ok();
 }
+
+/// The account under contention on the simulated card: a hard card, the transformer under block-level group
+/// offload with prefetch depth 2, so the worker uploads the next two groups while the main thread takes its group
+/// and charges its call's activations, on a card sized so that the two contend (the room a denoising step needs
+/// and a little less than two more groups). Transfers take wall time (`real_time_scale`), so the worker's
+/// allocations fall inside the main thread's. Many runs: the card's peak never passes its capacity, every
+/// out-of-memory is retried or re-taken (the run ends with the image), and the image is the resident one.
+#[test]
+fn a_hard_card_with_block_prefetch_depth_2_never_passes_its_capacity_under_contention() {
+    let reference = {
+        let pipeline = load(Placement::host_only());
+        values(pipeline.generate(&options(), &mut |_, _| {}).unwrap())
+    };
+    let capacity = card_capacity(Setup::Block);
+    let (mut refused, mut retried) = (0u64, 0usize);
+    for run in 0..20 {
+        let card = SimCard::new(
+            CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0),
+        );
+        card.set_faults(Faults { real_time_scale: Some(2_000.0), ..Faults::default() });
+        let mut pipeline = load(Placement::simulated(card.clone()));
+        pipeline.enable_group_offload(1, 2).unwrap();
+        pipeline.enable_auto_offload(card.clone(), 0, true).unwrap();
+        let image = values(pipeline.generate(&options(), &mut |_, _| {}).unwrap_or_else(|error| {
+            panic!("run {run}: an out-of-memory was not recovered: {error}")
+        }));
+        let peak = card.peak();
+        assert!(peak <= capacity, "run {run}: the card held {peak} B of its {capacity} B");
+        let diff = max_abs_diff(&image, &reference);
+        assert!(diff <= 1e-6, "run {run}: the image differs from the resident one by {diff}");
+        refused += card.stats().failed_allocations;
+        retried += pipeline
+            .manager()
+            .offload_record()
+            .events()
+            .iter()
+            .filter(|event| matches!(event.reason, Some(Reason::OomRetry(_))))
+            .count();
+        check_placement(&pipeline, &card, &format!("contention run {run}"));
+    }
+    println!("20 runs on a {capacity} B hard card: {refused} allocations refused, {retried} oom_retry moves");
+}
