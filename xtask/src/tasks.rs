@@ -26,6 +26,10 @@ pub struct FixturesArgs {
     /// not committed), with `tools/make_real_size.py`.
     #[arg(long, value_name = "DIR")]
     pub real_size: Option<PathBuf>,
+    /// With `--real-size`: write into a non-empty directory the generator did not make (its files are kept; the
+    /// generator only ever removes files it listed as its own).
+    #[arg(long)]
+    pub force: bool,
 }
 
 fn workspace_root() -> PathBuf {
@@ -58,6 +62,9 @@ pub fn fixtures(args: &FixturesArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.real_size {
         let mut command = Command::new(&args.python);
         command.arg("tools/make_real_size.py").arg("--out").arg(dir);
+        if args.force {
+            command.arg("--force");
+        }
         return status(command, "tools/make_real_size.py (install tools/requirements-fixtures.txt first)");
     }
     let mut command = Command::new(&args.python);
