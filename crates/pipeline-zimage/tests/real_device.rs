@@ -2,8 +2,9 @@
 //! Mesa's lavapipe driver, which runs on the CPU). What only a device can show: parity against diffusers' goldens,
 //! auto offload deciding from the device's own pool readings with no simulated card, block and leaf group
 //! offload with prefetch (the pool's high-water within the ring bound, every streamed group's memory returned,
-//! resident groups really on the device), the decode OOM recovered under a hard cap over the device, and a
-//! refused allocation typed as a device error with nothing lost.
+//! resident groups really on the device), the decode OOM recovered under a hard cap over the device, the hard
+//! cap's account under contention between the prefetch worker and the main thread (100 runs), and a refused
+//! allocation typed as a device error with nothing lost.
 //!
 //! Run it with `cargo test -p pipeline-zimage --features wgpu --test real_device` (Debian:
 //! `apt-get install mesa-vulkan-drivers libvulkan1` first). The device's pool is one per process, so the tests
