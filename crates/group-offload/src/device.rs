@@ -24,7 +24,8 @@
 //! is not the pool's reusable cache counted against the cap (the context and other processes where the driver
 //! shows them, the pool's padding). In hard mode it caps what the pool may take from the device, as torch's
 //! per-process memory fraction caps its caching allocator's reserved memory: an allocation the cap cannot hold
-//! (a component's onload, a group's upload) is refused as an out-of-memory before it is made, and a call during
+//! (a component's onload, a group's upload) is refused as an out-of-memory before it is made, a call whose
+//! activation estimate it cannot hold is refused before it runs ([`DeviceLedger::begin_call`]), and a call during
 //! which the pool's pages passed the cap fails as an out-of-memory once it has run ([`DeviceLedger::end_call`]):
 //! the device had the memory, a card of the cap's size would not have. Pages are what a card gives cubecl's
 //! pool: it asks the driver for a page when its pages cannot hold an allocation, and fails there when the card
@@ -34,6 +35,10 @@
 //! 4.0 MB of weights sat in 10.8 MB of pages on lavapipe. The pages also make the decision exact where a
 //! sampled in-use high-water is not: the pool's pages only grow during a call, so the reading after it is their
 //! high-water.
+//!
+//! The hard cap keeps one account of what the library reserved (placements and the estimates of calls in flight,
+//! in the [`PageRule`]'s pages), behind one mutex that is held from the reading to the reservation: the main thread
+//! and a prefetch worker can never both pass on the same free bytes.
 
 //! # Failures
 //!

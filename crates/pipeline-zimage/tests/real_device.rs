@@ -466,3 +466,43 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
     }
     println!("100 runs under a {capacity} B cap: {retries} oom_retry moves, {refused_prefetches} refused prefetches");
 }
+
+/// Every exit leaves the device cleanly: the typed error of a run that cannot start (no `--device-memory` on a
+/// runtime that reports no total) exits with code 1, never a signal, 20 times in a row while another process
+/// loads the CPU; a successful run exits 0.
+#[test]
+fn the_cli_exits_with_a_code_and_never_a_signal() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = std::env::temp_dir().join(format!("real-device-exit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    // Load beside the runs: a busy loop on another thread of this process.
+    let busy = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let spinner = {
+        let busy = busy.clone();
+        std::thread::spawn(move || {
+            let mut x = 0u64;
+            while busy.load(std::sync::atomic::Ordering::Relaxed) {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            }
+            x
+        })
+    };
+    for run in 0..20 {
+        let out = dir.join("fox.png");
+        let status = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline-zimage"))
+            .args(["generate", "--device", "wgpu", "--offload", "auto", "--height", "64", "--width", "64"])
+            .args(["--steps", "1", "--max-sequence-length", "32", "--out"])
+            .arg(&out)
+            .output()
+            .expect("the CLI runs");
+        let stderr = String::from_utf8_lossy(&status.stderr);
+        assert_eq!(status.status.signal(), None, "run {run} died of a signal: {stderr}");
+        assert_eq!(status.status.code(), Some(1), "run {run}: {stderr}");
+        assert!(stderr.contains("--device-memory"), "run {run}: {stderr}");
+    }
+    busy.store(false, std::sync::atomic::Ordering::Relaxed);
+    let _ = spinner.join();
+    let (ok, stdout, stderr) = generate_cli(&dir, &[], &[]);
+    assert!(ok, "{stdout}\n{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}
