@@ -28,10 +28,12 @@ class Refused(SystemExit):
 class OwnedOutput:
     """An output directory `root` written by `tool`."""
 
-    def __init__(self, root: Path, tool: str, force: bool = False) -> None:
+    def __init__(self, root: Path, tool: str, force: bool = False, tag: str | None = None) -> None:
         self.root = root
         self.tool = tool
         self.force = force
+        # Generators that share a directory (the goldens) keep one manifest each, `.offload-generated-TAG.json`.
+        self.manifest_name = MANIFEST if tag is None else f".offload-generated-{tag}.json"
         self.before: set[Path] = set()
 
     def files(self) -> set[Path]:
@@ -39,8 +41,11 @@ class OwnedOutput:
             return set()
         return {p.relative_to(self.root) for p in self.root.rglob("*") if p.is_file() or p.is_symlink()}
 
+    def made_by_a_generator(self) -> bool:
+        return self.root.is_dir() and any(self.root.glob(".offload-generated*.json"))
+
     def own(self) -> list[Path]:
-        manifest = self.root / MANIFEST
+        manifest = self.root / self.manifest_name
         if not manifest.is_file():
             return []
         listed = json.loads(manifest.read_text()).get("files", [])
@@ -58,8 +63,8 @@ class OwnedOutput:
         if self.root.exists() and not self.root.is_dir():
             raise Refused(f"{self.tool}: {self.root} is a file, not a directory; give a directory to write into")
         present = self.files()
-        manifest = self.root / MANIFEST
-        if present and not manifest.is_file() and not self.force:
+        manifest = self.root / self.manifest_name
+        if present and not self.made_by_a_generator() and not self.force:
             raise Refused(
                 f"{self.tool}: {self.root} is not empty ({len(present)} files) and was not made by this tool "
                 f"(no {MANIFEST}); nothing was changed. Pick an empty or new directory, or pass --force to write "
@@ -81,8 +86,8 @@ class OwnedOutput:
 
     def finish(self) -> None:
         """Lists every file written since `prepare` as the generator's own."""
-        written = sorted(str(p) for p in self.files() - self.before if p.name != MANIFEST)
-        (self.root / MANIFEST).write_text(json.dumps({"tool": self.tool, "files": written}, indent=2) + "\n")
+        written = sorted(str(p) for p in self.files() - self.before if not p.name.startswith(".offload-generated"))
+        (self.root / self.manifest_name).write_text(json.dumps({"tool": self.tool, "files": written}, indent=2) + "\n")
 
 
 def self_test() -> None:
@@ -127,6 +132,18 @@ def self_test() -> None:
         (foreign / MANIFEST).write_text(json.dumps({"files": ["../outside.txt", str(outside)]}))
         OwnedOutput(foreign, "test").prepare()
         assert outside.read_text() == "safe"
+        # Two generators sharing a directory each remove only their own files.
+        shared = Path(tmp) / "shared"
+        first = OwnedOutput(shared, "first", tag="first")
+        first.prepare()
+        (shared / "a.bin").write_text("a")
+        first.finish()
+        second = OwnedOutput(shared, "second", tag="second")
+        second.prepare()
+        (shared / "b.bin").write_text("b")
+        second.finish()
+        OwnedOutput(shared, "first", tag="first").prepare()
+        assert not (shared / "a.bin").exists() and (shared / "b.bin").read_text() == "b"
     print("owned_output: self-test passed")
 
 

@@ -27,8 +27,8 @@ pub struct FixturesArgs {
     /// not committed), with `tools/make_real_size.py`.
     #[arg(long, value_name = "DIR")]
     pub real_size: Option<PathBuf>,
-    /// With `--real-size`: write into a non-empty directory the generator did not make (its files are kept; the
-    /// generator only ever removes files it listed as its own).
+    /// Write into a non-empty directory the generators did not make (its files are kept; a generator only ever
+    /// removes the files its manifest lists as its own).
     #[arg(long)]
     pub force: bool,
 }
@@ -116,10 +116,16 @@ pub fn fixtures(args: &FixturesArgs) -> anyhow::Result<()> {
     }
     let mut command = Command::new(&python);
     command.args(["tools/make_fixtures.py", "--out", "crates/pipeline-zimage/tests/fixtures"]);
+    if args.force {
+        command.arg("--force");
+    }
     status(command, "tools/make_fixtures.py (install tools/requirements-fixtures.txt first)")?;
     // The variants are overlays on the tiny checkpoint just written.
     let mut command = Command::new(&python);
     command.args(["tools/make_variant_fixtures.py", "--fixtures", "crates/pipeline-zimage/tests/fixtures"]);
+    if args.force {
+        command.arg("--force");
+    }
     status(command, "tools/make_variant_fixtures.py (install tools/requirements-fixtures.txt first)")
 }
 
