@@ -661,8 +661,8 @@ fn a_hard_card_with_block_prefetch_depth_2_never_passes_its_capacity_under_conte
     contention_runs(100);
 }
 
-/// The same runs, and every out-of-memory recovered. Fails now and then (1 of 300 forwards in one full-suite run,
-/// none in 300 run alone): after a refused prefetch of group k+2 the worker goes on to k+3 and takes the bytes the
+/// The same runs, and every out-of-memory recovered. Fails now and then (seen in the first run of one full-suite pass,
+/// never in 300 forwards run alone): after a refused prefetch of group k+2 the worker goes on to k+3 and takes the bytes the
 /// main thread then needs for k+2, and the manager, with the grouped transformer not evictable, reports
 /// `DoesNotFit`. The fix is in the engine (`PATCH-NEEDED.md`, section 5), which this branch may not edit.
 #[test]
