@@ -555,7 +555,11 @@ impl DeviceMemory for PoolReadings {
 
     fn try_reading(&self) -> std::result::Result<MemoryReading, ReadingUnavailable> {
         let now = self.observe()?;
-        Ok(MemoryReading { available: now.available(), total: now.total, peak: self.state.peak.load(Ordering::Relaxed) })
+        Ok(MemoryReading {
+            available: now.available(),
+            total: now.total,
+            peak: self.state.peak.load(Ordering::Relaxed),
+        })
     }
 }
 
@@ -1225,11 +1229,9 @@ fn classify(
             requested: requested.unwrap_or(0),
             available: memory.map_or(0, |m| m.available()),
         },
-        RuntimeFailure::Poisoned => ComponentError::other(Error::DevicePoisoned {
-            device: name.to_string(),
-            operation,
-            message: short,
-        }),
+        RuntimeFailure::Poisoned => {
+            ComponentError::other(Error::DevicePoisoned { device: name.to_string(), operation, message: short })
+        }
         RuntimeFailure::Other => {
             ComponentError::Device { device: name.clone(), message: format!("during {operation}: {short}") }
         }
@@ -1357,7 +1359,9 @@ mod tests {
     #[test]
     fn a_runtime_panic_is_caught_with_its_message_and_a_bug_is_not() {
         let caught = catch_device_panic(|| -> u32 {
-            panic!("{BURN_READ_PANIC}An error happened during execution\nCaused by:\n  An IO error happened\nCaused by:\n  out of device memory allocating 12 bytes")
+            panic!(
+                "{BURN_READ_PANIC}An error happened during execution\nCaused by:\n  An IO error happened\nCaused by:\n  out of device memory allocating 12 bytes"
+            )
         });
         let error = caught.expect_err("the panic is caught").with_device(&name(), "run", None);
         assert!(matches!(error, ComponentError::OutOfMemory { requested: 12, .. }), "{error:?}");
@@ -1366,7 +1370,8 @@ mod tests {
         assert!(matches!(error, ComponentError::Device { .. }), "{error:?}");
         assert_eq!(catch_device_panic(|| 5).expect("no panic"), 5);
         // A bug is not a device failure, whatever its words: it goes on unwinding.
-        for bug in ["index out of bounds", "my model is out of memory", "oops: out of device memory allocating 1 bytes"] {
+        for bug in ["index out of bounds", "my model is out of memory", "oops: out of device memory allocating 1 bytes"]
+        {
             let unwound = std::panic::catch_unwind(|| catch_device_panic(|| -> u32 { panic!("{bug}") }));
             assert!(unwound.is_err(), "the bug's panic {bug:?} was not swallowed");
         }

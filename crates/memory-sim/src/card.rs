@@ -669,5 +669,4 @@ mod tests {
         card.reset_peak();
         assert_eq!(card.peak(), card.allocated(), "a reset starts again from what is allocated");
     }
-
 }

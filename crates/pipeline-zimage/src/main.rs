@@ -338,7 +338,11 @@ fn preflight(args: &Generate) -> anyhow::Result<()> {
 
 /// The reserve the manager keeps under `--offload`: `--reserve` when given, else the workload's largest activation
 /// estimate (what each call needs beside its weights), checked against what the device can hold.
-fn check_manual_reserve(reserve: u64, spec: Option<&CardSpec>, memory: Option<&dyn DeviceMemory>) -> anyhow::Result<()> {
+fn check_manual_reserve(
+    reserve: u64,
+    spec: Option<&CardSpec>,
+    memory: Option<&dyn DeviceMemory>,
+) -> anyhow::Result<()> {
     if let Some(spec) = spec {
         spec.check_reserve(reserve)?;
     }
@@ -1034,8 +1038,8 @@ mod tests {
     /// The README's `generate` commands that run on the CPU (no `--features`), each argument list as written, with
     /// the files they write sent to a temporary directory.
     fn readme_cpu_commands() -> Vec<Vec<String>> {
-        let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md"))
-            .expect("the README");
+        let readme =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md")).expect("the README");
         let mut commands = Vec::new();
         let mut lines = readme.lines();
         while let Some(line) = lines.next() {
@@ -1164,8 +1168,9 @@ mod tests {
     fn a_reserve_the_card_cannot_hold_is_refused_before_the_weights_load() {
         let missing = std::env::temp_dir().join("pipeline-zimage-no-checkpoint-here");
         let weights = missing.display().to_string();
-        let error = generate(&args(&["--weights", &weights, "--card", "12MB", "--offload", "group", "--reserve", "3GB"]))
-            .expect_err("refused");
+        let error =
+            generate(&args(&["--weights", &weights, "--card", "12MB", "--offload", "group", "--reserve", "3GB"]))
+                .expect_err("refused");
         let message = format!("{error:#}");
         assert!(message.contains("the reserve (2.79 GB) is not smaller than the memory left"), "{message}");
         assert!(!message.contains("loading"), "refused before loading: {message}");

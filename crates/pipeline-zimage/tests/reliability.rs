@@ -661,10 +661,11 @@ fn a_hard_card_with_block_prefetch_depth_2_never_passes_its_capacity_under_conte
     contention_runs(100);
 }
 
-/// The same runs, and every out-of-memory recovered. Fails now and then (seen in the first run of one full-suite pass,
-/// never in 300 forwards run alone): after a refused prefetch of group k+2 the worker goes on to k+3 and takes the bytes the
-/// main thread then needs for k+2, and the manager, with the grouped transformer not evictable, reports
-/// `DoesNotFit`. The fix is in the engine (`PATCH-NEEDED.md`, section 5), which this branch may not edit.
+/// The same runs, and every out-of-memory recovered. Fails now and then (seen in the first run of one full-suite
+/// pass, never in 300 forwards run alone): after a refused prefetch of group k+2 the worker goes on to k+3 and
+/// takes the bytes the main thread then needs for k+2, and the manager, with the grouped transformer not
+/// evictable, reports `DoesNotFit`. The fix is in the engine (`PATCH-NEEDED.md`, section 5), which this branch may
+/// not edit.
 #[test]
 #[ignore = "fails now and then until the engine stops prefetching past a refused prefetch (PATCH-NEEDED.md, section 5)"]
 fn every_out_of_memory_under_contention_is_recovered() {
@@ -700,7 +701,8 @@ fn a_disk_group_removed_while_the_model_runs_is_a_typed_error_and_nothing_else_i
     for path in &files {
         std::fs::remove_file(path).unwrap();
     }
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pipeline.generate(&options(), &mut |_, _| {})));
+    let outcome =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pipeline.generate(&options(), &mut |_, _| {})));
     let error = match outcome {
         Err(_) => panic!("a vanished disk group panicked instead of failing typed"),
         Ok(Ok(_)) => panic!("the run succeeded without its groups' files"),
