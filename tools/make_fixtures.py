@@ -32,6 +32,7 @@ Randomness inside diffusers is removed, not seeded (see `golden/README.md`, "Pat
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import os
 import shutil
@@ -230,8 +231,7 @@ def build_tokenizer(dir_: Path):
 def shard_save(model, dir_: Path, n_target: int = 2) -> None:
     """save_pretrained with a max_shard_size small enough for at least `n_target` shards."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if dir_.exists():
-        shutil.rmtree(dir_)
+    # The directory's earlier files were this tool's and are gone (OwnedOutput.prepare); nothing else is removed.
     model.save_pretrained(str(dir_), safe_serialization=True, max_shard_size=max(total // (n_target + 1), 1))
     idx = [f for f in os.listdir(dir_) if f.endswith(".safetensors.index.json")]
     shards = [f for f in os.listdir(dir_) if f.endswith(".safetensors")]
@@ -255,14 +255,20 @@ def save_st(path: Path, tensors: dict, meta: dict | None = None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--force", action="store_true",
+                    help="write into non-empty directories this tool did not make (their files are kept)")
     args = ap.parse_args()
     out: Path = args.out
     ckpt = out / "tiny-z-image-turbo"
     golden = out / "golden"
-    for d in (ckpt, golden):
-        if d.exists():
-            shutil.rmtree(d)
-    golden.mkdir(parents=True)
+    # Never removes what it did not write: each directory is refused when it holds files no generator listed
+    # (unless --force), and only the files this tool's manifest lists are removed (tools/owned_output.py).
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from owned_output import OwnedOutput
+
+    owned = [OwnedOutput(d, "tools/make_fixtures.py", args.force, tag="fixtures") for d in (ckpt, golden)]
+    for directory in owned:
+        directory.prepare()
 
     torch.manual_seed(SEED)
     torch.set_num_threads(1)
@@ -484,6 +490,8 @@ def main() -> None:
 
     (golden / "meta.json").write_text(json.dumps(META, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
     (golden / "README.md").write_text(README.format(**versions))
+    for directory in owned:
+        directory.finish()
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"wrote fixtures to {out} ({total / 1e6:.2f} MB)")
 

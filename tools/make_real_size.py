@@ -24,6 +24,7 @@ Usage (inside the venv of tools/requirements-fixtures.txt; about 20.6 GB of disk
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import shutil
 import time
@@ -99,11 +100,17 @@ def write_shards(model, dir_: Path, stem: str, gen: torch.Generator) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--force", action="store_true",
+                    help="write into a non-empty directory this tool did not make (its files are kept)")
     args = ap.parse_args()
     out: Path = args.out
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    # Never removes what it did not write: a foreign non-empty directory is refused unless --force, and a
+    # rewrite removes only the files the last run listed (tools/owned_output.py).
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from owned_output import OwnedOutput
+
+    owned = OwnedOutput(out, "tools/make_real_size.py", args.force)
+    owned.prepare()
     gen = torch.Generator().manual_seed(SEED)
     torch.set_num_threads(2)
     started = time.time()
@@ -121,21 +128,21 @@ def main() -> None:
         text_encoder = Qwen3Model(te_config)
         vae = AutoencoderKL(**VAE)
 
-    (out / "transformer").mkdir()
+    (out / "transformer").mkdir(exist_ok=True)
     transformer.save_config(str(out / "transformer"))
     summary["transformer"] = write_shards(transformer, out / "transformer", "diffusion_pytorch_model", gen)
 
-    (out / "text_encoder").mkdir()
+    (out / "text_encoder").mkdir(exist_ok=True)
     te_config.save_pretrained(str(out / "text_encoder"))
     summary["text_encoder"] = write_shards(text_encoder, out / "text_encoder", "model", gen)
 
-    (out / "vae").mkdir()
+    (out / "vae").mkdir(exist_ok=True)
     vae.save_config(str(out / "vae"))
     summary["vae"] = write_shards(vae, out / "vae", "diffusion_pytorch_model", gen)
 
     FlowMatchEulerDiscreteScheduler(**SCHEDULER).save_pretrained(str(out / "scheduler"))
     tiny = Path(__file__).resolve().parent.parent / "crates/pipeline-zimage/tests/fixtures/tiny-z-image-turbo"
-    shutil.copytree(tiny / "tokenizer", out / "tokenizer")
+    shutil.copytree(tiny / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
     index = {
         "_class_name": "ZImagePipeline",
         "_diffusers_version": diffusers.__version__,
@@ -146,6 +153,7 @@ def main() -> None:
         "vae": ["diffusers", "AutoencoderKL"],
     }
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    owned.finish()
     summary["versions"] = {"torch": torch.__version__, "diffusers": diffusers.__version__,
                            "transformers": transformers.__version__}
     summary["seconds"] = round(time.time() - started, 1)

@@ -26,6 +26,7 @@ float32) with their options in `golden/variants.json`. Every random number comes
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 import shutil
 import tempfile
@@ -58,12 +59,21 @@ def assemble(fixtures: Path, name: str, into: Path) -> Path:
     return ckpt
 
 
+# Each directory this tool writes is an OwnedOutput (tools/owned_output.py): refused when it holds files no
+# generator listed (unless --force), and only the files this tool listed are ever removed.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from owned_output import OwnedOutput  # noqa: E402
+
+FORCE = False
+OWNED: list = []
+
+
 def fresh_overlay(fixtures: Path, name: str) -> Path:
-    """The empty overlay directory of variant `name`."""
+    """The overlay directory of variant `name`, with this tool's earlier files removed."""
     overlay = fixtures / "variants" / name
-    if overlay.exists():
-        shutil.rmtree(overlay)
-    overlay.mkdir(parents=True)
+    owned = OwnedOutput(overlay, "tools/make_variant_fixtures.py", FORCE, tag="variants")
+    owned.prepare()
+    OWNED.append(owned)
     return overlay
 
 
@@ -191,8 +201,15 @@ def golden(fixtures: Path, name: str, dtype: torch.dtype, gen: torch.Generator, 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fixtures", required=True, type=Path)
+    ap.add_argument("--force", action="store_true",
+                    help="write into non-empty directories this tool did not make (their files are kept)")
     args = ap.parse_args()
     fixtures: Path = args.fixtures
+    global FORCE
+    FORCE = args.force
+    golden_dir = OwnedOutput(fixtures / "golden", "tools/make_variant_fixtures.py", FORCE, tag="variants")
+    golden_dir.prepare()
+    OWNED.append(golden_dir)
     torch.manual_seed(SEED)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -220,6 +237,8 @@ def main() -> None:
                             ("lm-head", torch.float32)]:
             meta["variants"][name] = golden(fixtures, name, dtype, gen, work)
     (fixtures / "golden" / "variants.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    for owned in OWNED:
+        owned.finish()
     print(json.dumps(meta["variants"], indent=2))
 
 

@@ -20,9 +20,9 @@ pub struct Args {
     /// The generator's seed, for reproducing a run.
     #[arg(long, default_value_t = 0x5eed)]
     pub seed: u64,
-    /// Only this target: an in-process one (size, card, settings) or a checkpoint reader (model_index,
-    /// shard_index, transformer_config, text_encoder_config, vae_config, scheduler_config, safetensors);
-    /// default: all.
+    /// Only this target: an in-process one (size, card, settings), a checkpoint reader (model_index,
+    /// shard_index, transformer_config, text_encoder_config, vae_config, scheduler_config, safetensors) or the
+    /// CLI's numeric arguments (cli); default: all.
     #[arg(long)]
     pub target: Option<String>,
 }
@@ -78,12 +78,17 @@ pub const READERS: &[&str] = &[
     "safetensors",
 ];
 
+/// The CLI's target: `pipeline-zimage generate`'s argument parsing and pre-flight checks (seeds, sides, sizes), run
+/// by the binary's own ignored test, since xtask cannot link the binary either.
+pub const CLI: &str = "cli";
+
 /// Runs `cargo xtask fuzz`.
 pub fn run(args: &Args) -> anyhow::Result<()> {
     let in_process = targets();
     let only_in_process = args.target.as_deref().is_some_and(|t| in_process.iter().any(|(name, _)| *name == t));
-    if let Some(target) = args.target.as_deref().filter(|t| !only_in_process && !READERS.contains(t)) {
-        let names: Vec<&str> = in_process.iter().map(|(name, _)| *name).chain(READERS.iter().copied()).collect();
+    if let Some(target) = args.target.as_deref().filter(|t| !only_in_process && !READERS.contains(t) && *t != CLI) {
+        let names: Vec<&str> =
+            in_process.iter().map(|(name, _)| *name).chain(READERS.iter().copied()).chain([CLI]).collect();
         bail!("no fuzz target named {target:?}; the targets are: {}", names.join(", "));
     }
     let mut reports: Vec<FuzzReport> = Vec::new();
@@ -104,8 +109,29 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     if !crashes.is_empty() {
         bail!("{} target(s) crashed; add each input above as a regression test", crashes.len());
     }
-    if !only_in_process {
+    if !only_in_process && args.target.as_deref() != Some(CLI) {
         readers(args)?;
+    }
+    if args.target.as_deref().is_none_or(|t| t == CLI) {
+        cli(args)?;
+    }
+    Ok(())
+}
+
+/// Runs the CLI's target: the `pipeline-zimage` binary's ignored fuzz test, in release mode with overflow checks
+/// on, so an overflowing seed or size is a crash.
+fn cli(args: &Args) -> anyhow::Result<()> {
+    let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    command
+        .args(["test", "--release", "-q", "-p", "pipeline-zimage", "--bin", "pipeline-zimage"])
+        .args(["--config", "profile.release.package.pipeline-zimage.overflow-checks=true", "--"])
+        .args(["--ignored", "--exact", "tests::fuzz_the_clis_numeric_arguments", "--nocapture"])
+        .env("CLI_FUZZ_EXECUTIONS", args.executions.to_string())
+        .env("CLI_FUZZ_SEED", args.seed.to_string());
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let status = command.current_dir(root).status().context("cannot start cargo for the CLI's fuzz target")?;
+    if !status.success() {
+        bail!("the CLI's fuzz run failed with {status}");
     }
     Ok(())
 }

@@ -24,7 +24,8 @@
 //! is not the pool's reusable cache counted against the cap (the context and other processes where the driver
 //! shows them, the pool's padding). In hard mode it caps what the pool may take from the device, as torch's
 //! per-process memory fraction caps its caching allocator's reserved memory: an allocation the cap cannot hold
-//! (a component's onload, a group's upload) is refused as an out-of-memory before it is made, and a call during
+//! (a component's onload, a group's upload) is refused as an out-of-memory before it is made, a call whose
+//! activation estimate it cannot hold is refused before it runs ([`DeviceLedger::begin_call`]), and a call during
 //! which the pool's pages passed the cap fails as an out-of-memory once it has run ([`DeviceLedger::end_call`]):
 //! the device had the memory, a card of the cap's size would not have. Pages are what a card gives cubecl's
 //! pool: it asks the driver for a page when its pages cannot hold an allocation, and fails there when the card
@@ -34,6 +35,10 @@
 //! 4.0 MB of weights sat in 10.8 MB of pages on lavapipe. The pages also make the decision exact where a
 //! sampled in-use high-water is not: the pool's pages only grow during a call, so the reading after it is their
 //! high-water.
+//!
+//! The hard cap keeps one account of what the library reserved (placements and the estimates of calls in flight,
+//! in the [`PageRule`]'s pages), behind one mutex that is held from the reading to the reservation: the main thread
+//! and a prefetch worker can never both pass on the same free bytes.
 
 //! # Failures
 //!
@@ -44,10 +49,12 @@
 //! of each of its outputs ([`DeviceOutput`], [`check_outputs`]) after a sync ([`check_device`]): a failure of
 //! anything the outputs depend on surfaces there, typed, instead of later at `into_data`. cubecl's
 //! out-of-memory (`IoError::OutOfMemory`, `LaunchError::OutOfMemory`, which burn passes on as text) becomes
-//! [`ComponentError::OutOfMemory`] with the bytes asked for and the bytes available; anything else (a buffer
-//! larger than the device can ever give, a poisoned device) is [`ComponentError::Device`], never labelled
-//! out-of-memory. [`catch_device_panic`] catches a runtime that panics instead of returning an error, at the
-//! same boundary.
+//! [`ComponentError::OutOfMemory`] with the bytes asked for and the bytes available. The runtime's words are
+//! read by their first line only ([`RuntimeFailure::of`]), never searched for in the cause chain or the
+//! backtrace. A poisoned device is [`Error::DevicePoisoned`] (as [`ComponentError::Other`]), never retried;
+//! anything else (a buffer larger than the device can ever give) is [`ComponentError::Device`], never labelled
+//! out-of-memory. [`catch_device_panic`] catches a runtime that panics instead of returning an error, around the
+//! library's own device operations only: a model's forward is never caught.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -57,6 +64,8 @@ use std::thread::ThreadId;
 use std::time::Duration;
 
 use burn::tensor::{DType, Device, Tensor};
+pub use offload_core::device::ReadingUnavailable;
+use offload_core::offload_strategy::MemoryReading;
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, format_size};
 use parking_lot::Mutex;
 
@@ -101,17 +110,46 @@ pub fn device_index(name: &DeviceName) -> u32 {
     name.as_str().split(':').nth(1).and_then(|index| index.parse().ok()).unwrap_or(0)
 }
 
+/// The words cudarc panics with when it cannot load NVIDIA's driver library (`cudarc` 0.19, `lib.rs`,
+/// `panic_no_lib_found`).
+#[cfg(feature = "cuda")]
+const CUDA_NO_LIBRARY: &str = "Unable to dynamically load the \"cuda\" shared library";
+
+/// Opens a CUDA context on device `index` through cudarc, as burn's runtime will: a machine without NVIDIA's
+/// driver library makes cudarc panic while it loads `libcuda` (there is no safe call that asks first), so that
+/// one panic, recognised by cudarc's own words, becomes [`Error::NoDriver`] naming the driver; any other panic
+/// goes on unwinding. A driver that loads but fails (no device, a wrong index) is its `DriverError`.
+#[cfg(feature = "cuda")]
+fn cuda_context(name: &DeviceName) -> Result<Arc<cudarc::driver::CudaContext>> {
+    let no_driver = |message: String| Error::NoDriver {
+        device: name.to_string(),
+        message,
+        fix: "install NVIDIA's driver (it provides libcuda.so.1; on Debian the `nvidia-driver` package, or the \
+              driver from nvidia.com), check that `nvidia-smi` lists the card and that LD_LIBRARY_PATH reaches \
+              libcuda, or pick another --device (cpu, wgpu)"
+            .into(),
+    };
+    let index = device_index(name) as usize;
+    let opened = std::panic::catch_unwind(|| cudarc::driver::CudaContext::new(index)).map_err(|payload| {
+        let message = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_string()))
+            .unwrap_or_default();
+        if !message.starts_with(CUDA_NO_LIBRARY) {
+            std::panic::resume_unwind(payload);
+        }
+        no_driver(message)
+    })?;
+    opened.map_err(|error| no_driver(format!("{error:?}")))
+}
+
 #[cfg(feature = "cuda")]
 fn open_cuda(name: &DeviceName) -> Result<Device> {
     // burn's CUDA runtime panics on first use when there is no driver; ask the driver first, so a machine
     // without one gets a typed error.
-    let index = device_index(name);
-    cudarc::driver::CudaContext::new(index as usize).map_err(|error| Error::NoDriver {
-        device: name.to_string(),
-        message: format!("{error:?}"),
-        fix: "install the NVIDIA driver, check `nvidia-smi` lists the card, or pick another --device".into(),
-    })?;
-    Ok(Device::cuda(index))
+    cuda_context(name)?;
+    Ok(Device::cuda(device_index(name)))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -173,6 +211,20 @@ fn open_wgpu(name: &DeviceName, pages: PagePolicy) -> Result<Device> {
                 .into(),
         }),
     }
+}
+
+/// Waits for the queued work of every device runtime this process opened (the wgpu device, once opened), so a
+/// process can leave with no runtime thread still working on its behalf: call it last, after the pipeline and
+/// everything holding device memory is dropped. `Ok` when nothing was opened; the runtime's error, typed, when a
+/// device fails to finish.
+pub fn drain_devices() -> std::result::Result<(), ComponentError> {
+    #[cfg(feature = "wgpu")]
+    if let Some(Ok((device, _))) = WGPU.get() {
+        let name = DeviceName::parse("wgpu:0").map_err(ComponentError::other)?;
+        device.memory_cleanup();
+        check_device(device, &name, "drain", None)?;
+    }
+    Ok(())
 }
 
 /// What the device `name` is, in the runtime's words (the adapter and graphics API of `wgpu:0`, the index of a
@@ -281,7 +333,7 @@ impl Driver {
     fn for_device(name: &DeviceName) -> Self {
         #[cfg(feature = "cuda")]
         if name.kind() == "cuda"
-            && let Ok(context) = cudarc::driver::CudaContext::new(device_index(name) as usize)
+            && let Ok(context) = cuda_context(name)
         {
             return Driver::Cuda(context);
         }
@@ -300,34 +352,38 @@ impl Driver {
 }
 
 impl PoolState {
-    fn snapshot(&self) -> PoolSnapshot {
-        let usage = self.device.memory_pool_usage().unwrap_or_default();
+    /// One reading, or why there is none: a pool that gives no answer is unknown, never an empty device.
+    fn snapshot(&self) -> std::result::Result<PoolSnapshot, ReadingUnavailable> {
+        let usage = self.device.memory_pool_usage().ok_or_else(|| ReadingUnavailable {
+            device: self.name.clone(),
+            message: "burn's memory_pool_usage gave no answer for the device's pool".into(),
+        })?;
         let (driver_free, total) = match self.driver.memory() {
             Some((free, total)) => (Some(free), total),
             None => (None, self.total),
         };
-        PoolSnapshot {
+        Ok(PoolSnapshot {
             in_use: usage.bytes_in_use,
             padding: usage.bytes_padding,
             reserved: usage.bytes_reserved,
             total,
             driver_free,
-        }
+        })
     }
 
     /// Reads the pool and counts the reading in the peaks and every open window. The reading is taken under the
     /// windows' lock, so a reading the sampler took before a window opened (or a peak was reset) can never be
-    /// counted in it.
-    fn observe(&self) -> PoolSnapshot {
+    /// counted in it. A failed reading changes nothing.
+    fn observe(&self) -> std::result::Result<PoolSnapshot, ReadingUnavailable> {
         let mut windows = self.windows.lock();
-        let snapshot = self.snapshot();
+        let snapshot = self.snapshot()?;
         self.peak.fetch_max(snapshot.in_use, Ordering::Relaxed);
         self.reserved_peak.fetch_max(snapshot.reserved, Ordering::Relaxed);
         for window in windows.values_mut() {
             window.high_in_use = window.high_in_use.max(snapshot.in_use);
             window.high_reserved = window.high_reserved.max(snapshot.reserved);
         }
-        snapshot
+        Ok(snapshot)
     }
 }
 
@@ -394,7 +450,7 @@ impl PoolReadings {
             windows: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
         });
-        state.observe();
+        state.observe().map_err(|unknown| Error::NoPoolReadings { device: unknown.device.to_string() })?;
         if let Some(interval) = sample_every {
             let weak = Arc::downgrade(&state);
             std::thread::Builder::new().name("pool-readings".into()).spawn(move || sample(&weak, interval)).map_err(
@@ -412,17 +468,21 @@ impl PoolReadings {
         &self.state.device
     }
 
-    /// Reads the pool (and the driver) now, and counts the reading in the peak.
-    pub fn observe(&self) -> PoolSnapshot {
+    /// Reads the pool (and the driver) now, and counts the reading in the peak; a pool that gives no answer is
+    /// [`ReadingUnavailable`], never a reading of zeros.
+    pub fn observe(&self) -> std::result::Result<PoolSnapshot, ReadingUnavailable> {
         self.state.observe()
     }
 
-    /// Starts a new peak: the next readings alone count.
-    pub fn reset_peak(&self) {
+    /// The one explicit reset of the peaks: from now they start again at the pool's present reading, and until the
+    /// next reset they only rise (the [`DeviceMemory`] contract). Nothing else lowers them. Fails, resetting
+    /// nothing, when the pool cannot be read.
+    pub fn reset_peak(&self) -> std::result::Result<(), ReadingUnavailable> {
         let _windows = self.state.windows.lock();
-        let snapshot = self.state.snapshot();
+        let snapshot = self.state.snapshot()?;
         self.state.peak.store(snapshot.in_use, Ordering::Relaxed);
         self.state.reserved_peak.store(snapshot.reserved, Ordering::Relaxed);
+        Ok(())
     }
 
     /// The highest reserved (pool pages) reading since the last reset: an upper bound of what the pool's
@@ -438,18 +498,20 @@ impl PoolReadings {
 
     /// Opens a call window on this thread: from now until [`end_window`](Self::end_window), the highest readings
     /// are kept for it.
-    pub fn begin_window(&self) -> PoolSnapshot {
+    pub fn begin_window(&self) -> std::result::Result<PoolSnapshot, ReadingUnavailable> {
         let mut windows = self.state.windows.lock();
-        let start = self.state.snapshot();
+        let start = self.state.snapshot()?;
         let window = CallWindow { start, high_in_use: start.in_use, high_reserved: start.reserved };
         windows.insert(std::thread::current().id(), window);
-        start
+        Ok(start)
     }
 
-    /// Closes this thread's call window, with a last reading taken now. `None` when no window was open.
-    pub fn end_window(&self) -> Option<CallWindow> {
-        self.state.observe();
-        self.state.windows.lock().remove(&std::thread::current().id())
+    /// Closes this thread's call window, with a last reading taken now. `Ok(None)` when no window was open; when
+    /// the last reading fails the window is closed and the failure returned, since its high-water is not known.
+    pub fn end_window(&self) -> std::result::Result<Option<CallWindow>, ReadingUnavailable> {
+        let last = self.state.observe();
+        let window = self.state.windows.lock().remove(&std::thread::current().id());
+        last.map(|_| window)
     }
 }
 
@@ -459,49 +521,156 @@ fn sample(state: &Weak<PoolState>, interval: Duration) {
         if state.stop.load(Ordering::Relaxed) {
             return;
         }
-        state.observe();
+        // A failed sample counts nothing: the peak is what was read, never a guess.
+        let _ = state.observe();
         drop(state);
         std::thread::sleep(interval);
     }
 }
 
+/// The plain readings cannot carry an error: where the pool gives no answer they read as a full device (nothing
+/// available, everything allocated), so nothing is decided on an empty device that was never read; the manager
+/// decides on [`DeviceMemory::try_reading`], which returns the failure.
 impl DeviceMemory for PoolReadings {
     fn device(&self) -> DeviceName {
         self.state.name.clone()
     }
 
     fn total(&self) -> u64 {
-        self.state.snapshot().total
+        self.state.snapshot().map_or(self.state.total, |now| now.total)
     }
 
     fn available(&self) -> u64 {
-        self.observe().available()
+        self.observe().map_or(0, |now| now.available())
     }
 
     fn allocated(&self) -> u64 {
-        self.observe().in_use
+        self.observe().map_or(self.state.total, |now| now.in_use)
     }
 
     fn peak(&self) -> u64 {
-        self.observe();
+        let _ = self.observe();
         self.state.peak.load(Ordering::Relaxed)
+    }
+
+    fn try_reading(&self) -> std::result::Result<MemoryReading, ReadingUnavailable> {
+        let now = self.observe()?;
+        Ok(MemoryReading {
+            available: now.available(),
+            total: now.total,
+            peak: self.state.peak.load(Ordering::Relaxed),
+        })
+    }
+}
+
+/// How a device turns one allocation into the memory it takes from the device: the unit a [`CappedDevice`]'s
+/// account counts in.
+///
+/// cubecl's pools never give an allocation less than its size rounded up to the device's alignment
+/// (`cubecl-server` 0.11.3, `memory_pool/exclusive_pool.rs`: a page is `max(average, size)` rounded up to the
+/// alignment; `memory_pool/sliced_pool.rs` pads each slice to it; `cubecl-wgpu` takes the alignment from the
+/// device's `min_uniform_buffer_offset_alignment` and `min_storage_buffer_offset_alignment` limits). WebGPU caps
+/// both limits at 256 B (an adapter must support 256 or better), so [`PageRule::CUBECL`] rounds each allocation
+/// up to 256 B: never less than the pool takes for it. What a pool takes beyond that (an exclusive page sized
+/// to the running average, a sliced page shared with others) is not predicted by the rule; it is measured, and
+/// reconciled after each call ([`CappedDevice::last_call`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageRule {
+    /// Bytes as asked: the simulated card, whose ledger is its memory.
+    Bytes,
+    /// Each allocation rounded up to a multiple of `granularity` bytes (0 counts as 1).
+    RoundUp {
+        /// The page granularity in bytes.
+        granularity: u64,
+    },
+}
+
+impl PageRule {
+    /// The rule of cubecl's pools on every runtime (CUDA, wgpu): each allocation rounded up to 256 B.
+    pub const CUBECL: PageRule = PageRule::RoundUp { granularity: 256 };
+
+    /// What an allocation of `bytes` takes under this rule (saturating at `u64::MAX`).
+    pub fn pages(&self, bytes: u64) -> u64 {
+        match *self {
+            PageRule::Bytes => bytes,
+            PageRule::RoundUp { granularity } => {
+                let granularity = granularity.max(1);
+                bytes.div_ceil(granularity).saturating_mul(granularity)
+            }
+        }
+    }
+
+    /// What allocations of `sizes` take together, each rounded on its own.
+    pub fn pages_of(&self, sizes: &[u64]) -> u64 {
+        sizes.iter().fold(0u64, |sum, &bytes| sum.saturating_add(self.pages(bytes)))
+    }
+}
+
+/// What a call reserved before it ran and what it took: the reconciliation [`CappedDevice::end_call`] makes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallCharge {
+    /// The call's activation estimate, in pages, reserved in `begin_call`.
+    pub reserved: u64,
+    /// The pages the pool took from the device during the call (its high-water less what it held when the call
+    /// began): measured.
+    pub measured_pages: u64,
+}
+
+/// The one account of reservations of a [`CappedDevice`], guarded by one mutex: every check against the cap and
+/// the reservation it allows happen in one critical section.
+#[derive(Debug, Default)]
+struct Account {
+    /// Pages of what the library placed on the device (component onloads, group uploads), in the page rule.
+    placed: u64,
+    /// Per thread running a call: the pages of its activation estimate, reserved until the call ends.
+    calls: HashMap<ThreadId, u64>,
+    /// The last call's reconciliation.
+    last_call: Option<CallCharge>,
+    /// The most the account held at once: its own high-water, never over the cap in hard mode.
+    high_water: u64,
+}
+
+impl Account {
+    fn reserved(&self) -> u64 {
+        self.calls.values().fold(self.placed, |sum, &bytes| sum.saturating_add(bytes))
     }
 }
 
 /// A card of `capacity` bytes imposed over a real device's readings; see the [module docs](self).
+///
+/// In hard mode it keeps one account of what the library reserved on the device (weights and the activation
+/// estimates of calls in flight, in the [`PageRule`]'s pages), under one mutex: a check against the cap and the
+/// reservation it allows are one step, so the main thread and a prefetch worker can never both pass on the
+/// same free bytes. What counts against the cap is everything on the device outside the pool (as the driver
+/// shows it), plus the larger of the account and the pool's bytes in use (the pool shows what nobody reserved:
+/// a call's inputs and outputs).
 #[derive(Debug)]
 pub struct CappedDevice {
     readings: Arc<PoolReadings>,
     capacity: u64,
     hard: bool,
     label: String,
+    pages: PageRule,
+    account: Mutex<Account>,
 }
 
 impl CappedDevice {
     /// A cap of `capacity` bytes over `readings`, labelled `label` (`"16GB"`) in messages; in `hard` mode
-    /// allocations and calls past the cap fail with out-of-memory, otherwise only the readings change.
+    /// allocations and calls past the cap fail with out-of-memory, otherwise only the readings change. The
+    /// account counts in cubecl's pages ([`PageRule::CUBECL`]).
     pub fn new(readings: Arc<PoolReadings>, capacity: u64, hard: bool, label: impl Into<String>) -> Arc<Self> {
-        Arc::new(Self { readings, capacity, hard, label: label.into() })
+        Self::with_pages(readings, capacity, hard, label, PageRule::CUBECL)
+    }
+
+    /// [`new`](Self::new) with the page rule `pages`.
+    pub fn with_pages(
+        readings: Arc<PoolReadings>,
+        capacity: u64,
+        hard: bool,
+        label: impl Into<String>,
+        pages: PageRule,
+    ) -> Arc<Self> {
+        Arc::new(Self { readings, capacity, hard, label: label.into(), pages, account: Mutex::new(Account::default()) })
     }
 
     /// The real readings under the cap.
@@ -524,6 +693,26 @@ impl CappedDevice {
         &self.label
     }
 
+    /// The page rule the account counts in.
+    pub fn page_rule(&self) -> PageRule {
+        self.pages
+    }
+
+    /// Bytes the account holds now: the library's placements and the estimates of the calls in flight.
+    pub fn reserved(&self) -> u64 {
+        self.account.lock().reserved()
+    }
+
+    /// The most the account held at once (in hard mode never more than the cap less what was outside the pool).
+    pub fn reserved_high_water(&self) -> u64 {
+        self.account.lock().high_water
+    }
+
+    /// The last call's estimate beside the pages it took.
+    pub fn last_call(&self) -> Option<CallCharge> {
+        self.account.lock().last_call
+    }
+
     fn out_of_memory(&self, requested: u64, available: u64) -> ComponentError {
         tracing::debug!(
             card = %self.label,
@@ -533,6 +722,56 @@ impl CappedDevice {
         );
         ComponentError::OutOfMemory { device: self.readings.device(), requested, available }
     }
+
+    fn unreadable(&self, unknown: ReadingUnavailable) -> ComponentError {
+        ComponentError::Device { device: unknown.device.clone(), message: format!("during a reservation: {unknown}") }
+    }
+
+    /// Checks `pages` against the cap and reserves them with `take`, in one critical section.
+    fn reserve(&self, pages: u64, take: impl FnOnce(&mut Account)) -> std::result::Result<(), ComponentError> {
+        match reserve_in(&self.account, self.capacity, pages, || self.readings.observe(), take) {
+            Ok(()) => Ok(()),
+            Err(Refusal::Full { requested, free }) => Err(self.out_of_memory(requested, free)),
+            Err(Refusal::Unreadable(unknown)) => Err(self.unreadable(unknown)),
+        }
+    }
+}
+
+/// Why a reservation was refused.
+#[derive(Debug)]
+enum Refusal {
+    /// The cap cannot hold it.
+    Full { requested: u64, free: u64 },
+    /// The pool could not be read, so nothing is known of what the device holds.
+    Unreadable(ReadingUnavailable),
+}
+
+/// What a cap of `capacity` can still give with `reserved` bytes on the account and the pool reading `now`: the
+/// cap less what is outside the pool and the larger of the account and the pool's allocations (the pool shows
+/// what nobody reserved), and never more than the device itself can give.
+fn free_under(capacity: u64, now: &PoolSnapshot, reserved: u64) -> u64 {
+    let charged = now.outside_pool().saturating_add((now.in_use + now.padding).max(reserved));
+    capacity.saturating_sub(charged).min(now.available())
+}
+
+/// The check and the reservation in one critical section: the account's lock is held from the reading to the
+/// reservation, so two threads can never both pass on the same free bytes.
+fn reserve_in(
+    account: &Mutex<Account>,
+    capacity: u64,
+    pages: u64,
+    read: impl FnOnce() -> std::result::Result<PoolSnapshot, ReadingUnavailable>,
+    take: impl FnOnce(&mut Account),
+) -> std::result::Result<(), Refusal> {
+    let mut account = account.lock();
+    let now = read().map_err(Refusal::Unreadable)?;
+    let free = free_under(capacity, &now, account.reserved());
+    if pages > free {
+        return Err(Refusal::Full { requested: pages, free });
+    }
+    take(&mut account);
+    account.high_water = account.high_water.max(account.reserved());
+    Ok(())
 }
 
 impl DeviceMemory for CappedDevice {
@@ -544,8 +783,10 @@ impl DeviceMemory for CappedDevice {
         self.capacity.min(self.readings.total())
     }
 
+    /// In hard mode what the account leaves under the cap; in soft mode the real availability under the cap.
+    /// Reads 0 when the pool cannot be read ([`try_reading`](DeviceMemory::try_reading) says why).
     fn available(&self) -> u64 {
-        self.readings.observe().available_under(self.capacity)
+        self.try_available().unwrap_or(0)
     }
 
     fn allocated(&self) -> u64 {
@@ -555,58 +796,136 @@ impl DeviceMemory for CappedDevice {
     fn peak(&self) -> u64 {
         self.readings.peak()
     }
+
+    fn try_reading(&self) -> std::result::Result<MemoryReading, ReadingUnavailable> {
+        let available = self.try_available()?;
+        Ok(MemoryReading { available, total: self.total(), peak: self.readings.peak() })
+    }
+}
+
+impl CappedDevice {
+    fn try_available(&self) -> std::result::Result<u64, ReadingUnavailable> {
+        if self.hard {
+            let account = self.account.lock();
+            Ok(free_under(self.capacity, &self.readings.observe()?, account.reserved()))
+        } else {
+            Ok(self.readings.observe()?.available_under(self.capacity))
+        }
+    }
 }
 
 impl DeviceLedger for CappedDevice {
-    /// In hard mode, refuses `bytes` the cap cannot hold now; the real device then allocates for itself.
+    /// In hard mode, checks `bytes` (in pages) against the cap and reserves them in one step, or refuses them;
+    /// the real device then allocates for itself.
     fn allocate(&self, bytes: u64) -> std::result::Result<(), ComponentError> {
+        self.allocate_tensors(&[bytes])
+    }
+
+    /// Gives back the pages of `bytes` reserved by [`allocate`](DeviceLedger::allocate).
+    fn free(&self, bytes: u64) {
+        self.free_tensors(&[bytes]);
+    }
+
+    /// In hard mode, checks the pages of every size in `sizes` against the cap and reserves them in one step.
+    fn allocate_tensors(&self, sizes: &[u64]) -> std::result::Result<(), ComponentError> {
         if !self.hard {
             return Ok(());
         }
-        let available = self.available();
-        if bytes > available {
-            return Err(self.out_of_memory(bytes, available));
-        }
-        Ok(())
+        let pages = self.pages.pages_of(sizes);
+        self.reserve(pages, |account| account.placed = account.placed.saturating_add(pages))
     }
 
-    /// The real device frees for itself.
-    fn free(&self, _bytes: u64) {}
+    /// Gives back the pages [`allocate_tensors`](DeviceLedger::allocate_tensors) reserved for `sizes`.
+    fn free_tensors(&self, sizes: &[u64]) {
+        if !self.hard {
+            return;
+        }
+        let pages = self.pages.pages_of(sizes);
+        let mut account = self.account.lock();
+        account.placed = account.placed.saturating_sub(pages);
+    }
 
-    /// Opens a window that keeps the call's high-water; the estimate is not charged, the measurement decides. In
-    /// hard mode the pool's cache is released first when its pages hold the device past the cap, as torch's
-    /// caching allocator releases its cache before it raises under a per-process memory fraction.
-    fn begin_call(&self, _estimate: u64) -> std::result::Result<(), ComponentError> {
+    /// In hard mode, reserves the call's activation estimate (in pages) on this thread before the call runs, or
+    /// refuses the call with out-of-memory; then opens a window that keeps the call's high-water. The pool's
+    /// cache is released first when its pages hold the device past the cap, as torch's caching allocator
+    /// releases its cache before it raises under a per-process memory fraction.
+    fn begin_call(&self, estimate: u64) -> std::result::Result<(), ComponentError> {
         if self.hard {
-            let now = self.readings.observe();
+            let now = self.readings.observe().map_err(|unknown| self.unreadable(unknown))?;
             if now.outside_pool() + now.reserved > self.capacity {
                 self.readings.burn_device().memory_cleanup();
             }
+            let pages = self.pages.pages(estimate);
+            let thread = std::thread::current().id();
+            self.reserve(pages, |account| {
+                account.calls.insert(thread, pages);
+            })?;
         }
-        self.readings.begin_window();
+        if let Err(unknown) = self.readings.begin_window() {
+            self.account.lock().calls.remove(&std::thread::current().id());
+            return Err(self.unreadable(unknown));
+        }
         Ok(())
     }
 
-    /// In hard mode, fails when the pages the pool took from the device during the call, with what else is on
-    /// the device, passed the cap: a card of that size could not have given them, and cubecl, which neither
+    /// Gives the call's reservation back and reconciles it with the pages the call took (kept as
+    /// [`last_call`](CappedDevice::last_call)). In hard mode, fails when those pages, with what else is on the
+    /// device, passed the cap: a card of that size could not have given them, and cubecl, which neither
     /// defragments nor retries, would have failed the allocation there.
     fn end_call(&self, _estimate: u64) -> std::result::Result<(), ComponentError> {
-        let Some(window) = self.readings.end_window() else { return Ok(()) };
+        let thread = std::thread::current().id();
+        let closed = self.readings.end_window();
+        let reserved = self.account.lock().calls.remove(&thread).unwrap_or(0);
+        let window = match closed {
+            Ok(Some(window)) => window,
+            Ok(None) => return Ok(()),
+            Err(unknown) => return Err(self.unreadable(unknown)),
+        };
         let start = window.start;
+        let measured_pages = window.high_reserved.saturating_sub(start.reserved);
+        self.account.lock().last_call = Some(CallCharge { reserved, measured_pages });
         if !self.hard || start.outside_pool() + window.high_reserved <= self.capacity {
             return Ok(());
         }
-        let requested = window.high_reserved.saturating_sub(start.reserved) + start.cache();
+        let requested = measured_pages + start.cache();
         Err(self.out_of_memory(requested, start.available_under(self.capacity)))
+    }
+}
+
+/// Closes a call's account when the call leaves, whichever way it leaves: a user's forward that panics unwinds
+/// through here, and the reservation its `begin_call` made is still given back.
+struct OpenCall<'a> {
+    ledger: &'a dyn DeviceLedger,
+    estimate: u64,
+    open: bool,
+}
+
+impl OpenCall<'_> {
+    fn close(mut self) -> std::result::Result<(), ComponentError> {
+        self.open = false;
+        self.ledger.end_call(self.estimate)
+    }
+}
+
+impl Drop for OpenCall<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            // Only reached while a panic unwinds: the panic is the error the caller sees.
+            let _ = self.ledger.end_call(self.estimate);
+        }
     }
 }
 
 /// Runs one call of a component (a forward, an encode, a decode) on `device`, named `name`, with its
 /// activations accounted on `ledger` ([`DeviceLedger::begin_call`] and [`end_call`](DeviceLedger::end_call)),
-/// and reports success only once the device has done the call's work: a runtime panic inside `f`, a failed sync
-/// ([`check_device`]), an output that cannot be read back ([`check_outputs`]) and a call the ledger refuses
-/// afterwards (a hard cap's high-water) are errors here, so nothing surfaces later when the result is read. An
-/// out-of-memory stays [`ComponentError::OutOfMemory`], the one the manager's OOM retry handles.
+/// and reports success only once the device has done the call's work: a failed sync ([`check_device`]), an
+/// output that cannot be read back ([`check_outputs`]) and a call the ledger refuses afterwards (a hard cap's
+/// high-water) are errors here, so nothing surfaces later when the result is read. An out-of-memory stays
+/// [`ComponentError::OutOfMemory`], the one the manager's OOM retry handles.
+///
+/// `f` is the caller's code and is never caught: a panic in it (a bug in a model, whatever its words) unwinds to
+/// the caller, with the call's account closed on the way. Only the library's own device operations (the sync
+/// and the read-back here, uploads and onloads elsewhere) are guarded against a runtime that panics.
 pub fn run_call<R: DeviceOutput>(
     device: &Device,
     name: &DeviceName,
@@ -616,22 +935,19 @@ pub fn run_call<R: DeviceOutput>(
     f: impl FnOnce() -> std::result::Result<R, ComponentError>,
 ) -> std::result::Result<R, ComponentError> {
     ledger.begin_call(estimate)?;
-    let result = catch_device_panic(f);
+    let call = OpenCall { ledger, estimate, open: true };
+    let result = f();
     let synced = check_device(device, name, "run", memory);
     let read = match &result {
-        Ok(Ok(value)) => check_outputs(value, device, name, "run", memory),
-        _ => Ok(()),
+        Ok(value) => check_outputs(value, device, name, "run", memory),
+        Err(_) => Ok(()),
     };
-    let closed = ledger.end_call(estimate);
-    let value = match result {
-        Ok(value) => value,
-        Err(panic) => return Err(panic.with_device(name, "run", memory)),
-    };
+    let closed = call.close();
     // A device failure explains a failed call better than the call's own error, which may be its symptom.
     synced?;
     read?;
     closed?;
-    value
+    result
 }
 
 /// What a component call returns, as far as the device is concerned: the tensors whose computation must have
@@ -696,7 +1012,7 @@ pub fn check_outputs(
     }
     match catch_device_panic(|| Tensor::cat(probes, 0).try_into_data()) {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(error)) => Err(classify(name, operation, error.reason(), memory)),
+        Ok(Err(error)) => Err(classify(name, operation, error.reason(), error.is_device_poisoned(), memory)),
         Err(panic) => Err(panic.with_device(name, operation, memory)),
     }
 }
@@ -715,7 +1031,7 @@ pub fn check_device(
     }
     match catch_device_panic(|| device.sync()) {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(error)) => Err(classify(name, operation, error.reason(), memory)),
+        Ok(Err(error)) => Err(classify(name, operation, error.reason(), error.is_device_poisoned(), memory)),
         Err(error) => Err(error.with_device(name, operation, memory)),
     }
 }
@@ -746,7 +1062,7 @@ impl DevicePanic {
         operation: &'static str,
         memory: Option<&dyn DeviceMemory>,
     ) -> ComponentError {
-        classify(name, operation, &self.message, memory)
+        classify(name, operation, &self.message, false, memory)
     }
 }
 
@@ -759,7 +1075,8 @@ impl std::fmt::Display for DevicePanic {
 /// Runs `f`, catching a panic of the device runtime as a [`DevicePanic`]: a read of a tensor whose computation
 /// failed on the device (burn's `into_data` panics with the runtime's error), or a runtime that panics on a failed
 /// allocation. Any other panic (a bug, not a device failure) goes on unwinding. The one boundary where a panic is
-/// turned into an error: callers use it around a move or a call, nowhere else.
+/// turned into an error: the library uses it around its own device operations (an upload, an onload, a sync, a
+/// read-back), never around a caller's code such as a model's forward, whose panic is its own.
 pub fn catch_device_panic<R>(f: impl FnOnce() -> R) -> std::result::Result<R, DevicePanic> {
     std::panic::catch_unwind(AssertUnwindSafe(f)).map_err(|payload| {
         let message = payload
@@ -774,55 +1091,150 @@ pub fn catch_device_panic<R>(f: impl FnOnce() -> R) -> std::result::Result<R, De
     })
 }
 
-/// Whether a panic's message is the device runtime's: burn's execution errors, cubecl's server and memory errors,
-/// or an out-of-memory in any runtime's words.
+/// Whether a panic's message is the device runtime's: burn's read of a tensor whose computation failed (its
+/// `into_data` panics with [`BURN_READ_PANIC`] and the runtime's error) or a runtime error's own text, recognised
+/// by its first line ([`RuntimeFailure::of`]).
 fn is_device_failure(message: &str) -> bool {
-    const RUNTIME: [&str; 6] = [
-        "an error happened during execution",
-        "the device is poisoned",
-        "an io error happened",
-        "can't allocate buffer",
-        "happened during launch",
-        "the bytes were never written",
-    ];
-    let lower = message.to_ascii_lowercase();
-    out_of_memory_in(&lower).is_some() || RUNTIME.iter().any(|needle| lower.contains(needle))
+    let text = message.strip_prefix(BURN_READ_PANIC).unwrap_or(message);
+    let first = text.lines().next().unwrap_or("").trim();
+    RUNTIME_WRAPPERS.iter().any(|wrapper| wrapper.matches(first))
+        || POISONED.contains(&first)
+        || RuntimeFailure::of(text) != RuntimeFailure::Other
 }
 
-/// Whether a runtime's error text is an out-of-memory, and the bytes it asked for when it says.
-///
-/// cubecl types it (`IoError::OutOfMemory`: "out of device memory allocating N bytes"; `LaunchError::OutOfMemory`:
-/// "An out-of-memory error happened during launch"), burn passes it on as text; drivers word it "out of memory".
-pub fn out_of_memory_in(message: &str) -> Option<Option<u64>> {
-    let lower = message.to_ascii_lowercase();
-    let oom = ["out of device memory", "out-of-memory", "out of memory", "outofmemory", "error_out_of_device_memory"]
-        .iter()
-        .any(|needle| lower.contains(needle));
-    if !oom {
-        return None;
+/// The words burn's `Tensor::into_data` panics with before the runtime's error (`burn-tensor` 0.22.1,
+/// `tensor/api/base.rs`: `expect` adds `": "` and the error).
+pub const BURN_READ_PANIC: &str =
+    "Error while reading data: use `try_into_data` instead to catch the error at runtime: ";
+
+/// A first line of the runtime's that wraps another error, whose own text follows a `Caused by:` line.
+enum Wrapper {
+    /// The whole line.
+    Line(&'static str),
+    /// A line that begins so (its counts vary).
+    Prefix(&'static str),
+}
+
+impl Wrapper {
+    fn matches(&self, line: &str) -> bool {
+        match self {
+            Wrapper::Line(whole) => line == *whole,
+            Wrapper::Prefix(start) => line.starts_with(start),
+        }
     }
-    let requested = lower.split("allocating ").nth(1).and_then(|rest| {
-        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-        digits.parse().ok()
-    });
-    Some(requested)
 }
 
+/// The runtime's wrappers, in their exact words: burn's `ExecutionError` (`burn-std` 0.22.1,
+/// `device_settings.rs`) and cubecl's `ServerError` (`cubecl-runtime` 0.11.3, `server/base.rs`).
+const RUNTIME_WRAPPERS: [Wrapper; 4] = [
+    Wrapper::Line("An error happened during execution"),
+    Wrapper::Line("An IO error happened"),
+    Wrapper::Line("A launch error happened"),
+    Wrapper::Prefix("The bytes were never written (failure #"),
+];
+
+/// cubecl's and burn's first lines for a poisoned device (`ServerError::DevicePoisoned`,
+/// `LaunchError::DevicePoisoned`, `ExecutionError::DevicePoisoned`).
+const POISONED: [&str; 2] = ["The device is poisoned", "The device was poisoned during launch"];
+
+/// What a runtime's error says went wrong, read from the runtime's own first lines, never searched for in the
+/// whole text (a cause chain or a backtrace can say anything).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuntimeFailure {
+    /// The runtime's own out-of-memory, in its exact words: cubecl's `IoError::OutOfMemory` ("out of device memory
+    /// allocating N bytes", what its CUDA storage reports for `CUDA_ERROR_OUT_OF_MEMORY` and its Vulkan storage
+    /// for `VK_ERROR_OUT_OF_DEVICE_MEMORY` / `VK_ERROR_OUT_OF_HOST_MEMORY`), or `LaunchError::OutOfMemory` ("An
+    /// out-of-memory error happened during launch"). The bytes asked for, where the runtime says.
+    OutOfMemory {
+        /// The allocation's size, when the runtime names it.
+        requested: Option<u64>,
+    },
+    /// The device is poisoned (a faulted kernel, a lost device): every later operation fails, and only a new
+    /// process can use it again. Never retried.
+    Poisoned,
+    /// Anything else (a buffer larger than the device can ever give, a compilation error, a failure of several
+    /// kinds at once): a device error, never an out-of-memory.
+    Other,
+}
+
+impl RuntimeFailure {
+    /// Classifies a runtime's error text: the wrappers above are followed through their `Caused by:` line to the
+    /// error they carry, and the first line of that error alone decides.
+    pub fn of(text: &str) -> RuntimeFailure {
+        let mut rest = text.strip_prefix(BURN_READ_PANIC).unwrap_or(text);
+        loop {
+            let first = rest.lines().next().unwrap_or("").trim();
+            if POISONED.contains(&first) {
+                return RuntimeFailure::Poisoned;
+            }
+            if RUNTIME_WRAPPERS.iter().any(|wrapper| wrapper.matches(first)) {
+                // The wrapped error is the line after the first `Caused by:` line.
+                let mut lines = rest.split_inclusive('\n');
+                let mut consumed = 0;
+                let mut found = false;
+                for line in lines.by_ref() {
+                    consumed += line.len();
+                    if line.trim() == "Caused by:" {
+                        found = true;
+                        break;
+                    }
+                }
+                if !found {
+                    return RuntimeFailure::Other;
+                }
+                rest = &rest[consumed..];
+                continue;
+            }
+            return Self::of_line(first);
+        }
+    }
+
+    /// The runtime's own out-of-memory lines, whole.
+    fn of_line(line: &str) -> RuntimeFailure {
+        if line == "An out-of-memory error happened during launch" {
+            return RuntimeFailure::OutOfMemory { requested: None };
+        }
+        let size = line.strip_prefix("out of device memory allocating ").and_then(|rest| rest.strip_suffix(" bytes"));
+        match size.map(str::parse::<u64>) {
+            Some(Ok(bytes)) => RuntimeFailure::OutOfMemory { requested: Some(bytes) },
+            _ => RuntimeFailure::Other,
+        }
+    }
+}
+
+/// Whether a runtime's error text is the runtime's own out-of-memory, and the bytes it asked for when it says;
+/// see [`RuntimeFailure::of`].
+pub fn out_of_memory_in(message: &str) -> Option<Option<u64>> {
+    match RuntimeFailure::of(message) {
+        RuntimeFailure::OutOfMemory { requested } => Some(requested),
+        _ => None,
+    }
+}
+
+/// The typed error of a device failure: an out-of-memory the manager can retry, a poisoned device it must not,
+/// or a device error.
 fn classify(
     name: &DeviceName,
     operation: &'static str,
     message: &str,
+    poisoned: bool,
     memory: Option<&dyn DeviceMemory>,
 ) -> ComponentError {
     // The runtime's text carries a backtrace after its first lines; the first lines are the message.
     let short: String = message.lines().take(3).collect::<Vec<_>>().join(" ");
-    match out_of_memory_in(message) {
-        Some(requested) => ComponentError::OutOfMemory {
+    let failure = if poisoned { RuntimeFailure::Poisoned } else { RuntimeFailure::of(message) };
+    match failure {
+        RuntimeFailure::OutOfMemory { requested } => ComponentError::OutOfMemory {
             device: name.clone(),
             requested: requested.unwrap_or(0),
             available: memory.map_or(0, |m| m.available()),
         },
-        None => ComponentError::Device { device: name.clone(), message: format!("during {operation}: {short}") },
+        RuntimeFailure::Poisoned => {
+            ComponentError::other(Error::DevicePoisoned { device: name.to_string(), operation, message: short })
+        }
+        RuntimeFailure::Other => {
+            ComponentError::Device { device: name.clone(), message: format!("during {operation}: {short}") }
+        }
     }
 }
 
@@ -853,43 +1265,216 @@ mod tests {
         assert_eq!(with_driver.available_under(2_000), 0);
     }
 
+    /// The runtime's texts as cubecl 0.11.3 and burn 0.22.1 format them (`ServerError`, `IoError`, `LaunchError`,
+    /// `ExecutionError`, burn's `into_data` panic), one file each: `oom-*` are out-of-memory, `poisoned-*` a poisoned
+    /// device, `other-*` anything else. They were assembled from the runtimes' format strings; lavapipe never runs out
+    /// of memory, so none could be captured from a failing run here.
+    fn fixtures() -> Vec<(String, String)> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/runtime-errors");
+        let mut files: Vec<(String, String)> = std::fs::read_dir(&dir)
+            .expect("the fixtures directory")
+            .map(|entry| {
+                let path = entry.expect("an entry").path();
+                let name = path.file_name().expect("a name").to_string_lossy().into_owned();
+                (name, std::fs::read_to_string(&path).expect("a fixture"))
+            })
+            .collect();
+        files.sort();
+        files
+    }
+
+    #[test]
+    fn each_runtime_fixture_is_classified_by_its_first_lines_alone() {
+        let files = fixtures();
+        assert!(files.len() >= 12, "{} fixtures", files.len());
+        for (name, text) in &files {
+            let failure = RuntimeFailure::of(text);
+            let expected = name.split('-').next().expect("a prefix");
+            let got = match failure {
+                RuntimeFailure::OutOfMemory { .. } => "oom",
+                RuntimeFailure::Poisoned => "poisoned",
+                RuntimeFailure::Other => "other",
+            };
+            assert_eq!(got, expected, "{name}: {failure:?}");
+        }
+        let sized = |file: &str| {
+            let text = &files.iter().find(|(name, _)| name == file).expect("the fixture").1;
+            out_of_memory_in(text)
+        };
+        assert_eq!(sized("oom-io-vulkan.txt"), Some(Some(68_719_476_736)));
+        assert_eq!(sized("oom-io-cuda.txt"), Some(Some(268_435_456)));
+        assert_eq!(sized("oom-unwritten-root.txt"), Some(Some(4_194_304)));
+        assert_eq!(sized("oom-read-panic.txt"), Some(Some(1024)));
+        assert_eq!(sized("oom-launch.txt"), Some(None));
+    }
+
     #[test]
     fn out_of_memory_is_recognised_in_the_runtimes_words_and_nothing_else_is() {
         assert_eq!(out_of_memory_in("out of device memory allocating 4096 bytes\nbacktrace"), Some(Some(4096)));
         assert_eq!(out_of_memory_in("An out-of-memory error happened during launch\nCaused by: x"), Some(None));
-        assert_eq!(out_of_memory_in("CUDA_ERROR_OUT_OF_MEMORY: out of memory"), Some(None));
+        // A driver's or a model's words are not the runtime's out-of-memory.
+        assert_eq!(out_of_memory_in("CUDA_ERROR_OUT_OF_MEMORY: out of memory"), None);
+        assert_eq!(out_of_memory_in("my model ran out of memory"), None);
+        assert_eq!(out_of_memory_in("out of device memory allocating many bytes"), None);
         assert_eq!(out_of_memory_in("A compilation error happened during launch"), None);
         assert_eq!(out_of_memory_in("The device is poisoned"), None);
+        // A wrapper without the line that names what it wraps is not read further.
+        assert_eq!(out_of_memory_in("An IO error happened\n  out of device memory allocating 4 bytes"), None);
+    }
+
+    #[test]
+    fn a_poisoned_device_is_its_own_error_and_never_an_out_of_memory() {
+        let error = classify(&name(), "run", "The device is poisoned\nCaused by:\n  illegal address\nbt", false, None);
+        assert!(!error.is_out_of_memory());
+        match &error {
+            ComponentError::Other(inner) => {
+                let inner = inner.downcast_ref::<Error>().expect("group-offload's error");
+                assert!(matches!(inner, Error::DevicePoisoned { operation: "run", .. }), "{inner:?}");
+                assert!(inner.to_string().contains("restart the process"), "{inner}");
+            }
+            other => panic!("expected the poisoned device, got {other:?}"),
+        }
+        // burn's own flag decides even where the words would say out-of-memory.
+        let flagged = classify(&name(), "run", "out of device memory allocating 77 bytes", true, None);
+        assert!(!flagged.is_out_of_memory(), "{flagged:?}");
     }
 
     #[test]
     fn a_failure_that_is_not_memory_is_a_device_error_never_an_out_of_memory() {
-        let error = classify(&name(), "run", "The device is poisoned\nCaused by:\n  illegal address\nbt", None);
+        let text = "An IO error happened\nCaused by:\n  can't allocate buffer of size: 99\nbt";
+        let error = classify(&name(), "run", text, false, None);
         match &error {
             ComponentError::Device { device, message } => {
                 assert_eq!(device.as_str(), "wgpu:0");
                 assert!(message.starts_with("during run: "), "{message}");
-                assert!(message.contains("illegal address") && !message.contains("bt"), "{message}");
+                assert!(message.contains("can't allocate buffer") && !message.contains("bt"), "{message}");
             }
             other => panic!("expected a device error, got {other:?}"),
         }
         assert!(!error.is_out_of_memory());
-        let oom = classify(&name(), "upload", "out of device memory allocating 77 bytes", None);
+        let oom = classify(&name(), "upload", "out of device memory allocating 77 bytes", false, None);
         assert!(matches!(oom, ComponentError::OutOfMemory { requested: 77, available: 0, .. }), "{oom:?}");
     }
 
     #[test]
     fn a_runtime_panic_is_caught_with_its_message_and_a_bug_is_not() {
-        let caught = catch_device_panic(|| -> u32 { panic!("out of device memory allocating 12 bytes") });
+        let caught = catch_device_panic(|| -> u32 {
+            panic!(
+                "{BURN_READ_PANIC}An error happened during execution\nCaused by:\n  An IO error happened\nCaused by:\n  out of device memory allocating 12 bytes"
+            )
+        });
         let error = caught.expect_err("the panic is caught").with_device(&name(), "run", None);
         assert!(matches!(error, ComponentError::OutOfMemory { requested: 12, .. }), "{error:?}");
-        let caught = catch_device_panic(|| -> u32 { panic!("An error happened during execution\nCaused by: x") });
+        let caught = catch_device_panic(|| -> u32 { panic!("An error happened during execution\nCaused by:\n  x") });
         let error = caught.expect_err("the panic is caught").with_device(&name(), "run", None);
         assert!(matches!(error, ComponentError::Device { .. }), "{error:?}");
         assert_eq!(catch_device_panic(|| 5).expect("no panic"), 5);
-        // A bug is not a device failure: it goes on unwinding.
-        let bug = std::panic::catch_unwind(|| catch_device_panic(|| -> u32 { panic!("index out of bounds") }));
-        assert!(bug.is_err(), "the bug's panic was not swallowed");
+        // A bug is not a device failure, whatever its words: it goes on unwinding.
+        for bug in ["index out of bounds", "my model is out of memory", "oops: out of device memory allocating 1 bytes"]
+        {
+            let unwound = std::panic::catch_unwind(|| catch_device_panic(|| -> u32 { panic!("{bug}") }));
+            assert!(unwound.is_err(), "the bug's panic {bug:?} was not swallowed");
+        }
+    }
+
+    #[test]
+    fn a_users_forward_that_panics_is_never_caught_and_its_call_is_closed() {
+        struct Calls(Mutex<(u32, u32)>);
+        impl DeviceLedger for Calls {
+            fn allocate(&self, _bytes: u64) -> std::result::Result<(), ComponentError> {
+                Ok(())
+            }
+            fn free(&self, _bytes: u64) {}
+            fn begin_call(&self, _estimate: u64) -> std::result::Result<(), ComponentError> {
+                self.0.lock().0 += 1;
+                Ok(())
+            }
+            fn end_call(&self, _estimate: u64) -> std::result::Result<(), ComponentError> {
+                self.0.lock().1 += 1;
+                Ok(())
+            }
+        }
+        let ledger = Calls(Mutex::new((0, 0)));
+        let device = Device::flex();
+        // Even a panic in the runtime's own words is the forward's: run_call does not catch it.
+        let unwound = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            run_call(&device, &DeviceName::cpu(), &ledger, None, 10, || -> std::result::Result<(), ComponentError> {
+                panic!("out of device memory allocating 12 bytes")
+            })
+        }));
+        assert!(unwound.is_err(), "the forward's panic reached the caller");
+        assert_eq!(*ledger.0.lock(), (1, 1), "begin_call and end_call matched");
+        let ran = run_call(&device, &DeviceName::cpu(), &ledger, None, 10, || Ok(()));
+        assert!(ran.is_ok());
+        assert_eq!(*ledger.0.lock(), (2, 2));
+    }
+
+    #[test]
+    fn the_cap_counts_the_larger_of_the_account_and_the_pool_and_what_is_outside_it() {
+        let now = PoolSnapshot { in_use: 600, padding: 40, reserved: 1_000, total: 10_000, driver_free: Some(7_000) };
+        // 2,000 outside the pool, 640 allocated in it.
+        assert_eq!(free_under(5_000, &now, 0), 2_360);
+        // The account holds more than the pool shows (reserved, not yet allocated): it counts.
+        assert_eq!(free_under(5_000, &now, 1_640), 1_360);
+        // Never more than the device itself can give.
+        assert_eq!(free_under(100_000, &now, 0), 7_360);
+        assert_eq!(free_under(1_000, &now, 0), 0);
+    }
+
+    #[test]
+    fn two_threads_never_both_pass_on_the_same_free_bytes() {
+        // Eight threads holding up to 768 B each want up to 6,144 B of a 4,096 B cap: they contend.
+        const CAPACITY: u64 = 16 * 256;
+        let account = Arc::new(Mutex::new(Account::default()));
+        let empty = PoolSnapshot { in_use: 0, padding: 0, reserved: 0, total: 1 << 30, driver_free: None };
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let account = account.clone();
+                std::thread::spawn(move || {
+                    let (mut granted, mut refused) = (0u64, 0u64);
+                    for round in 0..2_000u64 {
+                        let pages = PageRule::CUBECL.pages(1 + round % 700);
+                        // The reading is slow, so a check without the lock would let others in between.
+                        let read = || {
+                            std::thread::yield_now();
+                            Ok(empty)
+                        };
+                        if reserve_in(&account, CAPACITY, pages, read, |a| a.placed += pages).is_ok() {
+                            granted += 1;
+                            assert!(account.lock().reserved() <= CAPACITY);
+                            std::thread::yield_now();
+                            account.lock().placed -= pages;
+                        } else {
+                            refused += 1;
+                        }
+                    }
+                    (granted, refused)
+                })
+            })
+            .collect();
+        let counts: Vec<(u64, u64)> = threads.into_iter().map(|t| t.join().expect("a thread")).collect();
+        let (granted, refused) = counts.iter().fold((0, 0), |(g, r), (a, b)| (g + a, r + b));
+        let account = account.lock();
+        assert!(granted > 0 && refused > 0, "granted {granted}, refused {refused}");
+        assert_eq!(account.placed, 0);
+        assert!(account.high_water <= CAPACITY, "the account held {} of {CAPACITY}", account.high_water);
+        let refused = reserve_in(&Mutex::new(Account::default()), 100, 101, || Ok(empty), |_| {});
+        assert!(matches!(refused, Err(Refusal::Full { requested: 101, free: 100 })), "{refused:?}");
+        let unknown = ReadingUnavailable { device: DeviceName::cpu(), message: "no answer".into() };
+        let refused = reserve_in(&Mutex::new(Account::default()), 100, 1, || Err(unknown), |_| {});
+        assert!(matches!(refused, Err(Refusal::Unreadable(_))), "{refused:?}");
+    }
+
+    #[test]
+    fn the_page_rule_rounds_each_allocation_up_on_its_own() {
+        assert_eq!(PageRule::Bytes.pages(1001), 1001);
+        assert_eq!(PageRule::CUBECL.pages(0), 0);
+        assert_eq!(PageRule::CUBECL.pages(1), 256);
+        assert_eq!(PageRule::CUBECL.pages(256), 256);
+        assert_eq!(PageRule::CUBECL.pages(257), 512);
+        assert_eq!(PageRule::CUBECL.pages_of(&[1, 1, 300]), 1024);
+        assert_eq!(PageRule::RoundUp { granularity: 0 }.pages(7), 7);
+        assert_eq!(PageRule::CUBECL.pages(u64::MAX), u64::MAX);
     }
 
     #[test]

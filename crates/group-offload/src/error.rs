@@ -184,6 +184,25 @@ pub enum Error {
     #[error(transparent)]
     Manager(#[from] offload_core::Error),
 
+    /// The device is poisoned (a kernel faulted, the device was lost): every later operation on it fails, so this is
+    /// never an out-of-memory and never retried.
+    #[error(
+        "{device} is poisoned during {operation}: {message}; nothing run on it can succeed any more, and offloading \
+         would not help: restart the process (check the driver's logs for the fault)"
+    )]
+    DevicePoisoned {
+        /// The device.
+        device: String,
+        /// What was running: `run`, `upload`, `onload`.
+        operation: &'static str,
+        /// The runtime's first lines.
+        message: String,
+    },
+
+    /// A device's memory could not be read; nothing is known of it, so nothing was decided on it.
+    #[error(transparent)]
+    ReadingUnavailable(#[from] offload_core::device::ReadingUnavailable),
+
     /// The prefetch worker thread is gone (it panicked); the offloader cannot be used any more.
     #[error("the prefetch worker of {model} stopped; build a new offloader")]
     WorkerGone {

@@ -30,6 +30,20 @@ pub fn module_bytes<M: Module>(module: &M) -> u64 {
     bytes.0
 }
 
+/// Bytes of each of a module's float parameters, in visiting order: what a ledger that counts in a runtime's
+/// pages rounds one by one ([`DeviceLedger::allocate_tensors`]).
+pub fn module_tensor_sizes<M: Module>(module: &M) -> Vec<u64> {
+    struct Sizes(Vec<u64>);
+    impl ModuleVisitor for Sizes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(tensor_bytes(&param.val()));
+        }
+    }
+    let mut sizes = Sizes(Vec::new());
+    module.visit(&mut sizes);
+    sizes.0
+}
+
 /// Bytes of one float tensor at its dtype; for a quantized tensor, its values and scales (its dtype's size is
 /// one storage word, not bytes per value).
 pub fn tensor_bytes<const D: usize>(tensor: &Tensor<D>) -> u64 {
@@ -149,6 +163,8 @@ pub struct BurnComponent<M: Module> {
     /// The device copy while the component is on an execution device other than the host's backend.
     resident: Option<M>,
     bytes: u64,
+    /// The size of each parameter, for a ledger that counts in pages.
+    sizes: Vec<u64>,
     placement: Placement,
     device: DeviceName,
     class_name: &'static str,
@@ -163,8 +179,9 @@ impl<M: Module> std::fmt::Debug for BurnComponent<M> {
 impl<M: Module + 'static> BurnComponent<M> {
     /// Wraps a module that is on `placement.host`.
     pub fn new(module: M, class_name: &'static str, placement: Placement) -> Self {
-        let bytes = module_bytes(&module);
-        Self { module, resident: None, bytes, placement, device: DeviceName::cpu(), class_name }
+        let sizes = module_tensor_sizes(&module);
+        let bytes = sizes.iter().sum();
+        Self { module, resident: None, bytes, sizes, placement, device: DeviceName::cpu(), class_name }
     }
 
     /// The module's host copy, for reading.
@@ -229,9 +246,10 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
 
     fn onload(&mut self, device: &DeviceName) -> Result<(), ComponentError> {
         let ledger = self.placement.ledger.clone();
-        ledger.allocate(self.bytes)?;
+        // Each parameter is its own allocation on the device: a ledger in pages rounds each one.
+        ledger.allocate_tensors(&self.sizes)?;
         if let Err(error) = ledger.transfer(self.bytes, Direction::HostToDevice) {
-            ledger.free(self.bytes);
+            ledger.free_tensors(&self.sizes);
             return Err(error);
         }
         if !self.same_burn_device() {
@@ -255,7 +273,7 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
                     exec.memory_cleanup();
                 }
                 Err(error) => {
-                    ledger.free(self.bytes);
+                    ledger.free_tensors(&self.sizes);
                     tracing::warn!(device = %device, "onload failed: {error}");
                     // The component's size is what this onload asked for, whatever allocation failed first.
                     return Err(match error {
@@ -278,7 +296,7 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
             // device, so the next component (or a capped device's next call) can have them.
             self.placement.exec.memory_cleanup();
         }
-        self.placement.ledger.free(self.bytes);
+        self.placement.ledger.free_tensors(&self.sizes);
         self.device = DeviceName::cpu();
         Ok(())
     }

@@ -422,7 +422,8 @@ impl SimCard {
         self.state.lock().patched_available = bytes;
     }
 
-    /// Starts the peak again from what is allocated now.
+    /// Starts the peak again from what is allocated now: the one explicit reset, the only call that lowers the peak
+    /// (between resets it only rises, the [`DeviceMemory`] contract).
     pub fn reset_peak(&self) {
         let mut state = self.state.lock();
         state.peak = state.allocated;
@@ -649,5 +650,23 @@ mod tests {
         let stats = card.stats();
         assert_eq!(stats.bytes_to_device, 31_500_000);
         assert!((stats.transfer_seconds - 2.0 * (0.001 + 10e-6)).abs() < 1e-12, "{}", stats.transfer_seconds);
+    }
+
+    #[test]
+    fn the_peak_only_rises_between_explicit_resets() {
+        let card = SimCard::new(CardSpec::parse("1000").unwrap().with_mode(Mode::Hard).with_context_overhead(0));
+        let mut last = card.peak();
+        for (step, bytes) in [300u64, 200, 400, 100, 250, 50].into_iter().enumerate() {
+            if step % 2 == 0 {
+                let _ = card.allocate(bytes);
+            } else {
+                card.free(bytes);
+            }
+            let _ = card.available();
+            assert!(card.peak() >= last, "step {step}: the peak fell from {last} to {}", card.peak());
+            last = card.peak();
+        }
+        card.reset_peak();
+        assert_eq!(card.peak(), card.allocated(), "a reset starts again from what is allocated");
     }
 }

@@ -84,7 +84,12 @@ impl std::str::FromStr for DeviceName {
 ///
 /// - `available` is what the device can still give to a new allocation: free memory plus the allocator's
 ///   reusable cache (the anchor's `mem_get_info()[0] + reserved - allocated`).
-/// - `peak` never decreases within the life of the object.
+/// - `peak` is monotone between explicit resets: it never decreases, except where an implementation offers a
+///   reset of its own (`SimCard::reset_peak`, `PoolReadings::reset_peak`), called by its owner on purpose, which
+///   starts it again from what is allocated at that moment. A reading never lowers it.
+/// - A reading that cannot be taken is never reported as an empty device: [`try_reading`](Self::try_reading)
+///   returns [`ReadingUnavailable`], and the plain `u64` readings of an implementation that can fail say what
+///   they report instead (the real-device readings in `group-offload` read as a full device: nothing available).
 /// - Readings are taken by the manager just before every move, with its registry lock held, so an
 ///   implementation must be cheap and must not call back into the manager.
 /// - Implementations are shared between threads: the simulated card in `memory-sim`, a burn device's pool
@@ -121,6 +126,26 @@ pub trait DeviceMemory: Send + Sync {
     fn reading(&self) -> MemoryReading {
         MemoryReading { available: self.available(), total: self.total(), peak: self.peak() }
     }
+
+    /// [`reading`](Self::reading), or why the device could not be read. The manager decides on this one, so a
+    /// reading that failed stops the decision with a typed error instead of passing for a number. Always `Ok` by
+    /// default (a simulated card, a fake); a real device's readings override it.
+    fn try_reading(&self) -> Result<MemoryReading, ReadingUnavailable> {
+        Ok(self.reading())
+    }
+}
+
+/// A device's memory could not be read: the runtime gave no answer, so nothing is known of it (not zero).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "cannot read the memory of {device}: {message}; nothing is known of what it holds, so no move is decided on \
+     it: check the device and its runtime, and run again"
+)]
+pub struct ReadingUnavailable {
+    /// The device.
+    pub device: DeviceName,
+    /// What the runtime said, or why there was no answer.
+    pub message: String,
 }
 
 /// Which way bytes cross the host link.
@@ -148,9 +173,14 @@ pub enum Direction {
 ///   copy from page-locked (pinned) host memory calls `transfer_pinned` instead, with the same contract.
 /// - A component's call (a forward, an encode, a decode) is bracketed by `begin_call` and `end_call` on the
 ///   thread that runs it, `end_call` only once the call's device work has completed (after a sync). A simulated
-///   card charges the call's activation estimate between the two; a capped real device measures instead and
-///   fails `end_call` with [`ComponentError::OutOfMemory`](crate::ComponentError::OutOfMemory) when the call's high-water passed the cap. Every
-///   `begin_call` that succeeded is matched by one `end_call`, whether the call succeeded or not.
+///   card charges the call's activation estimate between the two; a capped real device reserves the estimate
+///   (in its pages) in `begin_call`, refusing the call before it runs when the cap cannot hold it, and in
+///   `end_call` gives the reservation back and reconciles it with the pages the call really took, failing with
+///   [`ComponentError::OutOfMemory`](crate::ComponentError::OutOfMemory) when they passed the cap. Every
+///   `begin_call` that succeeded is matched by one `end_call`, whether the call succeeded, failed or panicked.
+/// - A check and the reservation it allows are one step: an implementation shared between threads (the main
+///   thread and a prefetch worker) must check and take under one lock, so two threads can never both pass on
+///   the same free bytes.
 pub trait DeviceLedger: Send + Sync {
     /// Takes `bytes` on the device.
     fn allocate(&self, bytes: u64) -> Result<(), crate::ComponentError>;
@@ -166,6 +196,16 @@ pub trait DeviceLedger: Send + Sync {
     /// [`transfer`](Self::transfer) unless the ledger models the difference.
     fn transfer_pinned(&self, bytes: u64) -> Result<(), crate::ComponentError> {
         self.transfer(bytes, Direction::HostToDevice)
+    }
+    /// Takes one allocation per size in `sizes` (a component's parameters, a group's tensors), all or none: a
+    /// ledger that counts in a runtime's pages rounds each one up. By default, one [`allocate`](Self::allocate)
+    /// of their sum.
+    fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), crate::ComponentError> {
+        self.allocate(sizes.iter().sum())
+    }
+    /// Gives back what [`allocate_tensors`](Self::allocate_tensors) took for the same `sizes`.
+    fn free_tensors(&self, sizes: &[u64]) {
+        self.free(sizes.iter().sum());
     }
     /// Opens the account of one call whose activations are estimated at `estimate` bytes: by default the
     /// estimate is [`allocate`](Self::allocate)d, which fails with out-of-memory on a full hard card.

@@ -604,10 +604,19 @@ impl ComponentsManager {
                 last_use: e.last_use,
             })
             .collect();
+        // The decision is made on a reading that was taken: a device that cannot be read stops it, typed, rather
+        // than deciding on a number that stands for nothing.
+        let reading = memory.try_reading().map_err(|unknown| {
+            PrepareFailure::Manager(Error::Component {
+                operation: "read the device's memory for",
+                id: id.to_string(),
+                source: ComponentError::Device { device: unknown.device.clone(), message: unknown.to_string() },
+            })
+        })?;
         let view = OffloadView {
             incoming: &incoming,
             resident: &resident,
-            reading: memory.reading(),
+            reading,
             reserve,
             device: device.as_str(),
             use_index,
@@ -807,5 +816,75 @@ impl fmt::Display for ComponentsManager {
             ),
             None => write!(f, "auto offload: off"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::ReadingUnavailable;
+
+    /// Readings that cannot be taken: the plain numbers read as a full device, `try_reading` says why.
+    struct Unreadable;
+
+    impl DeviceMemory for Unreadable {
+        fn device(&self) -> DeviceName {
+            DeviceName::parse("cuda").expect("a name")
+        }
+        fn total(&self) -> u64 {
+            1 << 30
+        }
+        fn available(&self) -> u64 {
+            0
+        }
+        fn allocated(&self) -> u64 {
+            1 << 30
+        }
+        fn peak(&self) -> u64 {
+            1 << 30
+        }
+        fn try_reading(&self) -> std::result::Result<offload_strategy::MemoryReading, ReadingUnavailable> {
+            Err(ReadingUnavailable { device: self.device(), message: "the pool gave no answer".into() })
+        }
+    }
+
+    struct Model {
+        device: DeviceName,
+        onloads: usize,
+    }
+
+    impl Offloadable for Model {
+        fn bytes(&self) -> u64 {
+            4096
+        }
+        fn device(&self) -> DeviceName {
+            self.device.clone()
+        }
+        fn onload(&mut self, device: &DeviceName) -> std::result::Result<(), ComponentError> {
+            self.onloads += 1;
+            self.device = device.clone();
+            Ok(())
+        }
+        fn offload(&mut self) -> std::result::Result<(), ComponentError> {
+            self.device = DeviceName::cpu();
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_reading_that_cannot_be_taken_stops_the_decision_typed_and_moves_nothing() {
+        let manager = ComponentsManager::new();
+        let id = manager.add("unet", Model { device: DeviceName::cpu(), onloads: 0 }, None).expect("added");
+        manager.enable_auto_offload(Arc::new(Unreadable), 0, true).expect("enabled");
+        let error = manager.run(&id, |_: &mut Model| Ok(())).expect_err("no decision on an unknown reading");
+        match &error {
+            Error::Component { source: ComponentError::Device { message, .. }, .. } => {
+                assert!(message.contains("cannot read the memory of cuda:0: the pool gave no answer"), "{message}");
+            }
+            other => panic!("expected a typed device error, got {other:?}"),
+        }
+        let onloads = manager.inspect(&id, |model: &Model| (model.onloads, model.device.clone())).expect("registered");
+        assert_eq!(onloads, (0, DeviceName::cpu()), "nothing moved");
+        assert!(manager.offload_record().events().is_empty(), "nothing recorded");
     }
 }

@@ -210,7 +210,7 @@ fn readings(args: &Args) -> anyhow::Result<()> {
         let image = pipeline.generate(&opts, &mut |_, _| {})?;
         let expected = golden("pipeline_t2i_turbo.safetensors", "image")?;
         let error: f32 = (image.to_device(&Device::flex()) - expected).abs().max().into_scalar();
-        let now = readings.observe();
+        let now = readings.observe()?;
         println!(
             "{{\"readings\": \"{}\", \"device\": \"{name}\", \"max_abs_error\": {error:e}, \"in_use\": {}, \"reserved\": {}, \"padding\": {}, \"peak_in_use_sampled\": {}, \"reserved_high\": {}, \"available\": {}, \"available_under_cap\": {}, \"total\": {}, \"driver_free\": {}, \"outside_pool\": {}}}",
             cap.map_or("own".to_string(), |_| format!("capped at {}", args.cap)),

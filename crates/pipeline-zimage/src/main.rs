@@ -200,7 +200,8 @@ struct Generate {
     /// OFFLOAD_* variables and the file.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     set: Vec<String>,
-    /// Memory kept free for activations. With --offload: the manager's reserve (default 3GB). With the planner:
+    /// Memory kept free for activations. With --offload: the manager's reserve (default: the workload's largest
+    /// activation estimate, the planner's exact reserve, on every device). With the planner:
     /// the `reserve` setting (default: each component's activation estimate plus a margin; on a simulated card,
     /// the largest activation estimate, which is exactly what the card is charged).
     #[arg(long)]
@@ -252,6 +253,104 @@ struct Generate {
     /// Arial) is used, and without one the plot is drawn unlabelled.
     #[arg(long, value_name = "FILE.ttf")]
     plot_font: Option<PathBuf>,
+}
+
+/// The largest height or width the CLI accepts: a 16,384 × 16,384 image is 268 million pixels (3 GiB as f32),
+/// and every size the pipeline derives from it (latents, tokens, pixels × channels × bytes) fits a `usize`.
+const MAX_SIDE: usize = 16_384;
+
+/// Arguments refused at the edge, before anything loads: each says what was asked and what to pass instead.
+#[derive(Debug, thiserror::Error)]
+enum ArgumentError {
+    /// The seeds of `--images N` would pass the largest seed.
+    #[error(
+        "--seed {seed} with --images {images}: the images use seeds {seed} to {seed} + {}, past the largest seed \
+         ({}); pass a --seed of at most {}",
+        images - 1,
+        u64::MAX,
+        u64::MAX - (*images as u64 - 1)
+    )]
+    SeedOverflow {
+        /// The first seed.
+        seed: u64,
+        /// The images asked for.
+        images: usize,
+    },
+    /// A side larger than the CLI accepts.
+    #[error("--{flag} {value} is larger than the largest side accepted ({MAX_SIDE} pixels); pass a smaller size")]
+    SideTooLarge {
+        /// `height` or `width`.
+        flag: &'static str,
+        /// The value asked for.
+        value: usize,
+    },
+    /// A cap larger than the device it caps.
+    #[error(
+        "--card {label} ({}) is larger than {device} ({}): a cap can only make the device smaller; pass a --card of \
+         at most {}, or none",
+        format_size(*cap),
+        format_size(*total),
+        format_size(*total)
+    )]
+    CapLargerThanDevice {
+        /// The card asked for.
+        label: String,
+        /// Its size.
+        cap: u64,
+        /// The device.
+        device: DeviceName,
+        /// The device's total.
+        total: u64,
+    },
+}
+
+/// Checks the arguments that need no device and no weights: the seeds of every image and the image's sides.
+fn check_arguments(args: &Generate) -> Result<(), ArgumentError> {
+    if args.images > 0 && args.seed.checked_add(args.images as u64 - 1).is_none() {
+        return Err(ArgumentError::SeedOverflow { seed: args.seed, images: args.images });
+    }
+    for (flag, value) in [("height", args.height), ("width", args.width)] {
+        if value > MAX_SIDE {
+            return Err(ArgumentError::SideTooLarge { flag, value });
+        }
+    }
+    Ok(())
+}
+
+/// Everything the CLI checks before it opens a device or reads a weight: the seeds and sides, the sizes
+/// (`--reserve`, `--card`, `--device-memory`) and a reserve the card cannot hold. The fuzzer's target for the
+/// CLI's numeric arguments: for any arguments it returns, never panics.
+fn preflight(args: &Generate) -> anyhow::Result<()> {
+    check_arguments(args)?;
+    let reserve = args.reserve.as_deref().map(parse_size).transpose().context("--reserve")?;
+    let total = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?;
+    if let Some(label) = &args.card {
+        let spec = CardSpec::parse(label)?.with_context_overhead(0).with_pageable_fraction(args.pageable_fraction)?;
+        if let Some(reserve) = reserve {
+            spec.check_reserve(reserve)?;
+        }
+    }
+    if let (Some(reserve), Some(total)) = (reserve, total) {
+        CardSpec::parse(&total.to_string())?.with_context_overhead(0).check_reserve(reserve)?;
+    }
+    Ok(())
+}
+
+/// The reserve the manager keeps under `--offload`: `--reserve` when given, else the workload's largest activation
+/// estimate (what each call needs beside its weights), checked against what the device can hold.
+fn check_manual_reserve(
+    reserve: u64,
+    spec: Option<&CardSpec>,
+    memory: Option<&dyn DeviceMemory>,
+) -> anyhow::Result<()> {
+    if let Some(spec) = spec {
+        spec.check_reserve(reserve)?;
+    }
+    if let Some(memory) = memory {
+        let total = memory.try_reading().map_err(group_offload::Error::from)?.total;
+        CardSpec::parse(&total.to_string())?.with_context_overhead(0).check_reserve(reserve)?;
+    }
+    Ok(())
 }
 
 fn default_weights() -> PathBuf {
@@ -481,6 +580,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     if args.images == 0 {
         bail!("--images 0 makes nothing: pass --images 1 or more");
     }
+    preflight(args)?;
     if strategy != StrategyChoice::Auto && (planner || offload == Offload::None) {
         bail!(
             "--strategy {} chooses the manager's strategy under --offload auto or --offload group; {}",
@@ -488,9 +588,11 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             if planner { "a preset chooses its own (drop --strategy or --preset)" } else { "add --offload auto" }
         );
     }
-    let manual_reserve = match (&args.reserve, planner) {
-        (Some(reserve), false) => parse_size(reserve).context("--reserve")?,
-        _ => parse_size("3GB").context("the default reserve")?,
+    // An explicit reserve is checked against the card before anything loads; without one the reserve is the
+    // workload's largest activation estimate, known once the configs are read.
+    let explicit_reserve = match (&args.reserve, planner) {
+        (Some(reserve), false) => Some(parse_size(reserve).context("--reserve")?),
+        _ => None,
     };
     let name = DeviceName::parse(&args.device)?;
     // Under a card, the pool takes one page per allocation (where the runtime lets it choose), so a cap on its
@@ -509,12 +611,23 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 .with_mode(mode)
                 .with_context_overhead(0)
                 .with_pageable_fraction(args.pageable_fraction)?;
-            if offload != Offload::None {
-                spec.check_reserve(manual_reserve)?;
+            if offload != Offload::None
+                && let Some(reserve) = explicit_reserve
+            {
+                spec.check_reserve(reserve)?;
             }
             Ok(spec)
         })
         .transpose()?;
+    let card_spec = spec.clone();
+    if offload != Offload::None
+        && let Some(reserve) = explicit_reserve
+        && !name.is_cpu()
+        && let Some(total) = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?
+    {
+        // A given device size is known before anything loads: a reserve it cannot hold is refused now.
+        CardSpec::parse(&total.to_string())?.with_context_overhead(0).check_reserve(reserve)?;
+    }
     let target = if name.is_cpu() {
         Target::Host { card: spec.map(SimCard::new) }
     } else {
@@ -529,6 +642,17 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         };
         let cap = match (spec, &readings) {
             (Some(spec), Some(readings)) => {
+                // A cap the device cannot hold is refused before the weights load.
+                let total = readings.try_reading().map_err(group_offload::Error::from)?.total;
+                if spec.capacity > total {
+                    return Err(ArgumentError::CapLargerThanDevice {
+                        label: spec.label,
+                        cap: spec.capacity,
+                        device: name.clone(),
+                        total,
+                    }
+                    .into());
+                }
                 Some(CappedDevice::new(readings.clone(), spec.capacity, spec.mode == Mode::Hard, spec.label))
             }
             _ => None,
@@ -617,6 +741,18 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     opts.latents = args.latents.as_deref().map(read_latents).transpose()?;
     opts.image = args.image.as_deref().map(|p| read_image(p, args.height, args.width)).transpose()?;
     pipeline.validate(&opts)?;
+    // The manager's reserve under --offload: the one given, or the workload's largest activation estimate (the
+    // planner's exact reserve), checked against the card and the device before anything runs.
+    let manual_reserve = explicit_reserve.unwrap_or_else(|| exact_reserve(&pipeline, &opts));
+    if offload != Offload::None && !planner {
+        check_manual_reserve(manual_reserve, card_spec.as_ref(), target.memory().as_deref())?;
+        if explicit_reserve.is_none() {
+            println!(
+                "reserve: {} (the workload's largest activation estimate; pass --reserve to change it)",
+                format_size(manual_reserve)
+            );
+        }
+    }
 
     let mut plan = None;
     if planner {
@@ -680,7 +816,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     let mut record = None;
     let mut first_image_uses = 0;
     for index in 0..args.images {
-        opts.seed = args.seed + index as u64;
+        // Checked before anything loaded (check_arguments): the last image's seed fits.
+        opts.seed = args.seed.saturating_add(index as u64);
         let outcome = match &plan {
             Some(plan) => {
                 if index == 0 {
@@ -739,7 +876,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         }
         Target::Real { readings: Some(readings), cap } => {
             println!("\n{}", pipeline.manager().offload_record());
-            let now = readings.observe();
+            let now = readings.observe().map_err(group_offload::Error::from)?;
             println!(
                 "device memory on {name} (burn's pool{}): peak in use {} (sampled every {} µs), reserved \
                  high-water {}, in use now {}, reserved now {}, available now {} of {}",
@@ -845,13 +982,29 @@ fn report_loaded(pipeline: &ZImagePipeline, anonymous: &pipeline_zimage::host::A
     anonymous.reset();
 }
 
-fn main() -> anyhow::Result<()> {
+/// Every exit goes through here: `generate` has returned, so the pipeline and its components are dropped; the
+/// devices the process opened are then drained (their queued work waited for, so no runtime thread is still
+/// working when the process leaves), and the exit code says what happened: 0 for success, 1 for an error, which
+/// is printed with its causes. `std::process::exit` is never called mid-flight.
+fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    let result = match Cli::parse().command {
         Command::Generate(args) => generate(&args),
+    };
+    let drained = group_offload::device::drain_devices();
+    match (result, drained) {
+        (Ok(()), Ok(())) => std::process::ExitCode::SUCCESS,
+        (Err(error), _) => {
+            eprintln!("Error: {error:?}");
+            std::process::ExitCode::FAILURE
+        }
+        (Ok(()), Err(error)) => {
+            eprintln!("Error: the image was written, but the device did not finish cleanly: {error}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }
 
@@ -880,6 +1033,147 @@ mod tests {
         let host = host_for_plan(read, 20_522_393_030);
         assert_eq!(host.available, 21_592_393_030);
         assert_eq!(host_for_plan(read, 30_000_000_000).available, 24_000_000_000, "never above the total");
+    }
+
+    /// The README's `generate` commands that run on the CPU (no `--features`), each argument list as written, with
+    /// the files they write sent to a temporary directory.
+    fn readme_cpu_commands() -> Vec<Vec<String>> {
+        let readme =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../README.md")).expect("the README");
+        let mut commands = Vec::new();
+        let mut lines = readme.lines();
+        while let Some(line) = lines.next() {
+            let Some(rest) = line.trim().strip_prefix("cargo run --release -p pipeline-zimage -- generate") else {
+                continue;
+            };
+            let mut command = rest.trim().to_string();
+            while command.ends_with('\\') {
+                command.pop();
+                command.push(' ');
+                command.push_str(lines.next().expect("a continued line").trim());
+            }
+            commands.push(split_shell_words(&command));
+        }
+        commands
+    }
+
+    /// Splits a command line as a shell would for these commands: on spaces, with double quotes kept together.
+    fn split_shell_words(line: &str) -> Vec<String> {
+        let (mut words, mut word, mut quoted) = (Vec::new(), String::new(), false);
+        for c in line.chars() {
+            match c {
+                '"' => quoted = !quoted,
+                ' ' if !quoted => {
+                    if !word.is_empty() {
+                        words.push(std::mem::take(&mut word));
+                    }
+                }
+                c => word.push(c),
+            }
+        }
+        if !word.is_empty() {
+            words.push(word);
+        }
+        words
+    }
+
+    /// What a user is shown, CI runs: every README command that runs on the CPU goes through the CLI's own parse
+    /// and `generate`, with the README's arguments (only the output files moved to a temporary directory). The
+    /// README shows them with `--release`; the test runs the same argument lists in the test profile.
+    #[test]
+    fn every_readme_command_that_runs_on_the_cpu_runs() {
+        let commands = readme_cpu_commands();
+        assert!(commands.len() >= 7, "the README's CPU commands: {commands:?}");
+        let dir = std::env::temp_dir().join(format!("pipeline-zimage-readme-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a temporary directory");
+        for (index, command) in commands.iter().enumerate() {
+            let mut argv: Vec<String> = Vec::new();
+            let mut words = command.iter();
+            while let Some(word) = words.next() {
+                argv.push(word.clone());
+                if ["--out", "--trace", "--memory-plot"].contains(&word.as_str()) {
+                    let file = words.next().expect("a file name");
+                    argv.push(dir.join(format!("{index}-{file}")).display().to_string());
+                }
+            }
+            if !argv.iter().any(|word| word == "--out") {
+                argv.extend(["--out".to_string(), dir.join(format!("{index}-zimage.png")).display().to_string()]);
+            }
+            let words: Vec<&str> = argv.iter().map(String::as_str).collect();
+            let parsed = args(&words);
+            if let Err(error) = generate(&parsed) {
+                panic!("README command `generate {}` failed: {error:#}", command.join(" "));
+            }
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// The fuzzer's target for the CLI: lines `flag=value` become `--flag value`; whatever the values, parsing
+    /// and the pre-flight checks return (an error is fine) and never panic.
+    fn cli_target(input: &[u8]) {
+        let Ok(text) = std::str::from_utf8(input) else { return };
+        let mut argv = vec!["pipeline-zimage".to_string(), "generate".to_string()];
+        for (flag, value) in text.lines().filter_map(|line| line.split_once('=')) {
+            argv.push(format!("--{}", flag.trim()));
+            argv.push(value.to_string());
+        }
+        if let Ok(Command::Generate(args)) = Cli::try_parse_from(&argv).map(|cli| cli.command) {
+            let _ = preflight(&args);
+        }
+    }
+
+    fn cli_corpus() -> Vec<Vec<u8>> {
+        ::tests::fuzz::corpus(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/cli"))
+    }
+
+    #[test]
+    fn the_clis_numeric_arguments_survive_a_short_fuzz_run() {
+        let seeds = cli_corpus();
+        assert!(seeds.len() >= 3, "the cli corpus");
+        let report = ::tests::fuzz::fuzz("cli", &seeds, 20_000, 3, cli_target);
+        assert!(report.crashes.is_empty(), "{report}: {:?}", report.crashes);
+    }
+
+    /// `cargo xtask fuzz --target cli` runs this with `CLI_FUZZ_EXECUTIONS` (a million by default).
+    #[test]
+    #[ignore = "long: run by `cargo xtask fuzz`"]
+    fn fuzz_the_clis_numeric_arguments() {
+        let executions = std::env::var("CLI_FUZZ_EXECUTIONS").ok().and_then(|n| n.parse().ok()).unwrap_or(1_000_000);
+        let seed = std::env::var("CLI_FUZZ_SEED").ok().and_then(|n| n.parse().ok()).unwrap_or(0x5eed);
+        let report = ::tests::fuzz::fuzz("cli", &cli_corpus(), executions, seed, cli_target);
+        println!("{report}");
+        assert!(report.crashes.is_empty(), "{report}: {:?}", report.crashes);
+    }
+
+    #[test]
+    fn seeds_and_sides_are_checked_before_anything_loads() {
+        let error = check_arguments(&args(&["--seed", "18446744073709551615", "--images", "2"])).expect_err("overflow");
+        assert!(matches!(error, ArgumentError::SeedOverflow { images: 2, .. }), "{error}");
+        assert!(error.to_string().contains("pass a --seed of at most 18446744073709551614"), "{error}");
+        assert!(check_arguments(&args(&["--seed", "18446744073709551615"])).is_ok());
+        assert!(check_arguments(&args(&["--seed", "18446744073709551614", "--images", "2"])).is_ok());
+        let error = check_arguments(&args(&["--height", "18446744073709551615"])).expect_err("too tall");
+        assert!(matches!(error, ArgumentError::SideTooLarge { flag: "height", .. }), "{error}");
+        let error = check_arguments(&args(&["--width", "16400"])).expect_err("too wide");
+        assert!(error.to_string().starts_with("--width 16400 is larger than the largest side"), "{error}");
+        // Through generate, the refusal comes before the weights would load (a directory that is no checkpoint).
+        let missing = std::env::temp_dir().join("pipeline-zimage-no-checkpoint-here");
+        let weights = missing.display().to_string();
+        let error = generate(&args(&["--weights", &weights, "--seed", "18446744073709551615", "--images", "3"]))
+            .expect_err("refused");
+        assert!(error.to_string().starts_with("--seed 18446744073709551615 with --images 3"), "{error:#}");
+    }
+
+    #[test]
+    fn a_reserve_the_card_cannot_hold_is_refused_before_the_weights_load() {
+        let missing = std::env::temp_dir().join("pipeline-zimage-no-checkpoint-here");
+        let weights = missing.display().to_string();
+        let error =
+            generate(&args(&["--weights", &weights, "--card", "12MB", "--offload", "group", "--reserve", "3GB"]))
+                .expect_err("refused");
+        let message = format!("{error:#}");
+        assert!(message.contains("the reserve (2.79 GB) is not smaller than the memory left"), "{message}");
+        assert!(!message.contains("loading"), "refused before loading: {message}");
     }
 
     #[test]

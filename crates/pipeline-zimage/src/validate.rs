@@ -161,6 +161,16 @@ impl DeviceLedger for Meter {
         self.inner.free(bytes)
     }
 
+    fn allocate_tensors(&self, sizes: &[u64]) -> std::result::Result<(), ComponentError> {
+        self.inner.allocate_tensors(sizes)?;
+        self.note_card();
+        Ok(())
+    }
+
+    fn free_tensors(&self, sizes: &[u64]) {
+        self.inner.free_tensors(sizes)
+    }
+
     fn transfer(&self, bytes: u64, direction: Direction) -> std::result::Result<(), ComponentError> {
         self.inner.transfer(bytes, direction)?;
         if direction == Direction::HostToDevice {
@@ -177,9 +187,13 @@ impl DeviceLedger for Meter {
 
     fn begin_call(&self, estimate: u64) -> std::result::Result<(), ComponentError> {
         if let Some(pool) = &self.probe {
-            pool.observe();
+            let unreadable = |unknown: group_offload::device::ReadingUnavailable| ComponentError::Device {
+                device: unknown.device.clone(),
+                message: format!("while metering a call: {unknown}"),
+            };
+            pool.observe().map_err(unreadable)?;
             pool.burn_device().memory_cleanup();
-            let start = pool.begin_window();
+            let start = pool.begin_window().map_err(unreadable)?;
             self.lock().starts.push(start);
         }
         self.inner.begin_call(estimate)?;
@@ -200,7 +214,8 @@ impl DeviceLedger for Meter {
         }
         let closed = self.inner.end_call(estimate);
         if let Some(pool) = &self.probe {
-            let window = pool.end_window();
+            // A window whose last reading failed is left out of the calls read, never counted as zero pages.
+            let window = pool.end_window().ok().flatten();
             let mut state = self.lock();
             if let (Some(start), Some(window)) = (state.starts.pop(), window) {
                 state.calls.push(CallReading {
@@ -364,7 +379,7 @@ fn run_case(
         Target::Device { device, name, total } => {
             device.memory_cleanup();
             let readings = PoolReadings::open(device.clone(), name.clone(), Some(*total))?;
-            let before = readings.observe().reserved;
+            let before = readings.observe().map_err(group_offload::Error::from)?.reserved;
             let cap = CappedDevice::new(readings.clone(), card, false, format_size(card));
             // The cap gives the readings the plan and the manager decide from; the meter releases the pool's cache
             // before each call and reads its pages (a soft cap's ledger would only keep a call window, which
@@ -377,9 +392,9 @@ fn run_case(
             let plan = enable_pipeline_offload(&mut pipeline, settings, &facts, opts)?;
             pipeline.generate(opts, &mut |_, _| {})?;
             meter.reset();
-            readings.reset_peak();
+            readings.reset_peak().map_err(group_offload::Error::from)?;
             pipeline.generate(opts, &mut |_, _| {})?;
-            readings.observe();
+            readings.observe().map_err(group_offload::Error::from)?;
             let moved = meter.moved();
             let peak = readings.reserved_peak().saturating_sub(before);
             drop(pipeline);

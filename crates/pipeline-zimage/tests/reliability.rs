@@ -559,3 +559,166 @@ fn enabling_group_offload_loses_nothing() {
     pipeline.generate(&options(), &mut |_, _| {}).expect("the pipeline still runs, without group offload");
     std::fs::remove_file(&blocked).ok();
 }
+
+/// The golden transformer inputs (`transformer.safetensors`): one item, its timestep and caption features.
+fn transformer_inputs() -> (Vec<Tensor<4>>, Tensor<1>, Vec<Tensor<2>>) {
+    let g = common::golden("transformer.safetensors");
+    let flex = Device::flex();
+    let x = Tensor::<4>::from_data(burn::tensor::TensorData::new(g["x"].1.clone(), g["x"].0.clone()), &flex);
+    let t = Tensor::<1>::from_data(burn::tensor::TensorData::new(g["t"].1.clone(), g["t"].0.clone()), &flex);
+    let cap = Tensor::<2>::from_data(
+        burn::tensor::TensorData::new(g["cap_feats"].1.clone(), g["cap_feats"].0.clone()),
+        &flex,
+    );
+    (vec![x], t, vec![cap])
+}
+
+/// What the contention runs saw.
+#[derive(Debug, Default)]
+struct Contention {
+    refused: u64,
+    failed_prefetches: u64,
+    retried: usize,
+    /// Forwards that ended with the manager's typed `DoesNotFit`: the main thread's own upload refused while the
+    /// worker's prefetches held the last bytes (see `PATCH-NEEDED.md`, the engine's starvation of the main thread).
+    starved: usize,
+}
+
+/// The account under contention on the simulated card: a hard card, the transformer under block-level group
+/// offload with prefetch depth 2, so the worker uploads the next two groups while the main thread takes its group
+/// and charges its call's activations. The card holds half a group less than the ring of depth 2 needs (the
+/// transformer's resident shell, the text encoder, the call's activations and three groups): a computing group
+/// and two prefetched ones do not fit, so the worker and the main thread contend for the last bytes (transfers
+/// take no wall time here, so the worker runs ahead and fills the ring, as it does on a fast link). `runs` runs of
+/// three forwards through the manager: the card's peak never passes its capacity, every forward that returns
+/// returns the resident output, and one that does not is the manager's typed `DoesNotFit`.
+fn contention_runs(runs: usize) -> Contention {
+    let (xs, t, caps) = transformer_inputs();
+    let forward = |pipeline: &ZImagePipeline, activation: u64| {
+        pipeline.transformer().run(activation, |weights, _| weights.forward_items(xs.clone(), t.clone(), caps.clone()))
+    };
+    let (reference, capacity, activation) = {
+        let mut probe = load(Placement::host_only());
+        let reference = values(forward(&probe, 0).unwrap().remove(0));
+        probe.enable_group_offload(1, 2).unwrap();
+        let offload = probe.group_offload("transformer").unwrap();
+        let streamed: Vec<u64> =
+            offload.groups().into_iter().filter(|(id, _)| !id.ends_with("/shell")).map(|(_, b)| b).collect();
+        let group = streamed.iter().copied().max().unwrap();
+        let activation = probe.activation_estimates(&options())[1];
+        let shell = offload.total_bytes() - streamed.iter().sum::<u64>();
+        let text_encoder = probe.manager().component_info(&ids(&probe).text_encoder).unwrap().bytes;
+        // The ring of depth 2 beside the call: the shell, the text encoder, the activations, the computing group
+        // and two prefetched ones (what one forward reaches on a roomy card when the worker runs ahead: 2,649,734
+        // B measured); half a group less, so the ring does not fit whole.
+        let ring = shell + text_encoder + activation + 3 * group;
+        (reference, ring - group / 2, activation)
+    };
+    let mut seen = Contention::default();
+    for run in 0..runs {
+        let card = SimCard::new(
+            CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0),
+        );
+        let mut pipeline = load(Placement::simulated(card.clone()));
+        pipeline.enable_group_offload(1, 2).unwrap();
+        pipeline.enable_auto_offload(card.clone(), 0, true).unwrap();
+        // The text encoder first, so the OOM retry has something to evict.
+        pipeline.encode_prompts(&["a red fox".to_string()], 32).unwrap();
+        for call in 0..3 {
+            match forward(&pipeline, activation) {
+                Ok(mut output) => {
+                    let diff = max_abs_diff(&values(output.remove(0)), &reference);
+                    assert!(diff <= 1e-6, "run {run}, call {call}: the output differs from the resident one by {diff}");
+                }
+                Err(error @ offload_core::Error::DoesNotFit { .. }) => {
+                    println!("run {run}, call {call}: {error}");
+                    seen.starved += 1;
+                }
+                Err(error) => panic!("run {run}, call {call}: an untyped failure: {error:?}"),
+            }
+        }
+        let peak = card.peak();
+        assert!(peak <= capacity, "run {run}: the card held {peak} B of its {capacity} B");
+        seen.refused += card.stats().failed_allocations;
+        seen.failed_prefetches += pipeline.group_stats("transformer").map_or(0, |stats| stats.failed_prefetches);
+        seen.retried += pipeline
+            .manager()
+            .offload_record()
+            .events()
+            .iter()
+            .filter(|event| matches!(event.reason, Some(Reason::OomRetry(_))))
+            .count();
+    }
+    println!("{runs} runs of 3 forwards on a {capacity} B hard card: {seen:?}");
+    // The card was sized for the threads to contend: some allocation was refused.
+    assert!(seen.refused > 0, "no allocation was ever refused: the card is too large to make the threads contend");
+    seen
+}
+
+/// 100 contention runs: never over the card, every output the resident one, every failure typed.
+#[test]
+fn a_hard_card_with_block_prefetch_depth_2_never_passes_its_capacity_under_contention() {
+    contention_runs(100);
+}
+
+/// The same runs, and every out-of-memory recovered. Fails now and then (seen in the first run of one full-suite
+/// pass, never in 300 forwards run alone): after a refused prefetch of group k+2 the worker goes on to k+3 and
+/// takes the bytes the main thread then needs for k+2, and the manager, with the grouped transformer not
+/// evictable, reports `DoesNotFit`. The fix is in the engine (`PATCH-NEEDED.md`, section 5), which this branch may
+/// not edit.
+#[test]
+#[ignore = "fails now and then until the engine stops prefetching past a refused prefetch (PATCH-NEEDED.md, section 5)"]
+fn every_out_of_memory_under_contention_is_recovered() {
+    let seen = contention_runs(100);
+    assert_eq!(seen.starved, 0, "{seen:?}");
+}
+
+/// A disk-stored group whose file is removed while the model runs: the next upload that needs it fails with
+/// a typed error naming the file (never a panic), and nothing else is lost: every component stays registered on a
+/// known device, the card holds only what the placement says, and with the file written back the pipeline runs
+/// again.
+#[test]
+fn a_disk_group_removed_while_the_model_runs_is_a_typed_error_and_nothing_else_is_lost() {
+    let dir = std::env::temp_dir().join(format!("zimage-vanishing-store-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    let capacity = card_capacity(Setup::Block);
+    let card =
+        SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
+    let mut pipeline = load(Placement::simulated(card.clone()));
+    let options_with_store = group_offload::GroupOptions {
+        disk_store: Some(dir.clone()),
+        prefetch: false,
+        ..group_offload::GroupOptions::default()
+    };
+    pipeline.enable_group_offload_with("transformer", &options_with_store).unwrap();
+    pipeline.enable_auto_offload(card.clone(), 0, true).unwrap();
+    let reference = values(pipeline.generate(&options(), &mut |_, _| {}).unwrap());
+
+    let files = pipeline.group_offload("transformer").unwrap().disk_files();
+    assert!(!files.is_empty(), "the groups are on disk");
+    let saved: Vec<(std::path::PathBuf, Vec<u8>)> =
+        files.iter().map(|path| (path.clone(), std::fs::read(path).unwrap())).collect();
+    for path in &files {
+        std::fs::remove_file(path).unwrap();
+    }
+    let outcome =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pipeline.generate(&options(), &mut |_, _| {})));
+    let error = match outcome {
+        Err(_) => panic!("a vanished disk group panicked instead of failing typed"),
+        Ok(Ok(_)) => panic!("the run succeeded without its groups' files"),
+        Ok(Err(error)) => error,
+    };
+    let message = error.to_string();
+    println!("{message}");
+    assert!(message.contains(&dir.display().to_string()), "the error names the file: {message}");
+    assert!(message.contains("host copy is intact") || message.contains("transfer"), "{message}");
+    assert_eq!(pipeline.manager().placement().len(), 3, "every component is still registered");
+    check_placement(&pipeline, &card, "after a vanished disk group");
+
+    for (path, bytes) in saved {
+        std::fs::write(path, bytes).unwrap();
+    }
+    let again = values(pipeline.generate(&options(), &mut |_, _| {}).unwrap());
+    assert!(max_abs_diff(&again, &reference) <= 1e-6, "the pipeline runs again with the files back");
+    std::fs::remove_dir_all(&dir).ok();
+}
