@@ -595,7 +595,7 @@ struct Contention {
 fn contention_runs(runs: usize) -> Contention {
     let (xs, t, caps) = transformer_inputs();
     let forward = |pipeline: &ZImagePipeline, activation: u64| {
-        pipeline.transformer().run(activation, |weights, _| weights.forward_items(xs.clone(), t.clone(), caps.clone()))
+        pipeline.transformer().try_run(activation, |weights, _| weights.forward_items(xs.clone(), t.clone(), caps.clone()))
     };
     let (reference, capacity, activation) = {
         let mut probe = load(Placement::host_only());
