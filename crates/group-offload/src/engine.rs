@@ -240,20 +240,22 @@ impl Shared {
         reading: Option<offload_core::offload_strategy::MemoryReading>,
     ) -> Result<Arc<[Tensor<1>]>> {
         let ledger = &self.config.ledger;
-        ledger.allocate(host.bytes).map_err(|e| self.onload_error(host, e))?;
+        // One allocation per tensor, as the runtime makes them: a paging ledger rounds each one, all or none.
+        let sizes = host.tensor_sizes();
+        ledger.allocate_tensors(&sizes).map_err(|e| self.onload_error(host, e))?;
         let copied = if host.pinned {
             ledger.transfer_pinned(host.bytes)
         } else {
             ledger.transfer(host.bytes, Direction::HostToDevice)
         };
         if let Err(e) = copied {
-            ledger.free(host.bytes);
+            ledger.free_tensors(&sizes);
             return Err(self.onload_error(host, e));
         }
         let data = match host.load_flat() {
             Ok(data) => data,
             Err(message) => {
-                ledger.free(host.bytes);
+                ledger.free_tensors(&sizes);
                 let source = ComponentError::Transfer { what: host.id.clone(), message };
                 return Err(self.onload_error(host, source));
             }
@@ -280,7 +282,7 @@ impl Shared {
         let tensors = match checked {
             Ok(tensors) => tensors,
             Err(error) => {
-                ledger.free(host.bytes);
+                ledger.free_tensors(&sizes);
                 return Err(self.onload_error(host, error));
             }
         };
@@ -302,7 +304,7 @@ impl Shared {
         let span = self.config.timeline.span(category::RELEASE, &id).arg("bytes", bytes);
         self.record(Action::Offload, &id, bytes, Reason::GroupOffload);
         slot.residency = Residency::Offloaded;
-        self.config.ledger.free(bytes);
+        self.config.ledger.free_tensors(&slot.host.tensor_sizes());
         drop(span);
         if let Some(memory) = &self.config.memory {
             self.config.timeline.sample_memory(memory.as_ref());
@@ -465,7 +467,31 @@ impl Engine {
             tracing::debug!(group = %host.id, "prefetch miss: loading synchronously");
         }
         drop(state);
-        let result = shared.upload(&host, Reason::GroupOnload);
+        let mut result = shared.upload(&host, Reason::GroupOnload);
+        if result.as_ref().is_err_and(Error::is_out_of_memory) {
+            // Prefetched groups nobody borrows yet hold the bytes this one needs (a refused prefetch let the worker
+            // run ahead into what the last group released): give them back and try once more, so the worker can
+            // never starve the thread that computes.
+            let mut state = shared.state.lock();
+            let idle: Vec<usize> = (0..state.groups.len())
+                .filter(|&i| {
+                    let slot = &state.groups[i];
+                    i != group
+                        && slot.users == 0
+                        && slot.prefetched
+                        && !slot.kept
+                        && matches!(slot.residency, Residency::OnDevice(_))
+                })
+                .collect();
+            for i in &idle {
+                shared.drop_from_device(&mut state, *i);
+            }
+            drop(state);
+            if !idle.is_empty() {
+                tracing::debug!(group = %host.id, dropped = idle.len(), "upload refused: dropped idle prefetches and retried");
+                result = shared.upload(&host, Reason::GroupOnload);
+            }
+        }
         let mut state = shared.state.lock();
         let slot = &mut state.groups[group];
         let outcome = match result {

@@ -32,6 +32,11 @@ impl TensorMeta {
     fn elements(&self) -> usize {
         self.shape.iter().product()
     }
+
+    /// The tensor's bytes: its elements times its dtype's size.
+    pub fn bytes(&self) -> u64 {
+        self.elements() as u64 * self.dtype.size() as u64
+    }
 }
 
 #[derive(Debug)]
@@ -58,6 +63,12 @@ pub(crate) struct GroupHost {
 }
 
 impl GroupHost {
+    /// Each tensor's bytes, in order: a ledger that counts in a runtime's pages rounds each one up
+    /// ([`DeviceLedger::allocate_tensors`](offload_core::DeviceLedger::allocate_tensors)).
+    pub fn tensor_sizes(&self) -> Vec<u64> {
+        self.tensors.iter().map(TensorMeta::bytes).collect()
+    }
+
     /// A group kept in host memory; with `stage_on`, its bytes are first handed to that device's staging
     /// ([`Device::staging`]), which moves them into page-locked memory on CUDA (one host copy still: the
     /// pageable bytes are dropped) and is a no-op on a CPU backend.

@@ -661,13 +661,11 @@ fn a_hard_card_with_block_prefetch_depth_2_never_passes_its_capacity_under_conte
     contention_runs(100);
 }
 
-/// The same runs, and every out-of-memory recovered. Fails now and then (seen in the first run of one full-suite
-/// pass, never in 300 forwards run alone): after a refused prefetch of group k+2 the worker goes on to k+3 and
-/// takes the bytes the main thread then needs for k+2, and the manager, with the grouped transformer not
-/// evictable, reports `DoesNotFit`. The fix is in the engine (`PATCH-NEEDED.md`, section 5), which this branch may
-/// not edit.
+/// The same runs, and every out-of-memory recovered: after a refused prefetch of group k+2 the worker may go on
+/// to k+3 and take the bytes the main thread then needs for k+2; the main thread's refused upload gives back the
+/// prefetched groups nobody borrows and tries again, so no forward is starved (the grouped transformer is not
+/// evictable, so the manager itself could free nothing).
 #[test]
-#[ignore = "fails now and then until the engine stops prefetching past a refused prefetch (PATCH-NEEDED.md, section 5)"]
 fn every_out_of_memory_under_contention_is_recovered() {
     let seen = contention_runs(100);
     assert_eq!(seen.starved, 0, "{seen:?}");
