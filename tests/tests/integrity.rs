@@ -21,7 +21,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor};
-use group_offload::{BlockOffload, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, ModuleOffload, Residency};
+use group_offload::{parts::BlockOffload, parts::GroupOffload, config::GroupOffloadConfig, component::GroupOffloadedModel, parts::ModuleOffload, parts::Residency};
 use memory_sim::{CardSpec, Faults, Mode, SimCard};
 use offload_core::{
     ComponentError, ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, Direction, Error, Offloadable,

@@ -193,8 +193,8 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
             None => (quote!(::core::option::Option::None), quote!()),
         };
         let (view, part) = match kind {
-            Kind::Blocks => (quote!(#krate::Blocks<'a, #ty>), quote!(#krate::Streamed<#ty>)),
-            Kind::Block => (quote!(#krate::Single<'a, #ty>), quote!(#krate::StreamedOne<#ty>)),
+            Kind::Blocks => (quote!(#krate::Blocks<'a, #ty>), quote!(#krate::model::Streamed<#ty>)),
+            Kind::Block => (quote!(#krate::Single<'a, #ty>), quote!(#krate::model::StreamedOne<#ty>)),
             Kind::NestedList => (
                 quote!(#krate::Nested<'a, #ty>),
                 quote!(::std::vec::Vec<<#ty as #krate::OffloadModel>::Parts>),
@@ -245,7 +245,7 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
 
         #[doc = #doc_parts]
         #vis struct #parts {
-            shell: #krate::ModuleOffload<#model>,
+            shell: #krate::parts::ModuleOffload<#model>,
             #(#part_fields,)*
         }
 
@@ -259,11 +259,11 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
             fn streamed(parts: &#parts) -> #weights<'_> {
                 #weights { shell: #krate::Shell::Streamed(&parts.shell), #(#streamed,)* }
             }
-            fn split(mut self, split: &#krate::Split<'_>) -> #krate::Result<#parts> {
+            fn split(mut self, split: &#krate::model::Split<'_>) -> #krate::Result<#parts> {
                 #(#split)*
                 ::core::result::Result::Ok(#parts { shell: split.shell(self)?, #(#names,)* })
             }
-            fn census(&self, census: &mut #krate::Census) {
+            fn census(&self, census: &mut #krate::model::Census) {
                 #(#census)*
             }
             #leaf_types

@@ -7,7 +7,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use group_offload::{OverlapConfig, overlap_benchmark};
+use group_offload::{bench::OverlapConfig, bench::overlap_benchmark};
 
 fn overlap(c: &mut Criterion) {
     let mut group = c.benchmark_group("overlap");

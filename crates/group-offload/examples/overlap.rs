@@ -5,7 +5,7 @@
 //! entirely behind compute (or the reverse); serial streaming sits near 0.5 when the two are equal.
 //! Arguments: `--forwards N` (default 9), `--groups N` (8), `--depth N` (2), `--runs N` (3, the median is kept).
 
-use group_offload::{OverlapConfig, OverlapReport, overlap_benchmark};
+use group_offload::{bench::OverlapConfig, bench::OverlapReport, bench::overlap_benchmark};
 
 fn arg(args: &[String], name: &str, default: usize) -> usize {
     args.windows(2).find(|w| w[0] == name).and_then(|w| w[1].parse().ok()).unwrap_or(default)

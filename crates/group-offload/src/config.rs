@@ -2,7 +2,7 @@
 //! ledger, memory readings and record it reports to.
 //!
 //! This is the layer that validates user input ([`GroupOffloadConfig::validate`], called once by
-//! [`GroupOffload::new`](crate::GroupOffload::new)); everything below trusts it.
+//! [`GroupOffload::new`](crate::parts::GroupOffload::new)); everything below trusts it.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -150,7 +150,7 @@ impl GroupOffloadConfig {
         self
     }
 
-    /// Checks the values a user can get wrong; called once by [`GroupOffload::new`](crate::GroupOffload::new).
+    /// Checks the values a user can get wrong; called once by [`GroupOffload::new`](crate::parts::GroupOffload::new).
     pub fn validate(&self) -> Result<()> {
         let invalid = |problem: &str| Error::InvalidConfig { model: self.model.clone(), problem: problem.to_string() };
         if self.model.is_empty() || self.model.contains('/') {

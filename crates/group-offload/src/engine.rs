@@ -29,7 +29,7 @@ use crate::device::{catch_device_panic, check_device, check_outputs};
 use crate::error::{Error, Result};
 use crate::store::GroupHost;
 
-/// Counters of one offloader since it was built. Read them with [`GroupOffload::stats`](crate::GroupOffload::stats).
+/// Counters of one offloader since it was built. Read them with [`GroupOffload::stats`](crate::parts::GroupOffload::stats).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GroupStats {
     /// Uploads made on the calling thread, blocking it: every upload of the capture pass, every upload with
@@ -95,7 +95,7 @@ const STRAYS_KEPT: usize = 16;
 
 impl State {
     /// Bookkeeping of one call. During the capture the call is appended; the capture ends when the first forward
-    /// returns ([`GroupOffload::run`](crate::GroupOffload::run)) or at `end_capture`. After it, a call that is not the expected next one is learnt: a group
+    /// returns ([`GroupOffload::run`](crate::parts::GroupOffload::run)) or at `end_capture`. After it, a call that is not the expected next one is learnt: a group
     /// the capture never saw is inserted after the previous call; a known one moves the cursor to its next
     /// occurrence.
     fn note_call(&mut self, group: usize, model: &str) {

@@ -34,7 +34,8 @@
 //! use burn::module::Module;
 //! use burn::nn::{Linear, LinearConfig};
 //! use burn::tensor::{Device, Tensor};
-//! use group_offload::{GroupOffload, GroupOffloadConfig, Residency};
+//! use group_offload::config::GroupOffloadConfig;
+//! use group_offload::parts::{GroupOffload, Residency};
 //!
 //! #[derive(Module, Debug)]
 //! struct Block { fc: Linear }
@@ -108,11 +109,24 @@
 //! imposes a smaller card over those readings ([`CappedDevice`]), and is the one boundary where a device's
 //! failures become typed errors ([`run_call`], [`check_device`]): uploads and calls report success only once
 //! one value of each of their tensors was read back, since cubecl reports a failed allocation at the next read.
+//! Only the library's own device operations (upload, sync, read-back) are guarded against a runtime's panic,
+//! never the model's forward (`docs/devices.md`).
 //!
 //! Int and bool parameters are not offloaded: they move to the execution device when the part is added and
 //! stay there, uncounted.
 
 #![forbid(unsafe_code)]
+
+// The mechanism's names the page above links to, which the root does not export.
+#[cfg(doc)]
+use {
+    apply::{apply_plan, component_spec},
+    component::GroupOffloadedModel,
+    config::GroupOffloadConfig,
+    device::{CappedDevice, PoolReadings, check_device, open_device, run_call},
+    engine::GroupStats,
+    parts::GroupOffload,
+};
 
 pub mod apply;
 pub mod bench;
@@ -130,25 +144,12 @@ pub mod view;
 mod walk;
 pub mod whole;
 
-#[cfg(feature = "io")]
-pub use apply::RunRecord;
-pub use apply::{AppliedPlan, AppliedRoute, PipelinePlan, apply_plan, component_spec, group_options, plan_and_apply};
-pub use bench::{OverlapConfig, OverlapReport, overlap_benchmark};
-pub use component::GroupOffloadedModel;
-pub use config::{DEFAULT_LEAF_TYPES, GroupOffloadConfig, LeafPredicate};
-pub use device::{
-    CappedDevice, DeviceOutput, PagePolicy, PoolReadings, PoolSnapshot, check_device, check_outputs, open_device,
-    open_device_with, run_call,
-};
-pub use engine::GroupStats;
+// The root holds what a model author meets (`docs/model-guide.md`); the mechanism stays in its modules.
+pub use config::LeafPredicate;
 pub use error::{Error, Result};
-pub use handle::{Component, GroupedModel, ModelHandle};
 /// `#[derive(OffloadModel)]`: see [`OffloadModel`].
 pub use group_offload_derive::OffloadModel;
-pub use model::{
-    Census, GroupLevel, GroupOptions, OffloadModel, Split, Streamed, StreamedOne, check_streaming, measure_layout,
-    whole,
-};
-pub use view::{BlockIter, Blocks, Layer, Nested, Part, Shell, Single};
-pub use parts::{BlockOffload, GroupGuard, GroupOffload, LeafOffload, ModuleOffload, Residency, leaf_groups};
-pub use whole::{BurnComponent, Placement, Unbounded, module_bytes, tensor_bytes};
+pub use handle::ModelHandle;
+pub use model::{GroupLevel, GroupOptions, OffloadModel, check_streaming, whole};
+pub use view::{Blocks, Layer, Nested, Part, Shell, Single};
+pub use whole::{Placement, module_bytes};

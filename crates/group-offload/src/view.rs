@@ -177,7 +177,7 @@ enum Source<'a, M> {
 }
 
 /// One layer's weights during one forward: a block of a [`Blocks`] list, a [`Single`], or a sub-module of either
-/// ([`Layer::narrow`]). Resident, or taken as a block group, it is the whole module; at leaf level each part is
+/// ([`narrow!`](crate::narrow)). Resident, or taken as a block group, it is the whole module; at leaf level each part is
 /// taken from its leaf group when the forward asks for it ([`leaf!`](crate::leaf), [`Layer::own`]).
 ///
 /// Cloning is cheap and shares the held group.

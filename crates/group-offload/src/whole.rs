@@ -4,7 +4,7 @@
 //!
 //! On a real accelerator `onload` is `Module::to_device(accelerator)` followed by a sync, which is where burn's
 //! cubecl backends report an out-of-memory ([`crate::device::check_device`] types it); `offload` drops the device
-//! copy. Each call runs through [`crate::run_call`], so it reports success only once the
+//! copy. Each call runs through [`crate::device::run_call`], so it reports success only once the
 //! device has done its work. On the CPU with a simulated card (`--card 8GB`) the weights stay in host memory,
 //! and the card is charged for them and for each run's activations, so a tiny checkpoint exercises the
 //! manager's real decisions, real OOM retries and real output.
@@ -200,7 +200,7 @@ impl<M: Module + 'static> BurnComponent<M> {
     }
 
     /// Runs `f` on the module with `activation_bytes` accounted on the ledger for the call: the entry point the
-    /// manager wraps ([`crate::run_call`]). `f`'s own error becomes the component's (a group upload's
+    /// manager wraps ([`crate::device::run_call`]). `f`'s own error becomes the component's (a group upload's
     /// out-of-memory stays typed, so the manager's OOM retry sees it).
     ///
     /// On the ledger of a simulated card in hard mode the charge fails with out-of-memory when the card is

@@ -7,10 +7,7 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Distribution, Tensor};
-use group_offload::{
-    Blocks, Census, Error, GroupLevel, GroupOptions, Layer, ModelHandle, ModuleOffload, OffloadModel, Placement, Shell,
-    Split, Streamed, check_streaming, measure_layout,
-};
+use group_offload::{Blocks, model::Census, Error, GroupLevel, GroupOptions, Layer, ModelHandle, parts::ModuleOffload, OffloadModel, Placement, Shell, model::Split, model::Streamed, check_streaming, model::measure_layout};
 use offload_core::{Action, ComponentsManager, Reason};
 
 #[derive(Module, Debug)]

@@ -11,10 +11,7 @@ use std::time::Duration;
 use burn::nn::Linear;
 use burn::tensor::{Device, Tensor};
 use common::{BLOCKS, Block, Model, Top, hard_card, input, max_abs_diff, slow_card};
-use group_offload::{
-    BlockOffload, Error, GroupOffload, GroupOffloadConfig, GroupOffloadedModel, LeafOffload, LeafPredicate,
-    ModuleOffload, Residency,
-};
+use group_offload::{parts::BlockOffload, Error, parts::GroupOffload, config::GroupOffloadConfig, component::GroupOffloadedModel, parts::LeafOffload, LeafPredicate, parts::ModuleOffload, parts::Residency};
 use memory_sim::SimCard;
 use offload_core::{Action, ComponentsManager, DeviceMemory, DeviceName, OffloadRecord, Offloadable, Reason};
 
@@ -669,7 +666,7 @@ fn invalid_configuration_is_a_typed_error() {
 #[test]
 #[ignore = "timing-dependent: run `cargo xtask bench overlap` or `cargo test -p group-offload -- --ignored overlap`"]
 fn overlap_prefetch_hides_transfers() {
-    let report = group_offload::overlap_benchmark(group_offload::OverlapConfig::default()).unwrap();
+    let report = group_offload::bench::overlap_benchmark(group_offload::bench::OverlapConfig::default()).unwrap();
     println!("{report}");
     assert_eq!(report.prefetch_misses, 0);
     assert!(report.prefetch_efficiency > report.serial_efficiency, "{report}");

@@ -24,8 +24,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::{DType, Device, Distribution, FloatDType, Tensor};
-use group_offload::{CappedDevice, GroupOffloadConfig, PoolReadings};
-use group_offload::{GroupLevel, GroupOptions, GroupedModel};
+use group_offload::{device::CappedDevice, config::GroupOffloadConfig, device::PoolReadings};
+use group_offload::{GroupLevel, GroupOptions, handle::GroupedModel};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, DeviceName, parse_size};
 use pipeline_zimage::config::TransformerConfig;
@@ -58,7 +58,7 @@ fn parse_args() -> Args {
 }
 
 fn device(name: &str) -> anyhow::Result<Device> {
-    Ok(group_offload::open_device(&DeviceName::parse(name)?)?)
+    Ok(group_offload::device::open_device(&DeviceName::parse(name)?)?)
 }
 
 /// The device's own readings (burn's pool, the driver where it has a call); `total` for a runtime without one.
@@ -133,7 +133,7 @@ fn golden(name: &str, tensor: &str) -> anyhow::Result<Tensor<4>> {
 }
 
 fn parity(args: &Args) -> anyhow::Result<()> {
-    use group_offload::{Placement, Unbounded};
+    use group_offload::{Placement, whole::Unbounded};
     use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
     let exec = device(&args.device)?;
     let name = DeviceName::parse(&args.device)?;

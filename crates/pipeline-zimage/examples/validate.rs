@@ -48,7 +48,7 @@ fn main() -> anyhow::Result<()> {
         Target::Simulated
     } else {
         let name = DeviceName::parse(&device)?;
-        let burn = group_offload::open_device_with(&name, group_offload::PagePolicy::Exclusive)?;
+        let burn = group_offload::device::open_device_with(&name, group_offload::device::PagePolicy::Exclusive)?;
         Target::Device { device: burn, name, total: TOTAL }
     };
     if let Target::Device { device: burn, name, total } = &target {

@@ -24,7 +24,7 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use clap::{Parser, Subcommand, ValueEnum};
 use group_offload::Placement;
 use group_offload::device::describe_device;
-use group_offload::{CappedDevice, PagePolicy, PoolReadings, open_device_with};
+use group_offload::{device::CappedDevice, device::PagePolicy, device::PoolReadings, device::open_device_with};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::Timeline;
 use offload_core::plan::DeviceFacts;
@@ -799,7 +799,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         // No offload: every component is onloaded on its first run and stays (weights load on the host; on a
         // device this is what moves them there). The moves still go through the manager's record.
         let device = pipeline.placement().name.clone();
-        pipeline.enable_auto_offload(Arc::new(group_offload::Unbounded { device }), 0, true)?;
+        pipeline.enable_auto_offload(Arc::new(group_offload::whole::Unbounded { device }), 0, true)?;
     }
 
     let bar = indicatif::ProgressBar::new(args.steps as u64);

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
-use group_offload::{Component, GroupLevel, GroupOffload, GroupOptions, GroupStats, ModelHandle, Placement};
+use group_offload::{handle::Component, GroupLevel, parts::GroupOffload, GroupOptions, engine::GroupStats, ModelHandle, Placement};
 use offload_core::plan::{PhaseReport, Phases};
 use offload_core::timeline::{Timeline, category};
 use offload_core::{ComponentsManager, DeviceMemory};

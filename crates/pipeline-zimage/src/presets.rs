@@ -9,11 +9,11 @@
 //! component offload, block or leaf group offload, the [`Staged`] strategy). This module holds what only Z-Image
 //! knows:
 //!
-//! - [`component_specs`] completes each component's spec ([`group_offload::component_spec`]: weight bytes, the
+//! - [`component_specs`] completes each component's spec ([`group_offload::apply::component_spec`]: weight bytes, the
 //!   layout its `OffloadModel` census names, quantization) with the activation estimates of
 //!   [`ZImagePipeline::activation_estimates`] for the workload and FLOPs from the configs. The VAE names no
 //!   blocks, so it is routed resident or component-offloaded.
-//! - [`enable_pipeline_offload`] plans and applies ([`group_offload::apply_plan`]); `off` is refused with
+//! - [`enable_pipeline_offload`] plans and applies ([`group_offload::apply::apply_plan`]); `off` is refused with
 //!   `group_offload::Error::Unmanaged`.
 //! - [`generate_profiled`] runs the phase-staged pipeline and records the measured peak in the capacity profile
 //!   of the workload ([`PipelinePlan::record_run`]); with a `profile_name`, the first run is a calibration run
@@ -25,8 +25,8 @@
 //! kernels), never to block or leaf offload (see `docs/presets.md`).
 
 use burn::tensor::Tensor;
-use group_offload::component_spec;
-pub use group_offload::{AppliedRoute, PipelinePlan, RunRecord};
+use group_offload::apply::component_spec;
+pub use group_offload::{apply::AppliedRoute, apply::PipelinePlan, apply::RunRecord};
 use offload_core::plan::{CapacityWarning, ComponentSpec, DeviceFacts, Outcome, PhaseReport, Settings, Workload};
 
 pub use offload_core::offload_strategy::Staged;
@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::pipeline::{GenerateOptions, ZImagePipeline};
 
 /// The three components as plan input, for the workload `opts`: weight bytes, layout and quantization from
-/// [`group_offload::component_spec`], the activation estimates of [`ZImagePipeline::activation_estimates`],
+/// [`group_offload::apply::component_spec`], the activation estimates of [`ZImagePipeline::activation_estimates`],
 /// FLOPs per call from the configs (for the time model only) and the denoising steps as the transformer's calls
 /// per image. Refused once the text encoder or the transformer is under group offload (its blocks cannot be
 /// measured again).
@@ -175,7 +175,7 @@ fn plan_and_apply(
     // Group moves are charged to the account the pipeline's components are charged to (their placement); a
     // calibration sizes the transformer's resident budget.
     let components = &mut pipeline.components_mut();
-    Ok(group_offload::plan_and_apply(&manager, components, &specs, settings, device, workload, "transformer")?)
+    Ok(group_offload::apply::plan_and_apply(&manager, components, &specs, settings, device, workload, "transformer")?)
 }
 
 /// A run of [`generate_profiled`]: the image, its phases, the measured peaks and what the profile said.

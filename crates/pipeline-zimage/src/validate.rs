@@ -16,7 +16,7 @@
 //!   highest call's. On a real device it is the high-water of the pool's pages above what the pool held before
 //!   the pipeline's first onload ([`PoolReadings::reserved_peak`]), with the pool's cache released before every
 //!   call ([`Meter::probing`]) and the pages read before each release and at the end of each call; under
-//!   [`PagePolicy::Exclusive`](group_offload::PagePolicy) the pages follow the allocations, so they are what the
+//!   [`PagePolicy::Exclusive`](group_offload::device::PagePolicy) the pages follow the allocations, so they are what the
 //!   device had to give. The sampled in-use high-water is a lower bound only and is not used.
 //! - **Per phase**: each component's predicted peak beside the highest one of its calls reached.
 //! - **A call's activations** ([`measure_calls`]): the pages the pool took during the call, from a released
@@ -31,7 +31,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::tensor::Device;
-use group_offload::{CappedDevice, PoolReadings};
+use group_offload::{device::CappedDevice, device::PoolReadings};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Preset, Route, Settings, SettingsLayer};
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, format_size};
@@ -39,7 +39,7 @@ use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direc
 use crate::error::Result;
 use crate::pipeline::{GenerateOptions, ZImagePipeline};
 use crate::presets::{PipelinePlan, component_specs, enable_pipeline_offload, exact_reserve};
-use group_offload::{Placement, Unbounded};
+use group_offload::{Placement, whole::Unbounded};
 use offload_core::plan::DeviceFacts;
 
 /// What a [`Meter`] counted.
@@ -304,7 +304,7 @@ pub enum Target {
     /// A real device (its pool read through [`PoolReadings`]), under a soft cap of the case's size; `total` is
     /// the device's capacity where the runtime reports none (wgpu).
     Device {
-        /// The burn device, opened with [`PagePolicy::Exclusive`](group_offload::PagePolicy) for page figures
+        /// The burn device, opened with [`PagePolicy::Exclusive`](group_offload::device::PagePolicy) for page figures
         /// that follow the allocations.
         device: Device,
         /// Its name.

@@ -5,9 +5,9 @@
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use group_offload::GroupOffloadConfig;
+use group_offload::config::GroupOffloadConfig;
 use group_offload::Placement;
-use group_offload::{GroupLevel, GroupOptions, GroupedModel};
+use group_offload::{GroupLevel, GroupOptions, handle::GroupedModel};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, Offloadable};
 use pipeline_zimage::loading::{Checkpoint, LoadOptions};

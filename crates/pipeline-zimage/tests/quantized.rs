@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use group_offload::GroupOptions;
-use group_offload::{BurnComponent, Placement};
+use group_offload::{whole::BurnComponent, Placement};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{Action, DeviceMemory};

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
-use group_offload::{BurnComponent, Placement};
+use group_offload::{whole::BurnComponent, Placement};
 use memory_sim::{CardSpec, Faults, Mode, SimCard};
 use offload_core::{Action, ComponentError, DeviceLedger, DeviceMemory, Direction, OffloadRecord, Offloadable, Reason};
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};

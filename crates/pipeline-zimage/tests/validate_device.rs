@@ -14,7 +14,7 @@ mod common;
 
 use common::fixtures;
 use group_offload::Placement;
-use group_offload::{PagePolicy, open_device_with};
+use group_offload::{device::PagePolicy, device::open_device_with};
 use offload_core::DeviceName;
 use offload_core::plan::Preset;
 use pipeline_zimage::loading::LoadOptions;

@@ -21,7 +21,7 @@ use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use group_offload::prelude::*;
-use group_offload::PipelinePlan;
+use group_offload::apply::PipelinePlan;
 use offload_core::ComponentsManager;
 use offload_core::plan::{DeviceFacts, Settings, Workload};
 
@@ -310,14 +310,14 @@ impl TinyDitPipeline {
     ) -> Result<PipelinePlan, Error> {
         let activations = self.activation_estimates(prompt_tokens);
         // offload: begin
-        let mut components: [&mut dyn group_offload::Component; 3] =
+        let mut components: [&mut dyn group_offload::handle::Component; 3] =
             [&mut self.encoder, &mut self.dit, &mut self.decoder];
         let mut specs = Vec::new();
         for (component, activation) in components.iter().zip(activations) {
-            specs.push(group_offload::component_spec(&self.manager, &**component)?.with_activation(activation));
+            specs.push(group_offload::apply::component_spec(&self.manager, &**component)?.with_activation(activation));
         }
         let workload = Workload::new().with("model", "tiny-dit");
-        Ok(group_offload::plan_and_apply(&self.manager, &mut components, &specs, settings, device, workload, "dit")?)
+        Ok(group_offload::apply::plan_and_apply(&self.manager, &mut components, &specs, settings, device, workload, "dit")?)
         // offload: end
     }
 

@@ -157,12 +157,12 @@ fn the_auto_preset_streams_the_unet_on_a_card_too_small_for_it() {
     let facts = card.device_facts(HostMemory::new(64 << 30, 60 << 30));
     let manager = pipeline.manager().clone();
     let specs = vec![
-        group_offload::component_spec(&manager, &pipeline.encoder).expect("a spec"),
-        group_offload::component_spec(&manager, &pipeline.unet).expect("a spec").with_activation(activations),
+        group_offload::apply::component_spec(&manager, &pipeline.encoder).expect("a spec"),
+        group_offload::apply::component_spec(&manager, &pipeline.unet).expect("a spec").with_activation(activations),
     ];
-    let mut components: [&mut dyn group_offload::Component; 2] = [&mut pipeline.encoder, &mut pipeline.unet];
+    let mut components: [&mut dyn group_offload::handle::Component; 2] = [&mut pipeline.encoder, &mut pipeline.unet];
     let workload = Workload::new().with("model", "tiny-unet");
-    let plan = group_offload::plan_and_apply(&manager, &mut components, &specs, settings, &facts, workload, "unet")
+    let plan = group_offload::apply::plan_and_apply(&manager, &mut components, &specs, settings, &facts, workload, "unet")
         .expect("plans and applies");
     let route = plan.applied("unet").expect("the UNet is planned").applied;
     assert!(route.is_group_offload(), "a UNet larger than the card must stream, got {route}:\n{plan}");
