@@ -580,7 +580,7 @@ struct Contention {
     failed_prefetches: u64,
     retried: usize,
     /// Forwards that ended with the manager's typed `DoesNotFit`: the main thread's own upload refused while the
-    /// worker's prefetches held the last bytes (see `PATCH-NEEDED.md`, the engine's starvation of the main thread).
+    /// worker's prefetches held the last bytes (the engine now gives those back and retries, so it stays at 0).
     starved: usize,
 }
 

@@ -172,27 +172,12 @@ fn the_auto_preset_streams_the_unet_on_a_card_too_small_for_it() {
     assert_eq!(<UNet as OffloadModel>::CLASS, "UNet2DModel");
 }
 
-/// What a forward written over a weights view uses where a resident-only forward reads the field directly:
-/// each line holding one exists only for offloading (the same rule as `examples/tiny-dit`).
-const ACCESSORS: [&str; 6] = ["leaf!(", "narrow!(", ".own()", ".shell.", ".structure()", "#[offload("];
+#[path = "../../glue_count.rs"]
+mod glue_count;
 
 #[test]
 fn the_offload_specific_lines_are_those_the_readme_counts() {
-    let source = include_str!("../src/lib.rs");
-    let mut inside = false;
-    let (mut marked, mut accessors) = (0, 0);
-    for line in source.lines().map(str::trim) {
-        match line {
-            _ if line.starts_with("// offload: begin") => inside = true,
-            "// offload: end" => inside = false,
-            "" => {}
-            _ if inside => marked += 1,
-            _ if line.starts_with("//") => {}
-            _ if ACCESSORS.iter().any(|accessor| line.contains(accessor)) => accessors += 1,
-            _ => {}
-        }
-    }
-    assert!(!inside, "an offload region is not closed");
+    let (marked, accessors) = glue_count::count(include_str!("../src/lib.rs"));
     let lines = marked + accessors;
     let readme = include_str!("../README.md");
     let stated = format!("{lines} offload-specific lines ({marked} marked, {accessors} accessors)");
