@@ -290,6 +290,21 @@ impl Shared {
         Ok(tensors.into())
     }
 
+    /// Drops every group that is on the device only because it was prefetched and that nobody borrows (they
+    /// come back on their next take); returns how many. Called with the lock held.
+    fn drop_idle_prefetches(&self, state: &mut State) -> usize {
+        let idle: Vec<usize> = (0..state.groups.len())
+            .filter(|&i| {
+                let slot = &state.groups[i];
+                slot.users == 0 && slot.prefetched && !slot.kept && matches!(slot.residency, Residency::OnDevice(_))
+            })
+            .collect();
+        for &i in &idle {
+            self.drop_from_device(state, i);
+        }
+        idle.len()
+    }
+
     /// Drops a group's device tensors and frees them on the ledger. Called with the lock held (it is cheap).
     fn drop_from_device(&self, state: &mut State, group: usize) {
         let slot = &mut state.groups[group];
@@ -472,23 +487,9 @@ impl Engine {
             // Prefetched groups nobody borrows yet hold the bytes this one needs (a refused prefetch let the worker
             // run ahead into what the last group released): give them back and try once more, so the worker can
             // never starve the thread that computes.
-            let mut state = shared.state.lock();
-            let idle: Vec<usize> = (0..state.groups.len())
-                .filter(|&i| {
-                    let slot = &state.groups[i];
-                    i != group
-                        && slot.users == 0
-                        && slot.prefetched
-                        && !slot.kept
-                        && matches!(slot.residency, Residency::OnDevice(_))
-                })
-                .collect();
-            for i in &idle {
-                shared.drop_from_device(&mut state, *i);
-            }
-            drop(state);
-            if !idle.is_empty() {
-                tracing::debug!(group = %host.id, dropped = idle.len(), "upload refused: dropped idle prefetches and retried");
+            let dropped = shared.drop_idle_prefetches(&mut shared.state.lock());
+            if dropped > 0 {
+                tracing::debug!(group = %host.id, dropped, "upload refused: dropped idle prefetches and retried");
                 result = shared.upload(&host, Reason::GroupOnload);
             }
         }
@@ -546,6 +547,11 @@ impl Engine {
                 state.stats.prefetches += 1;
             }
         }
+    }
+
+    /// Gives back the groups prefetched that nobody borrows: see [`GroupOffload::release_idle_prefetches`].
+    pub fn release_idle_prefetches(&self) -> usize {
+        self.shared.drop_idle_prefetches(&mut self.shared.state.lock())
     }
 
     /// A guard let go of `group`.
