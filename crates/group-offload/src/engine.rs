@@ -549,11 +549,6 @@ impl Engine {
         }
     }
 
-    /// Gives back the groups prefetched that nobody borrows: see [`GroupOffload::release_idle_prefetches`].
-    pub fn release_idle_prefetches(&self) -> usize {
-        self.shared.drop_idle_prefetches(&mut self.shared.state.lock())
-    }
-
     /// A guard let go of `group`.
     pub fn release(&self, group: usize) {
         let shared = &self.shared;

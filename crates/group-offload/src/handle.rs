@@ -90,29 +90,19 @@ impl<M: OffloadModel> GroupedModel<M> {
 
     /// Runs `f` over the weights with `activation_bytes` accounted on the ledger, as [`BurnComponent::run`] does
     /// ([`run_call`]: the call succeeds only once the device has done its work).
-    ///
-    /// A call refused for lack of room (its activations' reservation, or the pages it took) while this model's
-    /// own prefetched groups sit idle on the device gives those back and runs once more, so `f` may run twice:
-    /// the prefetch that wrapped into this call can never be what makes it not fit.
     pub fn run<R: DeviceOutput, E: Into<ComponentError>>(
         &mut self,
         activation_bytes: u64,
-        mut f: impl FnMut(M::Weights<'_>, &Device) -> std::result::Result<R, E>,
+        f: impl FnOnce(M::Weights<'_>, &Device) -> std::result::Result<R, E>,
     ) -> std::result::Result<R, ComponentError> {
         let config = self.model.offload().config();
         let (name, memory) = (config.device_name.clone(), config.memory.clone());
         let (exec, weights) = (&self.exec, M::streamed(&self.parts));
         // One call is one forward: the first that returns ends the capture of the call order.
         let offload = self.model.offload();
-        let mut call = || {
-            run_call(exec, &name, self.ledger.as_ref(), memory.as_deref(), activation_bytes, || {
-                offload.run(|| f(weights, exec).map_err(Into::into))
-            })
-        };
-        match call() {
-            Err(error) if error.is_out_of_memory() && offload.release_idle_prefetches() > 0 => call(),
-            outcome => outcome,
-        }
+        run_call(exec, &name, self.ledger.as_ref(), memory.as_deref(), activation_bytes, || {
+            offload.run(|| f(weights, exec).map_err(Into::into))
+        })
     }
 }
 

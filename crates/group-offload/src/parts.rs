@@ -311,13 +311,6 @@ impl GroupOffload {
         self.engine.onload_resident()
     }
 
-    /// Gives back every group that is on the device only because it was prefetched and that nobody borrows yet
-    /// (each comes back on its next take); returns how many. A call refused for lack of room does this before it
-    /// runs again ([`GroupedModel::run`](crate::handle::GroupedModel::run)).
-    pub fn release_idle_prefetches(&self) -> usize {
-        self.engine.release_idle_prefetches()
-    }
-
     /// Blocks until no prefetch is in flight (for tests and measurements).
     pub fn wait_idle(&self) {
         self.engine.wait_idle();
