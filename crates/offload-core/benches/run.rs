@@ -114,9 +114,13 @@ fn resident_run(c: &mut Criterion) {
     let pair = [ids[1].clone(), ids[2].clone()];
     c.bench_function("run/resident_alternating", |b| {
         b.iter_custom(|iters| {
-            chunked(iters, || onload_all(&manager, &ids), |i| {
-                run_once(&manager, &pair[(i % 2) as usize]);
-            })
+            chunked(
+                iters,
+                || onload_all(&manager, &ids),
+                |i| {
+                    run_once(&manager, &pair[(i % 2) as usize]);
+                },
+            )
         })
     });
 
@@ -124,9 +128,13 @@ fn resident_run(c: &mut Criterion) {
     let transformer = ids[1].clone();
     c.bench_function("run/resident_traced", |b| {
         b.iter_custom(|iters| {
-            chunked(iters, || manager.set_timeline(Timeline::enabled()), |_| {
-                run_once(&manager, &transformer);
-            })
+            chunked(
+                iters,
+                || manager.set_timeline(Timeline::enabled()),
+                |_| {
+                    run_once(&manager, &transformer);
+                },
+            )
         })
     });
 }

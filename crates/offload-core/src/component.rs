@@ -72,6 +72,8 @@ impl ComponentError {
 ///   its whole size for a plain model, its resident budget for a model under group offload.
 /// - A component under group offload ([`evictable`](Offloadable::evictable) is false) moves its own
 ///   groups; the manager never chooses it for eviction, but counts its resident bytes.
+/// - The manager calls `onload` and `offload` with its registry lock held, so they must not call back into the
+///   manager (its timeline and record are reached through the handles it gave out before).
 ///
 /// ```
 /// use offload_core::{ComponentError, DeviceName, Offloadable};

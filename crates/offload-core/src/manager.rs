@@ -2,18 +2,25 @@
 //!
 //! # Locks
 //!
-//! - `state` (one mutex) protects the registry, each component's cached placement and claim count, the auto
-//!   offload settings and the use counter. Every decision and every move happens with it held, so two threads
-//!   never decide on the same reading and a component is never onloaded twice.
+//! - `state` (one mutex) protects the registry, each component's cached placement, the auto offload settings,
+//!   the schedule of uses and the timeline's handle. Every decision and every move happens with it held, so two
+//!   threads never decide on the same reading and a component is never onloaded twice.
 //! - Each component sits in its own `slot` mutex. A run holds its component's slot for the whole call, without
 //!   `state`, so components compute in parallel.
+//! - A claim is a handle on a component's slot, cloned under `state`; the claims on a component are its slot's
+//!   handles less the registry's own, so a claim is released by dropping it, without `state`.
 //! - Lock order: a thread that holds `state` only locks the slots of components that nobody has claimed; a
 //!   thread that runs a component claims it (under `state`) before it locks that slot. So a slot wanted under
 //!   `state` is never held by a thread that waits for `state`, and no cycle can form.
-//! - The record has its own small lock, taken only to push or copy events; so has the timeline, and its handle
-//!   (`timeline`) has one too, taken only to clone or replace it.
+//! - The record has its own small lock, taken only to push or copy events; so has the timeline.
+//!
+//! # The resident path
+//!
+//! A run of a component that is already on the execution device takes `state` once (find the component, check
+//! its type, claim it, count the use, see that it is resident, clone the timeline's handle), then its slot for
+//! the call: no allocation, no second look-up, and nothing more while the timeline is disabled.
 
-use std::any::type_name;
+use std::any::{TypeId, type_name};
 use std::fmt;
 use std::sync::Arc;
 
@@ -31,9 +38,12 @@ type Slot = Arc<Mutex<Box<dyn Offloadable>>>;
 
 struct Entry {
     id: String,
-    name: String,
+    /// Shared with the schedule of uses, which records a use without copying the name.
+    name: Arc<str>,
     collection: Option<String>,
     class_name: String,
+    /// The component's concrete type, so a run checks it under `state` without locking the slot.
+    type_id: TypeId,
     slot: Slot,
     /// Full weight size.
     bytes: u64,
@@ -42,10 +52,18 @@ struct Entry {
     /// Where the component is, as of its last move.
     device: DeviceName,
     evictable: bool,
-    /// Runs in flight (or about to start) on this component; a claimed component is never moved by others.
-    claims: usize,
     /// The use index of the component's most recent run since auto offload was enabled.
     last_use: u64,
+}
+
+impl Entry {
+    /// Runs in flight (or about to start) and inspections on this component; a claimed component is never
+    /// moved by others. Every handle on the slot outside the registry is a claim's: handles are cloned only
+    /// under `state` by [`ComponentsManager::claim`]. Read under `state`, the count cannot grow meanwhile; it
+    /// may only fall, as a run ends.
+    fn claims(&self) -> usize {
+        Arc::strong_count(&self.slot) - 1
+    }
 }
 
 struct AutoOffload {
@@ -54,9 +72,44 @@ struct AutoOffload {
     reserve: u64,
     retry_on_oom: bool,
     strategy: Arc<dyn OffloadStrategy>,
+    /// The uses counted so far: the index of the last one.
     use_index: u64,
-    /// The name of the component of each use, in order: `uses[i]` is use `i + 1`.
-    uses: Vec<String>,
+    /// The name of the component of each use, in order.
+    uses: Schedule,
+}
+
+impl AutoOffload {
+    /// Counts a use of the component named `name` and returns its index (1 for the first).
+    fn count_use(&mut self, name: &Arc<str>) -> u64 {
+        self.use_index += 1;
+        self.uses.push(name);
+        self.use_index
+    }
+}
+
+/// The schedule of uses, run-length encoded: consecutive uses of one name are one run, so the thousands of steps
+/// of a denoising loop are one entry, and recording a use never copies a name (it shares the entry's).
+#[derive(Default)]
+struct Schedule {
+    runs: Vec<(Arc<str>, u64)>,
+}
+
+impl Schedule {
+    fn push(&mut self, name: &Arc<str>) {
+        match self.runs.last_mut() {
+            Some((last, count)) if Arc::ptr_eq(last, name) || **last == **name => *count += 1,
+            _ => self.runs.push((name.clone(), 1)),
+        }
+    }
+
+    /// One name per use, in order: the `i`-th is use `i + 1`.
+    fn names(&self) -> Vec<String> {
+        let mut names = Vec::with_capacity(self.runs.iter().map(|(_, n)| *n as usize).sum());
+        for (name, count) in &self.runs {
+            names.extend(std::iter::repeat_n(name.to_string(), *count as usize));
+        }
+        names
+    }
 }
 
 #[derive(Default)]
@@ -64,6 +117,8 @@ struct State {
     entries: Vec<Entry>,
     next_seq: u64,
     auto: Option<AutoOffload>,
+    /// Where runs and moves are recorded; its handle is cloned under `state` with the rest of a run's start.
+    timeline: Timeline,
 }
 
 impl State {
@@ -188,7 +243,6 @@ pub struct AutoOffloadSettings {
 pub struct ComponentsManager {
     state: Mutex<State>,
     record: OffloadRecord,
-    timeline: Mutex<Timeline>,
 }
 
 impl Default for ComponentsManager {
@@ -207,30 +261,20 @@ impl fmt::Debug for ComponentsManager {
     }
 }
 
-/// A claim on a component: taken under `state` with a clone of its slot, released when a run or an inspection
-/// ends, however it ends. The slot handle is dropped before the claim is, so a component without claims has
-/// no slot handle outside the registry, and `remove` can always take it back.
-struct Claim<'a> {
-    manager: &'a ComponentsManager,
-    id: String,
-    slot: Option<Slot>,
-}
+/// A claim on a component: a handle on its slot, cloned under `state` ([`ComponentsManager::claim`]) and
+/// released when a run or an inspection ends, however it ends, by dropping it ([`Entry::claims`] counts them).
+/// A component without claims has no slot handle outside the registry, so `remove` can always take it back.
+type Claim = Slot;
 
-impl Claim<'_> {
-    fn slot(&self) -> &Slot {
-        // Set at construction and taken only in `drop`.
-        self.slot.as_ref().unwrap_or_else(|| unreachable!("a live claim holds its slot"))
-    }
-}
-
-impl Drop for Claim<'_> {
-    fn drop(&mut self) {
-        drop(self.slot.take());
-        let mut state = self.manager.state.lock();
-        if let Some(entry) = state.entries.iter_mut().find(|e| e.id == self.id) {
-            entry.claims = entry.claims.saturating_sub(1);
-        }
-    }
+/// What a run learns under `state` as it starts ([`ComponentsManager::start_run`]).
+struct Started {
+    claim: Claim,
+    timeline: Timeline,
+    /// The run's use index, or `None` while auto offload is disabled.
+    use_index: Option<u64>,
+    /// Whether the component is where the run computes (always, while auto offload is disabled). A claimed
+    /// component is never moved off the device by another thread, so it stays true once the slot is locked.
+    ready: bool,
 }
 
 fn valid_name(name: &str) -> bool {
@@ -240,11 +284,7 @@ fn valid_name(name: &str) -> bool {
 impl ComponentsManager {
     /// An empty manager with auto offload disabled.
     pub fn new() -> Self {
-        Self {
-            state: Mutex::new(State::default()),
-            record: OffloadRecord::new(),
-            timeline: Mutex::new(Timeline::disabled()),
-        }
+        Self { state: Mutex::new(State::default()), record: OffloadRecord::new() }
     }
 
     /// Adds a component under `name` (and optionally a collection) and returns its id, `<name>_<n>`.
@@ -274,7 +314,7 @@ impl ComponentsManager {
             let replaced = state
                 .entries
                 .iter()
-                .find(|e| e.name == name && e.collection.as_deref() == Some(collection))
+                .find(|e| *e.name == *name && e.collection.as_deref() == Some(collection))
                 .map(|e| e.id.clone());
             if let Some(old) = replaced {
                 tracing::warn!("collection {collection} already holds a {name} ({old}); replacing it");
@@ -285,15 +325,15 @@ impl ComponentsManager {
         let id = format!("{name}_{}", state.next_seq);
         let entry = Entry {
             id: id.clone(),
-            name: name.to_string(),
+            name: name.into(),
             collection: collection.map(str::to_string),
             class_name: component.class_name(),
+            type_id: TypeId::of::<C>(),
             bytes: component.bytes(),
             resident_bytes: component.resident_bytes(),
             device: component.device(),
             evictable: component.evictable(),
             slot: Arc::new(Mutex::new(component)),
-            claims: 0,
             last_use: 0,
         };
         state.entries.push(entry);
@@ -308,9 +348,9 @@ impl ComponentsManager {
 
     fn remove_locked(state: &mut State, id: &str) -> Result<Box<dyn Offloadable>> {
         let index = state.index(id)?;
-        // Slot handles are cloned only under `state` with a claim, and dropped before the claim: with no claim
-        // and no other handle, nobody can reach the component while it is taken out.
-        if state.entries[index].claims > 0 || Arc::strong_count(&state.entries[index].slot) > 1 {
+        // Every slot handle outside the registry is a claim, cloned only under `state`: with none, nobody can
+        // reach the component while it is taken out.
+        if state.entries[index].claims() > 0 {
             return Err(Error::InUse { id: id.to_string(), operation: "remove" });
         }
         {
@@ -343,7 +383,7 @@ impl ComponentsManager {
         let mut ids: Vec<String> = state
             .entries
             .iter()
-            .filter(|e| lookup.name.as_ref().is_none_or(|n| *n == e.name))
+            .filter(|e| lookup.name.as_deref().is_none_or(|n| n == &*e.name))
             .filter(|e| lookup.collection.as_ref().is_none_or(|c| Some(c) == e.collection.as_ref()))
             .map(|e| e.id.clone())
             .collect();
@@ -374,7 +414,7 @@ impl ComponentsManager {
         let entry = &state.entries[state.index(id)?];
         Ok(ComponentInfo {
             id: entry.id.clone(),
-            name: entry.name.clone(),
+            name: entry.name.to_string(),
             collection: entry.collection.clone(),
             class_name: entry.class_name.clone(),
             bytes: entry.bytes,
@@ -402,12 +442,12 @@ impl ComponentsManager {
     /// Share the same timeline with everything else that records the run (a group offloader's configuration, a
     /// pipeline's phases) before they start: they keep the timeline they were given.
     pub fn set_timeline(&self, timeline: Timeline) {
-        *self.timeline.lock() = timeline;
+        self.state.lock().timeline = timeline;
     }
 
     /// The timeline moves are recorded in (a disabled one unless [`set_timeline`](Self::set_timeline) set one).
     pub fn timeline(&self) -> Timeline {
-        self.timeline.lock().clone()
+        self.state.lock().timeline.clone()
     }
 
     /// The current auto offload settings, or `None` when disabled.
@@ -453,7 +493,7 @@ impl ComponentsManager {
             retry_on_oom,
             strategy: Arc::new(Auto),
             use_index: 0,
-            uses: Vec::new(),
+            uses: Schedule::default(),
         });
         Ok(())
     }
@@ -463,7 +503,7 @@ impl ComponentsManager {
     /// positions are the strategies' [`use_index`](offload_strategy::OffloadView::use_index). Empty while
     /// disabled.
     pub fn uses(&self) -> Vec<String> {
-        self.state.lock().auto.as_ref().map(|a| a.uses.clone()).unwrap_or_default()
+        self.state.lock().auto.as_ref().map(|a| a.uses.names()).unwrap_or_default()
     }
 
     /// Replaces the strategy. Components added later inherit it. Fails before `enable_auto_offload`.
@@ -483,16 +523,17 @@ impl ComponentsManager {
 
     fn disable_locked(&self, state: &mut State) -> Result<()> {
         let Some(auto) = state.auto.as_ref() else { return Ok(()) };
-        if let Some(busy) = state.entries.iter().find(|e| e.claims > 0) {
+        if let Some(busy) = state.entries.iter().find(|e| e.claims() > 0) {
             return Err(Error::InUse { id: busy.id.clone(), operation: "disable auto offload while running" });
         }
         let memory = auto.memory.clone();
         let device = auto.device.clone();
+        let timeline = state.timeline.clone();
         for entry in &mut state.entries {
             if entry.device != device {
                 continue;
             }
-            self.offload_entry(entry, memory.as_ref(), Reason::OffloadingDisabled)?;
+            self.offload_entry(entry, memory.as_ref(), &timeline, Reason::OffloadingDisabled)?;
         }
         state.auto = None;
         tracing::info!(%device, "auto offload disabled");
@@ -510,23 +551,11 @@ impl ComponentsManager {
     where
         C: Offloadable,
     {
-        let check = |component: &dyn Offloadable| {
-            let any: &dyn std::any::Any = component;
-            if any.is::<C>() {
-                Ok(())
-            } else {
-                Err(Error::WrongType {
-                    id: id.to_string(),
-                    actual: component.class_name(),
-                    requested: type_name::<C>().to_string(),
-                })
-            }
-        };
-        self.run_dyn(id, check, |component| {
+        self.run_dyn(id, Some((TypeId::of::<C>(), type_name::<C>())), |component| {
             let any: &mut dyn std::any::Any = component;
             match any.downcast_mut::<C>() {
                 Some(typed) => f(typed),
-                // The check above ran on this very component, under the same lock.
+                // The type was checked when the run started, and a registered component's type never changes.
                 None => Err(ComponentError::other("component type changed during a run")),
             }
         })
@@ -534,30 +563,33 @@ impl ComponentsManager {
 
     /// Runs a component without knowing its type; see [`run`](Self::run).
     pub fn run_any<R>(&self, id: &str, f: impl FnMut(&mut dyn Offloadable) -> Result<R, ComponentError>) -> Result<R> {
-        self.run_dyn(id, |_| Ok(()), f)
+        self.run_dyn(id, None, f)
     }
 
+    /// Runs `f` on the component `id`, whose type must be `requested` (its `TypeId` and name) when one is given.
     fn run_dyn<R>(
         &self,
         id: &str,
-        check: impl FnOnce(&dyn Offloadable) -> Result<()>,
+        requested: Option<(TypeId, &'static str)>,
         mut f: impl FnMut(&mut dyn Offloadable) -> Result<R, ComponentError>,
     ) -> Result<R> {
-        let claim = self.claim(id)?;
-        let mut component = claim.slot().lock();
+        let Started { claim, timeline, use_index, mut ready } = self.start_run(id, requested)?;
+        // The claim is released last: after the slot's guard, and after the run's span is recorded.
+        let mut component = claim.lock();
         // The run's span covers its onload (and the offloads that made room for it), its call and any retry.
-        let _run = self.timeline().span(category::RUN, id);
-        // Nothing moves until the type is known to be right.
-        check(component.as_ref())?;
+        let _run = timeline.span(category::RUN, id);
         let mut offloaded_for_retry: Vec<String> = Vec::new();
-        let mut count_use = true;
         loop {
-            let outcome = match self.prepare(id, component.as_mut(), count_use) {
-                Ok(()) => f(component.as_mut()),
-                Err(PrepareFailure::Manager(error)) => return Err(error),
-                Err(PrepareFailure::OutOfMemory(error)) => Err(error),
+            let outcome = match (ready, use_index) {
+                (true, _) | (false, None) => f(component.as_mut()),
+                (false, Some(use_index)) => match self.prepare(id, component.as_mut(), use_index) {
+                    Ok(()) => f(component.as_mut()),
+                    Err(PrepareFailure::Manager(error)) => return Err(error),
+                    Err(PrepareFailure::OutOfMemory(error)) => Err(error),
+                },
             };
-            count_use = false;
+            // A retry checks the placement again under `state`, and onloads if it must.
+            ready = false;
             match outcome {
                 Ok(value) => return Ok(value),
                 Err(error) if error.is_out_of_memory() => {
@@ -572,35 +604,57 @@ impl ComponentsManager {
         }
     }
 
-    /// Makes the claimed component resident on the execution device, asking the strategy what to offload.
-    fn prepare(&self, id: &str, component: &mut dyn Offloadable, count_use: bool) -> Result<(), PrepareFailure> {
+    /// Starts a run under one lock of `state`: finds the component, checks its type (nothing is claimed or
+    /// counted for the wrong one), claims it, counts the use and says whether it is already where it computes.
+    fn start_run(&self, id: &str, requested: Option<(TypeId, &'static str)>) -> Result<Started> {
         let mut state = self.state.lock();
         let index = state.index(id)?;
-        let name = state.entries[index].name.clone();
-        let Some(auto) = state.auto.as_mut() else { return Ok(()) };
-        if count_use {
-            auto.use_index += 1;
-            auto.uses.push(name);
+        let State { entries, auto, timeline, .. } = &mut *state;
+        let entry = &mut entries[index];
+        if let Some((type_id, requested)) = requested
+            && entry.type_id != type_id
+        {
+            return Err(Error::WrongType {
+                id: id.to_string(),
+                actual: entry.class_name.clone(),
+                requested: requested.to_string(),
+            });
         }
-        let (device, use_index) = (auto.device.clone(), auto.use_index);
-        state.entries[index].last_use = use_index;
+        let (use_index, ready) = match auto {
+            Some(auto) => {
+                let use_index = auto.count_use(&entry.name);
+                entry.last_use = use_index;
+                (Some(use_index), entry.device == auto.device)
+            }
+            None => (None, true),
+        };
+        Ok(Started { claim: entry.slot.clone(), timeline: timeline.clone(), use_index, ready })
+    }
+
+    /// Makes the claimed component resident on the execution device for its use `use_index` (counted when the
+    /// run started), asking the strategy what to offload.
+    fn prepare(&self, id: &str, component: &mut dyn Offloadable, use_index: u64) -> Result<(), PrepareFailure> {
+        let mut state = self.state.lock();
+        let index = state.index(id)?;
+        let Some(auto) = state.auto.as_ref() else { return Ok(()) };
+        let device = auto.device.clone();
         if state.entries[index].device == device {
             return Ok(());
         }
-        let auto = state.auto.as_ref().ok_or(Error::NotEnabled)?;
         let (memory, strategy, reserve) = (auto.memory.clone(), auto.strategy.clone(), auto.reserve);
+        let timeline = state.timeline.clone();
         let incoming = {
             let entry = &state.entries[index];
-            ComponentView::new(entry.id.clone(), entry.name.clone(), entry.resident_bytes)
+            ComponentView::new(entry.id.clone(), entry.name.to_string(), entry.resident_bytes)
         };
         let resident: Vec<ResidentComponent> = state
             .entries
             .iter()
             .filter(|e| e.id != id && e.device == device)
             .map(|e| ResidentComponent {
-                component: ComponentView::new(e.id.clone(), e.name.clone(), e.resident_bytes),
+                component: ComponentView::new(e.id.clone(), e.name.to_string(), e.resident_bytes),
                 evictable: e.evictable,
-                in_use: e.claims > 0,
+                in_use: e.claims() > 0,
                 last_use: e.last_use,
             })
             .collect();
@@ -642,12 +696,12 @@ impl ComponentsManager {
         // Offload in registration order, each move recorded with the reading taken just before it.
         let victims: Vec<usize> = (0..state.entries.len()).filter(|i| chosen.contains(&state.entries[*i].id)).collect();
         for victim in victims {
-            self.offload_entry(&mut state.entries[victim], memory.as_ref(), Reason::ReleaseMemoryFor(id.to_string()))?;
+            let reason = Reason::ReleaseMemoryFor(id.to_string());
+            self.offload_entry(&mut state.entries[victim], memory.as_ref(), &timeline, reason)?;
         }
         // The reading is taken just before the move; the event is recorded only once the move succeeded, so
         // the record's moves always add up to the placement.
         let reading = memory.reading();
-        let timeline = self.timeline();
         timeline.sample_memory(memory.as_ref());
         let mut span = timeline.span(category::ONLOAD, id).arg("bytes", incoming.bytes).arg("device", device.as_str());
         let onloaded = component.onload(&device);
@@ -679,9 +733,14 @@ impl ComponentsManager {
         }
     }
 
-    fn offload_entry(&self, entry: &mut Entry, memory: &dyn DeviceMemory, reason: Reason) -> Result<()> {
+    fn offload_entry(
+        &self,
+        entry: &mut Entry,
+        memory: &dyn DeviceMemory,
+        timeline: &Timeline,
+        reason: Reason,
+    ) -> Result<()> {
         let reading = memory.reading();
-        let timeline = self.timeline();
         timeline.sample_memory(memory);
         let mut span = timeline
             .span(category::OFFLOAD, &entry.id)
@@ -721,7 +780,7 @@ impl ComponentsManager {
             .entries
             .iter()
             .enumerate()
-            .filter(|(_, e)| e.id != id && e.device == device && e.evictable && e.claims == 0)
+            .filter(|(_, e)| e.id != id && e.device == device && e.evictable && e.claims() == 0)
             .filter(|(_, e)| !offloaded.contains(&e.id))
             .min_by_key(|(i, e)| (e.resident_bytes, *i))
             .map(|(i, _)| i);
@@ -735,23 +794,23 @@ impl ComponentsManager {
             "out of device memory ({error}); offloading and retrying; if this repeats, set a larger reserve"
         );
         offloaded.push(state.entries[victim].id.clone());
-        self.offload_entry(&mut state.entries[victim], memory.as_ref(), Reason::OomRetry(id.to_string()))?;
+        let timeline = state.timeline.clone();
+        self.offload_entry(&mut state.entries[victim], memory.as_ref(), &timeline, Reason::OomRetry(id.to_string()))?;
         Ok(())
     }
 
     /// Claims a component for a run or an inspection: it will not be moved by others or removed meanwhile.
-    fn claim(&self, id: &str) -> Result<Claim<'_>> {
-        let mut state = self.state.lock();
+    fn claim(&self, id: &str) -> Result<Claim> {
+        let state = self.state.lock();
         let index = state.index(id)?;
-        state.entries[index].claims += 1;
-        Ok(Claim { manager: self, id: id.to_string(), slot: Some(state.entries[index].slot.clone()) })
+        Ok(state.entries[index].slot.clone())
     }
 
     /// Reads a component without moving it. While `f` runs the component is claimed: it is not moved or
     /// removed by other threads.
     pub fn inspect<C: Offloadable, R>(&self, id: &str, f: impl FnOnce(&C) -> R) -> Result<R> {
         let claim = self.claim(id)?;
-        let component = claim.slot().lock();
+        let component = claim.lock();
         let any: &dyn std::any::Any = component.as_ref();
         match any.downcast_ref::<C>() {
             Some(typed) => Ok(f(typed)),

@@ -463,6 +463,56 @@ fn the_schedule_of_uses_is_kept_by_name() {
     assert!(manager.uses().is_empty(), "a new session starts a new schedule");
 }
 
+/// The schedule keeps every use in order, however the components alternate, and a run refused for its type is
+/// no use and leaves no claim behind.
+#[test]
+fn the_schedule_keeps_alternating_uses_and_a_refused_run_counts_none() {
+    let card = patched_card(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let encoder = manager.add("text_encoder", Dummy::new(4 * UNIT, &card), None).unwrap();
+    let denoiser = manager.add("transformer", Dummy::new(4 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    for id in [&encoder, &denoiser, &denoiser, &encoder, &denoiser] {
+        run(&manager, id);
+    }
+    let wrong = manager.run(&denoiser, |_: &mut NotADummy| Ok(()));
+    assert!(matches!(wrong, Err(Error::WrongType { .. })), "{wrong:?}");
+    assert_eq!(manager.uses(), ["text_encoder", "transformer", "transformer", "text_encoder", "transformer"]);
+    manager.disable_auto_offload().unwrap();
+    assert!(manager.remove(&denoiser).is_ok(), "no claim was left by the refused run");
+}
+
+/// Runs from several threads at once, on the same component and on others: each is one use, and when they are
+/// done no claim is left (every component can be removed) and the record's moves add up to the placement.
+#[test]
+fn runs_from_several_threads_each_count_one_use_and_release_their_claim() {
+    let card = patched_card(70 * UNIT);
+    let manager = ComponentsManager::new();
+    let ids: Vec<String> = ["text_encoder", "transformer", "vae"]
+        .iter()
+        .map(|n| manager.add(n, Dummy::new(4 * UNIT, &card), None).unwrap())
+        .collect();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    const RUNS: usize = 200;
+    std::thread::scope(|scope| {
+        for thread in 0..4 {
+            let (manager, ids) = (&manager, &ids);
+            scope.spawn(move || {
+                for i in 0..RUNS {
+                    run(manager, &ids[(thread + i) % ids.len()]);
+                }
+            });
+        }
+    });
+    assert_eq!(manager.uses().len(), 4 * RUNS);
+    let onloads = manager.offload_record().events().iter().filter(|e| e.action == Action::Onload).count();
+    assert_eq!(onloads, ids.len(), "each component onloaded once: nothing was under pressure");
+    manager.disable_auto_offload().unwrap();
+    for id in &ids {
+        assert!(manager.remove(id).is_ok(), "{id} has no claim left");
+    }
+}
+
 // --- The timeline ---
 
 #[test]
