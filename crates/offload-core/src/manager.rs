@@ -577,7 +577,7 @@ impl ComponentsManager {
         // The claim is released last: after the slot's guard, and after the run's span is recorded.
         let mut component = claim.lock();
         // The run's span covers its onload (and the offloads that made room for it), its call and any retry.
-        let _run = timeline.span(category::RUN, id);
+        let _run = timeline.into_span(category::RUN, id);
         let mut offloaded_for_retry: Vec<String> = Vec::new();
         loop {
             let outcome = match (ready, use_index) {

@@ -17,8 +17,13 @@
 //! `chrome://tracing` open.
 //!
 //! Writing the file needs the crate's `io` feature (JSON through serde_json); recording does not.
+//!
+//! Recording a span allocates nothing per call: a category the workspace records under ([`category`]) is kept
+//! as a reference to its constant, a name or an arg's key of up to [`INLINE_LABEL`] bytes (every component id
+//! and group id of the workspace) is copied inline, and the event is appended to a list that grows by doubling.
+//! Only a longer name, an arg's text and the list's growth reach the allocator. [`Timeline::events`] copies the
+//! events out as plain [`TimelineEvent`]s.
 
-use std::collections::HashMap;
 use std::fmt;
 #[cfg(feature = "io")]
 use std::io::{self, Write};
@@ -38,6 +43,9 @@ pub const MAX_TIMELINE_EVENTS: usize = 1_000_000;
 
 /// The name of the counter track of device memory samples.
 pub const MEMORY_COUNTER: &str = "device memory";
+
+/// The longest name (or arg's key) a timeline keeps without a heap allocation, in bytes.
+pub const INLINE_LABEL: usize = 30;
 
 /// The categories the workspace records under, one per kind of span; the trace viewer filters by them.
 pub mod category {
@@ -59,6 +67,60 @@ pub mod category {
     pub const RELEASE: &str = "release";
     /// Device memory samples (the counter track).
     pub const MEMORY: &str = "memory";
+
+    /// Every category above: a span of one of them keeps a reference to the constant, not a copy.
+    pub(crate) const ALL: [&str; 9] = [PHASE, STEP, RUN, ONLOAD, OFFLOAD, UPLOAD, COMPUTE, RELEASE, MEMORY];
+}
+
+/// A category, a name or an arg's key as a timeline keeps it: without a heap allocation unless it is a name
+/// longer than [`INLINE_LABEL`] bytes.
+#[derive(Clone)]
+enum Label {
+    /// One of the [`category`] constants (or another `'static` text).
+    Static(&'static str),
+    /// A copy of a short text: its first `len` bytes, copied whole from a `str`.
+    Inline { len: u8, bytes: [u8; INLINE_LABEL] },
+    /// A longer text.
+    Heap(Box<str>),
+}
+
+impl Label {
+    /// A category: a reference to the constant when it is one of [`category::ALL`].
+    fn category(text: &str) -> Self {
+        match category::ALL.iter().find(|known| **known == text) {
+            Some(known) => Label::Static(known),
+            None => Label::text(text),
+        }
+    }
+
+    /// Any text: inline when it fits.
+    fn text(text: &str) -> Self {
+        match u8::try_from(text.len()) {
+            Ok(len) if text.len() <= INLINE_LABEL => {
+                let mut bytes = [0; INLINE_LABEL];
+                bytes[..text.len()].copy_from_slice(text.as_bytes());
+                Label::Inline { len, bytes }
+            }
+            _ => Label::Heap(text.into()),
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        match self {
+            Label::Static(text) => text,
+            // The bytes are a whole `str`, copied in `text`, so they are UTF-8.
+            Label::Inline { len, bytes } => {
+                std::str::from_utf8(&bytes[..usize::from(*len)]).unwrap_or_else(|_| unreachable!("copied from a str"))
+            }
+            Label::Heap(text) => text,
+        }
+    }
+}
+
+impl fmt::Debug for Label {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
+    }
 }
 
 /// A value attached to an event (`args` in the trace file).
@@ -171,6 +233,40 @@ impl TimelineEvent {
     }
 }
 
+/// An event as a timeline keeps it: a [`TimelineEvent`] whose texts are [`Label`]s.
+struct Recorded {
+    kind: EventKind,
+    category: Label,
+    name: Label,
+    start_ns: u64,
+    thread: u64,
+    args: Vec<(Label, ArgValue)>,
+}
+
+impl Recorded {
+    fn from_event(event: TimelineEvent) -> Self {
+        Self {
+            kind: event.kind,
+            category: Label::category(&event.category),
+            name: Label::text(&event.name),
+            start_ns: event.start_ns,
+            thread: event.thread,
+            args: event.args.into_iter().map(|(key, value)| (Label::text(&key), value)).collect(),
+        }
+    }
+
+    fn to_event(&self) -> TimelineEvent {
+        TimelineEvent {
+            kind: self.kind,
+            category: self.category.as_str().to_string(),
+            name: self.name.as_str().to_string(),
+            start_ns: self.start_ns,
+            thread: self.thread,
+            args: self.args.iter().map(|(key, value)| (key.as_str().to_string(), value.clone())).collect(),
+        }
+    }
+}
+
 /// Nanoseconds as the trace's microseconds, keeping the sub-microsecond part.
 #[cfg(feature = "io")]
 fn micros(ns: u64) -> f64 {
@@ -204,26 +300,29 @@ struct Inner {
 
 #[derive(Default)]
 struct State {
-    events: Vec<TimelineEvent>,
+    events: Vec<Recorded>,
     dropped: u64,
     threads: Vec<ThreadInfo>,
-    by_id: HashMap<ThreadId, u64>,
+    /// The number of each thread that recorded itself. A run records from a few threads (the caller's, the
+    /// prefetch workers', the sampler's), so a scan is quicker than hashing.
+    by_id: Vec<(ThreadId, u64)>,
 }
 
 impl State {
     /// The number of `thread`, numbering and naming it on its first event.
     fn tid(&mut self, thread: &Thread) -> u64 {
-        if let Some(tid) = self.by_id.get(&thread.id()) {
+        let id = thread.id();
+        if let Some((_, tid)) = self.by_id.iter().find(|(known, _)| *known == id) {
             return *tid;
         }
         let tid = self.threads.len() as u64 + 1;
         let name = thread.name().map_or_else(|| format!("thread {tid}"), str::to_string);
-        self.by_id.insert(thread.id(), tid);
+        self.by_id.push((id, tid));
         self.threads.push(ThreadInfo { tid, name });
         tid
     }
 
-    fn push(&mut self, event: TimelineEvent) {
+    fn push(&mut self, event: Recorded) {
         if self.events.len() >= MAX_TIMELINE_EVENTS {
             self.dropped += 1;
         } else {
@@ -274,12 +373,17 @@ impl Timeline {
     /// Starts a span of `category` named `name` on this thread; it ends (and is recorded) when the returned
     /// [`Span`] is dropped or [`end`](Span::end)ed. On a disabled timeline nothing is allocated.
     pub fn span(&self, category: &str, name: &str) -> Span {
+        self.clone().into_span(category, name)
+    }
+
+    /// [`span`](Self::span), keeping this handle in the span rather than another clone of it.
+    pub(crate) fn into_span(self, category: &str, name: &str) -> Span {
         Span {
-            open: self.inner.as_ref().map(|inner| OpenSpan {
-                inner: inner.clone(),
-                category: category.to_string(),
-                name: name.to_string(),
+            open: self.inner.map(|inner| OpenSpan {
                 start_ns: elapsed_ns(inner.origin),
+                inner,
+                category: Label::category(category),
+                name: Label::text(name),
                 thread: std::thread::current(),
                 args: Vec::new(),
             }),
@@ -294,13 +398,13 @@ impl Timeline {
         let thread = std::thread::current();
         let mut state = inner.state.lock();
         let tid = state.tid(&thread);
-        state.push(TimelineEvent {
+        state.push(Recorded {
             kind: EventKind::Span { duration_ns: end.saturating_sub(start_ns) },
-            category: category.to_string(),
-            name: name.to_string(),
+            category: Label::category(category),
+            name: Label::text(name),
             start_ns,
             thread: tid,
-            args,
+            args: args.into_iter().map(|(key, value)| (Label::text(&key), value)).collect(),
         });
     }
 
@@ -311,13 +415,13 @@ impl Timeline {
         let thread = std::thread::current();
         let mut state = inner.state.lock();
         let tid = state.tid(&thread);
-        state.push(TimelineEvent {
+        state.push(Recorded {
             kind: EventKind::Instant,
-            category: category.to_string(),
-            name: name.to_string(),
+            category: Label::category(category),
+            name: Label::text(name),
             start_ns,
             thread: tid,
-            args: args.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
+            args: args.iter().map(|(key, value)| (Label::text(key), value.clone())).collect(),
         });
     }
 
@@ -331,13 +435,13 @@ impl Timeline {
         let thread = std::thread::current();
         let mut state = inner.state.lock();
         let tid = state.tid(&thread);
-        state.push(TimelineEvent {
+        state.push(Recorded {
             kind: EventKind::Counter,
-            category: category::MEMORY.to_string(),
-            name: MEMORY_COUNTER.to_string(),
+            category: Label::Static(category::MEMORY),
+            name: Label::Static(MEMORY_COUNTER),
             start_ns,
             thread: tid,
-            args: vec![("allocated".into(), allocated.into()), ("available".into(), available.into())],
+            args: vec![(Label::Static("allocated"), allocated.into()), (Label::Static("available"), available.into())],
         });
     }
 
@@ -373,7 +477,7 @@ impl Timeline {
     /// imports). Name its thread with [`name_thread`](Self::name_thread).
     pub fn push(&self, event: TimelineEvent) {
         if let Some(inner) = &self.inner {
-            inner.state.lock().push(event);
+            inner.state.lock().push(Recorded::from_event(event));
         }
     }
 
@@ -389,7 +493,10 @@ impl Timeline {
 
     /// A copy of the events, in the order they were recorded (a span is recorded when it ends).
     pub fn events(&self) -> Vec<TimelineEvent> {
-        self.inner.as_ref().map(|inner| inner.state.lock().events.clone()).unwrap_or_default()
+        self.inner
+            .as_ref()
+            .map(|inner| inner.state.lock().events.iter().map(Recorded::to_event).collect())
+            .unwrap_or_default()
     }
 
     /// The threads that recorded, by number.
@@ -500,11 +607,11 @@ impl Drop for MemorySampler {
 
 struct OpenSpan {
     inner: Arc<Inner>,
-    category: String,
-    name: String,
+    category: Label,
+    name: Label,
     start_ns: u64,
     thread: Thread,
-    args: Vec<(String, ArgValue)>,
+    args: Vec<(Label, ArgValue)>,
 }
 
 /// A span being recorded ([`Timeline::span`]): recorded, on the thread that opened it, when dropped or
@@ -533,7 +640,7 @@ impl Span {
     /// Adds an arg to a span already bound (an outcome known only at its end).
     pub fn set_arg(&mut self, key: &str, value: impl Into<ArgValue>) {
         if let Some(open) = &mut self.open {
-            open.args.push((key.to_string(), value.into()));
+            open.args.push((Label::text(key), value.into()));
         }
     }
 
@@ -547,7 +654,7 @@ impl Drop for Span {
         let end = elapsed_ns(open.inner.origin);
         let mut state = open.inner.state.lock();
         let tid = state.tid(&open.thread);
-        state.push(TimelineEvent {
+        state.push(Recorded {
             kind: EventKind::Span { duration_ns: end.saturating_sub(open.start_ns) },
             category: open.category,
             name: open.name,
@@ -650,6 +757,36 @@ mod tests {
         let disabled = Timeline::disabled();
         disabled.sample_every(Arc::new(Fixed), Duration::from_millis(1)).stop();
         assert!(disabled.memory_samples().is_empty());
+    }
+
+    /// A category of the workspace, one of a caller's own, a short name and one past [`INLINE_LABEL`] all come
+    /// back as they were given, with their args.
+    #[test]
+    fn names_and_categories_of_any_length_come_back_as_given() {
+        let long = "transformer/layers_10_11/attention_and_feed_forward";
+        assert!(long.len() > INLINE_LABEL);
+        let timeline = Timeline::enabled();
+        timeline.span(category::UPLOAD, long).arg("bytes", 4096u64).arg("reason", "prefetch").end();
+        timeline.span("a category of my own", "vae_3").end();
+        timeline.instant(category::PHASE, "é", &[("an arg whose key is longer than thirty bytes", 1u64.into())]);
+        let texts: Vec<(String, String, Vec<(String, ArgValue)>)> =
+            timeline.events().into_iter().map(|e| (e.category, e.name, e.args)).collect();
+        assert_eq!(
+            texts,
+            vec![
+                (
+                    "upload".to_string(),
+                    long.to_string(),
+                    vec![("bytes".into(), ArgValue::Number(4096)), ("reason".into(), "prefetch".into())]
+                ),
+                ("a category of my own".to_string(), "vae_3".to_string(), vec![]),
+                (
+                    "phase".to_string(),
+                    "é".to_string(),
+                    vec![("an arg whose key is longer than thirty bytes".into(), ArgValue::Number(1))]
+                ),
+            ]
+        );
     }
 
     #[test]
