@@ -302,8 +302,10 @@ impl PoolSnapshot {
 struct PoolState {
     device: Device,
     name: DeviceName,
-    /// The device's capacity, from the driver or given.
+    /// The device's capacity, from the driver, the caller or the runtime.
     total: u64,
+    /// Where `total` came from.
+    total_source: TotalSource,
     driver: Driver,
     peak: AtomicU64,
     reserved_peak: AtomicU64,
@@ -348,6 +350,49 @@ impl Driver {
             #[cfg(feature = "cuda")]
             Driver::Cuda(context) => context.mem_get_info().ok().map(|(free, total)| (free as u64, total as u64)),
         }
+    }
+}
+
+/// Where a [`PoolReadings`]' total came from, in the order they are tried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TotalSource {
+    /// The driver's memory call (CUDA's `cuMemGetInfo`).
+    Driver,
+    /// The caller's size (`--device-memory`), which overrides the runtime's.
+    Given,
+    /// The runtime's reading of the device ([`runtime_capacity`]: the largest device-local Vulkan heap on wgpu).
+    RuntimeHeap,
+}
+
+impl std::fmt::Display for TotalSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TotalSource::Driver => "the driver's",
+            TotalSource::Given => "given by --device-memory",
+            TotalSource::RuntimeHeap => "the runtime's device-local heap",
+        })
+    }
+}
+
+/// The capacity the runtime read from the device when it opened it, where it reads one: on wgpu, the largest
+/// device-local memory heap Vulkan reports (cubecl-wgpu 0.11.3 reads it into its client's
+/// `MemoryDeviceProperties::max_memory`; Metal's recommended working set on Apple). `None` for a runtime or
+/// driver that reports none. The heap is the device's size, not its budget: what other processes hold on it is
+/// not seen (cubecl reads no `VK_EXT_memory_budget`, and reading it ourselves would need `unsafe` Vulkan calls,
+/// which the workspace forbids).
+pub fn runtime_capacity(device: &Device) -> Option<u64> {
+    #[cfg(feature = "wgpu")]
+    {
+        #[allow(unreachable_patterns)]
+        match device.as_dispatch() {
+            burn_dispatch::DispatchDevice::Cube(cube) => cube.client().properties().memory.max_memory(),
+            _ => None,
+        }
+    }
+    #[cfg(not(feature = "wgpu"))]
+    {
+        let _ = device;
+        None
     }
 }
 
@@ -416,9 +461,10 @@ impl PoolReadings {
 
     /// Readings of `device` (named `name` in the manager and the record), with a sampler thread for the peak.
     ///
-    /// `total` is the device's capacity where the runtime reports none (wgpu); a CUDA device's comes from the
-    /// driver and `total` is ignored. Fails with [`Error::NoPoolReadings`] for a backend without a memory pool
-    /// (the CPU backend `flex`), and [`Error::UnknownTotal`] when neither the driver nor `total` gives a size.
+    /// The device's capacity comes from the driver where it has a call (CUDA's `cuMemGetInfo`; `total` is then
+    /// ignored), else from `total` when given (an override), else from the runtime ([`runtime_capacity`]: on wgpu
+    /// the device-local Vulkan heap). Fails with [`Error::NoPoolReadings`] for a backend without a memory pool
+    /// (the CPU backend `flex`), and [`Error::UnknownTotal`] when none of the three gives a size.
     pub fn open(device: Device, name: DeviceName, total: Option<u64>) -> Result<Arc<Self>> {
         Self::open_with(device, name, total, Some(Self::SAMPLE_EVERY))
     }
@@ -435,15 +481,19 @@ impl PoolReadings {
             return Err(Error::NoPoolReadings { device: name.to_string() });
         }
         let driver = Driver::for_device(&name);
-        let total = match (driver.memory(), total) {
-            (Some((_, total)), _) => total,
-            (None, Some(total)) if total > 0 => total,
-            _ => return Err(Error::UnknownTotal { device: name.to_string() }),
+        let (total, total_source) = match (driver.memory(), total) {
+            (Some((_, total)), _) => (total, TotalSource::Driver),
+            (None, Some(total)) if total > 0 => (total, TotalSource::Given),
+            _ => match runtime_capacity(&device) {
+                Some(total) if total > 0 => (total, TotalSource::RuntimeHeap),
+                _ => return Err(Error::UnknownTotal { device: name.to_string() }),
+            },
         };
         let state = Arc::new(PoolState {
             device,
             name,
             total,
+            total_source,
             driver,
             peak: AtomicU64::new(0),
             reserved_peak: AtomicU64::new(0),
@@ -489,6 +539,11 @@ impl PoolReadings {
     /// allocations held, where [`peak`](DeviceMemory::peak) is the in-use high-water.
     pub fn reserved_peak(&self) -> u64 {
         self.state.reserved_peak.load(Ordering::Relaxed)
+    }
+
+    /// Where the device's total came from.
+    pub fn total_source(&self) -> TotalSource {
+        self.state.total_source
     }
 
     /// Whether the driver's free memory is read (CUDA), rather than derived from the given total.
@@ -934,7 +989,32 @@ pub fn run_call<R: DeviceOutput>(
     estimate: u64,
     f: impl FnOnce() -> std::result::Result<R, ComponentError>,
 ) -> std::result::Result<R, ComponentError> {
-    ledger.begin_call(estimate)?;
+    run_call_making_room(device, name, ledger, memory, estimate, || false, f)
+}
+
+/// [`run_call`] for a component that can give memory back before its call runs: when the ledger refuses the
+/// call's activations for lack of room, `make_room` is called once (a grouped model gives back the groups its
+/// prefetch worker uploaded that nobody borrows yet: they come back on their first take) and, when it freed
+/// anything, the reservation is tried again. Nothing has run at that point, so this is no retry of the call: an
+/// out-of-memory that remains is the manager's to handle, as before.
+pub fn run_call_making_room<R: DeviceOutput>(
+    device: &Device,
+    name: &DeviceName,
+    ledger: &dyn DeviceLedger,
+    memory: Option<&dyn DeviceMemory>,
+    estimate: u64,
+    make_room: impl FnOnce() -> bool,
+    f: impl FnOnce() -> std::result::Result<R, ComponentError>,
+) -> std::result::Result<R, ComponentError> {
+    match ledger.begin_call(estimate) {
+        Err(refused) if refused.is_out_of_memory() => {
+            if !make_room() {
+                return Err(refused);
+            }
+            ledger.begin_call(estimate)?;
+        }
+        other => other?,
+    }
     let call = OpenCall { ledger, estimate, open: true };
     let result = f();
     let synced = check_device(device, name, "run", memory);

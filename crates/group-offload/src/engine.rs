@@ -88,6 +88,26 @@ struct State {
     stats: GroupStats,
     /// The first parameters loaded outside their groups (at most [`STRAYS_KEPT`]), for the streaming check.
     strays: Vec<String>,
+    /// The first stray load that could not read its host copy since the last call ended (the disk file vanished),
+    /// as the error the call returns.
+    stray_failure: Option<StrayFailure>,
+}
+
+/// A stray load whose host copy could not be read: what the call that made it fails with.
+#[derive(Debug, Clone)]
+pub(crate) struct StrayFailure {
+    /// The group's record id.
+    group: String,
+    /// Its file, or `memory`.
+    path: String,
+    /// The parameter and what the read reported.
+    message: String,
+}
+
+impl From<StrayFailure> for Error {
+    fn from(failure: StrayFailure) -> Self {
+        Error::Disk { group: failure.group, path: failure.path, message: failure.message }
+    }
 }
 
 /// How many stray parameters' names the engine keeps.
@@ -290,9 +310,20 @@ impl Shared {
         Ok(tensors.into())
     }
 
+    /// [`drop_idle_prefetches`](Self::drop_idle_prefetches), taking the lock, each release recorded with
+    /// `reason`.
+    pub fn release_idle_prefetches(&self, reason: &Reason) -> usize {
+        self.drop_idle_prefetches_for(&mut self.state.lock(), reason)
+    }
+
     /// Drops every group that is on the device only because it was prefetched and that nobody borrows (they
     /// come back on their next take); returns how many. Called with the lock held.
     fn drop_idle_prefetches(&self, state: &mut State) -> usize {
+        self.drop_idle_prefetches_for(state, &Reason::GroupOffload)
+    }
+
+    /// [`drop_idle_prefetches`](Self::drop_idle_prefetches), each release recorded with `reason`.
+    fn drop_idle_prefetches_for(&self, state: &mut State, reason: &Reason) -> usize {
         let idle: Vec<usize> = (0..state.groups.len())
             .filter(|&i| {
                 let slot = &state.groups[i];
@@ -300,13 +331,18 @@ impl Shared {
             })
             .collect();
         for &i in &idle {
-            self.drop_from_device(state, i);
+            self.drop_from_device_for(state, i, reason);
         }
         idle.len()
     }
 
     /// Drops a group's device tensors and frees them on the ledger. Called with the lock held (it is cheap).
     fn drop_from_device(&self, state: &mut State, group: usize) {
+        self.drop_from_device_for(state, group, &Reason::GroupOffload);
+    }
+
+    /// [`drop_from_device`](Self::drop_from_device), the release recorded with `reason`.
+    fn drop_from_device_for(&self, state: &mut State, group: usize, reason: &Reason) {
         let slot = &mut state.groups[group];
         if !matches!(slot.residency, Residency::OnDevice(_)) {
             return;
@@ -317,7 +353,7 @@ impl Shared {
         }
         slot.prefetched = false;
         let span = self.config.timeline.span(category::RELEASE, &id).arg("bytes", bytes);
-        self.record(Action::Offload, &id, bytes, Reason::GroupOffload);
+        self.record(Action::Offload, &id, bytes, reason.clone());
         slot.residency = Residency::Offloaded;
         self.config.ledger.free_tensors(&slot.host.tensor_sizes());
         drop(span);
@@ -344,6 +380,7 @@ impl Engine {
                 kept_bytes: 0,
                 stats: GroupStats::default(),
                 strays: Vec::new(),
+                stray_failure: None,
             }),
             changed: Condvar::new(),
         });
@@ -623,6 +660,20 @@ impl Engine {
         }
         drop(state);
         tracing::warn!(parameter = name, "a parameter outside the taken groups was used; loaded it synchronously");
+    }
+
+    /// Records a stray load that could not read `group`'s host copy; the call that made it fails with it
+    /// ([`take_stray_failure`](Self::take_stray_failure)). The first failure of a call is kept.
+    pub fn fail_stray(&self, group: &str, path: Option<&std::path::Path>, message: String) {
+        let mut state = self.shared.state.lock();
+        let path = path.map_or_else(|| "memory".to_string(), |p| p.display().to_string());
+        tracing::error!(group, path = path.as_str(), "a stray load could not read its host copy: {message}");
+        state.stray_failure.get_or_insert(StrayFailure { group: group.to_string(), path, message });
+    }
+
+    /// The stray-load failure recorded since the last call, if any, cleared.
+    pub fn take_stray_failure(&self) -> Option<StrayFailure> {
+        self.shared.state.lock().stray_failure.take()
     }
 
     /// The first parameters loaded outside their groups.

@@ -117,10 +117,11 @@ pub enum Error {
         device: String,
     },
 
-    /// A runtime that reports no total memory was given none.
+    /// Neither the driver, nor the runtime, nor the caller gave the device's total memory.
     #[error(
-        "{device} reports no total memory (burn's wgpu runtime has no driver memory call): give the device's size \
-         (`--device-memory 8GB` in the CLI; on lavapipe, the host memory the device may use)"
+        "{device} reports no total memory (no driver memory call, and the runtime read no device-local heap): give \
+         the device's size (`--device-memory 8GB` in the CLI; on lavapipe, the host memory the device may use), or on a \
+         real Vulkan GPU build with the `vulkan` feature, which reads the device-local heap"
     )]
     UnknownTotal {
         /// The device.

@@ -7,7 +7,7 @@
 //! (`ComponentsManager::run`) asks its strategy what to evict, calls the component's `onload`
 //! ([`BurnComponent`]: the ledger's `allocate` and `transfer`, burn's `to_device`, a read-back that proves the
 //! upload landed; [`GroupedModel`]: the resident groups' upload), then runs the call through
-//! [`run_call`] (the activations charged, the device synced and read back), and on an
+//! [`run_call`](crate::device::run_call) (the activations charged, the device synced and read back), and on an
 //! out-of-memory evicts and calls again. Under group offload, each group the forward takes is uploaded by the
 //! engine (`allocate`, `transfer`, an event in the manager's record) and released when its guard drops.
 
@@ -21,7 +21,7 @@ use offload_core::{ComponentError, ComponentsManager, DeviceLedger, DeviceName, 
 
 use crate::component::GroupOffloadedModel;
 use crate::config::GroupOffloadConfig;
-use crate::device::{DeviceOutput, run_call};
+use crate::device::{DeviceOutput, run_call_making_room};
 use crate::engine::GroupStats;
 use crate::error::{Error, Result};
 use crate::model::{GroupOptions, OffloadModel, Split, measure_layout};
@@ -84,12 +84,17 @@ impl<M: OffloadModel> GroupedModel<M> {
 
     /// One forward over the weights, with no device accounting: one [`GroupOffload::run`] (the first is the
     /// capture). [`run`](Self::run) is the same with the call's activations charged and the device checked.
-    pub fn call<T, E>(&self, forward: impl FnOnce(M::Weights<'_>) -> std::result::Result<T, E>) -> std::result::Result<T, E> {
+    /// The closure's error type takes this crate's ([`Error`]): the run fails with it when a stray load cannot
+    /// read its host copy.
+    pub fn call<T, E: From<Error>>(
+        &self,
+        forward: impl FnOnce(M::Weights<'_>) -> std::result::Result<T, E>,
+    ) -> std::result::Result<T, E> {
         self.offload().run(|| forward(self.weights()))
     }
 
     /// Runs `f` over the weights with `activation_bytes` accounted on the ledger, as [`BurnComponent::run`] does
-    /// ([`run_call`]: the call succeeds only once the device has done its work).
+    /// ([`run_call`](crate::device::run_call): the call succeeds only once the device has done its work).
     pub fn run<R: DeviceOutput, E: Into<ComponentError>>(
         &mut self,
         activation_bytes: u64,
@@ -100,7 +105,10 @@ impl<M: OffloadModel> GroupedModel<M> {
         let (exec, weights) = (&self.exec, M::streamed(&self.parts));
         // One call is one forward: the first that returns ends the capture of the call order.
         let offload = self.model.offload();
-        run_call(exec, &name, self.ledger.as_ref(), memory.as_deref(), activation_bytes, || {
+        // Activations the device refuses are first made room for with the groups prefetched for this call that
+        // it has not taken yet: the worker must never starve the call it prefetches for.
+        let make_room = || offload.release_idle_prefetches() > 0;
+        run_call_making_room(exec, &name, self.ledger.as_ref(), memory.as_deref(), activation_bytes, make_room, || {
             offload.run(|| f(weights, exec).map_err(Into::into))
         })
     }

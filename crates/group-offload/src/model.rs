@@ -504,7 +504,7 @@ where
         let parts = model.clone().split(&Split::new(&offload, &options, M::leaf_types()))?;
         let mut after_capture = None;
         for _ in 0..2 {
-            let out = offload.run(|| forward(M::streamed(&parts))).map_err(|e| failed(name, e.to_string()))?;
+            let out = offload.run(|| forward(M::streamed(&parts)).map_err(|e| failed(name, e.to_string())))?;
             let difference = (out - reference.clone()).abs().max().into_scalar::<f32>() / scale;
             check.max_relative_difference = check.max_relative_difference.max(difference);
             if difference.is_nan() || difference > 1e-4 {

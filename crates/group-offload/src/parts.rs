@@ -210,6 +210,15 @@ impl GroupOffload {
         })
     }
 
+    /// Gives back every group on the device only because the worker prefetched it and that no guard borrows
+    /// (it comes back on its first take, as a miss); returns how many. A call whose activations the device
+    /// refuses calls it before it runs ([`run_call_making_room`](crate::device::run_call_making_room)), and the
+    /// record shows each release as `oom_retry:<model>`: offloaded because that call ran out of memory.
+    pub fn release_idle_prefetches(&self) -> usize {
+        let reason = offload_core::Reason::OomRetry(self.engine.model().to_string());
+        self.engine.shared.release_idle_prefetches(&reason)
+    }
+
     /// Counters since the offloader was built.
     pub fn stats(&self) -> GroupStats {
         self.engine.stats()
@@ -238,9 +247,22 @@ impl GroupOffload {
     /// and from then on each take prefetches the next groups of that order. A first `run` that fails is
     /// forgotten, so the next one captures again. [`ModelHandle::run`](crate::ModelHandle::run) and
     /// [`check_streaming`](crate::check_streaming) call it for you.
-    pub fn run<T, E>(&self, forward: impl FnOnce() -> std::result::Result<T, E>) -> std::result::Result<T, E> {
+    ///
+    /// A stray load during the forward that could not read its host copy (a disk-stored group's file removed
+    /// while the model runs) makes the run fail with [`Error::Disk`] naming the file, whatever the forward
+    /// returned (what it computed read zeros for that parameter); the host copies of the other groups, and the
+    /// device, are as they were.
+    pub fn run<T, E: From<Error>>(
+        &self,
+        forward: impl FnOnce() -> std::result::Result<T, E>,
+    ) -> std::result::Result<T, E> {
         let capturing = self.engine.is_capturing();
-        let out = forward();
+        // A failure left by a forward that ended before the check (a panic) is not this run's.
+        let _ = self.engine.take_stray_failure();
+        let mut out = forward();
+        if let Some(failure) = self.engine.take_stray_failure() {
+            out = Err(E::from(failure.into()));
+        }
         if capturing {
             match &out {
                 Ok(_) => self.engine.end_capture(),
@@ -385,6 +407,7 @@ struct PartCore {
     engine: Arc<Engine>,
     name: String,
     on_stray: Arc<dyn Fn(&str) + Send + Sync>,
+    on_stray_failure: Arc<dyn Fn(&GroupHost, String) + Send + Sync>,
 }
 
 impl PartCore {
@@ -396,7 +419,14 @@ impl PartCore {
                 engine.count_stray(param);
             }
         });
-        Self { engine, name: name.to_string(), on_stray }
+        let weak = Arc::downgrade(&engine);
+        let on_stray_failure: Arc<dyn Fn(&GroupHost, String) + Send + Sync> =
+            Arc::new(move |host: &GroupHost, message: String| {
+                if let Some(engine) = weak.upgrade() {
+                    engine.fail_stray(&host.id, host.path(), message);
+                }
+            });
+        Self { engine, name: name.to_string(), on_stray, on_stray_failure }
     }
 
     fn take(&self, groups: &[usize]) -> Result<Vec<(usize, Arc<[Tensor<1>]>)>> {
@@ -412,7 +442,13 @@ impl PartCore {
         let engine = &self.engine;
         let hosts = |g: usize| engine.host(g);
         let installed =
-            Installed { groups: taken, hosts: &hosts, on_stray: self.on_stray.clone(), device: engine.device() };
+            Installed {
+                groups: taken,
+                hosts: &hosts,
+                on_stray: self.on_stray.clone(),
+                on_stray_failure: self.on_stray_failure.clone(),
+                device: engine.device(),
+            };
         install(skeleton, slots, &installed)
     }
 

@@ -168,6 +168,9 @@ pub(crate) struct Installed<'a> {
     pub hosts: &'a dyn Fn(usize) -> Option<Arc<GroupHost>>,
     /// Called when a placeholder is touched: counts the stray load.
     pub on_stray: Arc<dyn Fn(&str) + Send + Sync>,
+    /// Called when a stray load cannot read its host copy (a disk file removed under a running model), with the
+    /// group's host and the reason: the call that made it fails with a typed error.
+    pub on_stray_failure: Arc<dyn Fn(&GroupHost, String) + Send + Sync>,
     pub device: &'a Device,
 }
 
@@ -201,7 +204,9 @@ impl ModuleMapper for Installer<'_, '_> {
             return param;
         };
         let on_stray = self.installed.on_stray.clone();
+        let on_failure = self.installed.on_stray_failure.clone();
         let index = slot.index;
+        let zeros_shape = shape.clone();
         Param::uninitialized(
             id,
             move |dev: &Device, _| {
@@ -213,9 +218,14 @@ impl ModuleMapper for Installer<'_, '_> {
                         let dtype = data.dtype();
                         Tensor::<D>::from_data(data, (dev, dtype)).reshape(Shape::from(dims))
                     }
-                    // A placeholder has no way to return an error; the disk copy vanished under a running model,
-                    // which nothing in this crate can repair.
-                    Err(message) => panic!("stray load of {name} failed: {message}"),
+                    // A placeholder has no way to return an error: the failure is recorded, the call that made it
+                    // returns it typed once its forward ends (its output is never used), and the parameter
+                    // reads as zeros of its shape and dtype until then.
+                    Err(message) => {
+                        on_failure(&host, format!("stray load of {name}: {message}"));
+                        let dtype = host.tensors.get(index).map_or(DType::F32, |meta| meta.dtype);
+                        Tensor::<D>::zeros(zeros_shape.clone(), (dev, dtype))
+                    }
                 }
             },
             self.installed.device.clone(),

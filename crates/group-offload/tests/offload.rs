@@ -149,6 +149,50 @@ fn a_touched_parameter_outside_the_taken_groups_loads_itself_and_is_counted() {
     assert_eq!(offload.stats().stray_loads, 2);
 }
 
+/// A stray load whose disk file was removed while the model runs: the run fails with the disk error naming the
+/// file (never a panic inside the placeholder), the stray is counted, and with the file written back the same run
+/// gives the resident result again.
+#[test]
+fn a_stray_load_whose_disk_file_vanished_fails_the_run_typed_and_nothing_is_lost() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.pre.forward(x.clone());
+    let dir = std::env::temp_dir().join(format!("group-offload-stray-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let card = hard_card(GIB);
+    let offload = GroupOffload::new(config(&card, false).with_disk_store(&dir)).unwrap();
+    let leaf = offload.leaves("model", model, &LeafPredicate::default()).unwrap();
+    let files = offload.disk_files();
+    assert_eq!(files.len(), leaf.group_paths().len(), "one file per leaf group, in the groups' order");
+    let saved: Vec<_> = files.iter().map(|f| (f.clone(), std::fs::read(f).unwrap())).collect();
+    for file in &files {
+        std::fs::remove_file(file).unwrap();
+    }
+    // The post layer's group is taken (read from a file that is gone: that is an onload error), so take it with
+    // its file back and remove the pre layer's only: the touch of `pre` is the stray whose file vanished.
+    let post = leaf.group_paths().iter().position(|p| *p == "post").unwrap();
+    std::fs::write(&saved[post].0, &saved[post].1).unwrap();
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        offload.run(|| Ok::<_, Error>(leaf.group("post")?.pre.forward(x.clone())))
+    }));
+    let error = match outcome {
+        Err(_) => panic!("a stray load of a vanished file panicked"),
+        Ok(Ok(_)) => panic!("the run succeeded although a parameter it used could not be read"),
+        Ok(Err(error)) => error,
+    };
+    assert!(matches!(error, Error::Disk { .. }), "{error:?}");
+    let message = error.to_string();
+    assert!(message.contains(&dir.display().to_string()) && message.contains("pre"), "{message}");
+    assert!(offload.stats().stray_loads >= 1);
+    for (file, bytes) in &saved {
+        std::fs::write(file, bytes).unwrap();
+    }
+    let again = offload.run(|| Ok::<_, Error>(leaf.group("post")?.pre.forward(x.clone()))).unwrap();
+    assert!(max_abs_diff(&again, &expected) <= 1e-6);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Peak of one steady forward on the fake card.
 fn steady_peak(card: &SimCard, mut forward: impl FnMut()) -> u64 {
     forward();

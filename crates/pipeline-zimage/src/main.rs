@@ -620,14 +620,6 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         })
         .transpose()?;
     let card_spec = spec.clone();
-    if offload != Offload::None
-        && let Some(reserve) = explicit_reserve
-        && !name.is_cpu()
-        && let Some(total) = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?
-    {
-        // A given device size is known before anything loads: a reserve it cannot hold is refused now.
-        CardSpec::parse(&total.to_string())?.with_context_overhead(0).check_reserve(reserve)?;
-    }
     let target = if name.is_cpu() {
         Target::Host { card: spec.map(SimCard::new) }
     } else {
@@ -657,6 +649,13 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             }
             _ => None,
         };
+        if offload != Offload::None
+            && let (Some(reserve), Some(readings)) = (explicit_reserve, &readings)
+        {
+            // The device's size is known before anything loads (the driver, the runtime's heap or
+            // --device-memory): a reserve it cannot hold is refused now.
+            check_manual_reserve(reserve, None, Some(readings.as_ref()))?;
+        }
         Target::Real { readings, cap }
     };
     if (offload != Offload::None || planner) && matches!(target, Target::Host { card: None }) {
@@ -879,7 +878,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             let now = readings.observe().map_err(group_offload::Error::from)?;
             println!(
                 "device memory on {name} (burn's pool{}): peak in use {} (sampled every {} µs), reserved \
-                 high-water {}, in use now {}, reserved now {}, available now {} of {}",
+                 high-water {}, in use now {}, reserved now {}, available now {} of {} ({})",
                 if readings.has_driver_readings() { " and the driver" } else { "" },
                 format_size(readings.peak()),
                 PoolReadings::SAMPLE_EVERY.as_micros(),
@@ -887,7 +886,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 format_size(now.in_use),
                 format_size(now.reserved),
                 format_size(now.available()),
-                format_size(now.total)
+                format_size(now.total),
+                readings.total_source()
             );
             if let Some(cap) = cap {
                 println!(

@@ -373,13 +373,14 @@ fn a_refused_allocation_is_a_typed_device_error_and_nothing_is_lost() {
     assert!(max_abs_diff(&image, &expected) <= 1e-3);
 }
 
-/// Runs `pipeline-zimage generate` on wgpu (auto offload, 2 steps at 64x64, 1 GiB of device) with `extra`
-/// arguments and `env`, writing into `dir`: whether it succeeded, its stdout and its stderr.
+/// Runs `pipeline-zimage generate` on wgpu (auto offload, 2 steps at 64x64, 1 GiB of device: lavapipe's heap is
+/// not read without the `vulkan` feature; no reserve given: the workload's largest activation estimate) with
+/// `extra` arguments and `env`, writing into `dir`: whether it succeeded, its stdout and its stderr.
 fn generate_cli(dir: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
     let out = dir.join("fox.png");
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline-zimage"));
     command
-        .args(["generate", "--device", "wgpu", "--device-memory", "1GiB", "--offload", "auto", "--reserve", "0"])
+        .args(["generate", "--device", "wgpu", "--device-memory", "1GiB", "--offload", "auto"])
         .args(["--height", "64", "--width", "64", "--steps", "2", "--max-sequence-length", "32"])
         .args(extra)
         .arg("--out")
@@ -394,13 +395,16 @@ fn generate_cli(dir: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> 
 fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driver() {
     let dir = std::env::temp_dir().join(format!("real-device-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a temporary directory");
+    // No --reserve: the reserve is the workload's largest activation estimate, and the run fits.
     let (ok, stdout, stderr) = generate_cli(&dir, &[], &[]);
     assert!(ok, "{stdout}\n{stderr}");
     assert!(stdout.contains("device memory on wgpu:0 (burn's pool)"), "{stdout}");
+    assert!(stdout.contains("of 1.00 GB (given by --device-memory)"), "the total's source is named: {stdout}");
+    assert!(stdout.contains("reserve: ") && stdout.contains("the workload's largest activation estimate"), "{stdout}");
     assert!(stdout.contains("| Onload "), "the record is printed: {stdout}");
 
     // A hard cap over the device: the decode runs out of memory under it and the OOM retry makes room.
-    let (ok, stdout, stderr) = generate_cli(&dir, &["--card", "6MB"], &[]);
+    let (ok, stdout, stderr) = generate_cli(&dir, &["--card", "6MB", "--reserve", "0"], &[]);
     assert!(ok, "{stdout}\n{stderr}");
     assert!(stdout.contains("oom_retry:vae"), "{stdout}");
     assert!(stdout.contains("capped at 6MB (hard)"), "{stdout}");
@@ -425,8 +429,10 @@ fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driv
 /// holds more than the cap, every out-of-memory is retried or re-taken (each run ends with its image), and the
 /// image is the uncapped run's.
 #[test]
-#[ignore = "on lavapipe every run ends DoesNotFit: the transformer's call estimate (1.69 MB in pages) does not fit \
-            beside what the account counts under a cap sized from one call's floor; run with `cargo test -p \
+#[ignore = "on lavapipe every run ends DoesNotFit, and not from the account: the transformer's call reserves its \
+            estimate under the cap (the account never passes it), but the pool's pages during the call (its start \
+            pages, 3.9-5.1 MB with the cache it kept, plus 1.0-1.4 MB the call takes) pass the 4.70 MB cap, so \
+            end_call fails it as out-of-memory: cubecl's pages are not the 256 B rule; run with `cargo test -p \
             pipeline-zimage --features wgpu --test real_device -- --ignored a_hard_cap`"]
 fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() {
     let (device, name, _turn) = device();
@@ -499,9 +505,9 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
     assert_eq!(starved, 0, "runs ended with DoesNotFit: the worker starved the main thread");
 }
 
-/// Every exit leaves the device cleanly: the typed error of a run that cannot start (no `--device-memory` on a
-/// runtime that reports no total) exits with code 1, never a signal, 20 times in a row while another process
-/// loads the CPU; a successful run exits 0.
+/// Every exit leaves the device cleanly: the typed error of a run that cannot start once the device is open (a
+/// `--reserve` larger than the device) exits with code 1, never a signal, 20 times in a row while another
+/// thread loads the CPU; a successful run exits 0.
 #[test]
 fn the_cli_exits_with_a_code_and_never_a_signal() {
     use std::os::unix::process::ExitStatusExt;
@@ -522,7 +528,8 @@ fn the_cli_exits_with_a_code_and_never_a_signal() {
     for run in 0..20 {
         let out = dir.join("fox.png");
         let status = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline-zimage"))
-            .args(["generate", "--device", "wgpu", "--offload", "auto", "--height", "64", "--width", "64"])
+            .args(["generate", "--device", "wgpu", "--device-memory", "1GiB", "--offload", "auto", "--reserve", "2GiB"])
+            .args(["--height", "64", "--width", "64"])
             .args(["--steps", "1", "--max-sequence-length", "32", "--out"])
             .arg(&out)
             .output()
@@ -530,7 +537,7 @@ fn the_cli_exits_with_a_code_and_never_a_signal() {
         let stderr = String::from_utf8_lossy(&status.stderr);
         assert_eq!(status.status.signal(), None, "run {run} died of a signal: {stderr}");
         assert_eq!(status.status.code(), Some(1), "run {run}: {stderr}");
-        assert!(stderr.contains("--device-memory"), "run {run}: {stderr}");
+        assert!(stderr.contains("reserve"), "run {run}: {stderr}");
     }
     busy.store(false, std::sync::atomic::Ordering::Relaxed);
     let _ = spinner.join();
