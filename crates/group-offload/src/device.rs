@@ -902,15 +902,18 @@ impl DeviceLedger for CappedDevice {
 
     /// In hard mode, reserves the call's activation estimate (in pages) on this thread before the call runs, or
     /// refuses the call with out-of-memory; then opens a window that keeps the call's high-water. The pool's
-    /// cache is released first when its pages hold the device past the cap, as torch's caching allocator
+    /// cache is released first when its pages and the call's could pass the cap, as torch's caching allocator
     /// releases its cache before it raises under a per-process memory fraction.
     fn begin_call(&self, estimate: u64) -> std::result::Result<(), ComponentError> {
         if self.hard {
             let now = self.readings.observe().map_err(|unknown| self.unreadable(unknown))?;
-            if now.outside_pool() + now.reserved > self.capacity {
+            let pages = self.pages.pages(estimate);
+            // The call's new pages come on top of the pool's, cache included (cubecl sizes a page to its
+            // allocation and reuses a cached one only when it fits): when those could pass the cap, the cache is
+            // released first, as a card of the cap's size would need.
+            if now.outside_pool() + now.reserved + pages > self.capacity {
                 self.readings.burn_device().memory_cleanup();
             }
-            let pages = self.pages.pages(estimate);
             let thread = std::thread::current().id();
             self.reserve(pages, |account| {
                 account.calls.insert(thread, pages);
