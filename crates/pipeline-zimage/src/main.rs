@@ -814,9 +814,13 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     let sampler = target.memory().map(|memory| timeline.sample_every(memory, std::time::Duration::from_millis(1)));
     let mut record = None;
     let mut first_image_uses = 0;
+    // Per image: its wall time and what the record shows moving during it, for the images-after-the-first line.
+    let mut per_image: Vec<ImageFigures> = Vec::with_capacity(args.images);
+    let mut events_seen = pipeline.manager().offload_record().events().len();
     for index in 0..args.images {
         // Checked before anything loaded (check_arguments): the last image's seed fits.
         opts.seed = args.seed.saturating_add(index as u64);
+        let started = std::time::Instant::now();
         let outcome = match &plan {
             Some(plan) => {
                 if index == 0 {
@@ -842,6 +846,9 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             }
         };
         record = profiled.or(record);
+        let events = pipeline.manager().offload_record().events();
+        per_image.push(ImageFigures::of(started.elapsed(), &events[events_seen.min(events.len())..]));
+        events_seen = events.len();
         if index == 0 && strategy == StrategyChoice::Lookahead {
             // The first image showed the schedule; every image after it repeats it.
             let first = pipeline.manager().uses();
@@ -852,7 +859,18 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         let out = numbered(&args.out, index, args.images);
         write_outputs(image, &out, args.out_tensor.as_deref().map(|p| numbered(p, index, args.images)).as_deref())?;
         if args.images > 1 {
-            println!("image {} of {} (seed {}): wrote {}", index + 1, args.images, opts.seed, out.display());
+            let figures = &per_image[index];
+            println!(
+                "image {} of {} (seed {}): wrote {} in {:.3} s, {} onloads ({}), {} offloads",
+                index + 1,
+                args.images,
+                opts.seed,
+                out.display(),
+                figures.seconds,
+                figures.onloads,
+                format_size(figures.bytes_onloaded),
+                figures.offloads
+            );
         } else {
             println!("wrote {}", out.display());
         }
@@ -860,6 +878,9 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     }
     bar.finish();
     drop(sampler);
+    if let Some(line) = ImageFigures::after_the_first(&per_image) {
+        println!("\n{line}");
+    }
     write_timeline(args, &timeline, &target)?;
     match &target {
         Target::Host { card: Some(card) } => {
@@ -942,6 +963,46 @@ fn loaded_weight_bytes(pipeline: &ZImagePipeline) -> u64 {
         .filter_map(|id| pipeline.manager().component_info(id).ok())
         .map(|info| info.bytes)
         .sum()
+}
+
+/// One image of `--images N`: its wall time (a clock) and what the offload record shows moving during it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct ImageFigures {
+    seconds: f64,
+    onloads: usize,
+    bytes_onloaded: u64,
+    offloads: usize,
+}
+
+impl ImageFigures {
+    fn of(elapsed: std::time::Duration, events: &[offload_core::OffloadEvent]) -> Self {
+        let onloads = events.iter().filter(|e| e.action == offload_core::Action::Onload);
+        Self {
+            seconds: elapsed.as_secs_f64(),
+            onloads: onloads.clone().count(),
+            bytes_onloaded: onloads.map(|e| e.bytes).sum(),
+            offloads: events.iter().filter(|e| e.action == offload_core::Action::Offload).count(),
+        }
+    }
+
+    /// Images 2 to N side by side: their spread in wall time (slowest ÷ fastest − 1) and whether each moved what
+    /// the second did. `None` with fewer than three images (nothing to compare the second with).
+    fn after_the_first(images: &[ImageFigures]) -> Option<String> {
+        let later = images.get(1..).filter(|later| later.len() >= 2)?;
+        let fastest = later.iter().map(|f| f.seconds).fold(f64::INFINITY, f64::min);
+        let slowest = later.iter().map(|f| f.seconds).fold(0.0, f64::max);
+        let same = later.iter().all(|f| {
+            (f.onloads, f.bytes_onloaded, f.offloads) == (later[0].onloads, later[0].bytes_onloaded, later[0].offloads)
+        });
+        Some(format!(
+            "images 2 to {}: wall time {:.3} to {:.3} s (spread {:.1}%), {}",
+            images.len(),
+            fastest,
+            slowest,
+            (slowest / fastest.max(f64::MIN_POSITIVE) - 1.0) * 100.0,
+            if same { "each moved what image 2 moved" } else { "their moves differ (see each image's line)" }
+        ))
+    }
 }
 
 /// `path` for image `index` of `images`: itself for a single image, `stem-N.ext` (N from 1) for several.

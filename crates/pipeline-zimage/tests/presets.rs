@@ -440,3 +440,66 @@ fn pinned_host_copies_are_staged_and_priced_as_pinned_copies_on_the_card() {
         }
     }
 }
+
+/// Per image, what the record shows moving: `(onloads, bytes onloaded, offloads)`, and the ids onloaded.
+fn moves_of(events: &[offload_core::OffloadEvent]) -> ((usize, u64, usize), Vec<String>) {
+    let onloads: Vec<_> = events.iter().filter(|e| e.action == offload_core::Action::Onload).collect();
+    let offloads = events.iter().filter(|e| e.action == offload_core::Action::Offload).count();
+    let bytes = onloads.iter().map(|e| e.bytes).sum();
+    ((onloads.len(), bytes, offloads), onloads.iter().map(|e| e.id.clone()).collect())
+}
+
+/// The second image is not slower for lack of planning: under every preset, on a card that must stream the
+/// transformer, one that holds one component at a time and one that holds everything, images 2 to 4 move the
+/// same groups and bytes as each other (each image after the first repeats the second), and nothing the plan
+/// keeps resident is onloaded again after the first image.
+#[test]
+fn every_image_after_the_first_moves_the_same_and_reloads_nothing_the_plan_keeps_resident() {
+    let (opts, _) = turbo_options();
+    let sizes = sizes(&opts);
+    let streaming = sizes.streaming_card();
+    let mut resident_checked = 0;
+    for card_bytes in [streaming, sizes.component_card(), 1 << 30] {
+        for preset in Preset::ALL.into_iter().filter(|p| *p != Preset::Off) {
+            let scratch = Scratch::new("images");
+            let pairs = [
+                ("preset", preset.name().to_string()),
+                ("reserve", sizes.reserve.to_string()),
+                ("profile_dir", scratch.0.display().to_string()),
+                ("disk_store_dir", scratch.0.join("store").display().to_string()),
+            ];
+            let (pipeline, _card, plan) = plan_on(card_bytes, &pairs, &opts);
+            let plan = plan.unwrap_or_else(|e| panic!("{preset:?} on {card_bytes} B: {e}"));
+            let context = format!("{} on a {card_bytes} B card", preset.name());
+            let mut seen = 0;
+            let mut per_image = Vec::new();
+            for _ in 0..4 {
+                pipeline.generate(&opts, &mut |_, _| {}).unwrap_or_else(|e| panic!("{context}: {e}"));
+                let events = pipeline.manager().offload_record().events();
+                per_image.push(moves_of(&events[seen..]));
+                seen = events.len();
+            }
+            if card_bytes == streaming {
+                assert!(per_image[1].0.0 > 0, "{context}: the second image streamed nothing: {per_image:?}");
+            }
+            for (image, (moves, _)) in per_image.iter().enumerate().skip(2) {
+                assert_eq!(*moves, per_image[1].0, "{context}: image {} moved other than image 2", image + 1);
+            }
+            for name in pipeline_zimage::pipeline::COMPONENTS {
+                let resident = plan.plan.component(name).is_some_and(|c| c.route == Route::Resident);
+                if !resident {
+                    continue;
+                }
+                resident_checked += 1;
+                for (image, (_, ids)) in per_image.iter().enumerate().skip(1) {
+                    assert!(
+                        !ids.iter().any(|id| id.starts_with(name)),
+                        "{context}: {name} is resident in the plan but image {} onloaded it again: {ids:?}",
+                        image + 1
+                    );
+                }
+            }
+        }
+    }
+    assert!(resident_checked > 0, "no plan kept a component resident: the check above held nothing");
+}
