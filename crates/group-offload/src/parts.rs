@@ -219,6 +219,12 @@ impl GroupOffload {
         self.engine.shared.release_idle_prefetches(&reason)
     }
 
+    /// The link rate this offloader's uploads reached, measured by the clock (median and 10th percentile of the
+    /// latest uploads); `None` before the first upload.
+    pub fn link_rate(&self) -> Option<crate::engine::LinkRate> {
+        self.engine.shared.link_rate()
+    }
+
     /// Counters since the offloader was built.
     pub fn stats(&self) -> GroupStats {
         self.engine.stats()

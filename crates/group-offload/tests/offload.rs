@@ -281,6 +281,27 @@ fn steady_runs_have_no_misses_and_every_group_is_a_prefetch_hit() {
     assert_eq!(stats.unused_prefetches, 0);
 }
 
+/// Every upload, synchronous or prefetched, is timed by the clock: the link rate counts each one once, with the
+/// bytes the stats count, and its 10th percentile is never above its median.
+#[test]
+fn every_upload_is_timed_and_the_link_rate_counts_each_once() {
+    let device = Device::flex();
+    let card = slow_card(GIB, Duration::from_millis(1));
+    let offloaded = BlockModel::new(Model::new(&device), config(&card, true), 1, Residency::Resident);
+    let x = input(&device);
+    for _ in 0..3 {
+        offloaded.forward(x.clone()).unwrap();
+    }
+    // The last forward's wrapped prefetch may still be in flight: every upload counted has ended.
+    offloaded.offload.wait_idle();
+    let stats = offloaded.offload.stats();
+    let rate = offloaded.offload.link_rate().expect("uploads were made");
+    assert_eq!(rate.uploads as u64, stats.onloads + stats.prefetches - stats.failed_prefetches, "{stats:?}");
+    assert_eq!(rate.bytes, stats.bytes_onloaded, "{stats:?}");
+    assert!(rate.p10 > 0.0 && rate.p10 <= rate.median, "{rate:?}");
+    assert!(rate.to_string().contains("GB/s"), "{rate}");
+}
+
 /// HiDream (diffusers #11307): the caption projections are declared after the blocks but run before them.
 #[test]
 fn order_comes_from_calls_not_declaration() {

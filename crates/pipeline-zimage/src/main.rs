@@ -881,6 +881,13 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     if let Some(line) = ImageFigures::after_the_first(&per_image) {
         println!("\n{line}");
     }
+    for name in pipeline_zimage::pipeline::COMPONENTS {
+        if let Some(rate) = pipeline.group_offload(name).and_then(|offload| offload.link_rate()) {
+            // From the first copy to the synced read-back of each group upload; on the CPU backend a host copy,
+            // whatever a simulated card's link is said to take.
+            println!("link, {name}'s group uploads: {rate}");
+        }
+    }
     write_timeline(args, &timeline, &target)?;
     match &target {
         Target::Host { card: Some(card) } => {
