@@ -377,20 +377,10 @@ impl Shared {
         Some(LinkRate { uploads: rates.len(), bytes: samples.iter().map(|s| s.bytes).sum(), median: at(0.5), p10: at(0.1) })
     }
 
-    /// [`drop_idle_prefetches`](Self::drop_idle_prefetches), taking the lock, each release recorded with
-    /// `reason`.
-    pub fn release_idle_prefetches(&self, reason: &Reason) -> usize {
-        self.drop_idle_prefetches_for(&mut self.state.lock(), reason)
-    }
-
     /// Drops every group that is on the device only because it was prefetched and that nobody borrows (they
-    /// come back on their next take); returns how many. Called with the lock held.
-    fn drop_idle_prefetches(&self, state: &mut State) -> usize {
-        self.drop_idle_prefetches_for(state, &Reason::GroupOffload)
-    }
-
-    /// [`drop_idle_prefetches`](Self::drop_idle_prefetches), each release recorded with `reason`.
-    fn drop_idle_prefetches_for(&self, state: &mut State, reason: &Reason) -> usize {
+    /// come back on their next take), each release recorded with `reason`; returns how many. Takes the lock.
+    pub fn release_idle_prefetches(&self, reason: &Reason) -> usize {
+        let mut state = self.state.lock();
         let idle: Vec<usize> = (0..state.groups.len())
             .filter(|&i| {
                 let slot = &state.groups[i];
@@ -398,18 +388,14 @@ impl Shared {
             })
             .collect();
         for &i in &idle {
-            self.drop_from_device_for(state, i, reason);
+            self.drop_from_device(&mut state, i, reason);
         }
         idle.len()
     }
 
-    /// Drops a group's device tensors and frees them on the ledger. Called with the lock held (it is cheap).
-    fn drop_from_device(&self, state: &mut State, group: usize) {
-        self.drop_from_device_for(state, group, &Reason::GroupOffload);
-    }
-
-    /// [`drop_from_device`](Self::drop_from_device), the release recorded with `reason`.
-    fn drop_from_device_for(&self, state: &mut State, group: usize, reason: &Reason) {
+    /// Drops a group's device tensors and frees them on the ledger, the release recorded with `reason`. Called
+    /// with the lock held (it is cheap).
+    fn drop_from_device(&self, state: &mut State, group: usize, reason: &Reason) {
         let slot = &mut state.groups[group];
         if !matches!(slot.residency, Residency::OnDevice(_)) {
             return;
@@ -592,8 +578,9 @@ impl Engine {
         if result.as_ref().is_err_and(Error::is_out_of_memory) {
             // Prefetched groups nobody borrows yet hold the bytes this one needs (a refused prefetch let the worker
             // run ahead into what the last group released): give them back and try once more, so the worker can
-            // never starve the thread that computes.
-            let dropped = shared.drop_idle_prefetches(&mut shared.state.lock());
+            // never starve the thread that computes. As for a refused call's activations, the record shows each
+            // release as `oom_retry:<model>`: the out-of-memory is why they left.
+            let dropped = shared.release_idle_prefetches(&Reason::OomRetry(self.model().to_string()));
             if dropped > 0 {
                 tracing::debug!(group = %host.id, dropped, "upload refused: dropped idle prefetches and retried");
                 result = shared.upload(&host, Reason::GroupOnload);
@@ -638,7 +625,7 @@ impl Engine {
             })
             .collect();
         for i in stale {
-            self.shared.drop_from_device(state, i);
+            self.shared.drop_from_device(state, i, &Reason::GroupOffload);
         }
         let jobs = self.jobs.lock();
         for next in window {
@@ -678,7 +665,7 @@ impl Engine {
             state.groups[group].prefetched = true;
             return;
         }
-        shared.drop_from_device(&mut state, group);
+        shared.drop_from_device(&mut state, group, &Reason::GroupOffload);
     }
 
     /// Offloads every group, kept ones included (they come back on their next use). Waits for prefetches in
@@ -694,7 +681,7 @@ impl Engine {
         }
         for i in 0..state.groups.len() {
             state.groups[i].prefetched = false;
-            shared.drop_from_device(&mut state, i);
+            shared.drop_from_device(&mut state, i, &Reason::GroupOffload);
         }
         state.kept_bytes = 0;
         for slot in &mut state.groups {

@@ -412,27 +412,11 @@ fn assign_leaf_groups(params: &[ParamPlace<'_>], leaves: &LeafPredicate) -> Vec<
 struct PartCore {
     engine: Arc<Engine>,
     name: String,
-    on_stray: Arc<dyn Fn(&str) + Send + Sync>,
-    on_stray_failure: Arc<dyn Fn(&GroupHost, String) + Send + Sync>,
 }
 
 impl PartCore {
     fn new(offload: &GroupOffload, name: &str) -> Self {
-        let engine = offload.engine().clone();
-        let weak = Arc::downgrade(&engine);
-        let on_stray: Arc<dyn Fn(&str) + Send + Sync> = Arc::new(move |param: &str| {
-            if let Some(engine) = weak.upgrade() {
-                engine.count_stray(param);
-            }
-        });
-        let weak = Arc::downgrade(&engine);
-        let on_stray_failure: Arc<dyn Fn(&GroupHost, String) + Send + Sync> =
-            Arc::new(move |host: &GroupHost, message: String| {
-                if let Some(engine) = weak.upgrade() {
-                    engine.fail_stray(&host.id, host.path(), message);
-                }
-            });
-        Self { engine, name: name.to_string(), on_stray, on_stray_failure }
+        Self { engine: offload.engine().clone(), name: name.to_string() }
     }
 
     fn take(&self, groups: &[usize]) -> Result<Vec<(usize, Arc<[Tensor<1>]>)>> {
@@ -448,13 +432,7 @@ impl PartCore {
         let engine = &self.engine;
         let hosts = |g: usize| engine.host(g);
         let installed =
-            Installed {
-                groups: taken,
-                hosts: &hosts,
-                on_stray: self.on_stray.clone(),
-                on_stray_failure: self.on_stray_failure.clone(),
-                device: engine.device(),
-            };
+            Installed { groups: taken, hosts: &hosts, engine: Arc::downgrade(engine), device: engine.device() };
         install(skeleton, slots, &installed)
     }
 

@@ -385,9 +385,7 @@ impl<'a, B: Module + 'a> Iterator for BlockIter<'a, B> {
             None => {
                 // Release the previous group before taking the next, so the ring bound holds.
                 self.group = None;
-                let Some(k) = (0..blocks.num_groups()).find(|k| blocks.blocks_of(*k).contains(&index)) else {
-                    return None;
-                };
+                let k = (0..blocks.num_groups()).find(|k| blocks.blocks_of(*k).contains(&index))?;
                 let guard = match blocks.group(k) {
                     Ok(guard) => Rc::new(guard),
                     Err(error) => return Some(Err(error)),

@@ -7,11 +7,12 @@
 //! handles) and maps every float parameter to either its group's device tensor (same [`ParamId`]) or a fresh
 //! placeholder that, if some code touches it anyway, loads it synchronously and counts a stray load.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Bool, Bytes, DType, Device, Int, Shape, Tensor, TensorData};
 
+use crate::engine::Engine;
 use crate::store::GroupHost;
 
 /// One float parameter as extraction found it.
@@ -166,11 +167,10 @@ pub(crate) struct Installed<'a> {
     pub groups: &'a [(usize, Arc<[Tensor<1>]>)],
     /// The host copy of every group of the part, by engine group index.
     pub hosts: &'a dyn Fn(usize) -> Option<Arc<GroupHost>>,
-    /// Called when a placeholder is touched: counts the stray load.
-    pub on_stray: Arc<dyn Fn(&str) + Send + Sync>,
-    /// Called when a stray load cannot read its host copy (a disk file removed under a running model), with the
-    /// group's host and the reason: the call that made it fails with a typed error.
-    pub on_stray_failure: Arc<dyn Fn(&GroupHost, String) + Send + Sync>,
+    /// The engine a touched placeholder reports to (weakly: a placeholder may outlive it): it counts the stray
+    /// load, and records a host copy it cannot read (a disk file removed under a running model) as the error the
+    /// call fails with.
+    pub engine: Weak<Engine>,
     pub device: &'a Device,
 }
 
@@ -203,15 +203,17 @@ impl ModuleMapper for Installer<'_, '_> {
         let Some(host) = (self.installed.hosts)(slot.group) else {
             return param;
         };
-        let on_stray = self.installed.on_stray.clone();
-        let on_failure = self.installed.on_stray_failure.clone();
+        let engine = self.installed.engine.clone();
         let index = slot.index;
         let zeros_shape = shape.clone();
         Param::uninitialized(
             id,
             move |dev: &Device, _| {
                 let name = host.tensor_name(index);
-                on_stray(&name);
+                let engine = engine.upgrade();
+                if let Some(engine) = &engine {
+                    engine.count_stray(&name);
+                }
                 match host.load_tensor(index) {
                     Ok(data) => {
                         let dims = data.shape().as_slice().to_vec();
@@ -222,7 +224,9 @@ impl ModuleMapper for Installer<'_, '_> {
                     // returns it typed once its forward ends (its output is never used), and the parameter
                     // reads as zeros of its shape and dtype until then.
                     Err(message) => {
-                        on_failure(&host, format!("stray load of {name}: {message}"));
+                        if let Some(engine) = &engine {
+                            engine.fail_stray(&host.id, host.path(), format!("stray load of {name}: {message}"));
+                        }
                         let dtype = host.tensors.get(index).map_or(DType::F32, |meta| meta.dtype);
                         Tensor::<D>::zeros(zeros_shape.clone(), (dev, dtype))
                     }
