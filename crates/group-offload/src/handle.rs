@@ -276,6 +276,23 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         Ok(value)
     }
 
+    /// Takes the model (its host copy) out of the manager and gives it to `f` by value, so that `f` can rewrite
+    /// its tensors in place (a LoRA fused into its weights) with no second copy of them; the result is
+    /// re-registered under the same name with its new size, and the id changes. Refused under group offload.
+    /// Unlike [`replace`](Self::replace), the model is out of the manager while `f` runs, so `f` must not fail:
+    /// check everything it needs first.
+    pub fn rebuild<T>(&mut self, f: impl FnOnce(M) -> (M, T)) -> Result<T> {
+        self.not_grouped("rewrite")?;
+        let component: Box<dyn Any> = self.manager.remove(&self.id)?;
+        let model = match component.downcast::<BurnComponent<M>>() {
+            Ok(component) => component.into_module(),
+            Err(_) => unreachable!("the handle registered {} as a BurnComponent", self.id),
+        };
+        let (model, value) = f(model);
+        self.id = self.manager.add(&self.name, BurnComponent::new(model, M::CLASS, self.placement.clone()), None)?;
+        Ok(value)
+    }
+
     /// Puts the model under group offload with `options` on the device of its [`Placement`]: its groups are
     /// charged to the placement's ledger, read through its readings for the out-of-memory reports (the device's one
     /// account, the same as the whole model's), recorded in the manager's record and timeline. Does nothing when

@@ -221,6 +221,47 @@ pub enum Error {
         reason: String,
     },
 
+    /// A LoRA file cannot be read or used as a whole (not safetensors, empty, DoRA, bad metadata). Nothing was
+    /// applied.
+    #[error("lora {}: {reason}; nothing was applied", path.display())]
+    LoraFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+
+    /// A key of a LoRA file names no layer of the model, or is in no layout this crate reads. Nothing was
+    /// applied.
+    #[error("lora {}: key {key} {reason}; nothing was applied", path.display())]
+    LoraKey {
+        /// The file.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+
+    /// A LoRA factor's shape does not fit its layer, or its pair's rank. Nothing was applied.
+    #[error("lora {}: key {key}: {reason}; nothing was applied", path.display())]
+    LoraShape {
+        /// The file.
+        path: PathBuf,
+        /// The key of the module's down factor (or of the tensor at fault).
+        key: String,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+
+    /// A LoRA cannot be applied in the way asked (fused into quantized weights, changed under group offload).
+    /// Nothing was applied.
+    #[error("lora: {reason}; nothing was applied")]
+    LoraUnsupported {
+        /// What is wrong and what to do.
+        reason: String,
+    },
+
     /// The offload machinery refused or failed: a component that does not fit, a failed move, a strategy error.
     #[error(transparent)]
     Offload(#[from] offload_core::Error),

@@ -7,6 +7,8 @@
 //! - [`nn`]: layers named and laid out like the PyTorch checkpoints (`PtLinear`, `RmsNorm`, `GroupNorm`).
 //! - [`transformer`]: `ZImageTransformer2DModel`, exposed block by block so an offloader can drive the main loop.
 //! - [`loading`]: opening a checkpoint directory and loading (sharded) safetensors into any module, loudly.
+//! - [`lora`]: LoRA files (diffusers/PEFT and Kohya layouts) fused into the host weights or applied at run time,
+//!   removable bit for bit, under every offload route.
 //! - [`text_encoder`], [`vae`], [`scheduler`], [`tokenizer`]: the other pipeline components.
 //! - [`pipeline`]: `ZImagePipeline`, text-to-image and image-to-image with every component a
 //!   `group_offload::ModelHandle` run through one `ComponentsManager`. The transformer and the text encoder are
@@ -29,6 +31,7 @@ pub mod config;
 pub mod error;
 pub mod host;
 pub mod loading;
+pub mod lora;
 pub mod nn;
 pub mod pipeline;
 pub mod plot;

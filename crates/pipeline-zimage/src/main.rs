@@ -31,6 +31,7 @@ use offload_core::plan::DeviceFacts;
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
 use pipeline_zimage::loading::LoadOptions;
+use pipeline_zimage::lora::{LoraMode, LoraSpec, LoraTarget};
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::plot::{PlotOptions, draw_memory_plot};
 use pipeline_zimage::presets::{check_capacity, enable_pipeline_offload, exact_reserve, generate_profiled};
@@ -79,6 +80,29 @@ enum WeightDtype {
     Bf16,
     /// IEEE half precision.
     F16,
+}
+
+/// `--lora-mode`.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LoraModeArg {
+    /// Added into the host weights before anything streams.
+    Fused,
+    /// Low-rank terms computed at every call, moved with their layer's group.
+    Runtime,
+}
+
+impl From<LoraModeArg> for LoraMode {
+    fn from(mode: LoraModeArg) -> Self {
+        match mode {
+            LoraModeArg::Fused => LoraMode::Fused,
+            LoraModeArg::Runtime => LoraMode::Runtime,
+        }
+    }
+}
+
+/// `--lora FILE[:SCALE]`.
+fn parse_lora(text: &str) -> Result<LoraSpec, String> {
+    LoraSpec::parse(text).map_err(|e| e.to_string())
 }
 
 impl WeightDtype {
@@ -231,6 +255,16 @@ struct Generate {
     /// prints its bytes moved beside auto's on the same schedule and the optimum.
     #[arg(long, default_value = "auto")]
     strategy: String,
+    /// A LoRA file (diffusers/PEFT or Kohya layout, .safetensors) for the transformer and, where the file has
+    /// one, the text encoder, at an optional strength (`FILE:0.8`; default 1). Repeat it for several LoRAs. A
+    /// file with a key that names no layer, or factors that do not fit, is refused before anything changes.
+    #[arg(long = "lora", value_name = "FILE[:SCALE]", value_parser = parse_lora)]
+    loras: Vec<LoraSpec>,
+    /// How --lora applies: fused into the host weights before anything streams (no cost per step; offload moves
+    /// the same bytes as without a LoRA), or runtime (low-rank terms computed at every call, moved with their
+    /// layer's group; the base weights untouched).
+    #[arg(long, value_enum, default_value = "fused")]
+    lora_mode: LoraModeArg,
     /// Images generated one after another in this process, with seeds --seed, --seed + 1, ...; with more than
     /// one, written as OUT-1.png, OUT-2.png, ...
     #[arg(long, default_value_t = 1)]
@@ -701,6 +735,31 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     }
     for report in pipeline.load_reports() {
         eprintln!("{report}");
+    }
+    if !args.loras.is_empty() {
+        let applied = pipeline.set_loras(&args.loras, args.lora_mode.into())?;
+        eprintln!(
+            "lora ({}): {} file(s), {} transformer and {} text encoder layers updated{}{}",
+            applied.mode(),
+            applied.specs().len(),
+            applied.layers(LoraTarget::Transformer),
+            applied.layers(LoraTarget::TextEncoder),
+            if applied.skipped().is_empty() {
+                String::new()
+            } else {
+                format!(", {} keys skipped (layers the pipeline never runs)", applied.skipped().len())
+            },
+            if applied.fused_elements() == 0 {
+                String::new()
+            } else {
+                format!(
+                    "; removable bit for bit with {} of corrections for {} of {} elements",
+                    format_size(applied.correction_bytes() as u64),
+                    applied.corrections(),
+                    applied.fused_elements()
+                )
+            }
+        );
     }
     if let Some(anonymous) = &anonymous {
         report_loaded(&pipeline, anonymous);

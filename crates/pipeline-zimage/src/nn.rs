@@ -22,15 +22,40 @@
 use burn::module::{Initializer, Module, Param};
 use burn::tensor::{DType, Device, Tensor};
 
-/// A linear layer in PyTorch's layout: `y = x · weightᵀ + bias`.
+/// A linear layer in PyTorch's layout: `y = x · weightᵀ + bias`, plus the low-rank terms of any LoRA applied at
+/// run time ([`crate::lora::LoraMode::Runtime`]): `y += coefficient · (x · downᵀ) · upᵀ` for each.
 ///
-/// Checkpoint keys: `<prefix>.weight` `[d_out, d_in]` and, when present, `<prefix>.bias` `[d_out]`.
+/// Checkpoint keys: `<prefix>.weight` `[d_out, d_in]` and, when present, `<prefix>.bias` `[d_out]`. The
+/// low-rank terms are never in a checkpoint: they are parameters of the layer (so group offload moves them with
+/// the layer's group) that [`crate::lora`] adds and removes.
 #[derive(Module, Debug)]
 pub struct PtLinear {
     /// The weight matrix, `[d_out, d_in]` (PyTorch layout).
     pub weight: Param<Tensor<2>>,
     /// The optional bias, `[d_out]`.
     pub bias: Option<Param<Tensor<1>>>,
+    /// The run-time LoRA terms, one per LoRA file that targets this layer; empty without LoRA.
+    pub lora: Vec<LowRank>,
+}
+
+/// One LoRA's low-rank update of one [`PtLinear`], applied at run time: `coefficient · (x · downᵀ) · upᵀ`, the
+/// PEFT `lora_B(lora_A(x)) · scaling` with the user's scale folded into `coefficient`.
+#[derive(Module, Debug)]
+pub struct LowRank {
+    /// PEFT's `lora_A`, `[rank, d_in]`.
+    pub down: Param<Tensor<2>>,
+    /// PEFT's `lora_B`, `[d_out, rank]`.
+    pub up: Param<Tensor<2>>,
+    /// The user's scale times the adapter's `alpha / rank`.
+    pub coefficient: f64,
+}
+
+impl LowRank {
+    /// The term for `x` `[..., d_in]`: `[..., d_out]`, in `x`'s dtype.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let low = burn::tensor::module::linear(x, self.down.val().transpose(), None);
+        burn::tensor::module::linear(low, self.up.val().transpose(), None) * self.coefficient
+    }
 }
 
 impl PtLinear {
@@ -38,7 +63,7 @@ impl PtLinear {
     pub fn new(d_in: usize, d_out: usize, bias: bool, device: &Device) -> Self {
         let weight = Initializer::Normal { mean: 0.0, std: 0.02 }.init([d_out, d_in], device);
         let bias = bias.then(|| Initializer::Zeros.init([d_out], device));
-        Self { weight, bias }
+        Self { weight, bias, lora: Vec::new() }
     }
 
     /// The dtype the layer computes in: its weight's, or when the weight is quantized its bias's (F32 without
@@ -65,7 +90,13 @@ impl PtLinear {
     /// Shapes: `x` `[..., d_in]` -> `[..., d_out]`. `x` must have the weight's dtype; the result has it too.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         // The transpose is a stride view: the stored `[d_out, d_in]` bytes are never rewritten.
-        burn::tensor::module::linear(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val))
+        let linear =
+            |x| burn::tensor::module::linear(x, self.weight.val().transpose(), self.bias.as_ref().map(Param::val));
+        if self.lora.is_empty() {
+            return linear(x);
+        }
+        let y = linear(x.clone());
+        self.lora.iter().fold(y, |y, term| y + term.forward(x.clone()))
     }
 }
 

@@ -16,7 +16,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
-use group_offload::{handle::Component, GroupLevel, parts::GroupOffload, GroupOptions, engine::GroupStats, ModelHandle, Placement};
+use group_offload::{
+    GroupLevel, GroupOptions, ModelHandle, Placement, engine::GroupStats, handle::Component, parts::GroupOffload,
+};
 use offload_core::plan::{PhaseReport, Phases};
 use offload_core::timeline::{Timeline, category};
 use offload_core::{ComponentsManager, DeviceMemory};
@@ -24,6 +26,7 @@ use offload_core::{ComponentsManager, DeviceMemory};
 use crate::config::TransformerConfig;
 use crate::error::{Error, Result};
 use crate::loading::{Checkpoint, LoadOptions, LoadReport};
+use crate::lora::{self, AppliedLoras, ComponentLayers, LoraFile, LoraMode, LoraSpec, LoraTarget};
 use crate::scheduler::{Schedule, SchedulerConfig};
 use crate::text_encoder::{TextEncoder, TextEncoderConfig};
 use crate::tokenizer::PromptTokenizer;
@@ -174,6 +177,8 @@ pub struct ZImagePipeline {
     transformer_dtype: DType,
     /// Called with each phase's name once it finished ([`set_phase_observer`](Self::set_phase_observer)).
     phase_observer: Option<PhaseObserver>,
+    /// The LoRAs applied to the transformer and the text encoder, and what removing them needs.
+    loras: AppliedLoras,
 }
 
 /// A callback told each phase's name once the phase finished (before the memory release after it).
@@ -244,6 +249,7 @@ impl ZImagePipeline {
             reports,
             transformer_dtype: dtype,
             phase_observer: None,
+            loras: AppliedLoras::default(),
         })
     }
 
@@ -264,6 +270,53 @@ impl ZImagePipeline {
             ..GroupOptions::default()
         };
         Ok(self.transformer.enable_group_offload(&options)?)
+    }
+
+    /// Applies the LoRA files `specs` (each at its scale) to the transformer and the text encoder in `mode`,
+    /// replacing whatever LoRAs were applied before (their removal restores the base weights bit for bit). An
+    /// empty `specs` removes them all.
+    ///
+    /// Every file is read and every key checked against the models first; the first problem is returned typed,
+    /// naming its file and key ([`Error::LoraKey`], [`Error::LoraShape`], [`Error::LoraFile`]), and then nothing
+    /// has changed. Call it before putting a component under group offload (whose store then holds the fused
+    /// weights, or the low-rank terms with their layers' groups); under group offload it is refused
+    /// ([`Error::LoraUnsupported`]). Auto offload is fine: a component is re-registered with its new size.
+    pub fn set_loras(&mut self, specs: &[LoraSpec], mode: LoraMode) -> Result<&AppliedLoras> {
+        if self.transformer.is_grouped() || self.text_encoder.is_grouped() {
+            return Err(Error::LoraUnsupported {
+                reason: "a component is under group offload, whose store holds its weights; apply LoRAs after \
+                         loading and before enabling group offload or an offload plan"
+                    .into(),
+            });
+        }
+        let files =
+            specs.iter().map(|spec| Ok((LoraFile::read(&spec.path)?, spec.scale))).collect::<Result<Vec<_>>>()?;
+        let transformer = self.transformer.inspect(ComponentLayers::transformer)?;
+        let text_encoder = self.text_encoder.inspect(ComponentLayers::text_encoder)?;
+        let resolved = lora::resolve(&files, &transformer, &text_encoder)?;
+        let layers = [(LoraTarget::Transformer, &transformer), (LoraTarget::TextEncoder, &text_encoder)];
+        lora::check_mode(&resolved, mode, &layers)?;
+        lora::check_removal(&self.loras, &layers)?;
+        let old = std::mem::take(&mut self.loras);
+        let mut applied = AppliedLoras::new(specs.to_vec(), mode, resolved.skipped.clone());
+        // Checked above: the rewrites below cannot fail, and each works in place on the host copy.
+        self.transformer.rebuild(|mut model| {
+            lora::remove(&mut model, LoraTarget::Transformer, &old);
+            lora::apply(&mut model, LoraTarget::Transformer, &resolved, &mut applied);
+            (model, ())
+        })?;
+        self.text_encoder.rebuild(|mut model| {
+            lora::remove(&mut model, LoraTarget::TextEncoder, &old);
+            lora::apply(&mut model, LoraTarget::TextEncoder, &resolved, &mut applied);
+            (model, ())
+        })?;
+        self.loras = applied;
+        Ok(&self.loras)
+    }
+
+    /// The LoRAs applied ([`set_loras`](Self::set_loras)); empty when none.
+    pub fn loras(&self) -> &AppliedLoras {
+        &self.loras
     }
 
     /// The Qwen3 text encoder.
