@@ -136,7 +136,8 @@ def main() -> None:
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=TRANSFORMER_TARGETS, init_lora_weights=False)
     peft_state = random_lora(pipe.transformer, peft_config, gen)
     metadata = peft_config.to_dict()
-    metadata = {k: (list(v) if isinstance(v, set) else v) for k, v in metadata.items()}
+    # Sets (target_modules) sorted, so the file is the same bytes on every run.
+    metadata = {k: (sorted(v) if isinstance(v, set) else v) for k, v in metadata.items()}
     ZImagePipeline.save_lora_weights(str(lora_dir), transformer_lora_layers=peft_state,
                                      transformer_lora_adapter_metadata=metadata, weight_name="peft.safetensors")
 

@@ -13,7 +13,8 @@
 //!   component's route, resident and pinned bytes, bytes streamed and predicted time per step, and why.
 //!   `plan --validate [--device wgpu]`: every preset's predicted peak, bytes moved and moves beside the measured
 //!   ones on the tiny checkpoint, with their ratios (runs `pipeline-zimage`'s `validate` example).
-//! - `fixtures`: regenerates the tiny Z-Image checkpoints and golden outputs with diffusers (runs Python).
+//! - `fixtures`: regenerates the tiny Z-Image checkpoints, their variants, the tiny LoRA files and the golden
+//!   outputs with diffusers and peft (runs Python).
 //!
 //! xtask depends on no burn crate, so the simulation commands build in seconds; commands that need burn or
 //! Python run them as child processes.

@@ -59,7 +59,7 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
 }
 
 /// The Python packages the generators import; an interpreter without them gets the pinned environment.
-const FIXTURE_IMPORTS: &str = "import torch, diffusers, transformers, safetensors";
+const FIXTURE_IMPORTS: &str = "import torch, diffusers, transformers, safetensors, peft";
 
 /// Whether `python` imports every package the generators need.
 fn has_fixture_packages(python: &std::path::Path) -> bool {
@@ -126,7 +126,14 @@ pub fn fixtures(args: &FixturesArgs) -> anyhow::Result<()> {
     if args.force {
         command.arg("--force");
     }
-    status(command, "tools/make_variant_fixtures.py (install tools/requirements-fixtures.txt first)")
+    status(command, "tools/make_variant_fixtures.py (install tools/requirements-fixtures.txt first)")?;
+    // The LoRA files and their goldens, for the tiny checkpoint just written.
+    let mut command = Command::new(&python);
+    command.args(["tools/make_lora_fixtures.py", "--fixtures", "crates/pipeline-zimage/tests/fixtures"]);
+    if args.force {
+        command.arg("--force");
+    }
+    status(command, "tools/make_lora_fixtures.py (install tools/requirements-fixtures.txt first)")
 }
 
 /// The LLVM release burn 0.22.1's CUDA backend builds against (cubecl-cuda 0.11 → tracel-llvm-bundler).

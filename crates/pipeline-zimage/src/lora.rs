@@ -646,6 +646,16 @@ impl ComponentLayers {
         Self { places, underscored, skipped: model.skipped_prefixes(), remap }
     }
 
+    /// No layers: for resolving LoRAs of one component only (every key of the other is then refused).
+    pub fn none() -> Self {
+        Self {
+            places: BTreeMap::new(),
+            underscored: BTreeMap::new(),
+            skipped: Vec::new(),
+            remap: burn::store::KeyRemapper::default(),
+        }
+    }
+
     /// The transformer's layers.
     pub fn transformer(model: &ZImageTransformer2DModel) -> Self {
         Self::of(model, KEY_REMAP)

@@ -1222,6 +1222,11 @@ mod tests {
                     let file = words.next().expect("a file name");
                     argv.push(dir.join(format!("{index}-{file}")).display().to_string());
                 }
+                // The README runs from the repository's root; the test from the crate's.
+                if word == "--lora" {
+                    let file = words.next().expect("a LoRA file");
+                    argv.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(file).display().to_string());
+                }
             }
             if !argv.iter().any(|word| word == "--out") {
                 argv.extend(["--out".to_string(), dir.join(format!("{index}-zimage.png")).display().to_string()]);
