@@ -5,6 +5,9 @@
 //!   offline optimum, peak and OOM retries. This is the README's main job.
 //! - `compare`: bytes moved by each strategy against the optimum, for several prompts in a row.
 //! - `bench overlap`: group offload's prefetch against serial transfers, side by side (runs cargo).
+//! - `bench offload [--device wgpu]`: a mid-size transformer resident, under `auto` on a cap 30% under its
+//!   weights, at block level with and without prefetch and at leaf level, in one process; its last line is
+//!   `offload_overhead auto=R block_prefetch=R block_serial=R leaf=R` (runs cargo).
 //! - `fuzz`: a million mutated inputs into each parser of user input (sizes, card names, settings) and, through
 //!   `pipeline-zimage`'s `fuzz_readers` example, into each checkpoint reader (model index, shard index,
 //!   component configs, safetensors files).
@@ -42,7 +45,8 @@ enum Command {
     Integration(integration::Args),
     /// Compare strategies' bytes moved with the offline optimum over several prompts.
     Compare(integration::CompareArgs),
-    /// Run a benchmark: `overlap` (group offload prefetch versus serial transfers).
+    /// Run a benchmark: `overlap` (group offload prefetch versus serial transfers), `offload [--device wgpu]`
+    /// (offload overhead against resident), `real-size --weights DIR`.
     Bench(tasks::BenchArgs),
     /// Print the offload plan for Z-Image-Turbo at real sizes on a simulated card and host.
     Plan(plan::Args),

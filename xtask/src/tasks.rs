@@ -8,8 +8,8 @@ use anyhow::{Context, bail};
 /// Arguments of `cargo xtask bench`.
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Which benchmark: `overlap`, or `real-size --weights DIR` (a checkpoint from `cargo xtask fixtures
-    /// --real-size DIR`).
+    /// Which benchmark: `overlap`, `offload [--device wgpu]` (offload overhead against resident on one runtime),
+    /// or `real-size --weights DIR` (a checkpoint from `cargo xtask fixtures --real-size DIR`).
     pub name: String,
     /// Extra arguments passed to the benchmark program.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -53,8 +53,24 @@ pub fn bench(args: &BenchArgs) -> anyhow::Result<()> {
             command.args(["run", "--quiet", "-p", "group-offload", "--example", "overlap", "--"]).args(&args.rest);
             status(command, "the overlap benchmark")
         }
+        "offload" => {
+            // The wgpu runtime needs the crate's wgpu feature; the CPU run needs nothing.
+            let wgpu = args.rest.windows(2).any(|w| w[0] == "--device" && w[1].starts_with("wgpu"));
+            let mut rest = args.rest.clone();
+            // lavapipe reports no device size to the default (WGSL) build: a size it holds, unless one is given.
+            if wgpu && !rest.iter().any(|a| a == "--device-memory") {
+                rest.extend(["--device-memory".to_string(), "2GiB".to_string()]);
+            }
+            let mut command = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+            command.args(["run", "--quiet", "-p", "pipeline-zimage"]);
+            if wgpu {
+                command.args(["--features", "wgpu"]);
+            }
+            command.args(["--example", "offload_overhead", "--"]).args(&rest);
+            status(command, "the offload overhead benchmark")
+        }
         "real-size" => real_size(&args.rest),
-        other => bail!("unknown benchmark {other:?}; the benchmarks are: overlap, real-size"),
+        other => bail!("unknown benchmark {other:?}; the benchmarks are: overlap, offload, real-size"),
     }
 }
 

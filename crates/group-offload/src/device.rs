@@ -1076,6 +1076,50 @@ impl<A: DeviceOutput, B: DeviceOutput> DeviceOutput for (A, B) {
     }
 }
 
+/// The syncs and read-backs the library's checks ([`check_device`], [`check_outputs`]) made on devices that
+/// defer failures, since the process started, split by the thread that made them: the prefetch workers
+/// (threads named `group-offload-<model>`) and every other thread (the compute thread). The CPU backend is
+/// never checked, so it counts none. Read it before and after a run to get that run's checks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceChecks {
+    /// Syncs on compute threads.
+    pub compute_syncs: u64,
+    /// Read-backs on compute threads.
+    pub compute_read_backs: u64,
+    /// Syncs on prefetch workers.
+    pub worker_syncs: u64,
+    /// Read-backs on prefetch workers.
+    pub worker_read_backs: u64,
+}
+
+impl std::ops::Sub for DeviceChecks {
+    type Output = Self;
+
+    fn sub(self, earlier: Self) -> Self {
+        Self {
+            compute_syncs: self.compute_syncs - earlier.compute_syncs,
+            compute_read_backs: self.compute_read_backs - earlier.compute_read_backs,
+            worker_syncs: self.worker_syncs - earlier.worker_syncs,
+            worker_read_backs: self.worker_read_backs - earlier.worker_read_backs,
+        }
+    }
+}
+
+/// `[compute syncs, compute read-backs, worker syncs, worker read-backs]`.
+static CHECKS: [AtomicU64; 4] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)];
+
+/// The checks made so far ([`DeviceChecks`]).
+pub fn device_checks() -> DeviceChecks {
+    let read = |i: usize| CHECKS[i].load(Ordering::Relaxed);
+    DeviceChecks { compute_syncs: read(0), compute_read_backs: read(1), worker_syncs: read(2), worker_read_backs: read(3) }
+}
+
+/// Counts one check of `kind` (0 a sync, 1 a read-back) on the calling thread.
+fn count_check(kind: usize) {
+    let worker = std::thread::current().name().is_some_and(|name| name.starts_with("group-offload-"));
+    CHECKS[kind + if worker { 2 } else { 0 }].fetch_add(1, Ordering::Relaxed);
+}
+
 /// Reads back one value of each of `output`'s tensors in one transfer, so that a failure anything they depend on
 /// met on the device (an allocation the runtime refused, a kernel that faulted) surfaces now, typed as
 /// [`check_device`] types it; `Ok` when every value arrived.
@@ -1093,6 +1137,7 @@ pub fn check_outputs(
     if probes.is_empty() {
         return Ok(());
     }
+    count_check(1);
     match catch_device_panic(|| Tensor::cat(probes, 0).try_into_data()) {
         Ok(Ok(_)) => Ok(()),
         Ok(Err(error)) => Err(classify(name, operation, error.reason(), error.is_device_poisoned(), memory)),
@@ -1112,6 +1157,7 @@ pub fn check_device(
     if !defers_failures(device) {
         return Ok(());
     }
+    count_check(0);
     match catch_device_panic(|| device.sync()) {
         Ok(Ok(())) => Ok(()),
         Ok(Err(error)) => Err(classify(name, operation, error.reason(), error.is_device_poisoned(), memory)),

@@ -1,0 +1,277 @@
+//! Offload overhead on one runtime, side by side: a mid-size Z-Image-shaped transformer (random weights) run
+//! resident, under the `auto` plan on a hard cap 30% under its weights, at block level with and without
+//! prefetch, and at leaf level, all in one process, each after a warm-up step.
+//!
+//! ```sh
+//! cargo xtask bench offload                 # the CPU backend, the cap on a simulated card
+//! cargo xtask bench offload --device wgpu   # burn's wgpu runtime (lavapipe: pass --device-memory 2GiB)
+//! ```
+//!
+//! For each route it prints the median step time (a step is one transformer forward, ended by the device's
+//! completion), the syncs and read-backs per step on the compute thread and on the prefetch worker (the library's
+//! own checks, [`group_offload::device::device_checks`]), and the bytes onloaded per step (from the record). Its
+//! last line is `offload_overhead auto=R block_prefetch=R block_serial=R leaf=R`, each the route's median step
+//! time divided by the resident one's. It computes in f32.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{DType, Device, Distribution, Tensor};
+use group_offload::device::{CappedDevice, DeviceChecks, PagePolicy, PoolReadings, device_checks, open_device_with};
+use group_offload::{GroupLevel, GroupOptions, ModelHandle, Placement};
+use memory_sim::{CardSpec, Mode, SimCard};
+use offload_core::plan::{DeviceFacts, HostMemory, Settings, SettingsLayer, Workload};
+use offload_core::{
+    Action, ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size, parse_size,
+};
+use pipeline_zimage::config::TransformerConfig;
+use pipeline_zimage::transformer::ZImageTransformer2DModel;
+
+/// The command line: `--device cpu|wgpu`, `--device-memory SIZE`, `--steps N`, `--dim D`, `--layers L`, and
+/// `--latent S` (the latent's side: `S / 2` squared image tokens).
+struct Args {
+    device: String,
+    device_memory: Option<u64>,
+    steps: usize,
+    dim: usize,
+    layers: usize,
+    latent: usize,
+}
+
+fn parse_args() -> anyhow::Result<Args> {
+    let mut args = Args { device: "cpu".into(), device_memory: None, steps: 5, dim: 384, layers: 6, latent: 32 };
+    let mut words = std::env::args().skip(1);
+    while let Some(word) = words.next() {
+        let mut value = || words.next().with_context(|| format!("{word} needs a value"));
+        match word.as_str() {
+            "--device" => args.device = value()?,
+            "--device-memory" => args.device_memory = Some(parse_size(&value()?).context("--device-memory")?),
+            "--steps" => args.steps = value()?.parse().context("--steps")?,
+            "--dim" => args.dim = value()?.parse().context("--dim")?,
+            "--layers" => args.layers = value()?.parse().context("--layers")?,
+            "--latent" => args.latent = value()?.parse().context("--latent")?,
+            other => bail!("unknown argument {other}; see the example's documentation"),
+        }
+    }
+    if args.steps == 0 || args.dim % 64 != 0 || args.layers == 0 || args.latent % 2 != 0 || args.latent == 0 {
+        bail!("--steps and --layers must be positive, --dim a multiple of 64 and --latent a positive even number");
+    }
+    Ok(args)
+}
+
+/// Touches every parameter, so the lazy random initialisation happens before anything is measured.
+fn materialise<M: Module>(module: &M) -> u64 {
+    struct Touch(u64);
+    impl ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let tensor = param.val();
+            self.0 += tensor.shape().num_elements() as u64 * tensor.dtype().size() as u64;
+        }
+    }
+    let mut touch = Touch(0);
+    module.visit(&mut touch);
+    touch.0
+}
+
+/// What one route measured.
+struct RouteFigures {
+    name: &'static str,
+    median: Duration,
+    checks: DeviceChecks,
+    onloaded: u64,
+    steps: usize,
+    note: String,
+}
+
+/// The device the routes run on: a real runtime's readings, or a simulated card on the CPU.
+struct Target {
+    exec: Device,
+    name: DeviceName,
+    readings: Option<Arc<PoolReadings>>,
+}
+
+impl Target {
+    /// A placement with `cap` bytes on a hard account (`None`: the device's own size).
+    fn placement(&self, cap: Option<u64>, weights: u64) -> anyhow::Result<(Placement, Arc<dyn DeviceMemory>)> {
+        match &self.readings {
+            Some(readings) => {
+                let memory: Arc<dyn DeviceMemory> = readings.clone();
+                let (ledger, memory): (Arc<dyn DeviceLedger>, Arc<dyn DeviceMemory>) = match cap {
+                    Some(cap) => {
+                        let capped = CappedDevice::new(readings.clone(), cap, true, "bench cap");
+                        (capped.clone(), capped)
+                    }
+                    None => (Arc::new(NoLedger), memory),
+                };
+                Ok((Placement::on_device(self.exec.clone(), self.name.clone(), ledger, Some(memory.clone())), memory))
+            }
+            None => {
+                let size = cap.unwrap_or(4 * weights);
+                let card =
+                    SimCard::new(CardSpec::parse(&size.to_string())?.with_mode(Mode::Hard).with_context_overhead(0));
+                Ok((Placement::simulated(card.clone()), card))
+            }
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = parse_args()?;
+    let name = DeviceName::parse(&args.device).context("--device")?;
+    let exec = open_device_with(&name, PagePolicy::Exclusive)?;
+    let readings =
+        if name.is_cpu() { None } else { Some(PoolReadings::open(exec.clone(), name.clone(), args.device_memory)?) };
+    let target = Target { exec: exec.clone(), name: name.clone(), readings };
+
+    let heads = args.dim / 64;
+    let config = TransformerConfig {
+        dim: args.dim,
+        n_heads: heads,
+        n_kv_heads: heads,
+        n_layers: args.layers,
+        n_refiner_layers: 1,
+        cap_feat_dim: args.dim,
+        axes_dims: vec![16, 24, 24],
+        axes_lens: vec![256, 128, 128],
+        ..TransformerConfig::z_image_turbo()
+    };
+    let model = ZImageTransformer2DModel::new(&config, &Device::flex());
+    let weights = materialise(&model);
+    let latent_side = args.latent;
+    let caption = 32;
+    let tokens = (latent_side / 2) * (latent_side / 2) + caption;
+    let activation = config.activation_bytes_for_tokens(tokens, DType::F32, true);
+    println!(
+        "device {}: transformer dim {} x {} blocks, {} of f32 weights; latent {latent_side}x{latent_side}, {caption} \
+         caption tokens; one forward's activations estimated at {}",
+        target.name,
+        config.dim,
+        config.n_layers + 2 * config.n_refiner_layers,
+        format_size(weights),
+        format_size(activation)
+    );
+    let host = Device::flex();
+    let x = Tensor::<5>::random([1, 16, 1, latent_side, latent_side], Distribution::Normal(0.0, 1.0), &host);
+    let cap_feats = Tensor::<3>::random([1, caption, config.cap_feat_dim], Distribution::Normal(0.0, 1.0), &host);
+    let t = Tensor::<1>::from_floats([0.5], &host);
+
+    let mut figures = Vec::new();
+    for route in ["resident", "auto", "block_prefetch", "block_serial", "leaf"] {
+        let cap = (route == "auto").then(|| weights * 7 / 10);
+        let (placement, memory) = target.placement(cap, weights)?;
+        let manager = Arc::new(ComponentsManager::new());
+        let mut handle = ModelHandle::register(&manager, "transformer", model.clone(), placement)?;
+        let block = |prefetch| GroupOptions {
+            level: GroupLevel::Block { blocks_per_group: 1 },
+            prefetch,
+            ..GroupOptions::default()
+        };
+        let mut note = String::new();
+        match route {
+            "resident" => {}
+            "auto" => {
+                let mut explicit = SettingsLayer::default();
+                explicit.set("preset", "auto")?;
+                // The workload's largest activation stays free, as the CLI's exact reserve keeps it.
+                explicit.set("reserve", &activation.to_string())?;
+                let settings = Settings::resolve(&explicit, std::iter::empty::<(String, String)>(), None)?;
+                // A step is one forward of an image's `steps` (what makes a resident part worth its room).
+                let flops = 2.0 * (weights / 4) as f64 * tokens as f64;
+                let spec = group_offload::apply::component_spec(&manager, &handle)?
+                    .with_activation(activation)
+                    .with_cost(flops, args.steps as u32 + 1);
+                let host_memory = HostMemory::new(64 << 30, 32 << 30);
+                let facts = DeviceFacts::new(memory.clone(), host_memory);
+                let mut components: [&mut dyn group_offload::handle::Component; 1] = [&mut handle];
+                let plan = group_offload::apply::plan_and_apply(
+                    &manager,
+                    &mut components,
+                    &[spec],
+                    settings,
+                    &facts,
+                    Workload::new().with("model", "bench"),
+                    "transformer",
+                )?;
+                note = plan
+                    .plan
+                    .components
+                    .first()
+                    .map(|c| {
+                        format!(
+                            "cap {}, route {}, {} resident",
+                            format_size(weights * 7 / 10),
+                            c.route,
+                            format_size(c.resident_bytes)
+                        )
+                    })
+                    .unwrap_or_default();
+            }
+            "block_prefetch" => handle.enable_group_offload(&block(true))?,
+            "block_serial" => handle.enable_group_offload(&block(false))?,
+            _ => handle.enable_group_offload(&GroupOptions::leaf())?,
+        }
+        let step = || -> anyhow::Result<Duration> {
+            let started = Instant::now();
+            let out = handle.try_run(activation, |weights, device| {
+                weights.forward(
+                    x.clone().to_device(device),
+                    t.clone().to_device(device),
+                    cap_feats.clone().to_device(device),
+                )
+            })?;
+            drop(out);
+            Ok(started.elapsed())
+        };
+        step()?; // the warm-up: the capture of the call order, the first onloads, the kernels compiled
+        let (checks_before, onloaded_before) = (device_checks(), onloaded(&manager));
+        let mut times = (0..args.steps).map(|_| step()).collect::<anyhow::Result<Vec<_>>>()?;
+        let checks = device_checks() - checks_before;
+        let onloaded = onloaded(&manager) - onloaded_before;
+        times.sort();
+        figures.push(RouteFigures {
+            name: route,
+            median: times[times.len() / 2],
+            checks,
+            onloaded,
+            steps: args.steps,
+            note,
+        });
+    }
+
+    let resident = figures[0].median.as_secs_f64();
+    println!(
+        "route           median step  ÷ resident  syncs/step (compute, worker)  read-backs/step (compute, worker)  onloaded/step"
+    );
+    for f in &figures {
+        let per = |n: u64| n as f64 / f.steps as f64;
+        println!(
+            "{:<15} {:>9.3} s  {:>10.3}  {:>12.1}, {:<14.1}  {:>17.1}, {:<14.1}  {:>10}  {}",
+            f.name,
+            f.median.as_secs_f64(),
+            f.median.as_secs_f64() / resident,
+            per(f.checks.compute_syncs),
+            per(f.checks.worker_syncs),
+            per(f.checks.compute_read_backs),
+            per(f.checks.worker_read_backs),
+            format_size(f.onloaded / f.steps as u64),
+            f.note
+        );
+    }
+    let ratio =
+        |name: &str| figures.iter().find(|f| f.name == name).map_or(f64::NAN, |f| f.median.as_secs_f64() / resident);
+    println!(
+        "offload_overhead auto={:.3} block_prefetch={:.3} block_serial={:.3} leaf={:.3}",
+        ratio("auto"),
+        ratio("block_prefetch"),
+        ratio("block_serial"),
+        ratio("leaf")
+    );
+    Ok(())
+}
+
+/// Bytes onloaded so far in `manager`'s record (whole components and groups).
+fn onloaded(manager: &ComponentsManager) -> u64 {
+    manager.offload_record().events().iter().filter(|e| e.action == Action::Onload).map(|e| e.bytes).sum()
+}
