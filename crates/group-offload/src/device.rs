@@ -1111,7 +1111,12 @@ static CHECKS: [AtomicU64; 4] = [AtomicU64::new(0), AtomicU64::new(0), AtomicU64
 /// The checks made so far ([`DeviceChecks`]).
 pub fn device_checks() -> DeviceChecks {
     let read = |i: usize| CHECKS[i].load(Ordering::Relaxed);
-    DeviceChecks { compute_syncs: read(0), compute_read_backs: read(1), worker_syncs: read(2), worker_read_backs: read(3) }
+    DeviceChecks {
+        compute_syncs: read(0),
+        compute_read_backs: read(1),
+        worker_syncs: read(2),
+        worker_read_backs: read(3),
+    }
 }
 
 /// Counts one check of `kind` (0 a sync, 1 a read-back) on the calling thread.
