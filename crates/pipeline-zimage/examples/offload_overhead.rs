@@ -29,11 +29,13 @@ use offload_core::{
 use pipeline_zimage::config::TransformerConfig;
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 
-/// The command line: `--device cpu|wgpu`, `--device-memory SIZE`, `--steps N`, `--dim D`, `--layers L`, and
+/// The command line: `--device cpu|wgpu`, `--device-memory SIZE`, `--pages exclusive|adaptive` (the pool's page
+/// policy; exclusive, as a hard cap wants, by default), `--steps N`, `--dim D`, `--layers L`, and
 /// `--latent S` (the latent's side: `S / 2` squared image tokens).
 struct Args {
     device: String,
     device_memory: Option<u64>,
+    pages: PagePolicy,
     steps: usize,
     dim: usize,
     layers: usize,
@@ -41,13 +43,28 @@ struct Args {
 }
 
 fn parse_args() -> anyhow::Result<Args> {
-    let mut args = Args { device: "cpu".into(), device_memory: None, steps: 5, dim: 384, layers: 6, latent: 32 };
+    let mut args = Args {
+        device: "cpu".into(),
+        device_memory: None,
+        pages: PagePolicy::Exclusive,
+        steps: 5,
+        dim: 384,
+        layers: 6,
+        latent: 32,
+    };
     let mut words = std::env::args().skip(1);
     while let Some(word) = words.next() {
         let mut value = || words.next().with_context(|| format!("{word} needs a value"));
         match word.as_str() {
             "--device" => args.device = value()?,
             "--device-memory" => args.device_memory = Some(parse_size(&value()?).context("--device-memory")?),
+            "--pages" => {
+                args.pages = match value()?.as_str() {
+                    "exclusive" => PagePolicy::Exclusive,
+                    "adaptive" => PagePolicy::Adaptive,
+                    other => bail!("--pages {other}: use exclusive or adaptive"),
+                }
+            }
             "--steps" => args.steps = value()?.parse().context("--steps")?,
             "--dim" => args.dim = value()?.parse().context("--dim")?,
             "--layers" => args.layers = value()?.parse().context("--layers")?,
@@ -78,7 +95,8 @@ fn materialise<M: Module>(module: &M) -> u64 {
 /// What one route measured.
 struct RouteFigures {
     name: &'static str,
-    median: Duration,
+    /// `None` when the route failed.
+    median: Option<Duration>,
     checks: DeviceChecks,
     onloaded: u64,
     steps: usize,
@@ -120,7 +138,7 @@ impl Target {
 fn main() -> anyhow::Result<()> {
     let args = parse_args()?;
     let name = DeviceName::parse(&args.device).context("--device")?;
-    let exec = open_device_with(&name, PagePolicy::Exclusive)?;
+    let exec = open_device_with(&name, args.pages)?;
     let readings =
         if name.is_cpu() { None } else { Some(PoolReadings::open(exec.clone(), name.clone(), args.device_memory)?) };
     let target = Target { exec: exec.clone(), name: name.clone(), readings };
@@ -159,88 +177,107 @@ fn main() -> anyhow::Result<()> {
 
     let mut figures = Vec::new();
     for route in ["resident", "auto", "block_prefetch", "block_serial", "leaf"] {
-        let cap = (route == "auto").then(|| weights * 7 / 10);
-        let (placement, memory) = target.placement(cap, weights)?;
-        let manager = Arc::new(ComponentsManager::new());
-        let mut handle = ModelHandle::register(&manager, "transformer", model.clone(), placement)?;
-        let block = |prefetch| GroupOptions {
-            level: GroupLevel::Block { blocks_per_group: 1 },
-            prefetch,
-            ..GroupOptions::default()
-        };
-        let mut note = String::new();
-        match route {
-            "resident" => {}
-            "auto" => {
-                let mut explicit = SettingsLayer::default();
-                explicit.set("preset", "auto")?;
-                // The workload's largest activation stays free, as the CLI's exact reserve keeps it.
-                explicit.set("reserve", &activation.to_string())?;
-                let settings = Settings::resolve(&explicit, std::iter::empty::<(String, String)>(), None)?;
-                // A step is one forward of an image's `steps` (what makes a resident part worth its room).
-                let flops = 2.0 * (weights / 4) as f64 * tokens as f64;
-                let spec = group_offload::apply::component_spec(&manager, &handle)?
-                    .with_activation(activation)
-                    .with_cost(flops, args.steps as u32 + 1);
-                let host_memory = HostMemory::new(64 << 30, 32 << 30);
-                let facts = DeviceFacts::new(memory.clone(), host_memory);
-                let mut components: [&mut dyn group_offload::handle::Component; 1] = [&mut handle];
-                let plan = group_offload::apply::plan_and_apply(
-                    &manager,
-                    &mut components,
-                    &[spec],
-                    settings,
-                    &facts,
-                    Workload::new().with("model", "bench"),
-                    "transformer",
-                )?;
-                note = plan
-                    .plan
-                    .components
-                    .first()
-                    .map(|c| {
-                        format!(
-                            "cap {}, route {}, {} resident",
-                            format_size(weights * 7 / 10),
-                            c.route,
-                            format_size(c.resident_bytes)
-                        )
-                    })
-                    .unwrap_or_default();
+        let measure = || -> anyhow::Result<RouteFigures> {
+            // The route before left its pages in the pool's cache; a cap counts the pool's pages, so they go first.
+            let _ = exec.sync();
+            exec.memory_cleanup();
+            let cap = (route == "auto").then(|| weights * 7 / 10);
+            let (placement, memory) = target.placement(cap, weights)?;
+            let manager = Arc::new(ComponentsManager::new());
+            let mut handle = ModelHandle::register(&manager, "transformer", model.clone(), placement)?;
+            let block = |prefetch| GroupOptions {
+                level: GroupLevel::Block { blocks_per_group: 1 },
+                prefetch,
+                ..GroupOptions::default()
+            };
+            let mut note = String::new();
+            match route {
+                "resident" => {}
+                "auto" => {
+                    let mut explicit = SettingsLayer::default();
+                    explicit.set("preset", "auto")?;
+                    // The workload's largest activation stays free, as the CLI's exact reserve keeps it.
+                    explicit.set("reserve", &activation.to_string())?;
+                    let settings = Settings::resolve(&explicit, std::iter::empty::<(String, String)>(), None)?;
+                    // A step is one forward of an image's `steps` (what makes a resident part worth its room).
+                    let flops = 2.0 * (weights / 4) as f64 * tokens as f64;
+                    let spec = group_offload::apply::component_spec(&manager, &handle)?
+                        .with_activation(activation)
+                        .with_cost(flops, args.steps as u32 + 1);
+                    let host_memory = HostMemory::new(64 << 30, 32 << 30);
+                    let facts = DeviceFacts::new(memory.clone(), host_memory);
+                    let mut components: [&mut dyn group_offload::handle::Component; 1] = [&mut handle];
+                    let plan = group_offload::apply::plan_and_apply(
+                        &manager,
+                        &mut components,
+                        &[spec],
+                        settings,
+                        &facts,
+                        Workload::new().with("model", "bench"),
+                        "transformer",
+                    )?;
+                    note = plan
+                        .plan
+                        .components
+                        .first()
+                        .map(|c| {
+                            format!(
+                                "cap {}, route {}, {} resident",
+                                format_size(weights * 7 / 10),
+                                c.route,
+                                format_size(c.resident_bytes)
+                            )
+                        })
+                        .unwrap_or_default();
+                }
+                "block_prefetch" => handle.enable_group_offload(&block(true))?,
+                "block_serial" => handle.enable_group_offload(&block(false))?,
+                _ => handle.enable_group_offload(&GroupOptions::leaf())?,
             }
-            "block_prefetch" => handle.enable_group_offload(&block(true))?,
-            "block_serial" => handle.enable_group_offload(&block(false))?,
-            _ => handle.enable_group_offload(&GroupOptions::leaf())?,
-        }
-        let step = || -> anyhow::Result<Duration> {
-            let started = Instant::now();
-            let out = handle.try_run(activation, |weights, device| {
-                weights.forward(
-                    x.clone().to_device(device),
-                    t.clone().to_device(device),
-                    cap_feats.clone().to_device(device),
-                )
-            })?;
-            drop(out);
-            Ok(started.elapsed())
+            let step = || -> anyhow::Result<Duration> {
+                let started = Instant::now();
+                let out = handle.try_run(activation, |weights, device| {
+                    weights.forward(
+                        x.clone().to_device(device),
+                        t.clone().to_device(device),
+                        cap_feats.clone().to_device(device),
+                    )
+                })?;
+                // Every route ends its step the same way: the output read back, so the device has done the work.
+                out.into_data();
+                Ok(started.elapsed())
+            };
+            step()?; // the warm-up: the capture of the call order, the first onloads, the kernels compiled
+            let (checks_before, onloaded_before) = (device_checks(), onloaded(&manager));
+            let mut times = (0..args.steps).map(|_| step()).collect::<anyhow::Result<Vec<_>>>()?;
+            let checks = device_checks() - checks_before;
+            let onloaded = onloaded(&manager) - onloaded_before;
+            times.sort();
+            if let Some(rate) = handle.group_offload().and_then(|g| g.link_rate()) {
+                note = format!("{note}{}link {rate}", if note.is_empty() { "" } else { "; " });
+            }
+            Ok(RouteFigures {
+                name: route,
+                median: Some(times[times.len() / 2]),
+                checks,
+                onloaded,
+                steps: args.steps,
+                note,
+            })
         };
-        step()?; // the warm-up: the capture of the call order, the first onloads, the kernels compiled
-        let (checks_before, onloaded_before) = (device_checks(), onloaded(&manager));
-        let mut times = (0..args.steps).map(|_| step()).collect::<anyhow::Result<Vec<_>>>()?;
-        let checks = device_checks() - checks_before;
-        let onloaded = onloaded(&manager) - onloaded_before;
-        times.sort();
-        figures.push(RouteFigures {
+        // A route that fails is reported as failed, with its error, and the others still run.
+        figures.push(measure().unwrap_or_else(|error| RouteFigures {
             name: route,
-            median: times[times.len() / 2],
-            checks,
-            onloaded,
+            median: None,
+            checks: DeviceChecks::default(),
+            onloaded: 0,
             steps: args.steps,
-            note,
-        });
+            note: format!("failed: {error}"),
+        }));
     }
 
-    let resident = figures[0].median.as_secs_f64();
+    let secs = |f: &RouteFigures| f.median.map_or(f64::NAN, |m| m.as_secs_f64());
+    let resident = secs(&figures[0]);
     println!(
         "route           median step  ÷ resident  syncs/step (compute, worker)  read-backs/step (compute, worker)  onloaded/step"
     );
@@ -249,8 +286,8 @@ fn main() -> anyhow::Result<()> {
         println!(
             "{:<15} {:>9.3} s  {:>10.3}  {:>12.1}, {:<14.1}  {:>17.1}, {:<14.1}  {:>10}  {}",
             f.name,
-            f.median.as_secs_f64(),
-            f.median.as_secs_f64() / resident,
+            secs(f),
+            secs(f) / resident,
             per(f.checks.compute_syncs),
             per(f.checks.worker_syncs),
             per(f.checks.compute_read_backs),
@@ -259,8 +296,7 @@ fn main() -> anyhow::Result<()> {
             f.note
         );
     }
-    let ratio =
-        |name: &str| figures.iter().find(|f| f.name == name).map_or(f64::NAN, |f| f.median.as_secs_f64() / resident);
+    let ratio = |name: &str| figures.iter().find(|f| f.name == name).map_or(f64::NAN, |f| secs(f) / resident);
     println!(
         "offload_overhead auto={:.3} block_prefetch={:.3} block_serial={:.3} leaf={:.3}",
         ratio("auto"),
