@@ -139,6 +139,7 @@ pub mod handle;
 pub mod model;
 pub mod parts;
 pub mod prelude;
+pub mod quant;
 mod store;
 pub mod view;
 mod walk;
