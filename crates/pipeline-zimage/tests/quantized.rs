@@ -376,3 +376,37 @@ fn each_scheme_is_measured_against_f32_with_the_bytes_it_streams_per_step() {
         assert_eq!((row(name).3, row(name).4), (row("q8s").3, row("q8s").4), "{rows:?}");
     }
 }
+
+/// Runs `pipeline-zimage generate` on the tiny checkpoint on an 8 MB simulated card with `extra` arguments:
+/// whether it succeeded, its stdout and its stderr.
+fn generate_cli(extra: &[&str]) -> (bool, String, String) {
+    let dir = std::env::temp_dir().join(format!("quantized-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let out = dir.join(format!("fox-{}.png", extra.join("-")));
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline-zimage"))
+        .args(["generate", "--height", "64", "--width", "64", "--steps", "2", "--card", "8MB"])
+        .args(extra)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("the CLI runs");
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    (run.status.success() && out.exists(), text(&run.stdout), text(&run.stderr))
+}
+
+#[test]
+fn the_cli_streams_a_transformer_quantized_with_a_named_scheme_and_refuses_one_the_cpu_cannot_compute() {
+    let (ok, stdout, stderr) = generate_cli(&["--preset", "diffusers_offload_compat", "--quantize", "q4s"]);
+    assert!(ok, "{stdout}\n{stderr}");
+    let output = format!("{stdout}\n{stderr}");
+    assert!(output.contains("transformer:") && output.contains("linear weights quantized (Q4S"), "{output}");
+    assert!(output.contains("transformer/layers_"), "the quantized transformer streamed by blocks: {output}");
+
+    let (ok, stdout, stderr) = generate_cli(&["--quantize", "e4m3"]);
+    let output = format!("{stdout}\n{stderr}");
+    assert!(!ok, "{output}");
+    assert!(output.contains("cannot quantize text_encoder with E4M3") && output.contains("Q8S"), "{output}");
+
+    let (ok, stdout, stderr) = generate_cli(&["--quantize", "int3"]);
+    assert!(!ok && stderr.contains("unknown scheme \"int3\""), "{stdout}\n{stderr}");
+}
