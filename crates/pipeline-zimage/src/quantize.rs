@@ -143,9 +143,10 @@ pub fn quantize<M: group_offload::OffloadModel + Clone>(
 /// group offload. Returns how many weights were quantized; does nothing when it already is quantized.
 ///
 /// Refused, with nothing changed: for a component under group offload (quantize first, then stream: its groups
-/// were cut from the float weights), for a scheme the backend of its placement does not compute
-/// (`group_offload::Error::SchemeUnsupported`, naming the scheme: the CPU backend `flex` has no fp8 or fp4
-/// values), and for a per-block scheme whose blocks do not tile a weight.
+/// were cut from the float weights), for a scheme that the backend of its placement's host (where the weights
+/// are quantized) or of its execution device does not compute (`group_offload::Error::SchemeUnsupported`, naming
+/// the scheme: the CPU backend `flex` has no fp8 or fp4 values, so with host copies on `flex` no placement
+/// quantizes them), and for a per-block scheme whose blocks do not tile a weight.
 pub fn quantize_with<M: group_offload::OffloadModel + Clone>(
     component: &mut group_offload::ModelHandle<M>,
     scheme: &QuantScheme,
@@ -163,7 +164,11 @@ pub fn quantize_with<M: group_offload::OffloadModel + Clone>(
     if component.is_quantized() {
         return Ok(0);
     }
-    group_offload::quant::check_scheme(component.name(), scheme, &component.placement().exec)?;
+    // The weights are quantized where the component's host copy lives (its placement's host device, the CPU
+    // backend), and computed on its execution device: both must compute the scheme.
+    let placement = component.placement();
+    group_offload::quant::check_scheme(component.name(), scheme, &placement.host)?;
+    group_offload::quant::check_scheme(component.name(), scheme, &placement.exec)?;
     if let Some((weight, shape)) = component.inspect(|module| untiled_weight(module, scheme))? {
         return Err(group_offload::Error::SchemeUnsupported {
             component: component.name().to_string(),
