@@ -33,8 +33,8 @@ pub(crate) struct TensorMeta {
     pub name: String,
     pub shape: Vec<usize>,
     pub dtype: DType,
-    /// The host copy's length: elements times the dtype's size for a float tensor; values, scales and their
-    /// alignment for a quantized one (burn's `TensorData` layout).
+    /// The host copy's length: elements times the dtype's size for a float tensor; its values followed by its
+    /// scales for a quantized one (burn's quantized `TensorData`, `quantized_data_len` bytes).
     pub bytes: u64,
 }
 

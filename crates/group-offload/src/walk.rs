@@ -28,8 +28,8 @@ pub(crate) struct ExtractedParam {
     pub containers: Vec<String>,
     pub shape: Vec<usize>,
     pub dtype: DType,
-    /// The host copy, shared so clones never copy: the values for a float tensor; values, scales and their
-    /// alignment (burn's `TensorData` layout) for a quantized one.
+    /// The host copy, shared so clones never copy: the values for a float tensor; the values followed by the
+    /// scales (burn's quantized `TensorData` layout) for a quantized one.
     pub bytes: Bytes,
 }
 
