@@ -14,7 +14,7 @@
 //!   on that device.
 
 use burn::tensor::quantization::{QuantMode, QuantScheme, QuantStore, QuantValue, quantizable};
-use burn::tensor::{DType, Device};
+use burn::tensor::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -70,10 +70,55 @@ fn unsupported(scheme: &QuantScheme, device: &Device) -> Option<String> {
             _ => None,
         };
     }
+    if scheme.store == QuantStore::Native && scheme.value.size_bits() < 8 {
+        // burn-cubecl's `q_from_data` panics on these ("Can't store native sub-byte values").
+        return Some("a cubecl runtime stores sub-byte values packed only, never one per byte".into());
+    }
     if !device.supports_dtype(DType::QFloat(*scheme)) {
         return Some("burn reports that this device cannot hold it (its scale or storage type)".into());
     }
     None
+}
+
+/// The scheme of the tensors `device`'s backend makes when it quantizes with `scheme`: backends may rewrite it
+/// (`flex` stores every scheme `Native`, one byte per value). Read from a probe of one block (or one row of 32
+/// values) quantized on `device`; `scheme` itself where the probe comes back unquantized.
+pub fn produced_scheme(scheme: &QuantScheme, device: &Device) -> QuantScheme {
+    let dims: Vec<usize> = match scheme.block_size() {
+        Some(block) => block.to_dim_vec(2).into_iter().map(usize::from).collect(),
+        None => vec![1, 32],
+    };
+    let probe = Tensor::<2>::ones([dims[0], dims[1]], device).quantize_dynamic(scheme);
+    match probe.dtype() {
+        DType::QFloat(produced) => produced,
+        _ => *scheme,
+    }
+}
+
+/// Checks that a module quantized with `scheme` on `host` (where its host copy lives) can run on `exec`: `host`
+/// computes `scheme`, and `exec` holds the tensors `host` makes of it ([`produced_scheme`]). The first refusal
+/// is returned, naming the device it comes from.
+pub fn check_placement(component: &str, scheme: &QuantScheme, host: &Device, exec: &Device) -> Result<()> {
+    check_scheme(component, scheme, host)?;
+    if exec == host {
+        return Ok(());
+    }
+    let produced = produced_scheme(scheme, host);
+    check_scheme(component, &produced, exec).map_err(|error| match error {
+        Error::SchemeUnsupported { component, device, reason, supported, .. } if produced != *scheme => {
+            Error::SchemeUnsupported {
+                component,
+                scheme: scheme_name(scheme),
+                device,
+                reason: format!(
+                    "the host copies' device ({host:?}) stores it as {}, and {reason}",
+                    scheme_name(&produced)
+                ),
+                supported,
+            }
+        }
+        other => other,
+    })
 }
 
 /// Checks that `device`'s backend computes `scheme`, before `component` is quantized with it; a
@@ -94,7 +139,6 @@ pub fn check_scheme(component: &str, scheme: &QuantScheme, device: &Device) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::Tensor;
 
     /// The largest difference between `values` and their round trip through `scheme` on flex.
     fn round_trip_error(scheme: &QuantScheme, values: &[f32]) -> f32 {
@@ -125,6 +169,14 @@ mod tests {
         assert!(matches!(error, Error::SchemeUnsupported { .. }), "{message}");
         assert!(message.contains("E4M3") && message.contains("net") && message.contains("Q8S"), "{message}");
         assert_eq!(supported_values(&device), vec![QuantValue::Q8S, QuantValue::Q4S, QuantValue::Q2S]);
+    }
+
+    #[test]
+    fn flex_stores_every_scheme_natively_whatever_the_store_asked_for() {
+        let device = Device::flex();
+        let packed = QuantScheme::default().with_value(QuantValue::Q4S).with_store(QuantStore::PackedU32(0));
+        assert_eq!(produced_scheme(&packed, &device), packed.with_store(QuantStore::Native));
+        check_placement("net", &packed, &device, &device).expect("flex on flex");
     }
 
     #[test]

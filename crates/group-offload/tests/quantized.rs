@@ -211,3 +211,32 @@ fn the_disk_store_keeps_quantized_groups_and_reuses_their_files() {
     assert_eq!(stamps[0], stamps[1], "the second build reused every file: their content hashes matched");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// On a real cubecl runtime (burn's wgpu; in CI Mesa's lavapipe): weights quantized on the device, in the
+/// runtime's own packed layout, stream at both levels with the resident output bit for bit, and their groups
+/// are the sizes the layout counts. `cargo test -p group-offload --features wgpu --test quantized`.
+#[cfg(feature = "wgpu")]
+#[test]
+fn on_a_cubecl_runtime_weights_quantized_there_stream_bit_for_bit() {
+    let name = offload_core::DeviceName::parse("wgpu").expect("a device name");
+    let device = group_offload::device::open_device_with(&name, group_offload::device::PagePolicy::Exclusive)
+        .unwrap_or_else(|error| panic!("{error} (this test needs a Vulkan driver)"));
+    let x = input(&device);
+    let packed = [QuantValue::Q8S, QuantValue::Q4S]
+        .map(|value| QuantScheme::default().with_value(value).with_store(QuantStore::PackedU32(0)));
+    for scheme in packed {
+        let model = quantized(net(&device), scheme);
+        let check = check_streaming(model.clone(), &device, |weights| weights.forward(x.clone()))
+            .unwrap_or_else(|e| panic!("{scheme:?}: {e}"));
+        assert_eq!(check.max_relative_difference, 0.0, "{scheme:?}: {check:?}");
+        let layout = group_offload::model::measure_layout(&model).expect("blocks");
+        let manager = Arc::new(ComponentsManager::new());
+        let placement = Placement::on_device(device.clone(), name.clone(), Arc::new(offload_core::NoLedger), None);
+        let mut handle = ModelHandle::register(&manager, "net", model, placement).expect("registers");
+        handle.enable_group_offload(&GroupOptions::default()).expect("streams");
+        let groups = handle.group_offload().expect("grouped").groups();
+        let blocks: Vec<u64> = groups.iter().filter(|(id, _)| id.starts_with("net/blocks_")).map(|(_, b)| *b).collect();
+        assert_eq!(blocks, layout.block_bytes, "{scheme:?}: the packed groups are the sizes the layout counts");
+        println!("{scheme:?} on {name}: block groups {blocks:?}");
+    }
+}

@@ -144,9 +144,10 @@ pub fn quantize<M: group_offload::OffloadModel + Clone>(
 ///
 /// Refused, with nothing changed: for a component under group offload (quantize first, then stream: its groups
 /// were cut from the float weights), for a scheme that the backend of its placement's host (where the weights
-/// are quantized) or of its execution device does not compute (`group_offload::Error::SchemeUnsupported`, naming
-/// the scheme: the CPU backend `flex` has no fp8 or fp4 values, so with host copies on `flex` no placement
-/// quantizes them), and for a per-block scheme whose blocks do not tile a weight.
+/// are quantized) does not compute or whose tensors its execution device cannot hold
+/// (`group_offload::quant::check_placement`, a `group_offload::Error::SchemeUnsupported` naming the scheme: the
+/// CPU backend `flex` has no fp8 or fp4 values and stores every scheme one byte per value, which a wgpu device
+/// cannot hold), and for a per-block scheme whose blocks do not tile a weight.
 pub fn quantize_with<M: group_offload::OffloadModel + Clone>(
     component: &mut group_offload::ModelHandle<M>,
     scheme: &QuantScheme,
@@ -165,10 +166,9 @@ pub fn quantize_with<M: group_offload::OffloadModel + Clone>(
         return Ok(0);
     }
     // The weights are quantized where the component's host copy lives (its placement's host device, the CPU
-    // backend), and computed on its execution device: both must compute the scheme.
+    // backend), and run on its execution device, which must hold what the host made of the scheme.
     let placement = component.placement();
-    group_offload::quant::check_scheme(component.name(), scheme, &placement.host)?;
-    group_offload::quant::check_scheme(component.name(), scheme, &placement.exec)?;
+    group_offload::quant::check_placement(component.name(), scheme, &placement.host, &placement.exec)?;
     if let Some((weight, shape)) = component.inspect(|module| untiled_weight(module, scheme))? {
         return Err(group_offload::Error::SchemeUnsupported {
             component: component.name().to_string(),

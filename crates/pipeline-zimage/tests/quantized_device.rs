@@ -59,34 +59,38 @@ fn the_schemes_the_runtime_computes_stream_with_the_quantized_resident_image() {
         ("e4m3 native", QuantScheme::default().with_value(QuantValue::E4M3).with_store(QuantStore::Native)),
         ("e2m1 packed u32", QuantScheme::default().with_value(QuantValue::E2M1).with_store(QuantStore::PackedU32(0))),
     ];
-    let mut q8 = None;
+    let mut outcomes = Vec::new();
     println!("| scheme on {name} | outcome | max abs error vs f32 | streamed vs resident |");
     println!("|---|---|---|---|");
     for (label, scheme) in schemes {
-        // A scheme the runtime cannot compute may panic inside burn's kernels rather than return an error: the
-        // survey catches it to report it beside the others, and asserts only on the 8-bit scheme.
+        // A scheme the runtime cannot hold used to panic inside burn's kernels or fail on the device; the survey
+        // catches a panic so that it is reported beside the others, and fails on it below.
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&device, &name, &scheme)));
-        match outcome {
+        let row = match &outcome {
             Ok(Ok((image, difference))) => {
-                let error = max_abs_diff(&image, &float);
-                println!("| {label} | computed | {error:.3e} | {difference:.1e} |");
-                if label == "q8s native" {
-                    q8 = Some((error, difference));
-                }
+                format!("computed | {:.3e} | {difference:.1e}", max_abs_diff(image, &float))
             }
-            Ok(Err(message)) => println!("| {label} | refused: {message} | | |"),
+            Ok(Err(message)) => format!("refused: {message} | |"),
             Err(panic) => {
                 let message = panic
                     .downcast_ref::<String>()
                     .cloned()
                     .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                     .unwrap_or_default();
-                println!("| {label} | panicked in burn: {} | | |", message.lines().next().unwrap_or_default());
+                format!("panicked in burn: {} | |", message.lines().next().unwrap_or_default())
             }
-        }
+        };
+        println!("| {label} | {row} |");
+        outcomes.push((label, outcome.ok()));
         device.memory_cleanup();
     }
-    let (error, difference) = q8.expect("8-bit weights are computed on wgpu");
-    assert!(error < 0.1, "int8 weights moved the image by {error}");
-    assert_eq!(difference, 0.0, "streaming the quantized transformer changed the image on {name}");
+    // The host copies live on the CPU backend, which quantizes every scheme one byte per value; wgpu holds no
+    // such tensor, so every scheme is refused up front, typed and by name, rather than failing on the device.
+    for (label, outcome) in &outcomes {
+        match outcome {
+            Some(Err(message)) => assert!(message.contains("cannot quantize text_encoder with"), "{label}: {message}"),
+            Some(Ok((_, difference))) => assert_eq!(*difference, 0.0, "{label}: streaming changed the image"),
+            None => panic!("{label}: burn panicked instead of a typed refusal"),
+        }
+    }
 }
