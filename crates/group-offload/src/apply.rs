@@ -51,8 +51,8 @@ pub struct AppliedPlan {
 }
 
 /// A registered component as plan input, at its loaded size: its weight bytes (from the manager), its layout
-/// ([`Component::layout`]: blocks in execution order, the bytes outside them, its leaf groups) and whether it is
-/// quantized (the planner then moves it only whole). The model crate adds the activation estimate and the FLOPs.
+/// ([`Component::layout`]: blocks in execution order, the bytes outside them, its leaf groups, at their quantized
+/// sizes for a quantized component) and whether it is quantized. The model crate adds the activation estimate and the FLOPs.
 /// Refused once the component is under group offload (its blocks cannot be measured again).
 pub fn component_spec(manager: &ComponentsManager, component: &dyn Component) -> Result<ComponentSpec> {
     let bytes = manager.component_info(component.id())?.bytes;

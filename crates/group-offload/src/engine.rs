@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Device;
 use offload_core::timeline::category;
 use offload_core::{Action, ComponentError, Direction, OffloadEvent, Reason};
 use parking_lot::{Condvar, Mutex};
@@ -28,6 +28,7 @@ use crate::config::GroupOffloadConfig;
 use crate::device::{catch_device_panic, check_device, check_outputs};
 use crate::error::{Error, Result};
 use crate::store::GroupHost;
+use crate::walk::DeviceTensor;
 
 /// Counters of one offloader since it was built. Read them with [`GroupOffload::stats`](crate::parts::GroupOffload::stats).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -100,7 +101,7 @@ struct UploadSample {
 enum Residency {
     Offloaded,
     Loading,
-    OnDevice(Arc<[Tensor<1>]>),
+    OnDevice(Arc<[DeviceTensor]>),
 }
 
 struct GroupSlot {
@@ -271,7 +272,7 @@ impl Shared {
 
     /// One upload: allocate on the ledger, pay the transfer, build the device tensors. Called without the lock.
     /// On any failure nothing stays allocated and the host copy is untouched.
-    fn upload(&self, host: &GroupHost, reason: Reason) -> Result<Arc<[Tensor<1>]>> {
+    fn upload(&self, host: &GroupHost, reason: Reason) -> Result<Arc<[DeviceTensor]>> {
         // The reading is taken before the move and the event recorded once it succeeded, as the manager does,
         // so a failed upload leaves no onload row for a group that never arrived.
         let reading = self.config.memory.as_ref().map(|m| m.reading());
@@ -299,7 +300,7 @@ impl Shared {
         host: &GroupHost,
         reason: Reason,
         reading: Option<offload_core::offload_strategy::MemoryReading>,
-    ) -> Result<Arc<[Tensor<1>]>> {
+    ) -> Result<Arc<[DeviceTensor]>> {
         let ledger = &self.config.ledger;
         // One allocation per tensor, as the runtime makes them: a paging ledger rounds each one, all or none.
         let sizes = host.tensor_sizes();
@@ -313,7 +314,7 @@ impl Shared {
             ledger.free_tensors(&sizes);
             return Err(self.onload_error(host, e));
         }
-        let data = match host.load_flat() {
+        let data = match host.load_upload() {
             Ok(data) => data,
             Err(message) => {
                 ledger.free_tensors(&sizes);
@@ -324,14 +325,18 @@ impl Shared {
         let device = &self.config.device;
         let copy_started = std::time::Instant::now();
         let built = catch_device_panic(|| {
-            data.into_iter()
-                .map(|d| {
-                    let dtype = d.dtype();
-                    Tensor::<1>::from_data(d, (device, dtype))
-                })
-                .collect::<Vec<Tensor<1>>>()
+            data.into_iter().map(|d| DeviceTensor::upload(d, device)).collect::<std::result::Result<Vec<_>, String>>()
         });
         let memory = self.config.memory.as_deref();
+        let built = match built {
+            Ok(Ok(tensors)) => Ok(tensors),
+            Ok(Err(message)) => {
+                ledger.free_tensors(&sizes);
+                let source = ComponentError::Transfer { what: host.id.clone(), message };
+                return Err(self.onload_error(host, source));
+            }
+            Err(panic) => Err(panic),
+        };
         // The upload is complete, on this thread's stream, before the group is published as on the device: a
         // sync and a read-back of one value per tensor surface a refused allocation as this group's, and no later
         // reader races the copy.
@@ -367,14 +372,18 @@ impl Shared {
     /// The link rate of the latest uploads; `None` before the first.
     pub fn link_rate(&self) -> Option<LinkRate> {
         let samples = self.state.lock().uploads.clone();
-        let mut rates: Vec<f64> =
-            samples.iter().map(|s| s.bytes as f64 / s.seconds.max(f64::MIN_POSITIVE)).collect();
+        let mut rates: Vec<f64> = samples.iter().map(|s| s.bytes as f64 / s.seconds.max(f64::MIN_POSITIVE)).collect();
         if rates.is_empty() {
             return None;
         }
         rates.sort_by(f64::total_cmp);
         let at = |fraction: f64| rates[((rates.len() - 1) as f64 * fraction).round() as usize];
-        Some(LinkRate { uploads: rates.len(), bytes: samples.iter().map(|s| s.bytes).sum(), median: at(0.5), p10: at(0.1) })
+        Some(LinkRate {
+            uploads: rates.len(),
+            bytes: samples.iter().map(|s| s.bytes).sum(),
+            median: at(0.5),
+            p10: at(0.1),
+        })
     }
 
     /// Drops every group that is on the device only because it was prefetched and that nobody borrows (they
@@ -515,7 +524,7 @@ impl Engine {
     }
 
     /// Takes the groups for one guard, in order; on failure releases what it took.
-    pub fn acquire(&self, groups: &[usize]) -> Result<Vec<(usize, Arc<[Tensor<1>]>)>> {
+    pub fn acquire(&self, groups: &[usize]) -> Result<Vec<(usize, Arc<[DeviceTensor]>)>> {
         let mut taken = Vec::with_capacity(groups.len());
         for &group in groups {
             match self.acquire_one(group) {
@@ -532,7 +541,7 @@ impl Engine {
         Ok(taken)
     }
 
-    fn acquire_one(&self, group: usize) -> Result<Arc<[Tensor<1>]>> {
+    fn acquire_one(&self, group: usize) -> Result<Arc<[DeviceTensor]>> {
         let shared = &self.shared;
         let mut state = shared.state.lock();
         let capturing = state.capturing;

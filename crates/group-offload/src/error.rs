@@ -128,8 +128,7 @@ pub enum Error {
         device: String,
     },
 
-    /// A route this model cannot take (group offload of a model that declares no blocks, or whose weights are
-    /// quantized).
+    /// A route this model cannot take (group offload of a model that declares no blocks).
     #[error("cannot apply {route} to {component}: {reason}")]
     RouteUnsupported {
         /// The component.
@@ -138,6 +137,25 @@ pub enum Error {
         route: String,
         /// Why, and what the model can take instead.
         reason: String,
+    },
+
+    /// A quantization scheme the backend in use does not compute: quantizing with it would give wrong values
+    /// (or none), so it is refused before any weight is touched.
+    #[error(
+        "cannot quantize {component} with {scheme} on {device}: {reason}; choose one of the schemes this backend \
+         computes: {supported}"
+    )]
+    SchemeUnsupported {
+        /// The component.
+        component: String,
+        /// The scheme asked for, as its name reads (`Q8S per tensor`).
+        scheme: String,
+        /// The device.
+        device: String,
+        /// What the backend does with it.
+        reason: String,
+        /// The schemes that work there, comma-separated.
+        supported: String,
     },
 
     /// A plan routed a component `off`, which leaves it unmanaged, but a pipeline runs every component through

@@ -260,8 +260,8 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         self.whole("measure the blocks of", measure_layout)
     }
 
-    /// Whether the model's weights are quantized (burn's quantized tensors); a model under group offload is not
-    /// (group offload streams float parameters only).
+    /// Whether the model's weights are quantized (burn's quantized tensors). A quantized model streams under group
+    /// offload as a float one does, its groups moving their quantized bytes and scales as they are.
     pub fn is_quantized(&self) -> bool {
         self.inspect(module_is_quantized).unwrap_or(false)
     }
@@ -296,24 +296,16 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     /// Puts the model under group offload with `options` on the device of its [`Placement`]: its groups are
     /// charged to the placement's ledger, read through its readings for the out-of-memory reports (the device's one
     /// account, the same as the whole model's), recorded in the manager's record and timeline. Does nothing when
-    /// it already is (the first options stay); refused for a quantized model and for one that declares no blocks
-    /// ([`Error::RouteUnsupported`]).
+    /// it already is (the first options stay); refused for a model that declares no blocks
+    /// ([`Error::RouteUnsupported`]). A quantized model streams: its groups hold the quantized parameters' bytes
+    /// (values and scales, never dequantized on the host), uploads rebuild the quantized tensors on the device,
+    /// and every byte count (groups, ledger, record) is the quantized size.
     ///
     /// Nothing is lost when it fails: the options and the offloader's configuration are checked before the model
     /// is touched, and the model stays registered as it was.
     pub fn enable_group_offload(&mut self, options: &GroupOptions) -> Result<()> {
         if self.grouped.is_some() {
             return Ok(());
-        }
-        if self.is_quantized() {
-            return Err(Error::RouteUnsupported {
-                component: self.name.clone(),
-                route: "group offload".into(),
-                reason: "its weights are quantized, and group offload streams float parameters only: a quantized \
-                         component moves whole (component offload keeps its quantized tensors and kernels); load it \
-                         unquantized to stream it by blocks or leaves"
-                    .into(),
-            });
         }
         options.validate(&self.name)?;
         let placement = &self.placement;

@@ -113,7 +113,9 @@
 //! never the model's forward (`docs/devices.md`).
 //!
 //! Int and bool parameters are not offloaded: they move to the execution device when the part is added and
-//! stay there, uncounted.
+//! stay there, uncounted. Quantized float parameters (burn's `QFloat`) stream like any other: their host copy is
+//! burn's quantized bytes (values and scales), an upload rebuilds the quantized tensor in its own shape, and
+//! every size is the quantized one; [`quant`] says which schemes the backend in use computes.
 
 #![forbid(unsafe_code)]
 
@@ -139,6 +141,7 @@ pub mod handle;
 pub mod model;
 pub mod parts;
 pub mod prelude;
+pub mod quant;
 mod store;
 pub mod view;
 mod walk;

@@ -7,7 +7,7 @@ use std::ops::Deref;
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Device;
 use offload_core::timeline::category;
 use parking_lot::Mutex;
 
@@ -419,7 +419,7 @@ impl PartCore {
         Self { engine: offload.engine().clone(), name: name.to_string() }
     }
 
-    fn take(&self, groups: &[usize]) -> Result<Vec<(usize, Arc<[Tensor<1>]>)>> {
+    fn take(&self, groups: &[usize]) -> Result<Vec<(usize, Arc<[crate::walk::DeviceTensor]>)>> {
         self.engine.acquire(groups)
     }
 
@@ -428,7 +428,12 @@ impl PartCore {
         GroupGuard { value: Some(value), engine: &self.engine, groups, computing_since }
     }
 
-    fn install<M: Module>(&self, skeleton: &M, slots: &[Slot], taken: &[(usize, Arc<[Tensor<1>]>)]) -> M {
+    fn install<M: Module>(
+        &self,
+        skeleton: &M,
+        slots: &[Slot],
+        taken: &[(usize, Arc<[crate::walk::DeviceTensor]>)],
+    ) -> M {
         let engine = &self.engine;
         let hosts = |g: usize| engine.host(g);
         let installed =

@@ -6,7 +6,12 @@
 //! extraction the host copy is the only copy. Installation clones that skeleton (cheap: placeholders are `Arc`
 //! handles) and maps every float parameter to either its group's device tensor (same [`ParamId`]) or a fresh
 //! placeholder that, if some code touches it anyway, loads it synchronously and counts a stray load.
+//!
+//! A quantized parameter (burn's `QFloat`) is extracted as burn's own `TensorData` bytes, values and scales as the
+//! backend wrote them, and uploaded in its own shape ([`DeviceTensor::Shaped`]); float parameters upload flat and
+//! are reshaped at installation.
 
+use std::any::Any;
 use std::sync::{Arc, Weak};
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
@@ -23,7 +28,8 @@ pub(crate) struct ExtractedParam {
     pub containers: Vec<String>,
     pub shape: Vec<usize>,
     pub dtype: DType,
-    /// The host copy, shared so clones never copy.
+    /// The host copy, shared so clones never copy: the values for a float tensor; the values followed by the
+    /// scales (burn's quantized `TensorData` layout) for a quantized one.
     pub bytes: Bytes,
 }
 
@@ -59,11 +65,12 @@ impl ModuleMapper for Extractor<'_> {
         let tensor = param.into_value();
         let shape = tensor.shape().as_slice().to_vec();
         let (bytes, dtype) = match tensor.try_into_data() {
-            Ok(data) if matches!(data.dtype(), DType::QFloat(_)) => {
+            Ok(data) if matches!(data.dtype(), DType::QFloat(_)) && D > MAX_QUANTIZED_RANK => {
                 let path = self.stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".");
                 self.failure.get_or_insert(format!(
-                    "parameter {path} is quantized ({:?}); group offload streams float parameters only, so move a \
-                     quantized module whole (component offload), or stream it unquantized",
+                    "parameter {path} is quantized ({:?}) with rank {D}; group offload uploads quantized parameters \
+                     in their own shape up to rank {MAX_QUANTIZED_RANK}, so move this module whole (component \
+                     offload) or leave this parameter unquantized",
                     data.dtype()
                 ));
                 (Bytes::from_bytes_vec(Vec::new()), DType::F32)
@@ -100,7 +107,8 @@ impl ModuleMapper for Extractor<'_> {
 }
 
 /// Every float parameter of `module` with its field path, the container type of each segment and its bytes
-/// (elements times the dtype's size), read without touching the data.
+/// ([`tensor_bytes`](crate::whole::tensor_bytes): values and scales for a quantized one), read without touching
+/// the data.
 pub(crate) fn param_places<M: Module>(module: &M) -> Vec<(Vec<String>, Vec<String>, u64)> {
     struct Places {
         stack: Vec<(String, String)>,
@@ -116,8 +124,7 @@ pub(crate) fn param_places<M: Module>(module: &M) -> Vec<(Vec<String>, Vec<Strin
         }
 
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let tensor = param.val();
-            let bytes = tensor.shape().num_elements() as u64 * tensor.dtype().size() as u64;
+            let bytes = crate::whole::tensor_bytes(&param.val());
             self.params.push((
                 self.stack.iter().map(|(n, _)| n.clone()).collect(),
                 self.stack.iter().map(|(_, c)| c.clone()).collect(),
@@ -164,7 +171,7 @@ pub(crate) struct Slot {
 /// What an installation can see: the uploaded tensors of some groups, and everything needed for a stray load.
 pub(crate) struct Installed<'a> {
     /// `(group index, its device tensors)` for the groups this guard holds.
-    pub groups: &'a [(usize, Arc<[Tensor<1>]>)],
+    pub groups: &'a [(usize, Arc<[DeviceTensor]>)],
     /// The host copy of every group of the part, by engine group index.
     pub hosts: &'a dyn Fn(usize) -> Option<Arc<GroupHost>>,
     /// The engine a touched placeholder reports to (weakly: a placeholder may outlive it): it counts the stray
@@ -191,12 +198,22 @@ impl ModuleMapper for Installer<'_, '_> {
         };
         let uploaded =
             self.installed.groups.iter().find(|(g, _)| *g == slot.group).and_then(|(_, t)| t.get(slot.index));
-        if let Some(flat) = uploaded {
-            let mut dims = [0usize; D];
-            for (d, s) in dims.iter_mut().zip(shape.as_slice()) {
-                *d = *s;
+        match uploaded {
+            Some(DeviceTensor::Flat(flat)) => {
+                let mut dims = [0usize; D];
+                for (d, s) in dims.iter_mut().zip(shape.as_slice()) {
+                    *d = *s;
+                }
+                return Param::initialized(id, flat.clone().reshape(dims));
             }
-            return Param::initialized(id, flat.clone().reshape(dims));
+            Some(DeviceTensor::Shaped(tensor)) => {
+                // Uploaded with the parameter's own shape, so its rank is `D`; were it not, the placeholder below
+                // loads it and counts a stray load, which the streaming check reports.
+                if let Some(tensor) = tensor.downcast_ref::<Tensor<D>>() {
+                    return Param::initialized(id, tensor.clone());
+                }
+            }
+            None => {}
         }
         // Not in this guard's groups: a fresh placeholder (never the skeleton's, so a stray load cannot leak
         // into the skeleton) that loads the parameter on its own if the model touches it.
@@ -246,7 +263,62 @@ pub(crate) fn install<M: Module>(skeleton: &M, slots: &[Slot], installed: &Insta
     skeleton.clone().map(&mut installer)
 }
 
-/// Reads flat host data as a rank-1 tensor: what the worker uploads.
+/// Reads flat host data as a rank-1 tensor: what the worker uploads for a float parameter.
 pub(crate) fn flat_data(bytes: Bytes, elements: usize, dtype: DType) -> TensorData {
     TensorData::from_bytes(bytes, [elements], dtype)
+}
+
+/// The highest rank of a quantized parameter group offload uploads in its own shape.
+pub(crate) const MAX_QUANTIZED_RANK: usize = 6;
+
+/// One parameter on the execution device, as an upload built it.
+#[derive(Clone)]
+pub(crate) enum DeviceTensor {
+    /// A float parameter, flat: installation reshapes it to the parameter's shape (a view).
+    Flat(Tensor<1>),
+    /// A quantized parameter in its own shape: a `Tensor<D>` of the parameter's rank `D`, behind `Any` because
+    /// the group holds parameters of every rank. Installation takes it as it is: a block-quantized tensor's
+    /// scales are laid over its shape, and some backends (`flex`) reshape one by dequantizing and quantizing
+    /// again, which would change its values.
+    Shaped(Arc<dyn Any + Send + Sync>),
+}
+
+impl DeviceTensor {
+    /// Builds the device tensor of `data` ([`TensorMeta::upload_data`](crate::store::TensorMeta::upload_data)'s
+    /// output) on `device`; a quantized tensor is rebuilt from its bytes by the backend (values and scales as they
+    /// are).
+    pub fn upload(data: TensorData, device: &Device) -> Result<Self, String> {
+        let dtype = data.dtype();
+        if !matches!(dtype, DType::QFloat(_)) {
+            return Ok(Self::Flat(Tensor::<1>::from_data(data, (device, dtype))));
+        }
+        fn shaped<const D: usize>(data: TensorData, device: &Device, dtype: DType) -> DeviceTensor {
+            DeviceTensor::Shaped(Arc::new(Tensor::<D>::from_data(data, (device, dtype))))
+        }
+        Ok(match data.shape().num_dims() {
+            1 => shaped::<1>(data, device, dtype),
+            2 => shaped::<2>(data, device, dtype),
+            3 => shaped::<3>(data, device, dtype),
+            4 => shaped::<4>(data, device, dtype),
+            5 => shaped::<5>(data, device, dtype),
+            6 => shaped::<6>(data, device, dtype),
+            rank => {
+                return Err(format!(
+                    "a quantized tensor of rank {rank} cannot be uploaded in its shape (ranks 1 to \
+                     {MAX_QUANTIZED_RANK}); leave it unquantized"
+                ));
+            }
+        })
+    }
+}
+
+impl crate::device::DeviceOutput for DeviceTensor {
+    /// A float tensor's one-value probe; none for a quantized one, which is read back by its own kernels (its
+    /// upload is still synced by `check_device` before the group is published).
+    fn probes(&self) -> Vec<Tensor<1>> {
+        match self {
+            Self::Flat(tensor) => tensor.probes(),
+            Self::Shaped(_) => Vec::new(),
+        }
+    }
 }

@@ -45,7 +45,8 @@ pub fn module_tensor_sizes<M: Module>(module: &M) -> Vec<u64> {
 }
 
 /// Bytes of one float tensor at its dtype; for a quantized tensor, its values and scales (its dtype's size is
-/// one storage word, not bytes per value).
+/// one storage word, not bytes per value): `quantized_data_len`, the length of burn's quantized `TensorData`,
+/// which is what group offload's host copy of it holds, moves and charges.
 pub fn tensor_bytes<const D: usize>(tensor: &Tensor<D>) -> u64 {
     let shape = tensor.shape();
     let bytes = match tensor.dtype() {

@@ -316,24 +316,34 @@ fn off_routes_nothing() {
 }
 
 #[test]
-fn quantized_weights_are_never_group_offloaded() {
+fn quantized_weights_are_routed_as_float_weights_of_the_same_size_and_stream_when_they_do_not_fit() {
     let quantized: Vec<ComponentSpec> = z_image_turbo().into_iter().map(|c| c.quantized(true)).collect();
-    // On a 24GB card each fits whole: component offload, never block or leaf.
-    for preset in Preset::ALL.into_iter().filter(|p| *p != Preset::Off) {
-        let plan = plan_pipeline(&quantized, preset, &machine(24, 64)).expect("fits whole");
-        for c in &plan.components {
-            assert!(!c.route.is_group_offload(), "{preset}: {} took {}", c.component, c.route);
-            assert!(c.why.starts_with("quantized weights keep their own kernels"), "{}", c.why);
+    // Quantized weights stream as they are, so a quantized component of the same sizes takes the same route under
+    // every preset, on a card where each fits whole and on one where the transformer must stream.
+    for (vram, ram) in [(24, 64), (8, 32), (3, 64)] {
+        for preset in Preset::ALL {
+            let float = plan_pipeline(&z_image_turbo(), preset, &machine(vram, ram));
+            let plan = plan_pipeline(&quantized, preset, &machine(vram, ram));
+            let (float, plan) = match (float, plan) {
+                (Ok(float), Ok(plan)) => (float, plan),
+                (Err(float), Err(plan)) => {
+                    assert_eq!(float.to_string(), plan.to_string(), "{preset} on {vram}GB");
+                    continue;
+                }
+                (float, plan) => panic!("{preset} on {vram}GB: float {float:?}, quantized {plan:?}"),
+            };
+            for (f, q) in float.components.iter().zip(&plan.components) {
+                assert_eq!(f.route, q.route, "{preset} on {vram}GB: {}", q.component);
+                let explained = q.why.contains("its weights are quantized") || q.why.starts_with("preset off");
+                assert!(explained || q.why.starts_with("everything fits at once"), "{preset}: {}", q.why);
+            }
         }
     }
-    // On an 8GB card the transformer does not fit whole, and nothing else is allowed.
-    let err = plan_pipeline(&quantized, Preset::Auto, &machine(8, 32)).expect_err("does not fit");
-    check(
-        err.to_string(),
-        expect![
-            "cannot plan text_encoder: component offload needs 8.17 GB on the device, 6.84 GB available (quantized weights keep their own kernels and are never group-offloaded); use a larger card, or load the component unquantized so it can stream by blocks"
-        ],
-    );
+    // On an 8GB card the quantized transformer does not fit whole, so it streams by blocks, as a float one does.
+    let plan = plan_pipeline(&quantized, Preset::Auto, &machine(8, 32)).expect("streams");
+    let transformer = plan.components.iter().find(|c| c.component == "transformer").expect("planned");
+    assert!(transformer.route.is_group_offload(), "{}: {}", transformer.route, transformer.why);
+    assert!(transformer.why.starts_with("its weights are quantized"), "{}", transformer.why);
 }
 
 #[test]

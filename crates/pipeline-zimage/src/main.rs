@@ -269,10 +269,15 @@ struct Generate {
     /// one, written as OUT-1.png, OUT-2.png, ...
     #[arg(long, default_value_t = 1)]
     images: usize,
-    /// Quantize the text encoder's and the transformer's linear weights to 8 bits (burn quantized tensors, their
-    /// own kernels). Quantized components move only whole: the planner never streams them by blocks or leaves.
-    #[arg(long)]
-    quantize: bool,
+    /// Quantize the text encoder's and the transformer's linear weights (burn quantized tensors, their own
+    /// kernels) with SCHEME: q8s (the default, 8 bits, one f32 scale per tensor), q4s, q2s, e4m3, e5m2, e2m1,
+    /// optionally with -b<N> for one scale per block of N values (q4s-b32). A scheme the backend does not compute
+    /// is refused by name (the CPU backend has no fp8 or fp4 values). Quantized components stream like float
+    /// ones: the planner routes them resident, whole, or by blocks or leaves when they do not fit whole.
+    #[arg(long, value_name = "SCHEME", num_args = 0..=1, default_missing_value = "q8s",
+          value_parser = |name: &str| pipeline_zimage::quantize::named_scheme(name).ok_or_else(|| format!(
+              "unknown scheme {name:?}; use q8s, q4s, q2s, e4m3, e5m2 or e2m1, optionally with -b<N> (q4s-b32)")))]
+    quantize: Option<burn::tensor::quantization::QuantScheme>,
     /// Write a Chrome trace-event file of the run: its phases and denoising steps, each component's run, onload
     /// and offload, each group's upload, compute and release on the thread that made it (prefetches on the
     /// worker's), and a counter track of device memory. Open it in https://ui.perfetto.dev or chrome://tracing
@@ -764,11 +769,12 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     if let Some(anonymous) = &anonymous {
         report_loaded(&pipeline, anonymous);
     }
-    if args.quantize {
-        let text_encoder = quantize(pipeline.text_encoder_mut())?;
-        eprintln!("text_encoder: {text_encoder} linear weights quantized to 8 bits");
-        let transformer = quantize(pipeline.transformer_mut())?;
-        eprintln!("transformer: {transformer} linear weights quantized to 8 bits");
+    if let Some(scheme) = &args.quantize {
+        let name = group_offload::quant::scheme_name(scheme);
+        let text_encoder = pipeline_zimage::quantize::quantize_with(pipeline.text_encoder_mut(), scheme)?;
+        eprintln!("text_encoder: {text_encoder} linear weights quantized ({name})");
+        let transformer = pipeline_zimage::quantize::quantize_with(pipeline.transformer_mut(), scheme)?;
+        eprintln!("transformer: {transformer} linear weights quantized ({name})");
     }
     // Before any offload is set up: every group offloader keeps the timeline it is built with.
     let timeline =

@@ -20,9 +20,10 @@
 //!   whose recommended resident budget later plans reuse.
 //!
 //! Settings are validated once, by `Settings::resolve` (the edge); generation options by
-//! [`GenerateOptions::validate`]. A component quantized with [`crate::quantize::quantize`] is described as
-//! quantized, so the planner routes it resident or whole (component offload keeps burn's quantized tensors and
-//! kernels), never to block or leaf offload (see `docs/presets.md`).
+//! [`GenerateOptions::validate`]. A component quantized with [`crate::quantize::quantize`] is described at its
+//! quantized sizes and as quantized, and the planner routes it as a float component of those sizes: resident,
+//! whole (component offload keeps burn's quantized tensors and kernels), or by blocks or leaves when it does not
+//! fit whole, its groups moving the quantized bytes as they are (see `docs/quantized-streaming.md`).
 
 use burn::tensor::Tensor;
 use group_offload::apply::component_spec;

@@ -79,8 +79,9 @@ pub struct ComponentSpec {
     pub layout: Option<BlockLayout>,
     /// Peak activation bytes of one call for the workload (resolution, caption length, dtype).
     pub activation_bytes: u64,
-    /// Whether the weights are quantized. Quantized weights keep their own kernels, so they are routed to
-    /// component offload or kept resident, never group-offloaded.
+    /// Whether the weights are quantized. Quantized weights keep their own kernels and stream as they are (their
+    /// groups move the quantized bytes), so they are routed as float weights of the same sizes are; the plan's
+    /// explanation says they are quantized. The sizes (`weight_bytes`, the layout) are the quantized ones.
     pub quantized: bool,
     /// FLOPs of one call, for the time prediction.
     pub flops_per_call: f64,
@@ -127,14 +128,14 @@ impl ComponentSpec {
         self
     }
 
-    /// Whether block offload can stream this component (it has blocks and is not quantized).
+    /// Whether block offload can stream this component (it has blocks; quantized or not).
     pub fn can_block_offload(&self) -> bool {
-        !self.quantized && self.layout.as_ref().is_some_and(|l| !l.block_bytes.is_empty())
+        self.layout.as_ref().is_some_and(|l| !l.block_bytes.is_empty())
     }
 
-    /// Whether leaf offload can stream this component (it has leaves and is not quantized).
+    /// Whether leaf offload can stream this component (it has leaves; quantized or not).
     pub fn can_leaf_offload(&self) -> bool {
-        !self.quantized && self.layout.as_ref().is_some_and(|l| l.leaf_count > 0)
+        self.layout.as_ref().is_some_and(|l| l.leaf_count > 0)
     }
 
     /// Checks the description: a name, weights, block and outside bytes that add up to the weights, a leaf no

@@ -18,8 +18,8 @@
 //!
 //! This module is policy: it decides and explains, and never touches a device. It knows no burn, no CUDA and
 //! no model: the pipeline crate describes its components and applies the plan with `ComponentsManager` and
-//! group offload. Quantized components are routed to component offload or kept resident, never group-offloaded,
-//! because their weights only run under their own kernels.
+//! group offload. A quantized component is routed as a float one of its (quantized) sizes: its weights keep
+//! their own kernels and stream as they are, and its explanation says it is quantized.
 
 pub mod budget;
 pub mod capacity;

@@ -723,12 +723,7 @@ impl Planner<'_> {
             let smallest = options.iter().min_by_key(|(_, e)| e.need);
             let (route, needs) = smallest
                 .map_or(("component offload".to_string(), spec.weight_bytes), |(s, e)| (s.route.to_string(), e.need));
-            let (reason, advice) = if spec.quantized {
-                (
-                    "quantized weights keep their own kernels and are never group-offloaded".to_string(),
-                    "use a larger card, or load the component unquantized so it can stream by blocks",
-                )
-            } else if let Some(budget) = self.settings.resident_budget {
+            let (reason, advice) = if let Some(budget) = self.settings.resident_budget {
                 (
                     format!(
                         "{} kept free for activations and resident_budget {} from {}",
@@ -972,7 +967,9 @@ impl Planner<'_> {
         let fits = weight <= choice.room;
         let mut why = String::new();
         if spec.quantized {
-            why.push_str("quantized weights keep their own kernels, so it is never group-offloaded; ");
+            why.push_str(
+                "its weights are quantized (sizes are their values and scales, and they stream as they are); ",
+            );
         }
         why.push_str(&format!(
             "{} of weights {} whole in the {} left after {} for activations ({headroom_source})",
