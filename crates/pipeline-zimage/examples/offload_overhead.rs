@@ -36,6 +36,8 @@ struct Args {
     device: String,
     device_memory: Option<u64>,
     pages: PagePolicy,
+    /// The routes to run beside resident (`--routes auto,leaf`); empty: all.
+    routes: Vec<String>,
     steps: usize,
     dim: usize,
     layers: usize,
@@ -47,6 +49,7 @@ fn parse_args() -> anyhow::Result<Args> {
         device: "cpu".into(),
         device_memory: None,
         pages: PagePolicy::Exclusive,
+        routes: Vec::new(),
         steps: 5,
         dim: 384,
         layers: 6,
@@ -65,6 +68,7 @@ fn parse_args() -> anyhow::Result<Args> {
                     other => bail!("--pages {other}: use exclusive or adaptive"),
                 }
             }
+            "--routes" => args.routes = value()?.split(',').map(str::to_string).collect(),
             "--steps" => args.steps = value()?.parse().context("--steps")?,
             "--dim" => args.dim = value()?.parse().context("--dim")?,
             "--layers" => args.layers = value()?.parse().context("--layers")?,
@@ -177,6 +181,9 @@ fn main() -> anyhow::Result<()> {
 
     let mut figures = Vec::new();
     for route in ["resident", "auto", "block_prefetch", "block_serial", "leaf"] {
+        if !args.routes.is_empty() && route != "resident" && !args.routes.iter().any(|r| r == route) {
+            continue;
+        }
         let measure = || -> anyhow::Result<RouteFigures> {
             // The route before left its pages in the pool's cache; a cap counts the pool's pages, so they go first.
             let _ = exec.sync();

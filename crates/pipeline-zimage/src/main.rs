@@ -35,7 +35,6 @@ use pipeline_zimage::lora::{LoraMode, LoraSpec, LoraTarget};
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::plot::{PlotOptions, draw_memory_plot};
 use pipeline_zimage::presets::{check_capacity, enable_pipeline_offload, exact_reserve, generate_profiled};
-use pipeline_zimage::quantize::quantize;
 use pipeline_zimage::schedule::{StrategyChoice, compare_moves, lookahead_after_first_image};
 
 /// Z-Image(-Turbo) on burn.
