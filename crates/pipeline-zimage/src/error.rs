@@ -270,7 +270,7 @@ pub enum Error {
     #[error(transparent)]
     Simulation(#[from] memory_sim::SimError),
 
-    /// Group offload failed, or refused a route (a model without blocks, a quantized one).
+    /// Group offload failed, or refused a route (a model without blocks, a quantization scheme the device cannot hold).
     #[error(transparent)]
     GroupOffload(group_offload::Error),
 

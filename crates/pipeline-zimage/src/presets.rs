@@ -23,7 +23,7 @@
 //! [`GenerateOptions::validate`]. A component quantized with [`crate::quantize::quantize`] is described at its
 //! quantized sizes and as quantized, and the planner routes it as a float component of those sizes: resident,
 //! whole (component offload keeps burn's quantized tensors and kernels), or by blocks or leaves when it does not
-//! fit whole, its groups moving the quantized bytes as they are (see `docs/quantized-streaming.md`).
+//! fit whole, its groups moving the quantized bytes as they are (see `docs/lora-and-quantization.md`).
 
 use burn::tensor::Tensor;
 use group_offload::apply::component_spec;

@@ -12,7 +12,7 @@
 //! which keeps the quantized representation, and group offload streams it by blocks or leaves with its groups
 //! holding the quantized bytes and scales as they are (`group_offload::ModelHandle::enable_group_offload`).
 //! The planner routes it as a float component of the same (quantized) sizes. Quantize first, then stream: a
-//! component already under group offload is refused ([`quantize`]). `docs/quantized-streaming.md` has the
+//! component already under group offload is refused ([`quantize`]). `docs/lora-and-quantization.md` has the
 //! schemes, their accuracy on the tiny checkpoint and the bytes they stream.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};

@@ -2,7 +2,7 @@
 //! stream by blocks and leaves under the planner's routes with the quantized image unchanged bit for bit, stream
 //! the bytes the plan predicts, survive an out-of-memory retry, and are refused by name for a scheme the CPU
 //! backend does not compute. The last test measures each scheme's image error against f32 and its bytes per
-//! step (`docs/quantized-streaming.md`).
+//! step (`docs/lora-and-quantization.md`).
 
 use std::sync::Arc;
 
@@ -340,7 +340,7 @@ fn measure(scheme: Option<QuantScheme>, checked: bool, streaming: &GroupOptions)
 /// Each scheme the CPU backend computes, against the f32 image from the same latents: the image's max abs error,
 /// the transformer's bytes, and the bytes block offload (one block per group, prefetch depth 1) and leaf offload
 /// stream per step (the layers outside the blocks resident), measured from the record. The figures go to
-/// `docs/quantized-streaming.md`. `E4M3` is measured too, applied unchecked, to show why it is refused on `flex`.
+/// `docs/lora-and-quantization.md`. `E4M3` is measured too, applied unchecked, to show why it is refused on `flex`.
 #[test]
 fn each_scheme_is_measured_against_f32_with_the_bytes_it_streams_per_step() {
     let block = GroupOptions::default();

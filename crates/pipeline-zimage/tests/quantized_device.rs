@@ -2,7 +2,7 @@
 //! of the schemes with the pipeline's host copies on the CPU backend. Each is quantized there, run resident and
 //! streamed by blocks; the table prints each outcome. The CPU backend stores every scheme one byte per value, which
 //! wgpu cannot hold, so every scheme must be refused up front by name, never fail on the device or panic in burn
-//! (`docs/quantized-streaming.md`).
+//! (`docs/lora-and-quantization.md`).
 //!
 //! Run it with `cargo test -p pipeline-zimage --features wgpu --test quantized_device -- --nocapture`.
 
