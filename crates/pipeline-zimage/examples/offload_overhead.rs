@@ -263,6 +263,9 @@ fn main() -> anyhow::Result<()> {
             if let Some(rate) = handle.group_offload().and_then(|g| g.link_rate()) {
                 note = format!("{note}{}link {rate}", if note.is_empty() { "" } else { "; " });
             }
+            if let Some(stats) = handle.group_stats() {
+                note = format!("{note}; {stats:?}");
+            }
             Ok(RouteFigures {
                 name: route,
                 median: Some(times[times.len() / 2]),
