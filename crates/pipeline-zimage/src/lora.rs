@@ -882,32 +882,33 @@ impl WeightElement for f16 {
 /// Adds `delta` to `weights` in place, each element rounded once, and returns what subtracting it again would
 /// get wrong.
 fn add_in_place<E: WeightElement>(weights: &mut [E], delta: &[f32]) -> Corrections {
-    let mut sparse = Vec::new();
-    // The widest code any element needs: 0 none, 1 a byte, 2 a 16-bit word, 3 more.
-    let mut width = 0;
-    let mut codes: Vec<i64> = Vec::with_capacity(weights.len());
+    // Only the elements that need a correction are kept while adding (index, original bits, code), so the
+    // record never costs a pass over a full-size buffer; the dense forms are built from them at the end.
+    let mut wrong: Vec<(u32, u32, i32)> = Vec::new();
     for (i, (w, d)) in weights.iter_mut().zip(delta).enumerate() {
         let fused = E::from_f32(w.to_f32() + d);
         let back = E::from_f32(fused.to_f32() - d).bits();
-        let code = i64::from(w.bits()) - i64::from(back);
-        if code != 0 {
-            sparse.push((i as u32, w.bits()));
-            width = width.max(if i8::try_from(code).is_ok() {
-                1
-            } else if i16::try_from(code).is_ok() {
-                2
-            } else {
-                3
-            });
+        if back != w.bits() {
+            // Bits are at most 32 wide, so their difference fits an i64; an i32 holds every code a dense form
+            // can take, and a wider one only ever goes to the sparse list.
+            let code = i32::try_from(i64::from(w.bits()) - i64::from(back)).unwrap_or(i32::MAX);
+            wrong.push((i as u32, w.bits(), code));
         }
-        codes.push(code);
         *w = fused;
     }
-    let sparse_bytes = sparse.len() * std::mem::size_of::<(u32, u32)>();
-    match width {
-        1 if codes.len() < sparse_bytes => Corrections::Dense(codes.iter().map(|c| *c as i8).collect()),
-        2 if codes.len() * 2 < sparse_bytes => Corrections::Wide(codes.iter().map(|c| *c as i16).collect()),
-        _ => Corrections::Sparse(sparse),
+    let n = weights.len();
+    let sparse_bytes = wrong.len() * std::mem::size_of::<(u32, u32)>();
+    let fits = |bits: u32| wrong.iter().all(|(_, _, c)| *c != i32::MAX && c.unsigned_abs() < (1 << (bits - 1)));
+    if n < sparse_bytes && fits(8) {
+        let mut codes = vec![0i8; n];
+        wrong.iter().for_each(|(i, _, c)| codes[*i as usize] = *c as i8);
+        Corrections::Dense(codes)
+    } else if 2 * n < sparse_bytes && fits(16) {
+        let mut codes = vec![0i16; n];
+        wrong.iter().for_each(|(i, _, c)| codes[*i as usize] = *c as i16);
+        Corrections::Wide(codes)
+    } else {
+        Corrections::Sparse(wrong.into_iter().map(|(i, bits, _)| (i, bits)).collect())
     }
 }
 
