@@ -44,6 +44,11 @@ pub const MAX_TIMELINE_EVENTS: usize = 1_000_000;
 /// The name of the counter track of device memory samples.
 pub const MEMORY_COUNTER: &str = "device memory";
 
+/// The name of the counter track of the link rate the trace file derives from its group uploads: one sample at
+/// the end of each upload span that carries its `bytes`, with `GB/s` = those bytes ÷ the span's duration (the
+/// upload as the clock saw it: the charge, the copy, the sync and the read-back).
+pub const LINK_COUNTER: &str = "link rate";
+
 /// The longest name (or arg's key) a timeline keeps without a heap allocation, in bytes.
 pub const INLINE_LABEL: usize = 30;
 
@@ -562,6 +567,7 @@ impl Timeline {
             }));
         }
         let mut events = self.events();
+        events.extend(link_samples(&events));
         // Stable: events that start together keep the order they were recorded in.
         events.sort_by_key(|e| e.start_ns);
         lines.extend(events.iter().map(|e| e.to_chrome(PID)));
@@ -575,6 +581,28 @@ impl Timeline {
         write!(out, "\n],\"displayTimeUnit\":\"ms\",\"otherData\":{{\"dropped_events\":{}}}}}\n", self.dropped())?;
         Ok(())
     }
+}
+
+/// The [`LINK_COUNTER`] samples of `events`' upload spans. Rates are in MB/s, a whole number, as counter args are
+/// numbers of this timeline's kind; the arg's key says the unit.
+fn link_samples(events: &[TimelineEvent]) -> Vec<TimelineEvent> {
+    events
+        .iter()
+        .filter(|e| e.category == category::UPLOAD)
+        .filter_map(|e| {
+            let EventKind::Span { duration_ns } = e.kind else { return None };
+            let Some(ArgValue::Number(bytes)) = e.arg("bytes") else { return None };
+            (duration_ns > 0).then(|| TimelineEvent {
+                kind: EventKind::Counter,
+                category: category::UPLOAD.to_string(),
+                name: LINK_COUNTER.to_string(),
+                start_ns: e.start_ns + duration_ns,
+                thread: e.thread,
+                // bytes per nanosecond is GB/s; times 1000, MB/s.
+                args: vec![("MB/s".to_string(), ArgValue::Number(bytes.saturating_mul(1000) / duration_ns))],
+            })
+        })
+        .collect()
 }
 
 fn elapsed_ns(origin: Instant) -> u64 {
@@ -695,7 +723,7 @@ mod tests {
         onload.args = vec![("bytes".into(), 4096u64.into()), ("device".into(), "cuda:0".into())];
         let mut upload =
             event(EventKind::Span { duration_ns: 2_000 }, category::UPLOAD, "transformer/layers_1_1", 5_000, 2);
-        upload.args = vec![("reason".into(), "prefetch".into())];
+        upload.args = vec![("bytes".into(), 8000u64.into()), ("reason".into(), "prefetch".into())];
         let mut sample = event(EventKind::Counter, category::MEMORY, MEMORY_COUNTER, 251_500, 1);
         sample.args = vec![("allocated".into(), 4096u64.into()), ("available".into(), 1024u64.into())];
         // Pushed out of order: the file is sorted by start.
@@ -711,14 +739,16 @@ mod tests {
             {"args":{"name":"group-offload-transformer"},"name":"thread_name","ph":"M","pid":1,"tid":2},
             {"cat":"phase","dur":300.0,"name":"encode","ph":"X","pid":1,"tid":1,"ts":0.0},
             {"args":{"bytes":4096,"device":"cuda:0"},"cat":"onload","dur":250.5,"name":"text_encoder_1","ph":"X","pid":1,"tid":1,"ts":1.0},
-            {"args":{"reason":"prefetch"},"cat":"upload","dur":2.0,"name":"transformer/layers_1_1","ph":"X","pid":1,"tid":2,"ts":5.0},
+            {"args":{"bytes":8000,"reason":"prefetch"},"cat":"upload","dur":2.0,"name":"transformer/layers_1_1","ph":"X","pid":1,"tid":2,"ts":5.0},
+            {"args":{"MB/s":4000},"cat":"upload","name":"link rate","ph":"C","pid":1,"tid":2,"ts":7.0},
             {"args":{"allocated":4096,"available":1024},"cat":"memory","name":"device memory","ph":"C","pid":1,"tid":1,"ts":251.5},
             {"cat":"phase","name":"release","ph":"i","pid":1,"s":"t","tid":1,"ts":300.0}
             ],"displayTimeUnit":"ms","otherData":{"dropped_events":0}}
         "#]]
         .assert_eq(&trace(&timeline));
         let parsed: Value = serde_json::from_str(&trace(&timeline)).expect("valid JSON");
-        assert_eq!(parsed["traceEvents"].as_array().map(Vec::len), Some(8));
+        // 8 kB in 2 µs: the link rate track's one sample, 4 GB/s, at the upload's end.
+        assert_eq!(parsed["traceEvents"].as_array().map(Vec::len), Some(9));
     }
 
     struct Fixed;

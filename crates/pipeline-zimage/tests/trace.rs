@@ -107,6 +107,12 @@ fn the_trace_of_a_run_on_an_8mb_card_holds_its_phases_moves_threads_and_memory()
     assert!(phases.iter().all(|p| p["tid"].as_u64() == Some(caller)));
     assert_eq!(spans(&events, "step").count(), 4);
 
+    // The link rate track: one sample at the end of each timed group upload, a positive rate.
+    let uploads = spans(&events, "upload").filter(|e| e["dur"].as_f64().is_some_and(|d| d > 0.0)).count();
+    let link: Vec<&Value> = events.iter().filter(|e| e["ph"] == "C" && e["name"] == "link rate").collect();
+    assert!(uploads > 0 && link.len() == uploads, "{} link samples for {uploads} uploads", link.len());
+    assert!(link.iter().all(|e| e["args"]["MB/s"].as_u64().is_some_and(|r| r > 0)), "{:?}", link.first());
+
     // Every component's onload, and as many whole-component onloads and offloads as the record holds.
     let onloaded: HashSet<&str> = spans(&events, "onload").map(|e| text(e, "name")).collect();
     for id in pipeline.components().map(|c| c.id()) {
