@@ -520,10 +520,11 @@ fn write_timeline(args: &Generate, timeline: &Timeline, target: &Target) -> anyh
         };
         let summary = draw_memory_plot(timeline, path, &options)?;
         println!(
-            "wrote the memory plot {}: {} samples, {} moves marked",
+            "wrote the memory plot {}: {} samples, {} moves marked, {} group uploads in the link panel",
             path.display(),
             summary.samples,
-            summary.marks
+            summary.marks,
+            summary.link_samples
         );
         if !summary.labelled {
             eprintln!(

@@ -72,8 +72,23 @@ pub struct PlotSummary {
     pub samples: usize,
     /// Moves marked: whole-component onloads and offloads, group uploads and releases.
     pub marks: usize,
+    /// Group uploads drawn in the link panel below the memory plot (none: no panel). Each is its bytes ÷ its
+    /// span's duration, as the trace's link rate track has it.
+    pub link_samples: usize,
     /// Whether a font was found, so the axes, caption and legend are labelled.
     pub labelled: bool,
+}
+
+/// `(seconds at the upload's end, GB/s)` of every group upload span that carries its bytes.
+fn link_rates(events: &[TimelineEvent]) -> Vec<(f64, f64)> {
+    spans(events, category::UPLOAD)
+        .filter_map(|e| {
+            let EventKind::Span { duration_ns } = e.kind else { return None };
+            let Some(offload_core::timeline::ArgValue::Number(bytes)) = e.arg("bytes") else { return None };
+            // Bytes per nanosecond is GB/s.
+            (duration_ns > 0).then(|| (seconds(e.start_ns + duration_ns), *bytes as f64 / duration_ns as f64))
+        })
+        .collect()
 }
 
 /// Registers the first readable font with plotters, once per process; returns whether one is registered.
@@ -137,14 +152,22 @@ pub fn draw_memory_plot(timeline: &Timeline, path: &Path, options: &PlotOptions)
     let top = samples.iter().map(|s| s.allocated).max().unwrap_or(0).max(options.capacity.unwrap_or(0));
     let y_max = (top as f64 / MB).max(1e-3) * 1.1;
     let labelled = register_font(options.font.as_deref());
+    let rates = link_rates(&events);
 
     let (width, height) = (options.width, options.height);
     let mut buffer = vec![0u8; width as usize * height as usize * 3];
     let mut marks = 0;
     {
         let drawing = |e: &dyn std::fmt::Display| plot_error(format!("drawing failed: {e}"));
-        let root = BitMapBackend::with_buffer(&mut buffer, (width, height)).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| drawing(&e))?;
+        let whole = BitMapBackend::with_buffer(&mut buffer, (width, height)).into_drawing_area();
+        whole.fill(&WHITE).map_err(|e| drawing(&e))?;
+        // With group uploads, the lower quarter is the link panel: each upload's measured rate over time.
+        let (root, link_area) = if rates.is_empty() {
+            (whole.clone(), None)
+        } else {
+            let (upper, lower) = whole.split_vertically(height * 3 / 4);
+            (upper, Some(lower))
+        };
         let mut builder = ChartBuilder::on(&root);
         builder.margin(12);
         if labelled {
@@ -276,10 +299,29 @@ pub fn draw_memory_plot(timeline: &Timeline, path: &Path, options: &PlotOptions)
                 .draw()
                 .map_err(|e| drawing(&e))?;
         }
-        root.present().map_err(|e| drawing(&e))?;
+        if let Some(area) = link_area {
+            let rate_max = rates.iter().map(|(_, r)| *r).fold(0.0, f64::max).max(1e-6) * 1.1;
+            let mut builder = ChartBuilder::on(&area);
+            builder.margin(12);
+            if labelled {
+                builder.x_label_area_size(30).y_label_area_size(70);
+            }
+            let mut link = builder.build_cartesian_2d(0f64..x_max, 0f64..rate_max).map_err(|e| drawing(&e))?;
+            if labelled {
+                link.configure_mesh()
+                    .y_desc("group upload (GB/s, measured)")
+                    .label_style((FAMILY, 12))
+                    .light_line_style(WHITE.mix(0.0))
+                    .draw()
+                    .map_err(|e| drawing(&e))?;
+            }
+            link.draw_series(rates.iter().map(|(x, r)| Circle::new((*x, *r), 2, UPLOAD_COLOUR.filled())))
+                .map_err(|e| drawing(&e))?;
+        }
+        whole.present().map_err(|e| drawing(&e))?;
     }
     let image = image::RgbImage::from_raw(width, height, buffer)
         .ok_or_else(|| plot_error("the drawn buffer has the wrong size".into()))?;
     image.save_with_format(path, image::ImageFormat::Png).map_err(|e| plot_error(format!("cannot write it: {e}")))?;
-    Ok(PlotSummary { samples: samples.len(), marks, labelled })
+    Ok(PlotSummary { samples: samples.len(), marks, link_samples: rates.len(), labelled })
 }

@@ -172,6 +172,7 @@ fn the_memory_plot_of_the_run_is_a_png_of_the_asked_size_with_the_memory_line_dr
     let options = PlotOptions { width: 900, height: 420, capacity: Some(card.total()), ..PlotOptions::default() };
     let summary = draw_memory_plot(&timeline, &path, &options).expect("drawn");
     assert!(summary.samples > 0 && summary.marks > 0, "{summary:?}");
+    assert!(summary.link_samples > 0, "the streamed transformer's uploads are in the link panel: {summary:?}");
     let image = image::open(&path).expect("the PNG decodes").to_rgb8();
     assert_eq!(image.dimensions(), (900, 420));
     let line = image::Rgb([ALLOCATED_COLOUR.0, ALLOCATED_COLOUR.1, ALLOCATED_COLOUR.2]);
