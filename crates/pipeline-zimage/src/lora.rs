@@ -448,14 +448,17 @@ fn tensor_data(view: &safetensors::tensor::TensorView<'_>) -> std::result::Resul
     Ok(TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype))
 }
 
-/// Every value of `data` as f32.
+/// Every value of `data` as f32, decoded from its little-endian bytes (a safetensors buffer need not be aligned
+/// for a typed view). Only the float dtypes [`tensor_data`] admits reach here.
 fn f32_values(data: &TensorData) -> Vec<f32> {
+    let bytes = data.as_bytes();
     match data.dtype() {
-        DType::F32 => data.as_slice::<f32>().map(<[f32]>::to_vec).unwrap_or_default(),
-        DType::BF16 => data.as_slice::<bf16>().map(|s| s.iter().map(|v| v.to_f32()).collect()).unwrap_or_default(),
-        DType::F16 => data.as_slice::<f16>().map(|s| s.iter().map(|v| v.to_f32()).collect()).unwrap_or_default(),
-        DType::F64 => data.as_slice::<f64>().map(|s| s.iter().map(|v| *v as f32).collect()).unwrap_or_default(),
-        _ => Vec::new(),
+        DType::F64 => {
+            bytes.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32).collect()
+        }
+        DType::BF16 => bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        DType::F16 => bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        _ => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
     }
 }
 
@@ -641,8 +644,9 @@ impl ComponentLayers {
             let key = path.replace('.', "_");
             underscored.entry(key).and_modify(|seen| *seen = None).or_insert_with(|| Some(path.clone()));
         }
-        // The renames are this crate's own constants, which the loader compiles too.
-        let remap = burn::store::KeyRemapper::from_patterns(remap.to_vec()).unwrap_or_default();
+        // The renames are this crate's own constants, which the loader compiles too (its tests load with them).
+        let remap =
+            burn::store::KeyRemapper::from_patterns(remap.to_vec()).expect("the crate's own key renames compile");
         Self { places, underscored, skipped: model.skipped_prefixes(), remap }
     }
 
@@ -928,19 +932,17 @@ fn subtract_in_place<E: WeightElement>(
                 weights[*i as usize] = from_bits(*bits);
             }
         }
-        Corrections::Dense(codes) => {
-            for (w, code) in weights.iter_mut().zip(codes) {
-                if *code != 0 {
-                    *w = from_bits((i64::from(w.bits()) + i64::from(*code)) as u32);
-                }
-            }
-        }
-        Corrections::Wide(codes) => {
-            for (w, code) in weights.iter_mut().zip(codes) {
-                if *code != 0 {
-                    *w = from_bits((i64::from(w.bits()) + i64::from(*code)) as u32);
-                }
-            }
+        Corrections::Dense(codes) => apply_codes(weights, codes, from_bits),
+        Corrections::Wide(codes) => apply_codes(weights, codes, from_bits),
+    }
+}
+
+/// Adds each element's code (the original's bits minus the subtraction's) back to its bits.
+fn apply_codes<E: WeightElement, C: Copy + Into<i64>>(weights: &mut [E], codes: &[C], from_bits: fn(u32) -> E) {
+    for (w, code) in weights.iter_mut().zip(codes) {
+        let code: i64 = (*code).into();
+        if code != 0 {
+            *w = from_bits((i64::from(w.bits()) + code) as u32);
         }
     }
 }
@@ -1078,8 +1080,9 @@ fn rewrite_weight<T>(linear: &mut PtLinear, f: impl FnOnce(&mut TensorData, usiz
     value
 }
 
-/// Removes what [`apply_to`] applied to `target` of `model`.
-fn remove_from<M: LinearLayers>(model: &mut M, target: LoraTarget, applied: &AppliedLoras) {
+/// Removes from one model what `applied` holds for `target`: fused updates subtracted and corrected bit for bit,
+/// run-time terms dropped.
+pub fn remove<M: LinearLayers>(model: &mut M, target: LoraTarget, applied: &AppliedLoras) {
     let fused: BTreeMap<&str, &FusedLayer> =
         applied.fused.iter().filter(|l| l.target == target).map(|l| (l.path.as_str(), l)).collect();
     let runtime: Vec<&String> = applied.runtime_layers.get(&target).into_iter().flatten().collect();
@@ -1167,11 +1170,6 @@ pub fn apply<M: LinearLayers>(model: &mut M, target: LoraTarget, resolved: &Reso
     if !paths.is_empty() {
         applied.runtime_layers.insert(target, paths);
     }
-}
-
-/// Removes from one model what `applied` holds for it.
-pub fn remove<M: LinearLayers>(model: &mut M, target: LoraTarget, applied: &AppliedLoras) {
-    remove_from(model, target, applied);
 }
 
 impl AppliedLoras {
