@@ -24,7 +24,7 @@ use crate::config::GroupOffloadConfig;
 use crate::device::{DeviceOutput, run_call_making_room};
 use crate::engine::GroupStats;
 use crate::error::{Error, Result};
-use crate::model::{GroupOptions, OffloadModel, Split, measure_layout};
+use crate::model::{GroupOptions, OffloadModel, Split, measure_layout, measure_layout_on};
 use crate::parts::GroupOffload;
 use crate::whole::{BurnComponent, Placement, module_is_quantized};
 
@@ -254,10 +254,12 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         Ok(self.manager.inspect(&self.id, |c: &BurnComponent<M>| f(c.module()))?)
     }
 
-    /// The planner's layout of the model ([`measure_layout`]); `None` for a model with no block lists. Refused
-    /// once the model is under group offload (its parameters moved into the group store).
+    /// The planner's layout of the model, its sizes as the placement's execution device holds them
+    /// ([`measure_layout_on`]); `None` for a model with no block lists. Refused once the model is under group
+    /// offload (its parameters moved into the group store).
     pub fn layout(&self) -> Result<Option<BlockLayout>> {
-        self.whole("measure the blocks of", measure_layout)
+        let exec = self.placement.exec.clone();
+        self.whole("measure the blocks of", |model| measure_layout_on(model, &exec))
     }
 
     /// Whether the model's weights are quantized (burn's quantized tensors). A quantized model streams under group

@@ -27,8 +27,8 @@ use offload_core::plan::BlockLayout;
 
 use crate::config::{GroupOffloadConfig, LeafPredicate};
 use crate::error::{Error, Result};
-use crate::parts::{BlockOffload, GroupOffload, LeafOffload, ModuleOffload, Residency, leaf_groups};
-use crate::whole::module_bytes;
+use crate::parts::{BlockOffload, GroupOffload, LeafOffload, ModuleOffload, Residency, leaf_groups_on};
+use crate::whole::{module_bytes, module_bytes_on};
 
 #[cfg(doc)]
 use crate::view::Layer;
@@ -281,7 +281,11 @@ impl<'a> Split<'a> {
 
     /// Takes apart each element of a list of declared sub-models, element `i` under the path `{name}.{i}`.
     pub fn nested<S: OffloadModel>(&self, name: &str, elements: Vec<S>) -> Result<Vec<S::Parts>> {
-        elements.into_iter().enumerate().map(|(i, element)| element.split(&self.child(&format!("{name}.{i}")))).collect()
+        elements
+            .into_iter()
+            .enumerate()
+            .map(|(i, element)| element.split(&self.child(&format!("{name}.{i}"))))
+            .collect()
     }
 
     /// Takes apart one declared sub-model under the path `name`.
@@ -382,6 +386,8 @@ struct CensusBlock {
 #[derive(Debug, Default, Clone)]
 pub struct Census {
     leaves: Option<LeafPredicate>,
+    /// The device whose stores the sizes are counted in (`None`: as the module holds them).
+    exec: Option<Device>,
     blocks: Vec<CensusBlock>,
     /// Per block list, its number of blocks.
     lists: Vec<usize>,
@@ -393,14 +399,20 @@ impl Census {
         Self { leaves: Some(leaves), ..Self::default() }
     }
 
+    /// An empty census that cuts leaves with `leaves` and counts every size as `exec` holds it (a quantized
+    /// tensor in `exec`'s store: [`tensor_bytes_on`](crate::whole::tensor_bytes_on)).
+    pub fn on(leaves: LeafPredicate, exec: &Device) -> Self {
+        Self { leaves: Some(leaves), exec: Some(exec.clone()), ..Self::default() }
+    }
+
     /// A block list, in the order the forward runs it, whose blocks' forwards take the leaf at the dotted path
     /// `first` first (`None`: the block's own parameters, its norms).
     pub fn blocks_from<B: Module>(&mut self, blocks: &[B], first: Option<&str>) {
         let leaves = self.leaves.clone().unwrap_or_default();
         self.lists.push(blocks.len());
         self.blocks.extend(blocks.iter().map(|block| CensusBlock {
-            bytes: module_bytes(block),
-            leaves: leaf_groups(block, &leaves),
+            bytes: module_bytes_on(block, self.exec.as_ref()),
+            leaves: leaf_groups_on(block, &leaves, self.exec.as_ref()),
             first: first.unwrap_or_default().to_string(),
         }));
     }
@@ -415,7 +427,7 @@ impl Census {
         let before = self.blocks.len();
         element.census(self);
         let declared: u64 = self.blocks[before..].iter().map(|b| b.bytes).sum();
-        let rest = module_bytes(element).saturating_sub(declared);
+        let rest = module_bytes_on(element, self.exec.as_ref()).saturating_sub(declared);
         if rest > 0 {
             self.lists.push(1);
             self.blocks.push(CensusBlock { bytes: rest, leaves: vec![(String::new(), rest)], first: String::new() });
@@ -438,7 +450,17 @@ impl Census {
 /// outside the blocks resident, as block level does) and the first leaf's bytes. `None` for a model that names no
 /// block list.
 pub fn measure_layout<M: OffloadModel>(model: &M) -> Option<BlockLayout> {
-    let mut census = Census::new(M::leaf_types());
+    layout_of(model, Census::new(M::leaf_types()))
+}
+
+/// [`measure_layout`] with every size as `exec` holds it: the layout a planner uses for a model that runs on
+/// `exec` (a quantized model's groups hold `exec`'s store).
+pub fn measure_layout_on<M: OffloadModel>(model: &M, exec: &Device) -> Option<BlockLayout> {
+    layout_of(model, Census::on(M::leaf_types(), exec))
+}
+
+fn layout_of<M: OffloadModel>(model: &M, mut census: Census) -> Option<BlockLayout> {
+    let exec = census.exec.clone();
     model.census(&mut census);
     if census.lists.is_empty() {
         return None;
@@ -452,7 +474,7 @@ pub fn measure_layout<M: OffloadModel>(model: &M) -> Option<BlockLayout> {
         .find_map(|block| block.leaves.iter().find(|(path, _)| *path == block.first).map(|(_, b)| *b))
         .unwrap_or(0);
     Some(BlockLayout {
-        outside_bytes: module_bytes(model).saturating_sub(block_bytes.iter().sum()),
+        outside_bytes: module_bytes_on(model, exec.as_ref()).saturating_sub(block_bytes.iter().sum()),
         block_bytes,
         largest_leaf_bytes,
         leaf_count: leaves.count(),

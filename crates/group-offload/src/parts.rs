@@ -372,7 +372,13 @@ struct ParamPlace<'a> {
 /// [`GroupOffload::leaves`] would make of it, read without copying any weight. A planner counts its moves and
 /// sizes its window from these.
 pub fn leaf_groups<M: Module>(module: &M, leaves: &LeafPredicate) -> Vec<(String, u64)> {
-    let params = crate::walk::param_places(module);
+    leaf_groups_on(module, leaves, None)
+}
+
+/// [`leaf_groups`] with each group's bytes as `exec` holds them
+/// ([`tensor_bytes_on`](crate::whole::tensor_bytes_on)); `None`: as the module holds them.
+pub fn leaf_groups_on<M: Module>(module: &M, leaves: &LeafPredicate, exec: Option<&Device>) -> Vec<(String, u64)> {
+    let params = crate::walk::param_places(module, exec);
     let located: Vec<ParamPlace<'_>> =
         params.iter().map(|(path, containers, _)| ParamPlace { path, containers }).collect();
     let assignment = assign_leaf_groups(&located, leaves);

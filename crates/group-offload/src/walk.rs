@@ -76,8 +76,27 @@ impl ModuleMapper for Extractor<'_> {
                 (Bytes::from_bytes_vec(Vec::new()), DType::F32)
             }
             Ok(data) => {
-                let (bytes, _, dtype) = data.into_parts();
-                (bytes.shared(), dtype)
+                // A quantized parameter is kept in the store its execution device holds (8-bit values stored
+                // one a byte are relabelled as packed words, their bytes unchanged: `crate::quant::repack`).
+                let data = match data.dtype() {
+                    // A scheme the device holds in no store is kept as it is: its upload is burn's to judge.
+                    DType::QFloat(scheme) => match crate::quant::device_scheme(&scheme, self.device) {
+                        Some(target) => crate::quant::repack(data, &target),
+                        None => Ok(data),
+                    },
+                    _ => Ok(data),
+                };
+                match data {
+                    Ok(data) => {
+                        let (bytes, _, dtype) = data.into_parts();
+                        (bytes.shared(), dtype)
+                    }
+                    Err(error) => {
+                        let path = self.stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".");
+                        self.failure.get_or_insert(format!("parameter {path}: {error}"));
+                        (Bytes::from_bytes_vec(Vec::new()), DType::F32)
+                    }
+                }
             }
             Err(error) => {
                 let path = self.stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".");
@@ -107,14 +126,15 @@ impl ModuleMapper for Extractor<'_> {
 }
 
 /// Every float parameter of `module` with its field path, the container type of each segment and its bytes
-/// ([`tensor_bytes`](crate::whole::tensor_bytes): values and scales for a quantized one), read without touching
-/// the data.
-pub(crate) fn param_places<M: Module>(module: &M) -> Vec<(Vec<String>, Vec<String>, u64)> {
-    struct Places {
+/// ([`tensor_bytes_on`](crate::whole::tensor_bytes_on) `exec`: values and scales for a quantized one, in the store
+/// `exec` holds them in), read without touching the data.
+pub(crate) fn param_places<M: Module>(module: &M, exec: Option<&Device>) -> Vec<(Vec<String>, Vec<String>, u64)> {
+    struct Places<'a> {
         stack: Vec<(String, String)>,
         params: Vec<(Vec<String>, Vec<String>, u64)>,
+        exec: Option<&'a Device>,
     }
-    impl burn::module::ModuleVisitor for Places {
+    impl burn::module::ModuleVisitor for Places<'_> {
         fn enter_module(&mut self, name: &str, container_type: &str) {
             self.stack.push((name.to_string(), container_type.to_string()));
         }
@@ -124,7 +144,7 @@ pub(crate) fn param_places<M: Module>(module: &M) -> Vec<(Vec<String>, Vec<Strin
         }
 
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let bytes = crate::whole::tensor_bytes(&param.val());
+            let bytes = crate::whole::tensor_bytes_on(&param.val(), self.exec);
             self.params.push((
                 self.stack.iter().map(|(n, _)| n.clone()).collect(),
                 self.stack.iter().map(|(_, c)| c.clone()).collect(),
@@ -132,7 +152,7 @@ pub(crate) fn param_places<M: Module>(module: &M) -> Vec<(Vec<String>, Vec<Strin
             ));
         }
     }
-    let mut places = Places { stack: Vec::new(), params: Vec::new() };
+    let mut places = Places { stack: Vec::new(), params: Vec::new(), exec };
     module.visit(&mut places);
     places.params
 }

@@ -19,27 +19,29 @@ use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direc
 
 /// Bytes of a module's float parameters, at their current dtypes (a quantized tensor's values and scales).
 pub fn module_bytes<M: Module>(module: &M) -> u64 {
-    struct Bytes(u64);
-    impl ModuleVisitor for Bytes {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0 += tensor_bytes(&param.val());
-        }
-    }
-    let mut bytes = Bytes(0);
-    module.visit(&mut bytes);
-    bytes.0
+    module_bytes_on(module, None)
+}
+
+/// [`module_bytes`] as `exec` holds the module ([`tensor_bytes_on`]); `None`: as it is.
+pub fn module_bytes_on<M: Module>(module: &M, exec: Option<&Device>) -> u64 {
+    module_tensor_sizes_on(module, exec).iter().sum()
 }
 
 /// Bytes of each of a module's float parameters, in visiting order: what a ledger that counts in a runtime's
 /// pages rounds one by one ([`DeviceLedger::allocate_tensors`]).
 pub fn module_tensor_sizes<M: Module>(module: &M) -> Vec<u64> {
-    struct Sizes(Vec<u64>);
-    impl ModuleVisitor for Sizes {
+    module_tensor_sizes_on(module, None)
+}
+
+/// [`module_tensor_sizes`] as `exec` holds the module ([`tensor_bytes_on`]); `None`: as it is.
+pub fn module_tensor_sizes_on<M: Module>(module: &M, exec: Option<&Device>) -> Vec<u64> {
+    struct Sizes<'a>(Vec<u64>, Option<&'a Device>);
+    impl ModuleVisitor for Sizes<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.push(tensor_bytes(&param.val()));
+            self.0.push(tensor_bytes_on(&param.val(), self.1));
         }
     }
-    let mut sizes = Sizes(Vec::new());
+    let mut sizes = Sizes(Vec::new(), exec);
     module.visit(&mut sizes);
     sizes.0
 }
@@ -48,9 +50,19 @@ pub fn module_tensor_sizes<M: Module>(module: &M) -> Vec<u64> {
 /// one storage word, not bytes per value): `quantized_data_len`, the length of burn's quantized `TensorData`,
 /// which is what group offload's host copy of it holds, moves and charges.
 pub fn tensor_bytes<const D: usize>(tensor: &Tensor<D>) -> u64 {
+    tensor_bytes_on(tensor, None)
+}
+
+/// [`tensor_bytes`] as `exec` holds the tensor: a quantized tensor in the store `exec` keeps it in
+/// ([`crate::quant::device_scheme`]: 4-bit values `flex` stores one a byte take half a byte each packed on wgpu),
+/// which is what every move to `exec`, whole or by group, uploads and charges; `None`: as it is.
+pub fn tensor_bytes_on<const D: usize>(tensor: &Tensor<D>, exec: Option<&Device>) -> u64 {
     let shape = tensor.shape();
     let bytes = match tensor.dtype() {
-        DType::QFloat(scheme) => quantized_data_len(&scheme, &shape),
+        DType::QFloat(scheme) => {
+            let stored = exec.and_then(|exec| crate::quant::device_scheme(&scheme, exec)).unwrap_or(scheme);
+            quantized_data_len(&stored, &shape)
+        }
         dtype => shape.num_elements() * dtype.size(),
     };
     bytes as u64
@@ -178,9 +190,10 @@ impl<M: Module> std::fmt::Debug for BurnComponent<M> {
 }
 
 impl<M: Module + 'static> BurnComponent<M> {
-    /// Wraps a module that is on `placement.host`.
+    /// Wraps a module that is on `placement.host`; its sizes are those the execution device holds it in
+    /// ([`module_tensor_sizes_on`]).
     pub fn new(module: M, class_name: &'static str, placement: Placement) -> Self {
-        let sizes = module_tensor_sizes(&module);
+        let sizes = module_tensor_sizes_on(&module, Some(&placement.exec));
         let bytes = sizes.iter().sum();
         Self { module, resident: None, bytes, sizes, placement, device: DeviceName::cpu(), class_name }
     }
@@ -256,10 +269,15 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
         if !self.same_burn_device() {
             let exec = &self.placement.exec;
             let memory = self.placement.memory.as_deref();
-            let moved = catch_device_panic(|| self.module.clone().to_device(exec));
+            // Quantized parameters the device holds only in its packed store are repacked on the way (their
+            // bytes, never dequantized: `crate::quant::module_to_device`).
+            let moved = catch_device_panic(|| crate::quant::module_to_device(self.module.clone(), exec));
             // cubecl reports an allocation failure at the next sync, not at the allocating call.
             let checked = match moved {
-                Ok(moved) => check_device(exec, device, "onload", memory)
+                Ok(Err(message)) => {
+                    Err(ComponentError::Transfer { what: format!("{} to {device}", self.class_name), message })
+                }
+                Ok(Ok(moved)) => check_device(exec, device, "onload", memory)
                     .and_then(|()| check_outputs(&Parameters(&moved), exec, device, "onload", memory))
                     .map(|()| moved),
                 Err(panic) => Err(panic.with_device(device, "onload", memory)),

@@ -585,6 +585,7 @@ impl Timeline {
 
 /// The [`LINK_COUNTER`] samples of `events`' upload spans. Rates are in MB/s, a whole number, as counter args are
 /// numbers of this timeline's kind; the arg's key says the unit.
+#[cfg(feature = "io")]
 fn link_samples(events: &[TimelineEvent]) -> Vec<TimelineEvent> {
     events
         .iter()

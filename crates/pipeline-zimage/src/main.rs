@@ -771,10 +771,19 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     }
     if let Some(scheme) = &args.quantize {
         let name = group_offload::quant::scheme_name(scheme);
-        let text_encoder = pipeline_zimage::quantize::quantize_with(pipeline.text_encoder_mut(), scheme)?;
-        eprintln!("text_encoder: {text_encoder} linear weights quantized ({name})");
-        let transformer = pipeline_zimage::quantize::quantize_with(pipeline.transformer_mut(), scheme)?;
-        eprintln!("transformer: {transformer} linear weights quantized ({name})");
+        let report = |component: &str, done: pipeline_zimage::quantize::Quantized| {
+            let left = match done.left_float.as_slice() {
+                [] => String::new(),
+                [(first, shape), ..] => format!(
+                    "; {} left float, their rows not a whole number of the device's packed words (first {first} \
+                     {shape:?})",
+                    done.left_float.len()
+                ),
+            };
+            eprintln!("{component}: {} linear weights quantized ({name}){left}", done.weights);
+        };
+        report("text_encoder", pipeline_zimage::quantize::quantize_with(pipeline.text_encoder_mut(), scheme)?);
+        report("transformer", pipeline_zimage::quantize::quantize_with(pipeline.transformer_mut(), scheme)?);
     }
     // Before any offload is set up: every group offloader keeps the timeline it is built with.
     let timeline =

@@ -9,7 +9,8 @@
 //! stores one byte per value whatever the scheme's width).
 //!
 //! A quantized component moves whole or streams: the manager onloads and offloads it with burn's `to_device`,
-//! which keeps the quantized representation, and group offload streams it by blocks or leaves with its groups
+//! which keeps the quantized representation (relabelled in the packed store where the execution device holds
+//! 8-bit values only packed, as wgpu does: `group_offload::quant::repack`), and group offload streams it by blocks or leaves with its groups
 //! holding the quantized bytes and scales as they are (`group_offload::ModelHandle::enable_group_offload`).
 //! The planner routes it as a float component of the same (quantized) sizes. Quantize first, then stream: a
 //! component already under group offload is refused ([`quantize`]). `docs/lora-and-quantization.md` has the
@@ -28,11 +29,30 @@ pub fn int8_scheme() -> QuantScheme {
 /// other parameter is left as it is. Returns the module and how many weights were quantized. Weights that are
 /// already quantized are left alone.
 pub fn quantize_linear_weights<M: Module>(module: M, scheme: &QuantScheme) -> (M, usize) {
+    let (module, quantized) = quantize_fitting(module, scheme, None);
+    (module, quantized.weights)
+}
+
+/// What quantizing a component did: how many linear weights were quantized and which were left in their float
+/// dtype because the execution device could not hold them quantized (its packed store takes rows of a whole
+/// number of words), by path and shape.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Quantized {
+    /// Linear weights quantized.
+    pub weights: usize,
+    /// Linear weights left float, each with its shape.
+    pub left_float: Vec<(String, Vec<usize>)>,
+}
+
+/// [`quantize_linear_weights`], leaving float every weight whose rows are not a whole number of `per_word` values
+/// (where the execution device packs `per_word` values into each `u32` word).
+fn quantize_fitting<M: Module>(module: M, scheme: &QuantScheme, per_word: Option<usize>) -> (M, Quantized) {
     struct LinearWeights<'a> {
         scheme: &'a QuantScheme,
+        per_word: Option<usize>,
         /// The container type and field name of each module entered.
         stack: Vec<(String, String)>,
-        count: usize,
+        done: Quantized,
     }
     impl ModuleMapper for LinearWeights<'_> {
         fn enter_module(&mut self, name: &str, container_type: &str) {
@@ -49,14 +69,20 @@ pub fn quantize_linear_weights<M: Module>(module: M, scheme: &QuantScheme) -> (M
             if D != 2 || !in_linear || matches!(param.val().dtype(), DType::QFloat(_)) {
                 return param;
             }
-            self.count += 1;
+            let shape = param.shape().as_slice().to_vec();
+            if self.per_word.is_some_and(|per_word| shape[D - 1] % per_word != 0) {
+                let path = self.stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".");
+                self.done.left_float.push((path, shape));
+                return param;
+            }
+            self.done.weights += 1;
             let scheme = *self.scheme;
             param.map(|weight| weight.quantize_dynamic(&scheme))
         }
     }
-    let mut mapper = LinearWeights { scheme, stack: Vec::new(), count: 0 };
+    let mut mapper = LinearWeights { scheme, per_word, stack: Vec::new(), done: Quantized::default() };
     let module = module.map(&mut mapper);
-    (module, mapper.count)
+    (module, mapper.done)
 }
 
 /// How many of `module`'s float parameters are quantized.
@@ -135,23 +161,28 @@ fn untiled_weight<M: Module>(module: &M, scheme: &QuantScheme) -> Option<(String
 pub fn quantize<M: group_offload::OffloadModel + Clone>(
     component: &mut group_offload::ModelHandle<M>,
 ) -> crate::Result<usize> {
-    quantize_with(component, &int8_scheme())
+    Ok(quantize_with(component, &int8_scheme())?.weights)
 }
 
 /// Quantizes the linear weights of a pipeline component with `scheme`: the component is re-registered with its
 /// new size (its id changes) and its weights stay quantized wherever the manager moves it, whole or streamed by
-/// group offload. Returns how many weights were quantized; does nothing when it already is quantized.
+/// group offload. Returns what was quantized ([`Quantized`]); does nothing when it already is quantized.
+///
+/// The host copies are quantized on the placement's host backend (`flex`, one byte a value); an execution device
+/// that holds 8-bit values only packed four to a `u32` (wgpu) gets the same bytes relabelled at each move
+/// (`group_offload::quant::repack`), and a weight whose rows are not a whole number of words there is left float
+/// and listed in [`Quantized::left_float`].
 ///
 /// Refused, with nothing changed: for a component under group offload (quantize first, then stream: its groups
-/// were cut from the float weights), for a scheme that the backend of its placement's host (where the weights
-/// are quantized) does not compute or whose tensors its execution device cannot hold
-/// (`group_offload::quant::check_placement`, a `group_offload::Error::SchemeUnsupported` naming the scheme: the
-/// CPU backend `flex` has no fp8 or fp4 values and stores every scheme one byte per value, which a wgpu device
-/// cannot hold), and for a per-block scheme whose blocks do not tile a weight.
+/// were cut from the float weights), for a scheme that the backend of its placement's host does not compute or
+/// whose tensors its execution device cannot hold (`group_offload::quant::check_placement`, a
+/// `group_offload::Error::SchemeUnsupported` naming the scheme: `flex` has no fp8 or fp4 values, and its 4- and
+/// 2-bit tensors, one byte a value, would be packed smaller on wgpu than every size counted from them), and for a
+/// per-block scheme whose blocks do not tile a weight.
 pub fn quantize_with<M: group_offload::OffloadModel + Clone>(
     component: &mut group_offload::ModelHandle<M>,
     scheme: &QuantScheme,
-) -> crate::Result<usize> {
+) -> crate::Result<Quantized> {
     if component.is_grouped() {
         return Err(group_offload::Error::AlreadyApplied {
             component: component.name().to_string(),
@@ -163,7 +194,7 @@ pub fn quantize_with<M: group_offload::OffloadModel + Clone>(
         .into());
     }
     if component.is_quantized() {
-        return Ok(0);
+        return Ok(Quantized::default());
     }
     // The weights are quantized where the component's host copy lives (its placement's host device, the CPU
     // backend), and run on its execution device, which must hold what the host made of the scheme.
@@ -179,6 +210,12 @@ pub fn quantize_with<M: group_offload::OffloadModel + Clone>(
         }
         .into());
     }
+    // Where the execution device packs what the host stores one a byte, a weight whose rows are not a whole
+    // number of words stays float (as diffusers' quantizers leave the layers they cannot convert).
+    let produced = group_offload::quant::produced_scheme(scheme, &placement.host);
+    let per_word = group_offload::quant::device_scheme(&produced, &placement.exec)
+        .filter(|stored| *stored != produced)
+        .map(|stored| 32 / stored.value.size_bits() as usize);
     // A copy of the handles is quantized first, so nothing is unregistered until the quantized module exists.
-    Ok(component.replace(|module| quantize_linear_weights(module, scheme))?)
+    Ok(component.replace(|module| quantize_fitting(module, scheme, per_word))?)
 }
