@@ -16,7 +16,7 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::quantization::{QuantScheme, QuantStore, QuantValue};
@@ -35,11 +35,16 @@ use pipeline_zimage::validate::{Case, Table, Target, validate, validation_cards}
 /// The size given as the lavapipe device's total: it reports none.
 const TOTAL: u64 = 1 << 30;
 
-fn wgpu() -> (burn::tensor::Device, DeviceName) {
+/// One test at a time on the device: each reads the pool's pages, which another's run would move.
+static TURNS: Mutex<()> = Mutex::new(());
+
+/// The wgpu device and this test's turn on it.
+fn wgpu() -> (burn::tensor::Device, DeviceName, MutexGuard<'static, ()>) {
+    let turn = TURNS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let name = DeviceName::parse("wgpu").expect("a device name");
     let device = open_device_with(&name, PagePolicy::Exclusive)
         .unwrap_or_else(|error| panic!("{error} (this suite needs a Vulkan driver)"));
-    (device, name)
+    (device, name, turn)
 }
 
 /// The tiny pipeline on the wgpu device, every component resident through the manager.
@@ -103,7 +108,7 @@ fn run(device: &burn::tensor::Device, name: &DeviceName, scheme: &QuantScheme) -
 
 #[test]
 fn eight_bit_weights_quantized_on_the_cpu_host_run_and_stream_on_wgpu_and_the_rest_are_refused_by_name() {
-    let (device, name) = wgpu();
+    let (device, name, _turn) = wgpu();
     let (opts, _) = turbo_options();
     let float = values(on_device(&device, &name).generate(&opts, &mut |_, _| {}).expect("f32 on wgpu"));
     let flex_q8s = {
@@ -223,7 +228,7 @@ fn quantized_params<M: Module>(module: &M) -> Vec<(Vec<u8>, Vec<u32>)> {
 
 #[test]
 fn quantized_weights_reach_wgpu_repacked_and_dequantize_there_bit_for_bit_as_on_the_host() {
-    let (device, name) = wgpu();
+    let (device, name, _turn) = wgpu();
     // 2-bit weights pack too (`group_offload::quant`'s unit tests), but lavapipe cannot compute their product.
     for value in [QuantValue::Q8S, QuantValue::Q4S] {
         let mut pipeline = on_device(&device, &name);
@@ -276,4 +281,60 @@ fn quantized_bytes_on<M: Module>(module: &M, exec: &burn::tensor::Device) -> u64
     let mut sum = Sum(0, exec);
     module.visit(&mut sum);
     sum.0
+}
+
+#[test]
+fn every_preset_predicts_a_quantized_pipelines_bytes_and_moves_exactly_on_wgpu() {
+    let (device, name, _turn) = wgpu();
+    let opts = {
+        let (mut opts, _) = turbo_options();
+        opts.steps = 2;
+        opts
+    };
+    // 8-bit weights are the host's bytes relabelled; 4-bit ones are packed smaller than the host copy, so their
+    // sizes hold only if every count is in the device's store.
+    for value in [QuantValue::Q8S, QuantValue::Q4S] {
+        let scheme = QuantScheme::default().with_value(value).with_store(QuantStore::Native);
+        let load = |placement: Placement| -> pipeline_zimage::Result<ZImagePipeline> {
+            let mut pipeline =
+                ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new())?;
+            quantize_with(pipeline.text_encoder_mut(), &scheme)?;
+            quantize_with(pipeline.transformer_mut(), &scheme)?;
+            Ok(pipeline)
+        };
+        // The cards are sized on the host (4-bit weights there are a byte a value: larger cards than wgpu needs).
+        let probe = load(Placement::host_only()).expect("loads");
+        // As on the simulated card (`tests/quantized.rs`): the float VAE is larger than the quantized transformer
+        // and decodes on every card beside its activations.
+        // On the device the cap also holds the pool's pages left from earlier runs and the rounding of each
+        // tensor to pages, which a card of exactly the VAE and its activations has no room for: a sixteenth more.
+        let decode = component_bytes(&probe, "vae") + exact_reserve(&probe, &opts);
+        let decode = decode + decode / 16;
+        let mut cards = validation_cards(&probe, &opts).expect("cards").map(|card| card.max(decode)).to_vec();
+        cards.dedup();
+        drop(probe);
+        let target = Target::Device { device: device.clone(), name: name.clone(), total: TOTAL };
+        let mut cases = Vec::new();
+        for card in cards {
+            for preset in Preset::ALL.into_iter().filter(|p| *p != Preset::Off) {
+                cases.push(validate(&target, &load, preset, card, &opts));
+            }
+        }
+        let table = Table(&cases).to_string();
+        println!("{value:?}\n{table}");
+        let mut streamed = 0;
+        for case in &cases {
+            let v = match case {
+                Case::Measured(v) => v,
+                Case::Refused { preset, card, reason } => {
+                    panic!("{value:?}: every preset runs on every card; {preset:?} on {card}: {reason}\n{table}")
+                }
+            };
+            assert_eq!(v.predicted.bytes, v.measured.bytes, "{value:?}, {} on {}: bytes\n{table}", v.preset, v.card);
+            assert_eq!(v.predicted.moves, v.measured.moves, "{value:?}, {} on {}: moves\n{table}", v.preset, v.card);
+            let transformer = v.routes.split('/').nth(1).unwrap_or_default();
+            streamed += usize::from(transformer.starts_with("block") || transformer.starts_with("leaf"));
+        }
+        assert!(streamed >= 2, "{value:?}: the diffusers presets stream the quantized transformer: {table}");
+    }
 }
