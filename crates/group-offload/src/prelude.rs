@@ -3,13 +3,14 @@
 //!
 //! - declaring a model: [`OffloadModel`] (the trait and its derive);
 //! - writing its forward: [`Blocks`], [`Single`], [`Nested`], [`Shell`], [`Layer`], [`leaf!`], [`narrow!`],
-//!   [`Result`];
-//! - running it: [`ModelHandle`], [`Placement`], [`GroupOptions`];
+//!   [`Result`], and [`whole`] for the resident forward;
+//! - running it: [`ModelHandle`], [`Placement`], [`GroupOptions`], [`GroupLevel`], and [`module_bytes`] to size a
+//!   card by the model;
 //! - testing it: [`check_streaming`].
 
 pub use crate::error::{Error, Result};
 pub use crate::handle::ModelHandle;
-pub use crate::model::{GroupOptions, check_streaming};
+pub use crate::model::{GroupLevel, GroupOptions, check_streaming, whole};
 pub use crate::view::{Blocks, Layer, Nested, Shell, Single};
-pub use crate::whole::Placement;
+pub use crate::whole::{Placement, module_bytes};
 pub use crate::{OffloadModel, leaf, narrow};
