@@ -1206,6 +1206,16 @@ impl std::fmt::Display for DevicePanic {
     }
 }
 
+/// A panic's message: its payload's text when it is a `String` or a `&str` (what `panic!` and `unwrap` give),
+/// empty otherwise.
+pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_string()))
+        .unwrap_or_default()
+}
+
 /// Runs `f`, catching a panic of the device runtime as a [`DevicePanic`]: a read of a tensor whose computation
 /// failed on the device (burn's `into_data` panics with the runtime's error), or a runtime that panics on a failed
 /// allocation. Any other panic (a bug, not a device failure) goes on unwinding. The one boundary where a panic is
@@ -1213,11 +1223,7 @@ impl std::fmt::Display for DevicePanic {
 /// read-back), never around a caller's code such as a model's forward, whose panic is its own.
 pub fn catch_device_panic<R>(f: impl FnOnce() -> R) -> std::result::Result<R, DevicePanic> {
     std::panic::catch_unwind(AssertUnwindSafe(f)).map_err(|payload| {
-        let message = payload
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_string()))
-            .unwrap_or_default();
+        let message = panic_text(payload.as_ref());
         if !is_device_failure(&message) {
             std::panic::resume_unwind(payload);
         }

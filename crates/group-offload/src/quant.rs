@@ -178,11 +178,7 @@ fn product_refusal(produced: &QuantScheme, stored: &QuantScheme, host: &Device, 
         Ok(Ok(sum)) => Some(format!("a linear product with such a weight gave {sum} on this device")),
         Ok(Err(message)) => Some(message),
         Err(panic) => {
-            let message = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
+            let message = crate::device::panic_text(panic.as_ref());
             let first = message.lines().find(|l| !l.trim().is_empty()).unwrap_or("").trim();
             let first = first.strip_prefix("called `Result::unwrap()` on an `Err` value: ").unwrap_or(first);
             Some(format!("burn cannot compute a linear layer with such a weight on this device ({first})"))

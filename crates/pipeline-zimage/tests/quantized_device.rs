@@ -187,11 +187,7 @@ fn eight_bit_weights_quantized_on_the_cpu_host_run_and_stream_on_wgpu_and_the_re
                 }
             }
             Err(panic) => {
-                let message = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
+                let message = group_offload::device::panic_text(panic.as_ref());
                 println!("| {label} | panicked in burn: {} | | | | | | |", message.lines().next().unwrap_or_default());
                 failures.push(format!("{label}: burn panicked instead of a typed refusal: {message}"));
             }
