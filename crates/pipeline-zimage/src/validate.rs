@@ -326,6 +326,17 @@ fn settings(preset: Preset, reserve: u64) -> Result<Settings> {
     Ok(Settings::resolve(&explicit, std::iter::empty::<(String, String)>(), None)?)
 }
 
+/// [`validate`] for every preset but `off` on each of `cards`, card by card: the cases a validation table shows.
+pub fn validate_presets(
+    target: &Target,
+    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    cards: &[u64],
+    opts: &GenerateOptions,
+) -> Vec<Case> {
+    let presets = || Preset::ALL.into_iter().filter(|p| *p != Preset::Off);
+    cards.iter().flat_map(|card| presets().map(move |preset| validate(target, load, preset, *card, opts))).collect()
+}
+
 /// Plans `preset` for a card of `card` bytes on `target`, applies it to a pipeline `load` makes on that
 /// placement, generates two images with `opts`, and returns the second one's figures side by side (the first image
 /// captures each streamed component's call order, without prefetch; later images repeat the second).

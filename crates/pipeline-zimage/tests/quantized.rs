@@ -10,13 +10,13 @@ use burn::tensor::quantization::QuantScheme;
 use group_offload::GroupOptions;
 use group_offload::{Placement, whole::BurnComponent};
 use memory_sim::{CardSpec, Mode, SimCard};
-use offload_core::plan::{HostMemory, Preset, Settings, SettingsLayer};
+use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{Action, DeviceMemory, Reason};
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::presets::{enable_offload, enable_pipeline_offload, exact_reserve};
 use pipeline_zimage::quantize::{named_scheme, quantize, quantize_linear_weights, quantize_with, quantized_params};
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
-use pipeline_zimage::validate::{Case, Table, Target, validate, validation_cards};
+use pipeline_zimage::validate::{Case, Table, Target, validate_presets, validation_cards};
 
 mod common;
 
@@ -220,12 +220,7 @@ fn every_preset_predicts_a_quantized_pipelines_bytes_and_moves_exactly() {
     let decode = bytes(&probe, "vae") + exact_reserve(&probe, &opts);
     let mut cards = validation_cards(&probe, &opts).expect("cards").map(|card| card.max(decode)).to_vec();
     cards.dedup();
-    let mut cases = Vec::new();
-    for card in cards {
-        for preset in Preset::ALL.into_iter().filter(|p| *p != Preset::Off) {
-            cases.push(validate(&Target::Simulated, &load, preset, card, &opts));
-        }
-    }
+    let cases = validate_presets(&Target::Simulated, &load, &cards, &opts);
     let table = Table(&cases).to_string();
     println!("{table}");
     let mut streamed = 0;

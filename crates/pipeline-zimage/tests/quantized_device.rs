@@ -24,13 +24,12 @@ use burn::tensor::{DType, Tensor};
 use common::{component_bytes, fixtures, load_tiny, max_abs_diff, turbo_options, values};
 use group_offload::device::{PagePolicy, open_device_with};
 use group_offload::{GroupLevel, GroupOptions, Placement, whole::Unbounded};
-use offload_core::plan::Preset;
 use offload_core::{DeviceName, NoLedger};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::pipeline::ZImagePipeline;
 use pipeline_zimage::presets::exact_reserve;
 use pipeline_zimage::quantize::{int8_scheme, quantize_with};
-use pipeline_zimage::validate::{Case, Table, Target, validate, validation_cards};
+use pipeline_zimage::validate::{Case, Table, Target, validate_presets, validation_cards};
 
 /// The size given as the lavapipe device's total: it reports none.
 const TOTAL: u64 = 1 << 30;
@@ -310,12 +309,7 @@ fn every_preset_predicts_a_quantized_pipelines_bytes_and_moves_exactly_on_wgpu()
         cards.dedup();
         drop(probe);
         let target = Target::Device { device: device.clone(), name: name.clone(), total: TOTAL };
-        let mut cases = Vec::new();
-        for card in cards {
-            for preset in Preset::ALL.into_iter().filter(|p| *p != Preset::Off) {
-                cases.push(validate(&target, &load, preset, card, &opts));
-            }
-        }
+        let cases = validate_presets(&target, &load, &cards, &opts);
         let table = Table(&cases).to_string();
         println!("{value:?}\n{table}");
         let mut streamed = 0;

@@ -4,9 +4,8 @@
 //! what it measures), and its bytes moved and moves per image are the ones the ledger counted, exactly (`docs/benchmarks.md`, "Predicted beside measured").
 
 use group_offload::Placement;
-use offload_core::plan::Preset;
 use pipeline_zimage::pipeline::ZImagePipeline;
-use pipeline_zimage::validate::{Case, Table, Target, validate, validation_cards};
+use pipeline_zimage::validate::{Case, Table, Target, validate_presets, validation_cards};
 
 mod common;
 
@@ -24,12 +23,7 @@ fn load(placement: Placement) -> pipeline_zimage::Result<ZImagePipeline> {
 fn every_preset_predicts_the_simulated_cards_peak_within_ten_percent_and_its_moves_exactly() {
     let (opts, _) = turbo_options();
     let cards = validation_cards(&load(Placement::host_only()).expect("loads"), &opts).expect("cards");
-    let mut cases = Vec::new();
-    for card in cards {
-        for preset in Preset::ALL.into_iter().filter(|p| *p != Preset::Off) {
-            cases.push(validate(&Target::Simulated, &load, preset, card, &opts));
-        }
-    }
+    let cases = validate_presets(&Target::Simulated, &load, &cards, &opts);
     let table = Table(&cases).to_string();
     println!("{table}");
     let mut streamed = 0;

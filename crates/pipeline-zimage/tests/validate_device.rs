@@ -16,10 +16,9 @@ use common::fixtures;
 use group_offload::Placement;
 use group_offload::{device::PagePolicy, device::open_device_with};
 use offload_core::DeviceName;
-use offload_core::plan::Preset;
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
-use pipeline_zimage::validate::{Case, Table, Target, measure_calls, validate, validation_cards};
+use pipeline_zimage::validate::{Case, Table, Target, measure_calls, validate_presets, validation_cards};
 
 /// The size given as the lavapipe device's total: it reports none.
 const TOTAL: u64 = 1 << 30;
@@ -62,12 +61,7 @@ fn every_preset_on_the_real_device_moves_what_the_plan_predicts_and_peaks_near_i
     let probe = load(Placement::host_only()).expect("loads");
     let cards = validation_cards(&probe, &opts).expect("cards");
     let target = Target::Device { device: device.clone(), name: name.clone(), total: TOTAL };
-    let mut cases = Vec::new();
-    for card in cards {
-        for preset in Preset::ALL.into_iter().filter(|p| *p != Preset::Off) {
-            cases.push(validate(&target, &load, preset, card, &opts));
-        }
-    }
+    let cases = validate_presets(&target, &load, &cards, &opts);
     let table = Table(&cases).to_string();
     println!("{table}");
     for case in &cases {
