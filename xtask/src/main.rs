@@ -12,6 +12,8 @@
 //!   `pipeline-zimage`'s `fuzz_readers` example, into each checkpoint reader (model index, shard index,
 //!   component configs, safetensors files).
 //! - `setup-cuda`: installs the LLVM bundle that burn's `cuda` feature needs, from the Python registry.
+//! - `gpu-bundle`: builds the GPU check for CUDA in release and packs it with the peer benchmark into
+//!   `.gpu/gpu-bundle.tar.xz` (under 60 MB), which `tools/gpu-check.sh` runs on a lent device in one call.
 //! - `plan --card 8GB --ram 32GB --preset auto`: the offload plan for Z-Image-Turbo at real sizes: each
 //!   component's route, resident and pinned bytes, bytes streamed and predicted time per step, and why.
 //!   `plan --validate [--device wgpu]`: every preset's predicted peak, bytes moved and moves beside the measured
@@ -56,6 +58,8 @@ enum Command {
     Fuzz(fuzz::Args),
     /// Install the LLVM bundle burn's `cuda` feature builds against, from the Python registry.
     SetupCuda(tasks::SetupCudaArgs),
+    /// Build the GPU check for CUDA in release and pack it with the peer benchmark for the device tool.
+    GpuBundle(tasks::GpuBundleArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -66,6 +70,7 @@ fn main() -> anyhow::Result<()> {
         Command::Plan(args) => plan::run(&args),
         Command::Fixtures(args) => tasks::fixtures(&args),
         Command::SetupCuda(args) => tasks::setup_cuda(&args),
+        Command::GpuBundle(args) => tasks::gpu_bundle(&args),
         Command::Fuzz(args) => fuzz::run(&args),
     }
 }

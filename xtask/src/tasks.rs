@@ -402,3 +402,108 @@ total     208.911 s
         assert!(real_size_report("no report here", 1.0).is_err());
     }
 }
+
+/// Arguments of `cargo xtask gpu-bundle`.
+#[derive(clap::Args)]
+pub struct GpuBundleArgs {
+    /// The peer benchmark's folder: its script and the wheels it installs offline on the device.
+    #[arg(long, default_value = "../shared/gpu")]
+    pub peer: PathBuf,
+    /// The folder the archive is written to, relative to the workspace root: the device tool carries it
+    /// (`carry [".gpu"]`), and `tools/gpu-check.sh` unpacks it there.
+    #[arg(long, default_value = ".gpu")]
+    pub out: PathBuf,
+    /// The most the archive may weigh (the device tool carries 64 MiB in all).
+    #[arg(long, default_value = "60MB")]
+    pub max: String,
+    /// Pack the binary already built instead of building it (it must exist).
+    #[arg(long)]
+    pub no_build: bool,
+}
+
+/// The archive `cargo xtask gpu-bundle` writes in its `--out` folder.
+pub const GPU_BUNDLE: &str = "gpu-bundle.tar.xz";
+
+/// Builds the GPU check for CUDA in release and packs it with the peer benchmark into one archive for the device
+/// tool to carry, so a lent accelerator spends its minutes on the check, not on compiling.
+///
+/// Steps: the LLVM bundle burn's `cuda` feature needs (`setup-cuda`, skipped when installed), then
+/// `cargo build --release -p pipeline-zimage --features cuda --example gpu_check` (timed), then
+/// `<out>/gpu-bundle.tar.xz` holding `gpu_check` and `peer/` (the peer's script and wheels), refused when it
+/// weighs more than `--max`. `tools/gpu-check.sh` unpacks it and runs the whole check.
+pub fn gpu_bundle(args: &GpuBundleArgs) -> anyhow::Result<()> {
+    let max = offload_core::parse_size(&args.max).with_context(|| format!("--max {}", args.max))?;
+    let root = workspace_root();
+    let peer = root.join(&args.peer);
+    if !peer.join("diffusers_zimage_offload_bench.py").is_file() {
+        bail!(
+            "{} has no diffusers_zimage_offload_bench.py: pass --peer with the peer benchmark's folder \
+             (shared/gpu in this project)",
+            peer.display()
+        );
+    }
+    let target_dir = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    let binary = target_dir.join("release").join("examples").join("gpu_check");
+    let build_seconds = if args.no_build {
+        None
+    } else {
+        setup_cuda(&SetupCudaArgs { python: "python3".into(), into: None })?;
+        let started = std::time::Instant::now();
+        let mut build = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        build.args(["build", "--release", "-p", "pipeline-zimage", "--features", "cuda", "--example", "gpu_check"]);
+        status(build, "the CUDA release build of the GPU check")?;
+        Some(started.elapsed().as_secs_f64())
+    };
+    if !binary.is_file() {
+        bail!("{} is missing: run without --no-build to build it", binary.display());
+    }
+    let out = root.join(&args.out);
+    let staging = out.join("staging");
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging).with_context(|| format!("creating {}", staging.display()))?;
+    std::fs::copy(&binary, staging.join("gpu_check")).context("copying the binary")?;
+    copy_tree(&peer, &staging.join("peer"))?;
+    let archive = out.join(GPU_BUNDLE);
+    let started = std::time::Instant::now();
+    let packed = std::fs::File::create(&archive).with_context(|| format!("creating {}", archive.display()))?;
+    let mut tar = Command::new("tar");
+    tar.arg("-C").arg(&staging).args(["-cf", "-", "gpu_check", "peer"]).stdout(std::process::Stdio::piped());
+    let mut tar = tar.spawn().context("cannot start tar")?;
+    let tar_out = tar.stdout.take().context("tar's output")?;
+    let xz = Command::new("xz")
+        .args(["-T0", "-6", "-c"])
+        .stdin(tar_out)
+        .stdout(packed)
+        .status()
+        .context("cannot start xz (apt-get install xz-utils)")?;
+    let tarred = tar.wait()?;
+    if !(tarred.success() && xz.success()) {
+        bail!("packing {} failed (tar {tarred}, xz {xz})", archive.display());
+    }
+    let pack_seconds = started.elapsed().as_secs_f64();
+    std::fs::remove_dir_all(&staging).ok();
+    let binary_bytes = std::fs::metadata(&binary)?.len();
+    let archive_bytes = std::fs::metadata(&archive)?.len();
+    let fmt = offload_core::format_size;
+    match build_seconds {
+        Some(seconds) => println!("built the CUDA release gpu_check in {seconds:.0} s ({})", fmt(binary_bytes)),
+        None => println!("packed the gpu_check built before ({})", fmt(binary_bytes)),
+    }
+    println!(
+        "wrote {} ({}, packed in {pack_seconds:.0} s): gpu_check and the peer benchmark; carry [\"{}\"] and run \
+         `bash tools/gpu-check.sh` with the device tool",
+        archive.display(),
+        fmt(archive_bytes),
+        args.out.display()
+    );
+    if archive_bytes > max {
+        bail!(
+            "{} weighs {}, over --max {}: the device tool would not carry it; strip the binary or drop wheels \
+             the peer does not import",
+            archive.display(),
+            fmt(archive_bytes),
+            fmt(max)
+        );
+    }
+    Ok(())
+}

@@ -170,6 +170,7 @@ pub fn group_options(plan: &Plan, settings: &Settings, spec: &ComponentSpec) -> 
                 disk_store,
                 releasable: true,
                 keep_outside,
+                ..GroupOptions::default()
             })
         }
         Route::LeafGroupOffload { prefetch } => Some(GroupOptions {

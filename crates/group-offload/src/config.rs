@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::tensor::Device;
+use offload_core::link::LinkMeter;
 use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, OffloadRecord, Timeline};
 
 use crate::error::{Error, Result};
@@ -47,6 +48,12 @@ pub struct GroupOffloadConfig {
     /// (a prefetch on the worker's), with a device memory sample (from `memory`) after every move; disabled by
     /// default.
     pub timeline: Timeline,
+    /// The clock on the link each upload's bytes and wall time are noted on: the placement's, shared with every
+    /// other move onto the device, when the offloader belongs to a registered model; its own otherwise.
+    pub link: Arc<LinkMeter>,
+    /// Whether each upload is synced and read back before its group is published (`true` by default); see
+    /// [`GroupOptions::check_uploads`](crate::GroupOptions::check_uploads).
+    pub check_uploads: bool,
 }
 
 impl fmt::Debug for GroupOffloadConfig {
@@ -87,7 +94,23 @@ impl GroupOffloadConfig {
             memory: None,
             record: None,
             timeline: Timeline::disabled(),
+            link: Arc::default(),
+            check_uploads: true,
         }
+    }
+
+    /// Syncs and reads back each upload before its group is published (`true`), or publishes it once its copies
+    /// are queued (`false`).
+    pub fn with_upload_checks(mut self, check: bool) -> Self {
+        self.check_uploads = check;
+        self
+    }
+
+    /// Notes every upload's bytes and wall time on `link` (a placement's meter, shared with the device's other
+    /// moves).
+    pub fn with_link(mut self, link: Arc<LinkMeter>) -> Self {
+        self.link = link;
+        self
     }
 
     /// Names the execution device.

@@ -20,6 +20,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use burn::tensor::Device;
+use offload_core::link::LinkSample;
 use offload_core::timeline::category;
 use offload_core::{Action, ComponentError, Direction, OffloadEvent, Reason};
 use parking_lot::{Condvar, Mutex};
@@ -60,43 +61,8 @@ pub struct GroupStats {
     pub bytes_offloaded: u64,
 }
 
-/// The link rate the uploads of one offloader reached, measured by the clock: for each upload, its bytes over the
-/// wall time from the first host-to-device copy to the synced read-back that publishes the group (the read of a
-/// disk-stored copy is not in it). On the CPU backend that is a host copy, not a simulated card's link.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LinkRate {
-    /// Uploads measured (the last [`UPLOAD_SAMPLES`] at most).
-    pub uploads: usize,
-    /// Their bytes.
-    pub bytes: u64,
-    /// The median upload's rate, bytes per second.
-    pub median: f64,
-    /// The 10th percentile's rate (nine uploads in ten were at least this fast), bytes per second.
-    pub p10: f64,
-}
-
-impl std::fmt::Display for LinkRate {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{} uploads ({}) measured by the clock: median {:.2} GB/s, 10th percentile {:.2} GB/s",
-            self.uploads,
-            offload_core::format_size(self.bytes),
-            self.median / 1e9,
-            self.p10 / 1e9
-        )
-    }
-}
-
-/// How many uploads' timings an offloader keeps (the latest).
-pub const UPLOAD_SAMPLES: usize = 4096;
-
-/// One upload's bytes and wall time.
-#[derive(Debug, Clone, Copy)]
-struct UploadSample {
-    bytes: u64,
-    seconds: f64,
-}
+/// The link rate of a set of uploads: [`offload_core::link::LinkRate`], kept here under its old path.
+pub use offload_core::link::LinkRate;
 
 enum Residency {
     Offloaded,
@@ -130,9 +96,6 @@ struct State {
     /// The first stray load that could not read its host copy since the last call ended (the disk file vanished),
     /// as the error the call returns.
     stray_failure: Option<StrayFailure>,
-    /// The latest uploads' timings (a ring of [`UPLOAD_SAMPLES`]), and where the next one goes.
-    uploads: Vec<UploadSample>,
-    next_upload: usize,
 }
 
 /// A stray load whose host copy could not be read: what the call that made it fails with.
@@ -341,6 +304,7 @@ impl Shared {
         // sync and a read-back of one value per tensor surface a refused allocation as this group's, and no later
         // reader races the copy.
         let checked = match built {
+            Ok(tensors) if !self.config.check_uploads => Ok(tensors),
             Ok(tensors) => check_device(device, &self.config.device_name, "upload", memory)
                 .and_then(|()| check_outputs(&tensors, device, &self.config.device_name, "upload", memory))
                 .map(|()| tensors),
@@ -353,37 +317,19 @@ impl Shared {
                 return Err(self.onload_error(host, error));
             }
         };
-        self.note_upload(UploadSample { bytes: host.bytes, seconds: copy_started.elapsed().as_secs_f64() });
+        if self.config.check_uploads {
+            // Unchecked, the copies were only queued: their time is not the link's, and is not noted.
+            let seconds = copy_started.elapsed().as_secs_f64();
+            self.config.link.note(LinkSample { bytes: host.bytes, seconds, page_locked: host.page_locked });
+        }
         self.record_with(Action::Onload, &host.id, host.bytes, reason, reading);
         Ok(tensors.into())
     }
 
-    fn note_upload(&self, sample: UploadSample) {
-        let mut state = self.state.lock();
-        if state.uploads.len() < UPLOAD_SAMPLES {
-            state.uploads.push(sample);
-        } else {
-            let at = state.next_upload;
-            state.uploads[at] = sample;
-        }
-        state.next_upload = (state.next_upload + 1) % UPLOAD_SAMPLES;
-    }
-
-    /// The link rate of the latest uploads; `None` before the first.
+    /// The link rate of the uploads noted on this offloader's link meter (the placement's, shared with the
+    /// device's other moves, for a registered model); `None` before the first.
     pub fn link_rate(&self) -> Option<LinkRate> {
-        let samples = self.state.lock().uploads.clone();
-        let mut rates: Vec<f64> = samples.iter().map(|s| s.bytes as f64 / s.seconds.max(f64::MIN_POSITIVE)).collect();
-        if rates.is_empty() {
-            return None;
-        }
-        rates.sort_by(f64::total_cmp);
-        let at = |fraction: f64| rates[((rates.len() - 1) as f64 * fraction).round() as usize];
-        Some(LinkRate {
-            uploads: rates.len(),
-            bytes: samples.iter().map(|s| s.bytes).sum(),
-            median: at(0.5),
-            p10: at(0.1),
-        })
+        self.config.link.rate()
     }
 
     /// Drops every group that is on the device only because it was prefetched and that nobody borrows (they
@@ -443,8 +389,6 @@ impl Engine {
                 stats: GroupStats::default(),
                 strays: Vec::new(),
                 stray_failure: None,
-                uploads: Vec::new(),
-                next_upload: 0,
             }),
             changed: Condvar::new(),
         });

@@ -315,6 +315,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         let mut config = GroupOffloadConfig::new(self.name.as_str(), placement.exec.clone())
             .with_device_name(placement.name.clone())
             .with_ledger(ledger.clone())
+            .with_link(placement.link.clone())
             .with_record(self.manager.offload_record())
             .with_timeline(self.manager.timeline());
         if let Some(memory) = &placement.memory {

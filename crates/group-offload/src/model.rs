@@ -164,6 +164,11 @@ pub struct GroupOptions {
     /// Whether the layers outside the blocks stay on the device (the default, at either level) or stream as one
     /// group like the blocks (the planner's full-pin rule).
     pub keep_outside: bool,
+    /// Whether each upload is synced and read back before its group is published (the default): a refused
+    /// allocation or a lost device is then this group's typed error, on the thread that uploaded it. Without,
+    /// the group is published as soon as its copies are queued, and such a failure surfaces at the end of the
+    /// call that uses it, typed as that call's error (`cargo xtask bench offload` measures the difference).
+    pub check_uploads: bool,
 }
 
 impl Default for GroupOptions {
@@ -179,6 +184,7 @@ impl Default for GroupOptions {
             disk_store: None,
             releasable: false,
             keep_outside: true,
+            check_uploads: true,
         }
     }
 }
@@ -208,7 +214,8 @@ impl GroupOptions {
             .with_prefetch(self.prefetch)
             .with_prefetch_depth(self.prefetch_depth.max(1))
             .with_resident_budget(self.resident_budget)
-            .with_pinned_budget(self.pinned_budget);
+            .with_pinned_budget(self.pinned_budget)
+            .with_upload_checks(self.check_uploads);
         match &self.disk_store {
             Some(dir) => config.with_disk_store(dir.clone()),
             None => config,

@@ -219,9 +219,10 @@ impl GroupOffload {
         self.engine.shared.release_idle_prefetches(&reason)
     }
 
-    /// The link rate this offloader's uploads reached, measured by the clock (median and 10th percentile of the
-    /// latest uploads); `None` before the first upload.
-    pub fn link_rate(&self) -> Option<crate::engine::LinkRate> {
+    /// The link rate measured by the clock (median and 10th percentile of the latest copies) on this
+    /// offloader's link meter: for a registered model that is its placement's, which every move onto the device
+    /// notes (whole onloads too); `None` before the first.
+    pub fn link_rate(&self) -> Option<offload_core::link::LinkRate> {
         self.engine.shared.link_rate()
     }
 

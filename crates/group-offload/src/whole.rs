@@ -15,6 +15,7 @@ use crate::device::{DeviceOutput, catch_device_panic, check_device, check_output
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::quantization::quantized_data_len;
 use burn::tensor::{DType, Device, Tensor};
+use offload_core::link::{LinkMeter, LinkSample};
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, Offloadable};
 
 /// Bytes of a module's float parameters, at their current dtypes (a quantized tensor's values and scales).
@@ -117,9 +118,18 @@ pub struct Placement {
     /// Readings of the execution device's memory (a real device's pool, a cap over it, a simulated card), for
     /// the available bytes an out-of-memory reports; `None` where nothing reads it.
     pub memory: Option<Arc<dyn DeviceMemory>>,
+    /// The clock on the link to the execution device: every whole onload and every group upload onto it notes
+    /// its bytes and wall time here ([`Placement::link_rate`]).
+    pub link: Arc<LinkMeter>,
 }
 
 impl Placement {
+    /// The link rate the moves onto this placement's device reached, measured by the clock; `None` before the
+    /// first. Under a simulated card this is a host copy's rate, not the card's simulated link.
+    pub fn link_rate(&self) -> Option<offload_core::link::LinkRate> {
+        self.link.rate()
+    }
+
     /// Everything on the host's CPU backend: nothing moves, nothing is accounted.
     pub fn host_only() -> Self {
         Self {
@@ -128,6 +138,7 @@ impl Placement {
             name: DeviceName::cpu(),
             ledger: Arc::new(offload_core::NoLedger),
             memory: None,
+            link: Arc::default(),
         }
     }
 
@@ -141,6 +152,7 @@ impl Placement {
             name: offload_core::DeviceMemory::device(&*card),
             ledger: card.clone(),
             memory: Some(card),
+            link: Arc::default(),
         }
     }
 
@@ -153,7 +165,7 @@ impl Placement {
         ledger: Arc<dyn DeviceLedger>,
         memory: Option<Arc<dyn DeviceMemory>>,
     ) -> Self {
-        Self { exec, host: Device::flex(), name, ledger, memory }
+        Self { exec, host: Device::flex(), name, ledger, memory, link: Arc::default() }
     }
 }
 
@@ -271,6 +283,7 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
             let memory = self.placement.memory.as_deref();
             // Quantized parameters the device holds only in its packed store are repacked on the way (their
             // bytes, never dequantized: `crate::quant::module_to_device`).
+            let copy_started = std::time::Instant::now();
             let moved = catch_device_panic(|| crate::quant::module_to_device(self.module.clone(), exec));
             // cubecl reports an allocation failure at the next sync, not at the allocating call.
             let checked = match moved {
@@ -284,6 +297,9 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
             };
             match checked {
                 Ok(moved) => {
+                    // From the first copy to the synced read-back: the whole onload's time on the link.
+                    let seconds = copy_started.elapsed().as_secs_f64();
+                    self.placement.link.note(LinkSample { bytes: self.bytes, seconds, page_locked: false });
                     self.resident = Some(moved);
                     // The read-back probes (one small tensor per parameter) each took a page of the pool: give
                     // them back, so the component's call starts from its weights (measured on wgpu: about a

@@ -95,6 +95,30 @@ fn block_level_matches_the_resident_model_with_and_without_prefetch() {
     }
 }
 
+/// Without upload checks a group is published once its copies are queued: the output is the same, every upload
+/// still moves and is accounted, and none is noted on the link meter (its time would be the queueing's, not
+/// the link's).
+#[test]
+fn unchecked_uploads_give_the_same_output_and_time_no_link() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    for prefetch in [false, true] {
+        let card = hard_card(GIB);
+        let offloaded =
+            BlockModel::new(model.clone(), config(&card, prefetch).with_upload_checks(false), 1, Residency::Resident);
+        for pass in 0..3 {
+            let out = offloaded.forward(x.clone()).unwrap();
+            assert_eq!(max_abs_diff(&out, &expected), 0.0, "prefetch {prefetch}, pass {pass}");
+        }
+        offloaded.offload.wait_idle();
+        let stats = offloaded.offload.stats();
+        assert!(stats.onloads + stats.prefetches >= 3 * BLOCKS as u64, "{stats:?}");
+        assert_eq!(offloaded.offload.link_rate(), None, "prefetch {prefetch}: {stats:?}");
+    }
+}
+
 #[test]
 fn leaf_level_matches_the_resident_model_with_and_without_prefetch() {
     let device = Device::flex();

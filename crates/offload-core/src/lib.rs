@@ -9,6 +9,7 @@
 //! - [`ComponentsManager`] registers components, enables auto offload, asks an
 //!   [`OffloadStrategy`](offload_strategy::OffloadStrategy) what to evict, retries after out-of-memory errors,
 //!   and keeps an [`OffloadRecord`] of every move;
+//! - [`link::LinkMeter`] times each copy onto a device and gives the link's measured rates;
 //! - [`Timeline`] records what happened when, on which thread (phases, moves, group uploads, device memory
 //!   samples), and writes it as a Chrome trace-event file.
 //!
@@ -20,6 +21,7 @@
 pub mod component;
 pub mod device;
 pub mod error;
+pub mod link;
 pub mod manager;
 pub mod plan;
 pub mod record;

@@ -252,6 +252,7 @@ fn the_full_plan_explains_every_choice() {
         plan.to_string(),
         expect![[r#"
             plan for preset auto: device 6.84 GB available of 7.45 GB; host 26.82 GB available of 29.80 GB (23.10 GB usable)
+            link: 31.50 GB/s from pinned memory, 15.75 GB/s pageable (assumed, not measured: a run on this device measures it)
             component     route                  resident  pinned  streamed/step  time/step     peak
             text_encoder  leaf, prefetch        741.88 MB     0 B        7.49 GB    0.513 s  1.25 GB
             transformer   block x1, prefetch 1    5.40 GB     0 B        6.74 GB    0.620 s  6.58 GB

@@ -278,3 +278,46 @@ fn calibration_on_a_simulated_card_records_the_peak_and_later_runs_reuse_its_bud
     let again = plan_pipeline(&z_image_turbo(), again, &card).expect("plans");
     assert!(again.component("transformer").is_some_and(|c| c.why.contains("calibration run")));
 }
+
+/// The link a run measured is kept per device beside the capacity profiles, and the next plan for that device
+/// predicts its copies from it instead of the generic PCIe assumption, and says so.
+#[test]
+fn a_measured_link_is_stored_per_device_and_replaces_the_assumed_one() {
+    use offload_core::plan::{LinkRun, LinkSource, MAX_LINK_RUNS};
+    let scratch = Scratch::new("link");
+    let store = scratch.store();
+    assert_eq!(store.measured_link("wgpu:0").expect("readable"), None, "nothing measured yet");
+    // lavapipe-like: 20 MB/s from pageable memory (it has no page-locked memory), three runs.
+    let run = |rate: f64| LinkRun { pageable: Some(rate), page_locked: None, p10: rate / 2.0, uploads: 25, bytes: 1, at: 0 };
+    for rate in [18e6, 20e6, 40e6] {
+        store.record_link("wgpu:0", run(rate)).expect("saved");
+    }
+    let measured = store.measured_link("wgpu:0").expect("readable").expect("three runs");
+    assert_eq!((measured.pageable, measured.page_locked, measured.runs, measured.uploads), (Some(20e6), None, 3, 75));
+    assert_eq!(store.measured_link("cuda:0").expect("readable"), None, "one device's runs are not another's");
+
+    let assumed = machine(8, 32);
+    let learned = assumed.with_time(measured.apply(assumed.time));
+    assert_eq!(learned.time.link_source, LinkSource::Measured { runs: 3, uploads: 75 });
+    assert_eq!((learned.time.link_bytes_per_second, learned.time.pageable_fraction), (20e6, 1.0));
+    let before = plan_pipeline(&z_image_turbo(), Preset::Auto, &assumed).expect("plans");
+    let after = plan_pipeline(&z_image_turbo(), Preset::Auto, &learned).expect("plans");
+    assert!(before.to_string().contains("(assumed, not measured"), "{before}");
+    assert!(after.to_string().contains("link: 0.02 GB/s from pinned memory, 0.02 GB/s pageable (measured"), "{after}");
+    // Copies at 20 MB/s, not 15.75 GB/s: what streams takes about 790 times longer to predict.
+    assert!(after.seconds_per_image() > 100.0 * before.seconds_per_image(), "{before}\n{after}");
+
+    // Only the last runs are kept.
+    for _ in 0..MAX_LINK_RUNS {
+        store.record_link("wgpu:0", run(1e9)).expect("saved");
+    }
+    let newest = store.measured_link("wgpu:0").expect("readable").expect("runs");
+    assert_eq!((newest.runs, newest.pageable), (MAX_LINK_RUNS, Some(1e9)));
+
+    // A broken file is an error that names it, not an empty link.
+    std::fs::write(store.link_path("wgpu:0"), "runs = 3").expect("written");
+    match store.measured_link("wgpu:0") {
+        Err(PlanError::ProfileFormat { path, .. }) => assert_eq!(path, store.link_path("wgpu:0")),
+        other => panic!("expected a format error, got {other:?}"),
+    }
+}

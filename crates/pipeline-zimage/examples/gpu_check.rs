@@ -144,8 +144,7 @@ fn parity(args: &Args) -> anyhow::Result<()> {
         let total = args.total.as_deref().map(parse_size).transpose()?;
         Some(readings_of(&exec, &args.device, total)?)
     };
-    let placement =
-        Placement { exec, host: Device::flex(), name: name.clone(), ledger: Arc::new(offload_core::NoLedger), memory };
+    let placement = Placement::on_device(exec, name.clone(), Arc::new(offload_core::NoLedger), memory);
     let pipeline = ZImagePipeline::load(&weights, placement, &pipeline_zimage::loading::LoadOptions::new())?;
     if !name.is_cpu() {
         pipeline.enable_auto_offload(Arc::new(Unbounded { device: name }), 0, true)?;
@@ -195,13 +194,7 @@ fn readings(args: &Args) -> anyhow::Result<()> {
             Some(capped) => (capped.clone(), capped.clone()),
             None => (readings.clone(), Arc::new(offload_core::NoLedger)),
         };
-        let placement = Placement {
-            exec: exec.clone(),
-            host: Device::flex(),
-            name: name.clone(),
-            ledger,
-            memory: Some(memory.clone()),
-        };
+        let placement = Placement::on_device(exec.clone(), name.clone(), ledger, Some(memory.clone()));
         let pipeline = ZImagePipeline::load(&weights, placement, &pipeline_zimage::loading::LoadOptions::new())?;
         pipeline.enable_auto_offload(memory.clone(), parse_size("1MB")?, true)?;
         let mut opts = GenerateOptions::turbo("a red fox in the snow");

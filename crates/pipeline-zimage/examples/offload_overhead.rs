@@ -7,6 +7,10 @@
 //! cargo xtask bench offload --device wgpu   # burn's wgpu runtime (lavapipe: pass --device-memory 2GiB)
 //! ```
 //!
+//! Two more routes repeat block level with and without prefetch with no sync and read-back per upload
+//! (`GroupOptions::check_uploads` off), to show what the checks cost, and resident runs again last, to show how
+//! much the routes' order moves a step on its own.
+//!
 //! For each route it prints the median step time (a step is one transformer forward, ended by the device's
 //! completion), the syncs and read-backs per step on the compute thread and on the prefetch worker (the library's
 //! own checks, [`group_offload::device::device_checks`]), and the bytes onloaded per step (from the record). Its
@@ -30,14 +34,16 @@ use pipeline_zimage::config::TransformerConfig;
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 
 /// The command line: `--device cpu|wgpu`, `--device-memory SIZE`, `--pages exclusive|adaptive` (the pool's page
-/// policy; exclusive, as a hard cap wants, by default), `--steps N`, `--dim D`, `--layers L`, and
-/// `--latent S` (the latent's side: `S / 2` squared image tokens).
+/// policy; exclusive, as a hard cap wants, by default), `--routes auto,leaf`, `--trace DIR`, `--steps N`,
+/// `--dim D`, `--layers L`, and `--latent S` (the latent's side: `S / 2` squared image tokens).
 struct Args {
     device: String,
     device_memory: Option<u64>,
     pages: PagePolicy,
     /// The routes to run beside resident (`--routes auto,leaf`); empty: all.
     routes: Vec<String>,
+    /// `--trace DIR`: write each route's timeline there as `<route>.json` (Chrome trace events).
+    trace: Option<std::path::PathBuf>,
     steps: usize,
     dim: usize,
     layers: usize,
@@ -50,6 +56,7 @@ fn parse_args() -> anyhow::Result<Args> {
         device_memory: None,
         pages: PagePolicy::Exclusive,
         routes: Vec::new(),
+        trace: None,
         steps: 5,
         dim: 384,
         layers: 6,
@@ -69,6 +76,7 @@ fn parse_args() -> anyhow::Result<Args> {
                 }
             }
             "--routes" => args.routes = value()?.split(',').map(str::to_string).collect(),
+            "--trace" => args.trace = Some(value()?.into()),
             "--steps" => args.steps = value()?.parse().context("--steps")?,
             "--dim" => args.dim = value()?.parse().context("--dim")?,
             "--layers" => args.layers = value()?.parse().context("--layers")?,
@@ -180,7 +188,21 @@ fn main() -> anyhow::Result<()> {
     let t = Tensor::<1>::from_floats([0.5], &host);
 
     let mut figures = Vec::new();
-    for route in ["resident", "auto", "block_prefetch", "block_serial", "leaf"] {
+    // Resident runs first, as the baseline, and again last: the two show how much the order of the routes (a
+    // warmer cache, a busier machine) moves a step on its own.
+    // The `_unchecked` routes publish each group once its copies are queued, with no sync and read-back per
+    // upload: beside their checked twins they show what the upload checks cost.
+    let routes = [
+        "resident",
+        "auto",
+        "block_prefetch",
+        "block_serial",
+        "leaf",
+        "block_prefetch_unchecked",
+        "block_serial_unchecked",
+        "resident_again",
+    ];
+    for route in routes {
         if !args.routes.is_empty() && route != "resident" && !args.routes.iter().any(|r| r == route) {
             continue;
         }
@@ -190,16 +212,24 @@ fn main() -> anyhow::Result<()> {
             exec.memory_cleanup();
             let cap = (route == "auto").then(|| weights * 7 / 10);
             let (placement, memory) = target.placement(cap, weights)?;
+            let computes_on = placement.name.clone();
             let manager = Arc::new(ComponentsManager::new());
+            let timeline = args.trace.as_ref().map(|_| offload_core::Timeline::enabled());
+            if let Some(timeline) = &timeline {
+                manager.set_timeline(timeline.clone());
+            }
             let mut handle = ModelHandle::register(&manager, "transformer", model.clone(), placement)?;
-            let block = |prefetch| GroupOptions {
+            let block = |prefetch, check_uploads| GroupOptions {
                 level: GroupLevel::Block { blocks_per_group: 1 },
                 prefetch,
+                check_uploads,
                 ..GroupOptions::default()
             };
             let mut note = String::new();
             match route {
-                "resident" => {}
+                // Onloaded at its first run and kept (nothing evicts on an uncapped device): without auto offload
+                // the manager runs a component where it is, and this one was built on the host.
+                "resident" | "resident_again" => manager.enable_auto_offload(memory.clone(), 0, true)?,
                 "auto" => {
                     let mut explicit = SettingsLayer::default();
                     explicit.set("preset", "auto")?;
@@ -237,8 +267,10 @@ fn main() -> anyhow::Result<()> {
                         })
                         .unwrap_or_default();
                 }
-                "block_prefetch" => handle.enable_group_offload(&block(true))?,
-                "block_serial" => handle.enable_group_offload(&block(false))?,
+                "block_prefetch" => handle.enable_group_offload(&block(true, true))?,
+                "block_serial" => handle.enable_group_offload(&block(false, true))?,
+                "block_prefetch_unchecked" => handle.enable_group_offload(&block(true, false))?,
+                "block_serial_unchecked" => handle.enable_group_offload(&block(false, false))?,
                 _ => handle.enable_group_offload(&GroupOptions::leaf())?,
             }
             let step = || -> anyhow::Result<Duration> {
@@ -255,11 +287,26 @@ fn main() -> anyhow::Result<()> {
                 Ok(started.elapsed())
             };
             step()?; // the warm-up: the capture of the call order, the first onloads, the kernels compiled
+            if route.starts_with("resident") {
+                // The baseline must compute where the routes do: a resident model left on the host would compare
+                // the device with the CPU backend (this bench's first version did, on wgpu).
+                let at = manager.component_info(handle.id())?.device;
+                if at != computes_on {
+                    bail!("the resident model ran on {at}, not on {computes_on}: the baseline would not be resident");
+                }
+            }
             let (checks_before, onloaded_before) = (device_checks(), onloaded(&manager));
             let mut times = (0..args.steps).map(|_| step()).collect::<anyhow::Result<Vec<_>>>()?;
             let checks = device_checks() - checks_before;
             let onloaded = onloaded(&manager) - onloaded_before;
             times.sort();
+            if let (Some(timeline), Some(dir)) = (&timeline, &args.trace) {
+                // Each route's spans (uploads, computes, releases, on their threads): chrome://tracing or Perfetto.
+                std::fs::create_dir_all(dir)?;
+                let path = dir.join(format!("{route}.json"));
+                let mut file = std::fs::File::create(&path).with_context(|| path.display().to_string())?;
+                timeline.write_chrome_trace(&mut file)?;
+            }
             if let Some(rate) = handle.group_offload().and_then(|g| g.link_rate()) {
                 note = format!("{note}{}link {rate}", if note.is_empty() { "" } else { "; " });
             }
@@ -289,12 +336,12 @@ fn main() -> anyhow::Result<()> {
     let secs = |f: &RouteFigures| f.median.map_or(f64::NAN, |m| m.as_secs_f64());
     let resident = secs(&figures[0]);
     println!(
-        "route           median step  ÷ resident  syncs/step (compute, worker)  read-backs/step (compute, worker)  onloaded/step"
+        "route                    median step  ÷ resident  syncs/step (compute, worker)  read-backs/step (compute, worker)  onloaded/step"
     );
     for f in &figures {
         let per = |n: u64| n as f64 / f.steps as f64;
         println!(
-            "{:<15} {:>9.3} s  {:>10.3}  {:>12.1}, {:<14.1}  {:>17.1}, {:<14.1}  {:>10}  {}",
+            "{:<24} {:>9.3} s  {:>10.3}  {:>12.1}, {:<14.1}  {:>17.1}, {:<14.1}  {:>10}  {}",
             f.name,
             secs(f),
             secs(f) / resident,
@@ -307,6 +354,19 @@ fn main() -> anyhow::Result<()> {
         );
     }
     let ratio = |name: &str| figures.iter().find(|f| f.name == name).map_or(f64::NAN, |f| secs(f) / resident);
+    if figures.iter().any(|f| f.name.ends_with("_unchecked")) {
+        println!(
+            "upload checks (÷ resident): block_prefetch {:.3} checked, {:.3} unchecked; block_serial {:.3} checked, \
+             {:.3} unchecked",
+            ratio("block_prefetch"),
+            ratio("block_prefetch_unchecked"),
+            ratio("block_serial"),
+            ratio("block_serial_unchecked")
+        );
+    }
+    if figures.iter().any(|f| f.name == "resident_again") {
+        println!("resident again, after the other routes: {:.3} of the first resident step", ratio("resident_again"));
+    }
     println!(
         "offload_overhead auto={:.3} block_prefetch={:.3} block_serial={:.3} leaf={:.3}",
         ratio("auto"),

@@ -27,7 +27,7 @@ use group_offload::device::describe_device;
 use group_offload::{device::CappedDevice, device::PagePolicy, device::PoolReadings, device::open_device_with};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::Timeline;
-use offload_core::plan::DeviceFacts;
+use offload_core::plan::{DeviceFacts, LinkRun, ProfileStore};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
 use pipeline_zimage::loading::LoadOptions;
@@ -851,7 +851,9 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             Target::Host { card: Some(card) } => card.device_facts(host),
             Target::Real { cap, .. } => {
                 let memory = target.memory().context("a real device has readings")?;
-                let facts = DeviceFacts::new(memory, host);
+                // The link speed earlier runs measured on this device, in place of the generic assumption.
+                let measured = ProfileStore::from_settings(&settings)?.measured_link(name.as_str())?;
+                let facts = DeviceFacts::new(memory, host).with_measured_link(measured);
                 match cap {
                     Some(cap) => DeviceFacts { label: format!("{name} capped at {}", cap.label()), ..facts },
                     None => facts,
@@ -955,12 +957,28 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     if let Some(line) = ImageFigures::after_the_first(&per_image) {
         println!("\n{line}");
     }
-    for name in pipeline_zimage::pipeline::COMPONENTS {
-        if let Some(rate) = pipeline.group_offload(name).and_then(|offload| offload.link_rate()) {
-            // From the first copy to the synced read-back of each group upload; on the CPU backend a host copy,
-            // whatever a simulated card's link is said to take.
-            println!("link, {name}'s group uploads: {rate}");
-        }
+    // Each move onto the device, whole or by group, from its first copy to its synced read-back; on the CPU
+    // backend a host copy, whatever a simulated card's link is said to take.
+    let link = pipeline.placement().link.clone();
+    if let Some(rate) = link.rate() {
+        println!("link to {name}: {rate}");
+    }
+    if matches!(target, Target::Real { .. })
+        && let Some(run) = LinkRun::from_rates(link.rate(), link.rate_of(false), link.rate_of(true))
+    {
+        // Kept beside the capacity profiles: the next plan on this device predicts from it.
+        let store = match &plan {
+            Some(plan) => plan.profile_store()?,
+            // Where the planner would look: --profile-dir, then OFFLOAD_PROFILE_DIR, then the data directory.
+            None => args
+                .profile_dir
+                .clone()
+                .or_else(|| std::env::var_os("OFFLOAD_PROFILE_DIR").map(PathBuf::from))
+                .map_or_else(ProfileStore::default_dir, Ok)
+                .map(ProfileStore::at)?,
+        };
+        let measured = store.record_link(name.as_str(), run)?;
+        println!("link figures for later plans on {name}: {measured} ({})", store.link_path(name.as_str()).display());
     }
     write_timeline(args, &timeline, &target)?;
     match &target {

@@ -149,6 +149,12 @@ fn auto_offload_decides_from_the_devices_own_readings() {
     assert!(evicted.available.expect("a reading") <= total - baseline - te, "{record}");
     assert!(evicted.peak.expect("a reading") >= baseline + te, "{record}");
     assert!(memory.peak() >= baseline + tr, "the transformer was on the device: peak {}", memory.peak());
+    // Every whole onload was timed on the placement's link meter, once, with the bytes the record shows.
+    let onloads: Vec<_> = events.iter().filter(|e| e.action == Action::Onload).collect();
+    let link = pipeline.placement().link_rate().expect("the onloads were timed");
+    assert_eq!(link.uploads, onloads.len(), "{link}\n{record}");
+    assert_eq!(link.bytes, onloads.iter().map(|e| e.bytes).sum::<u64>(), "{link}");
+    assert!(link.p10 > 0.0 && link.p10 <= link.median, "{link}");
 }
 
 /// The transformer alone, its golden inputs on `device`.
@@ -385,6 +391,8 @@ fn generate_cli(dir: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> 
         .args(extra)
         .arg("--out")
         .arg(&out)
+        // Profiles and link figures stay in the test's directory, not the user's data directory.
+        .env("OFFLOAD_PROFILE_DIR", dir.join("profiles"))
         .envs(env.iter().copied());
     let run = command.output().expect("the CLI runs");
     let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
@@ -402,6 +410,18 @@ fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driv
     assert!(stdout.contains("of 1.00 GB (given by --device-memory)"), "the total's source is named: {stdout}");
     assert!(stdout.contains("reserve: ") && stdout.contains("the workload's largest activation estimate"), "{stdout}");
     assert!(stdout.contains("| Onload "), "the record is printed: {stdout}");
+    assert!(stdout.contains("link to wgpu:0: "), "the moves' measured link rate is printed: {stdout}");
+
+    // The planner's link speed: assumed before any run measured this device, then the runs' measured median.
+    let fresh = dir.join("planned");
+    let planned = ["--preset", "auto", "--profile-dir", fresh.to_str().expect("a UTF-8 path")];
+    let (ok, first, stderr) = generate_cli(&dir, &planned, &[]);
+    assert!(ok, "{first}\n{stderr}");
+    assert!(first.contains("pageable (assumed, not measured"), "{first}");
+    assert!(first.contains("link figures for later plans on wgpu:0: pageable "), "{first}");
+    let (ok, second, stderr) = generate_cli(&dir, &planned, &[]);
+    assert!(ok, "{second}\n{stderr}");
+    assert!(second.contains("pageable (measured: one run's median"), "{second}");
 
     // A hard cap over the device: the decode runs out of memory under it and the OOM retry makes room.
     let (ok, stdout, stderr) = generate_cli(&dir, &["--card", "6MB", "--reserve", "0"], &[]);

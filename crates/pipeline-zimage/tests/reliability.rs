@@ -326,13 +326,7 @@ fn pipeline_on_card(
         SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
     card.set_faults(faults);
     let traced = Arc::new(Traced { card: card.clone(), record: OnceLock::new(), log: Mutex::new(Vec::new()) });
-    let placement = Placement {
-        exec: Device::flex(),
-        host: Device::flex(),
-        name: card.device(),
-        ledger: traced.clone(),
-        memory: None,
-    };
+    let placement = Placement::on_device(Device::flex(), card.device(), traced.clone(), None);
     let mut pipeline = load(placement);
     let _ = traced.record.set(pipeline.manager().offload_record());
     let enabled = (|| {

@@ -144,7 +144,7 @@ impl Observation {
     }
 }
 
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
@@ -425,18 +425,25 @@ impl ProfileStore {
 
     /// Saves a profile atomically (a temporary file renamed over the old one).
     pub fn save(&self, profile: &CapacityProfile) -> Result<(), PlanError> {
+        let path = self.dir.join(format!("{}.toml", profile.key));
+        let text = toml::to_string(profile)
+            .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.to_string() })?;
+        self.write_atomically(&path, &text)
+    }
+
+    /// Writes `text` to `path` in the store's directory (created if missing) through a temporary file renamed
+    /// over it, so a reader never sees half a file.
+    pub(crate) fn write_atomically(&self, path: &Path, text: &str) -> Result<(), PlanError> {
         std::fs::create_dir_all(&self.dir).map_err(|source| PlanError::ProfileIo {
             operation: "create the directory of",
             path: self.dir.clone(),
             source,
         })?;
-        let path = self.dir.join(format!("{}.toml", profile.key));
-        let text = toml::to_string(profile)
-            .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.to_string() })?;
-        let temporary = self.dir.join(format!(".{}.toml.{}.tmp", profile.key, std::process::id()));
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let temporary = self.dir.join(format!(".{name}.{}.tmp", std::process::id()));
         std::fs::write(&temporary, text)
-            .and_then(|()| std::fs::rename(&temporary, &path))
-            .map_err(|source| PlanError::ProfileIo { operation: "write", path, source })
+            .and_then(|()| std::fs::rename(&temporary, path))
+            .map_err(|source| PlanError::ProfileIo { operation: "write", path: path.to_path_buf(), source })
     }
 
     /// The warnings a run with these metrics deserves against the stored profile, each logged with

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use crate::device::DeviceMemory;
 use crate::plan::error::PlanError;
 use crate::plan::host::HostMemory;
+use crate::plan::link::{LinkSource, MeasuredLink};
 
 /// What the plan predicts time from: plain numbers, passed in by the caller (`memory-sim`'s card timing, a
 /// measured link, a datasheet).
@@ -25,6 +26,9 @@ pub struct TimeModel {
     pub pageable_fraction: f64,
     /// Read bandwidth of a disk store, bytes per second.
     pub disk_bytes_per_second: f64,
+    /// Where the link figures came from: [`generic`](Self::generic) is assumed, [`new`](Self::new) given, and
+    /// [`MeasuredLink::apply`](crate::plan::MeasuredLink::apply) measured.
+    pub link_source: LinkSource,
 }
 
 impl TimeModel {
@@ -42,12 +46,14 @@ impl TimeModel {
             flops_per_second,
             pageable_fraction: Self::DEFAULT_PAGEABLE_FRACTION,
             disk_bytes_per_second: Self::DEFAULT_DISK_BYTES_PER_SECOND,
+            link_source: LinkSource::Given,
         }
     }
 
-    /// A PCIe 4.0 x16 link (31.5 GB/s, 10 µs) and 100 TFLOP/s: `memory-sim`'s figures for a card given by size.
+    /// A PCIe 4.0 x16 link (31.5 GB/s, 10 µs) and 100 TFLOP/s: `memory-sim`'s figures for a card given by size,
+    /// and the assumption for a real device nothing has measured yet ([`LinkSource::Assumed`]).
     pub fn generic() -> Self {
-        Self::new(31.5e9, 10e-6, 100e12)
+        Self { link_source: LinkSource::Assumed, ..Self::new(31.5e9, 10e-6, 100e12) }
     }
 
     /// Checks that every figure is a finite positive number (latency may be 0) and the pageable fraction is in
@@ -184,6 +190,16 @@ impl DeviceFacts {
     /// The same facts with another time model.
     pub fn with_time(mut self, time: TimeModel) -> Self {
         self.time = time;
+        self
+    }
+
+    /// The same facts with the link figures earlier runs measured on this device
+    /// ([`MeasuredLink::apply`]); `None` leaves them as they are. A simulated card's link is the card's own and
+    /// should not be replaced by a host copy's rate: call this for real devices.
+    pub fn with_measured_link(mut self, link: Option<MeasuredLink>) -> Self {
+        if let Some(link) = link {
+            self.time = link.apply(self.time);
+        }
         self
     }
 

@@ -26,6 +26,7 @@ pub mod capacity;
 pub mod component;
 pub mod error;
 pub mod host;
+pub mod link;
 pub mod machine;
 pub mod phases;
 pub mod planner;
@@ -41,6 +42,7 @@ pub use capacity::{
 pub use component::{BlockLayout, ComponentSpec, Route};
 pub use error::{Origin, PlanError};
 pub use host::HostMemory;
+pub use link::{LinkRun, LinkSource, MAX_LINK_RUNS, MeasuredLink};
 pub use machine::{DeviceFacts, Machine, TimeModel};
 pub use phases::{PhaseReport, PhaseTiming, Phases};
 pub use planner::{ComponentPlan, Plan, enable_offload, plan_pipeline};

@@ -178,6 +178,13 @@ impl fmt::Display for Plan {
             format_size(m.host.total),
             format_size(self.usable_host)
         )?;
+        writeln!(
+            f,
+            "link: {:.2} GB/s from pinned memory, {:.2} GB/s pageable ({})",
+            m.time.link_bytes_per_second / 1e9,
+            m.time.link_bytes_per_second * m.time.pageable_fraction.clamp(0.01, 1.0) / 1e9,
+            m.time.link_source
+        )?;
         write!(f, "{}", self.table())?;
         let steps = self.components.iter().map(|c| c.calls_per_image).max().unwrap_or(1);
         writeln!(

@@ -1,0 +1,286 @@
+//! The link speed a plan predicts with, and where it came from: assumed, given, or measured on this device by
+//! earlier runs and kept beside the capacity profiles.
+//!
+//! A run measures its copies with a [`LinkMeter`](crate::link::LinkMeter); at its end the caller stores the run's
+//! [`LinkRun`] under the device's label (`ProfileStore::record_link`, feature `io`). The next plan for that device
+//! reads the [`MeasuredLink`] back (`ProfileStore::measured_link`) and hands it to
+//! [`DeviceFacts::with_measured_link`](crate::plan::DeviceFacts::with_measured_link), which replaces the time
+//! model's link figures. The planner itself does no I/O: what it predicts from is what its caller passed in.
+
+use std::fmt;
+
+#[cfg(feature = "io")]
+use serde::{Deserialize, Serialize};
+
+use crate::link::LinkRate;
+use crate::plan::machine::TimeModel;
+
+/// Where a [`TimeModel`]'s link figures came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LinkSource {
+    /// A generic figure (PCIe 4.0 x16) that nothing on this machine confirmed.
+    #[default]
+    Assumed,
+    /// Passed in by the caller: a simulated card's link, a datasheet.
+    Given,
+    /// Measured by the clock on this device: the median over `runs` stored runs of `uploads` copies in all.
+    Measured {
+        /// Runs the figure is the median of.
+        runs: usize,
+        /// Copies those runs timed.
+        uploads: u64,
+    },
+}
+
+impl fmt::Display for LinkSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Assumed => write!(f, "assumed, not measured: a run on this device measures it"),
+            Self::Given => write!(f, "given"),
+            Self::Measured { runs: 1, uploads } => write!(f, "measured: one run's median, {uploads} copies"),
+            Self::Measured { runs, uploads } => {
+                write!(f, "measured: the median of {runs} runs' medians, {uploads} copies")
+            }
+        }
+    }
+}
+
+/// How many runs' link figures a device keeps, newest last.
+pub const MAX_LINK_RUNS: usize = 16;
+
+/// One run's link figures, as stored.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "io", derive(Serialize, Deserialize))]
+pub struct LinkRun {
+    /// Median rate of its copies from pageable memory, bytes per second (`None`: it made none).
+    #[cfg_attr(feature = "io", serde(default, skip_serializing_if = "Option::is_none"))]
+    pub pageable: Option<f64>,
+    /// Median rate of its copies from page-locked memory, bytes per second (`None`: it made none).
+    #[cfg_attr(feature = "io", serde(default, skip_serializing_if = "Option::is_none"))]
+    pub page_locked: Option<f64>,
+    /// The 10th percentile of all its copies' rates, bytes per second.
+    pub p10: f64,
+    /// Copies it timed.
+    pub uploads: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// When it ran, seconds since the Unix epoch.
+    pub at: u64,
+}
+
+impl LinkRun {
+    /// A run's figures from its copies' rates: all of them, those from pageable memory and those from
+    /// page-locked memory (as [`LinkMeter::rate`](crate::link::LinkMeter::rate) and
+    /// [`rate_of`](crate::link::LinkMeter::rate_of) give them); `None` when it made no copy.
+    pub fn from_rates(all: Option<LinkRate>, pageable: Option<LinkRate>, page_locked: Option<LinkRate>) -> Option<Self> {
+        let all = all?;
+        Some(Self {
+            pageable: pageable.map(|r| r.median),
+            page_locked: page_locked.map(|r| r.median),
+            p10: all.p10,
+            uploads: all.uploads as u64,
+            bytes: all.bytes,
+            at: 0,
+        })
+    }
+}
+
+/// The link speed measured on one device: per kind of source memory, the median of the stored runs' medians.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MeasuredLink {
+    /// From pageable memory, bytes per second.
+    pub pageable: Option<f64>,
+    /// From page-locked memory, bytes per second.
+    pub page_locked: Option<f64>,
+    /// The median of the runs' 10th percentiles, bytes per second.
+    pub p10: f64,
+    /// Runs it is made from.
+    pub runs: usize,
+    /// Copies those runs timed.
+    pub uploads: u64,
+}
+
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    let middle = values.len() / 2;
+    Some(if values.len() % 2 == 1 { values[middle] } else { (values[middle - 1] + values[middle]) / 2.0 })
+}
+
+impl MeasuredLink {
+    /// The figures of `runs`; `None` when no run made a copy.
+    ///
+    /// ```
+    /// use offload_core::plan::{LinkRun, MeasuredLink};
+    /// let run = |gb: f64| LinkRun { pageable: Some(gb * 1e9), page_locked: None, p10: gb * 0.5e9, uploads: 10, bytes: 1, at: 0 };
+    /// let link = MeasuredLink::from_runs(&[run(1.0), run(9.0), run(2.0)]).unwrap();
+    /// assert_eq!((link.pageable, link.page_locked, link.runs, link.uploads), (Some(2e9), None, 3, 30));
+    /// ```
+    pub fn from_runs(runs: &[LinkRun]) -> Option<Self> {
+        let timed: Vec<&LinkRun> = runs.iter().filter(|r| r.uploads > 0).collect();
+        let p10 = median(timed.iter().map(|r| r.p10).collect())?;
+        Some(Self {
+            pageable: median(timed.iter().filter_map(|r| r.pageable).collect()),
+            page_locked: median(timed.iter().filter_map(|r| r.page_locked).collect()),
+            p10,
+            runs: timed.len(),
+            uploads: timed.iter().map(|r| r.uploads).sum(),
+        })
+    }
+
+    /// `time` with its link figures replaced by these:
+    /// - page-locked and pageable both measured: the page-locked rate, and their ratio as the pageable fraction;
+    /// - page-locked only: that rate, the pageable fraction kept as it was;
+    /// - pageable only: that rate for both, pageable fraction 1. Nothing was page-locked, so no faster copy was
+    ///   seen; on wgpu, which has no page-locked memory, that is the device's truth, and on CUDA pinning is
+    ///   predicted to gain nothing until a run that pins measures it.
+    ///
+    /// The link latency is kept: a copy's rate already includes its fixed cost.
+    pub fn apply(&self, time: TimeModel) -> TimeModel {
+        let valid = |rate: Option<f64>| rate.filter(|r| r.is_finite() && *r > 0.0);
+        let (link, fraction) = match (valid(self.page_locked), valid(self.pageable)) {
+            (Some(locked), Some(pageable)) => (locked, (pageable / locked).clamp(0.01, 1.0)),
+            (Some(locked), None) => (locked, time.pageable_fraction),
+            (None, Some(pageable)) => (pageable, 1.0),
+            (None, None) => return time,
+        };
+        TimeModel {
+            link_bytes_per_second: link,
+            pageable_fraction: fraction,
+            link_source: LinkSource::Measured { runs: self.runs, uploads: self.uploads },
+            ..time
+        }
+    }
+}
+
+impl fmt::Display for MeasuredLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let gb = |rate: Option<f64>| rate.map_or("none timed".to_string(), |r| format!("{:.2} GB/s", r / 1e9));
+        write!(
+            f,
+            "pageable {}, page-locked {}, 10th percentile {:.2} GB/s (median of {} runs, {} copies)",
+            gb(self.pageable),
+            gb(self.page_locked),
+            self.p10 / 1e9,
+            self.runs,
+            self.uploads
+        )
+    }
+}
+
+/// One device's stored runs (feature `io`): `<profile dir>/link-<key>.toml`, beside the capacity profiles.
+#[cfg(feature = "io")]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct LinkProfile {
+    /// [`crate::plan::SCHEMA_VERSION`].
+    schema_version: u32,
+    /// The device's label.
+    device: String,
+    /// The last [`MAX_LINK_RUNS`] runs, oldest first.
+    #[serde(default)]
+    runs: Vec<LinkRun>,
+}
+
+#[cfg(feature = "io")]
+mod store {
+    use std::path::PathBuf;
+
+    use super::{LinkProfile, LinkRun, MAX_LINK_RUNS, MeasuredLink};
+    use crate::plan::capacity::{ProfileStore, SCHEMA_VERSION, Workload};
+    use crate::plan::error::PlanError;
+
+    impl ProfileStore {
+        /// The file of a device's link figures.
+        pub fn link_path(&self, device: &str) -> PathBuf {
+            self.dir().join(format!("link-{}.toml", Workload::named("link").with("device", device).key()))
+        }
+
+        fn load_link(&self, device: &str) -> Result<Option<LinkProfile>, PlanError> {
+            let path = self.link_path(device);
+            let text = match std::fs::read_to_string(&path) {
+                Ok(text) => text,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(source) => return Err(PlanError::ProfileIo { operation: "read", path, source }),
+            };
+            let profile: LinkProfile = toml::from_str(&text)
+                .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.message().to_string() })?;
+            if profile.schema_version != SCHEMA_VERSION || profile.device != device {
+                tracing::warn!(path = %path.display(), "ignoring link figures of another schema or device");
+                return Ok(None);
+            }
+            Ok(Some(profile))
+        }
+
+        /// The link speed earlier runs measured on `device`; `None` before the first.
+        pub fn measured_link(&self, device: &str) -> Result<Option<MeasuredLink>, PlanError> {
+            Ok(self.load_link(device)?.and_then(|p| MeasuredLink::from_runs(&p.runs)))
+        }
+
+        /// Stores a run's link figures for `device` (the last [`MAX_LINK_RUNS`] are kept, written atomically),
+        /// stamped now, and returns what the device's runs now measure.
+        pub fn record_link(&self, device: &str, mut run: LinkRun) -> Result<MeasuredLink, PlanError> {
+            let mut profile = self.load_link(device)?.unwrap_or_else(|| LinkProfile {
+                schema_version: SCHEMA_VERSION,
+                device: device.to_string(),
+                runs: Vec::new(),
+            });
+            run.at = crate::plan::capacity::now();
+            profile.runs.push(run);
+            let excess = profile.runs.len().saturating_sub(MAX_LINK_RUNS);
+            profile.runs.drain(..excess);
+            let path = self.link_path(device);
+            let text = toml::to_string(&profile)
+                .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.to_string() })?;
+            self.write_atomically(&path, &text)?;
+            MeasuredLink::from_runs(&profile.runs).ok_or_else(|| PlanError::ProfileFormat {
+                path,
+                message: "a run with no timed copy was stored; store only runs that made copies".into(),
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(pageable: Option<f64>, page_locked: Option<f64>) -> LinkRun {
+        LinkRun { pageable, page_locked, p10: 1e8, uploads: 4, bytes: 4_000, at: 0 }
+    }
+
+    #[test]
+    fn pageable_only_sets_one_rate_for_both() {
+        let link = MeasuredLink::from_runs(&[run(Some(2e9), None)]).expect("timed");
+        let time = link.apply(TimeModel::generic());
+        assert_eq!((time.link_bytes_per_second, time.pageable_fraction), (2e9, 1.0));
+        assert_eq!(time.link_source, LinkSource::Measured { runs: 1, uploads: 4 });
+        // The rest of the model is kept.
+        assert_eq!(time.flops_per_second, TimeModel::generic().flops_per_second);
+    }
+
+    #[test]
+    fn both_kinds_give_the_rate_and_the_ratio() {
+        let link = MeasuredLink::from_runs(&[run(Some(6e9), Some(24e9)), run(None, Some(20e9))]).expect("timed");
+        assert_eq!(link.page_locked, Some(22e9));
+        let time = link.apply(TimeModel::generic());
+        assert_eq!(time.link_bytes_per_second, 22e9);
+        assert!((time.pageable_fraction - 6.0 / 22.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn page_locked_only_keeps_the_pageable_fraction() {
+        let link = MeasuredLink::from_runs(&[run(None, Some(24e9))]).expect("timed");
+        let time = link.apply(TimeModel::generic());
+        assert_eq!((time.link_bytes_per_second, time.pageable_fraction), (24e9, TimeModel::DEFAULT_PAGEABLE_FRACTION));
+    }
+
+    #[test]
+    fn runs_without_copies_measure_nothing() {
+        let empty = LinkRun { uploads: 0, ..run(None, None) };
+        assert_eq!(MeasuredLink::from_runs(&[empty]), None);
+        assert_eq!(MeasuredLink::from_runs(&[]), None);
+        assert_eq!(LinkRun::from_rates(None, None, None), None);
+    }
+}
