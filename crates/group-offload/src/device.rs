@@ -130,7 +130,13 @@ fn cuda_context(name: &DeviceName) -> Result<Arc<cudarc::driver::CudaContext>> {
             .into(),
     };
     let index = device_index(name) as usize;
-    let opened = std::panic::catch_unwind(|| cudarc::driver::CudaContext::new(index)).map_err(|payload| {
+    // The default hook would print cudarc's panic and a backtrace above the typed error (seen with the CUDA
+    // release build of gpu_check on a machine without the driver): silence it for this one call.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let opened = std::panic::catch_unwind(|| cudarc::driver::CudaContext::new(index));
+    std::panic::set_hook(hook);
+    let opened = opened.map_err(|payload| {
         let message = payload
             .downcast_ref::<String>()
             .cloned()

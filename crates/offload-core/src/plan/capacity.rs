@@ -401,13 +401,7 @@ impl ProfileStore {
     /// another workload (both logged and ignored, as a stale file should not stop a run).
     pub fn load(&self, workload: &Workload) -> Result<Option<CapacityProfile>, PlanError> {
         let path = self.path(workload);
-        let text = match std::fs::read_to_string(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => return Err(PlanError::ProfileIo { operation: "read", path, source }),
-        };
-        let profile: CapacityProfile = toml::from_str(&text)
-            .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.message().to_string() })?;
+        let Some(profile) = Self::read_toml::<CapacityProfile>(&path)? else { return Ok(None) };
         if profile.schema_version != SCHEMA_VERSION
             || profile.key != workload.key()
             || &profile.workload != workload.entries()
@@ -429,6 +423,20 @@ impl ProfileStore {
         let text = toml::to_string(profile)
             .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.to_string() })?;
         self.write_atomically(&path, &text)
+    }
+
+    /// Reads and parses a TOML file of the store; `None` when there is none, a typed error naming the file when
+    /// it cannot be read or parsed.
+    pub(crate) fn read_toml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, PlanError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(PlanError::ProfileIo { operation: "read", path: path.to_path_buf(), source }),
+        };
+        toml::from_str(&text).map(Some).map_err(|e| PlanError::ProfileFormat {
+            path: path.to_path_buf(),
+            message: e.message().to_string(),
+        })
     }
 
     /// Writes `text` to `path` in the store's directory (created if missing) through a temporary file renamed

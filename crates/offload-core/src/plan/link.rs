@@ -158,13 +158,13 @@ impl MeasuredLink {
 impl fmt::Display for MeasuredLink {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let gb = |rate: Option<f64>| rate.map_or("none timed".to_string(), |r| format!("{:.2} GB/s", r / 1e9));
+        let runs = if self.runs == 1 { "one run".to_string() } else { format!("median of {} runs", self.runs) };
         write!(
             f,
-            "pageable {}, page-locked {}, 10th percentile {:.2} GB/s (median of {} runs, {} copies)",
+            "pageable {}, page-locked {}, 10th percentile {:.2} GB/s ({runs}, {} copies)",
             gb(self.pageable),
             gb(self.page_locked),
             self.p10 / 1e9,
-            self.runs,
             self.uploads
         )
     }
@@ -199,13 +199,7 @@ mod store {
 
         fn load_link(&self, device: &str) -> Result<Option<LinkProfile>, PlanError> {
             let path = self.link_path(device);
-            let text = match std::fs::read_to_string(&path) {
-                Ok(text) => text,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-                Err(source) => return Err(PlanError::ProfileIo { operation: "read", path, source }),
-            };
-            let profile: LinkProfile = toml::from_str(&text)
-                .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.message().to_string() })?;
+            let Some(profile) = Self::read_toml::<LinkProfile>(&path)? else { return Ok(None) };
             if profile.schema_version != SCHEMA_VERSION || profile.device != device {
                 tracing::warn!(path = %path.display(), "ignoring link figures of another schema or device");
                 return Ok(None);
