@@ -458,9 +458,12 @@ pub fn gpu_bundle(args: &GpuBundleArgs) -> anyhow::Result<()> {
         bail!("{} is missing: run without --no-build to build it", binary.display());
     }
     let out = root.join(&args.out);
-    let staging = out.join("staging");
-    let _ = std::fs::remove_dir_all(&staging);
-    std::fs::create_dir_all(&staging).with_context(|| format!("creating {}", staging.display()))?;
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    // A directory of this command's own, made fresh (refused if it exists), so removing it removes only what
+    // this command put there.
+    let staging = std::env::temp_dir().join(format!("xtask-gpu-bundle-{}", std::process::id()));
+    std::fs::create_dir(&staging)
+        .with_context(|| format!("creating {} (remove it if a run left it)", staging.display()))?;
     std::fs::copy(&binary, staging.join("gpu_check")).context("copying the binary")?;
     copy_tree(&peer, &staging.join("peer"))?;
     let archive = out.join(GPU_BUNDLE);

@@ -288,7 +288,8 @@ fn a_measured_link_is_stored_per_device_and_replaces_the_assumed_one() {
     let store = scratch.store();
     assert_eq!(store.measured_link("wgpu:0").expect("readable"), None, "nothing measured yet");
     // lavapipe-like: 20 MB/s from pageable memory (it has no page-locked memory), three runs.
-    let run = |rate: f64| LinkRun { pageable: Some(rate), page_locked: None, p10: rate / 2.0, uploads: 25, bytes: 1, at: 0 };
+    let run =
+        |rate: f64| LinkRun { pageable: Some(rate), page_locked: None, p10: rate / 2.0, uploads: 25, bytes: 1, at: 0 };
     for rate in [18e6, 20e6, 40e6] {
         store.record_link("wgpu:0", run(rate)).expect("saved");
     }

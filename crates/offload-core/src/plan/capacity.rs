@@ -419,10 +419,10 @@ impl ProfileStore {
 
     /// Saves a profile atomically (a temporary file renamed over the old one).
     pub fn save(&self, profile: &CapacityProfile) -> Result<(), PlanError> {
-        let path = self.dir.join(format!("{}.toml", profile.key));
+        let name = format!("{}.toml", profile.key);
         let text = toml::to_string(profile)
-            .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.to_string() })?;
-        self.write_atomically(&path, &text)
+            .map_err(|e| PlanError::ProfileFormat { path: self.dir.join(&name), message: e.to_string() })?;
+        self.write_atomically(&name, &text)
     }
 
     /// Reads and parses a TOML file of the store; `None` when there is none, a typed error naming the file when
@@ -433,21 +433,20 @@ impl ProfileStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(source) => return Err(PlanError::ProfileIo { operation: "read", path: path.to_path_buf(), source }),
         };
-        toml::from_str(&text).map(Some).map_err(|e| PlanError::ProfileFormat {
-            path: path.to_path_buf(),
-            message: e.message().to_string(),
-        })
+        toml::from_str(&text)
+            .map(Some)
+            .map_err(|e| PlanError::ProfileFormat { path: path.to_path_buf(), message: e.message().to_string() })
     }
 
-    /// Writes `text` to `path` in the store's directory (created if missing) through a temporary file renamed
-    /// over it, so a reader never sees half a file.
-    pub(crate) fn write_atomically(&self, path: &Path, text: &str) -> Result<(), PlanError> {
+    /// Writes `text` to the file `name` in the store's directory (created if missing) through a temporary file
+    /// renamed over it, so a reader never sees half a file.
+    pub(crate) fn write_atomically(&self, name: &str, text: &str) -> Result<(), PlanError> {
+        let path = &self.dir.join(name);
         std::fs::create_dir_all(&self.dir).map_err(|source| PlanError::ProfileIo {
             operation: "create the directory of",
             path: self.dir.clone(),
             source,
         })?;
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let temporary = self.dir.join(format!(".{name}.{}.tmp", std::process::id()));
         std::fs::write(&temporary, text)
             .and_then(|()| std::fs::rename(&temporary, path))

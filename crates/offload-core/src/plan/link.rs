@@ -72,7 +72,11 @@ impl LinkRun {
     /// A run's figures from its copies' rates: all of them, those from pageable memory and those from
     /// page-locked memory (as [`LinkMeter::rate`](crate::link::LinkMeter::rate) and
     /// [`rate_of`](crate::link::LinkMeter::rate_of) give them); `None` when it made no copy.
-    pub fn from_rates(all: Option<LinkRate>, pageable: Option<LinkRate>, page_locked: Option<LinkRate>) -> Option<Self> {
+    pub fn from_rates(
+        all: Option<LinkRate>,
+        pageable: Option<LinkRate>,
+        page_locked: Option<LinkRate>,
+    ) -> Option<Self> {
         let all = all?;
         Some(Self {
             pageable: pageable.map(|r| r.median),
@@ -191,10 +195,15 @@ mod store {
     use crate::plan::capacity::{ProfileStore, SCHEMA_VERSION, Workload};
     use crate::plan::error::PlanError;
 
+    /// The name of a device's link file in the store.
+    fn link_file(device: &str) -> String {
+        format!("link-{}.toml", Workload::named("link").with("device", device).key())
+    }
+
     impl ProfileStore {
         /// The file of a device's link figures.
         pub fn link_path(&self, device: &str) -> PathBuf {
-            self.dir().join(format!("link-{}.toml", Workload::named("link").with("device", device).key()))
+            self.dir().join(link_file(device))
         }
 
         fn load_link(&self, device: &str) -> Result<Option<LinkProfile>, PlanError> {
@@ -227,7 +236,7 @@ mod store {
             let path = self.link_path(device);
             let text = toml::to_string(&profile)
                 .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.to_string() })?;
-            self.write_atomically(&path, &text)?;
+            self.write_atomically(&link_file(device), &text)?;
             MeasuredLink::from_runs(&profile.runs).ok_or_else(|| PlanError::ProfileFormat {
                 path,
                 message: "a run with no timed copy was stored; store only runs that made copies".into(),
