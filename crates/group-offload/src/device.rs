@@ -168,12 +168,21 @@ fn open_cuda(name: &DeviceName) -> Result<Device> {
 }
 
 /// The wgpu runtime's answer, once per process: the device and a description of its adapter, or why not.
+/// The wgpu runtime of this process: the device, the adapter in words, and the adapter's largest device-local
+/// Vulkan heap (or why it was not read).
+#[cfg(feature = "wgpu")]
+struct WgpuRuntime {
+    device: Device,
+    adapter: String,
+    heap: std::result::Result<u64, String>,
+}
+
 /// The wgpu runtime can be initialised once per process; every later open shares the first answer.
 #[cfg(feature = "wgpu")]
-static WGPU: std::sync::OnceLock<std::result::Result<(Device, String), String>> = std::sync::OnceLock::new();
+static WGPU: std::sync::OnceLock<std::result::Result<WgpuRuntime, String>> = std::sync::OnceLock::new();
 
 #[cfg(feature = "wgpu")]
-fn wgpu_runtime(pages: PagePolicy) -> &'static std::result::Result<(Device, String), String> {
+fn wgpu_runtime(pages: PagePolicy) -> &'static std::result::Result<WgpuRuntime, String> {
     use burn::tensor::wgpu::MemoryConfiguration;
     WGPU.get_or_init(|| {
         let memory = match pages {
@@ -187,14 +196,60 @@ fn wgpu_runtime(pages: PagePolicy) -> &'static std::result::Result<(Device, Stri
             "{} on {:?} (driver {} {}), {pages:?} pages",
             info.name, info.backend, info.driver, info.driver_info
         );
+        let heap = match info.backend {
+            burn::tensor::wgpu::wgpu::Backend::Vulkan => vulkan_heap(&info),
+            other => Err(format!("the adapter runs on {other:?}, not Vulkan, whose heaps are the ones read")),
+        };
         // A device that cannot run one small kernel is no device: probe it here, where the error is typed.
         catch_device_panic(|| {
             let x = Tensor::<1>::ones([4], &device);
             (x * 2.0).sum().try_into_data().map(|_| ()).map_err(|error| error.to_string())
         })
         .map_err(|panic| panic.to_string())??;
-        Ok((device, adapter))
+        Ok(WgpuRuntime { device, adapter, heap })
     })
+}
+
+/// The largest device-local memory heap of the Vulkan physical device wgpu chose (the one with the adapter's
+/// vendor and device ids, and its name where several share them), read through vulkano on an instance of its own.
+/// Where the driver lists a small host-visible window ahead of the real heap, the largest is the device's memory;
+/// on an integrated adapter or lavapipe it is the share of system memory the driver gives the device.
+#[cfg(feature = "wgpu")]
+fn vulkan_heap(adapter: &burn::tensor::wgpu::wgpu::AdapterInfo) -> std::result::Result<u64, String> {
+    use vulkano::instance::{Instance, InstanceCreateFlags, InstanceCreateInfo};
+    use vulkano::memory::MemoryHeapFlags;
+    let library = vulkano::VulkanLibrary::new().map_err(|error| format!("cannot load the Vulkan loader: {error}"))?;
+    let instance = Instance::new(
+        library,
+        InstanceCreateInfo { flags: InstanceCreateFlags::ENUMERATE_PORTABILITY, ..Default::default() },
+    )
+    .map_err(|error| format!("cannot create a Vulkan instance to read the heaps: {error}"))?;
+    let devices: Vec<_> = instance
+        .enumerate_physical_devices()
+        .map_err(|error| format!("cannot list the Vulkan devices: {error}"))?
+        .filter(|device| {
+            let properties = device.properties();
+            properties.vendor_id == adapter.vendor && properties.device_id == adapter.device
+        })
+        .collect();
+    let device = match devices.as_slice() {
+        [one] => one,
+        [] => {
+            return Err(format!("no Vulkan device has the adapter's ids ({:#x}:{:#x})", adapter.vendor, adapter.device));
+        }
+        several => several.iter().find(|device| device.properties().device_name == adapter.name).ok_or_else(|| {
+            format!("{} Vulkan devices share the adapter's ids and none is named {:?}", several.len(), adapter.name)
+        })?,
+    };
+    device
+        .memory_properties()
+        .memory_heaps
+        .iter()
+        .filter(|heap| heap.flags.intersects(MemoryHeapFlags::DEVICE_LOCAL))
+        .map(|heap| heap.size)
+        .max()
+        .filter(|&size| size > 0)
+        .ok_or_else(|| format!("the Vulkan device {:?} lists no device-local heap", adapter.name))
 }
 
 #[cfg(feature = "wgpu")]
@@ -208,7 +263,7 @@ fn open_wgpu(name: &DeviceName, pages: PagePolicy) -> Result<Device> {
         });
     }
     match wgpu_runtime(pages) {
-        Ok((device, _)) => Ok(device.clone()),
+        Ok(runtime) => Ok(runtime.device.clone()),
         Err(message) => Err(Error::NoDriver {
             device: name.to_string(),
             message: message.clone(),
@@ -225,10 +280,10 @@ fn open_wgpu(name: &DeviceName, pages: PagePolicy) -> Result<Device> {
 /// device fails to finish.
 pub fn drain_devices() -> std::result::Result<(), ComponentError> {
     #[cfg(feature = "wgpu")]
-    if let Some(Ok((device, _))) = WGPU.get() {
+    if let Some(Ok(runtime)) = WGPU.get() {
         let name = DeviceName::parse("wgpu:0").map_err(ComponentError::other)?;
-        device.memory_cleanup();
-        check_device(device, &name, "drain", None)?;
+        runtime.device.memory_cleanup();
+        check_device(&runtime.device, &name, "drain", None)?;
     }
     Ok(())
 }
@@ -238,7 +293,7 @@ pub fn drain_devices() -> std::result::Result<(), ComponentError> {
 pub fn describe_device(name: &DeviceName) -> Option<String> {
     match name.kind() {
         #[cfg(feature = "wgpu")]
-        "wgpu" | "vulkan" => WGPU.get()?.as_ref().ok().map(|(_, adapter)| adapter.clone()),
+        "wgpu" | "vulkan" => WGPU.get()?.as_ref().ok().map(|runtime| runtime.adapter.clone()),
         "cuda" => Some(format!("CUDA device {}", device_index(name))),
         _ => None,
     }
@@ -366,7 +421,8 @@ pub enum TotalSource {
     Driver,
     /// The caller's size (`--device-memory`), which overrides the runtime's.
     Given,
-    /// The runtime's reading of the device ([`runtime_capacity`]: the largest device-local Vulkan heap on wgpu).
+    /// The runtime's reading of the device ([`runtime_capacity`]: the adapter's largest device-local Vulkan heap on
+    /// wgpu).
     RuntimeHeap,
 }
 
@@ -375,30 +431,41 @@ impl std::fmt::Display for TotalSource {
         f.write_str(match self {
             TotalSource::Driver => "the driver's",
             TotalSource::Given => "given by --device-memory",
-            TotalSource::RuntimeHeap => "the runtime's device-local heap",
+            TotalSource::RuntimeHeap => "the device's largest device-local Vulkan heap",
         })
     }
 }
 
-/// The capacity the runtime read from the device when it opened it, where it reads one: on wgpu, the largest
-/// device-local memory heap Vulkan reports (cubecl-wgpu 0.11.3 reads it into its client's
-/// `MemoryDeviceProperties::max_memory`; Metal's recommended working set on Apple). `None` for a runtime or
-/// driver that reports none. The heap is the device's size, not its budget: what other processes hold on it is
-/// not seen (cubecl reads no `VK_EXT_memory_budget`, and reading it ourselves would need `unsafe` Vulkan calls,
-/// which the workspace forbids).
+/// The capacity of the device, read where it was opened: on wgpu, the largest device-local memory heap Vulkan reports
+/// for the adapter (cubecl-wgpu 0.11.3 reads it into its client's `MemoryDeviceProperties::max_memory` when its
+/// SPIR-V backend is built, the `vulkan` feature; otherwise the library reads it through vulkano when the runtime
+/// opens: [`open_device`]); Metal's recommended working set on Apple. `None` for a runtime or driver that reports
+/// none ([`runtime_capacity_or_why`] says why). The heap is the device's size, not its budget: what other
+/// processes hold on it is not seen (`VK_EXT_memory_budget` has no safe binding: vulkano 0.35 does not read it,
+/// and the workspace forbids `unsafe`).
 pub fn runtime_capacity(device: &Device) -> Option<u64> {
+    runtime_capacity_or_why(device).ok()
+}
+
+/// [`runtime_capacity`], or why the runtime read no capacity (the words go into [`Error::UnknownTotal`]).
+pub fn runtime_capacity_or_why(device: &Device) -> std::result::Result<u64, String> {
     #[cfg(feature = "wgpu")]
     {
         #[allow(unreachable_patterns)]
-        match device.as_dispatch() {
+        let cubecl = match device.as_dispatch() {
             burn_dispatch::DispatchDevice::Cube(cube) => cube.client().properties().memory.max_memory(),
-            _ => None,
+            _ => return Err("the device is not a cubecl device".into()),
+        };
+        match (cubecl, WGPU.get()) {
+            (Some(total), _) => Ok(total),
+            (None, Some(Ok(runtime))) if runtime.device == *device => runtime.heap.clone(),
+            (None, _) => Err("the runtime states no capacity for this device".into()),
         }
     }
     #[cfg(not(feature = "wgpu"))]
     {
         let _ = device;
-        None
+        Err("this build reads no runtime's capacity (the `wgpu` feature is off)".into())
     }
 }
 
@@ -490,9 +557,10 @@ impl PoolReadings {
         let (total, total_source) = match (driver.memory(), total) {
             (Some((_, total)), _) => (total, TotalSource::Driver),
             (None, Some(total)) if total > 0 => (total, TotalSource::Given),
-            _ => match runtime_capacity(&device) {
-                Some(total) if total > 0 => (total, TotalSource::RuntimeHeap),
-                _ => return Err(Error::UnknownTotal { device: name.to_string() }),
+            _ => match runtime_capacity_or_why(&device) {
+                Ok(total) if total > 0 => (total, TotalSource::RuntimeHeap),
+                Ok(_) => return Err(Error::UnknownTotal { device: name.to_string(), why: "its heap is empty".into() }),
+                Err(why) => return Err(Error::UnknownTotal { device: name.to_string(), why }),
             },
         };
         let state = Arc::new(PoolState {

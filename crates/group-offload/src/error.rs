@@ -119,13 +119,14 @@ pub enum Error {
 
     /// Neither the driver, nor the runtime, nor the caller gave the device's total memory.
     #[error(
-        "{device} reports no total memory (no driver memory call, and the runtime read no device-local heap): give \
-         the device's size (`--device-memory 8GB` in the CLI; on lavapipe, the host memory the device may use), or on a \
-         real Vulkan GPU build with the `vulkan` feature, which reads the device-local heap"
+        "{device} reports no total memory (no driver memory call, and no device-local heap was read: {why}): give \
+         the device's size (`--device-memory 8GB` in the CLI)"
     )]
     UnknownTotal {
         /// The device.
         device: String,
+        /// Why the runtime's capacity was not read.
+        why: String,
     },
 
     /// A route this model cannot take (group offload of a model that declares no blocks).

@@ -192,7 +192,8 @@ struct Generate {
     /// on a CPU-only machine Mesa's lavapipe). On a real device the manager reads the device's own memory.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// The device's total memory, for a runtime that reports none (wgpu); CUDA's comes from the driver.
+    /// The device's total memory, overriding the runtime's reading (on wgpu the adapter's largest device-local
+    /// Vulkan heap); CUDA's comes from the driver and is not overridden.
     #[arg(long, value_name = "SIZE")]
     device_memory: Option<String>,
     /// A card of this size (or a catalogue name). On the CPU a simulated card gives the readings; on a real

@@ -19,9 +19,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use common::{component_bytes as bytes, fixtures, golden, load_tiny, max_abs_diff, tensor4, turbo_options, values};
-use group_offload::{whole::BurnComponent, Placement, whole::Unbounded};
-use group_offload::{device::CappedDevice, config::GroupOffloadConfig, device::PagePolicy, device::PoolReadings, device::open_device_with};
 use group_offload::{GroupLevel, GroupOptions, handle::GroupedModel};
+use group_offload::{Placement, whole::BurnComponent, whole::Unbounded};
+use group_offload::{
+    config::GroupOffloadConfig, device::CappedDevice, device::PagePolicy, device::PoolReadings,
+    device::open_device_with,
+};
 use offload_core::{Action, ComponentError, DeviceLedger, DeviceMemory, DeviceName, NoLedger, Offloadable, Reason};
 use pipeline_zimage::loading::{Checkpoint, LoadOptions};
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
@@ -379,14 +382,14 @@ fn a_refused_allocation_is_a_typed_device_error_and_nothing_is_lost() {
     assert!(max_abs_diff(&image, &expected) <= 1e-3);
 }
 
-/// Runs `pipeline-zimage generate` on wgpu (auto offload, 2 steps at 64x64, 1 GiB of device: lavapipe's heap is
-/// not read without the `vulkan` feature; no reserve given: the workload's largest activation estimate) with
-/// `extra` arguments and `env`, writing into `dir`: whether it succeeded, its stdout and its stderr.
+/// Runs `pipeline-zimage generate` on wgpu (auto offload, 2 steps at 64x64; no device size given: the adapter's
+/// largest device-local Vulkan heap; no reserve given: the workload's largest activation estimate) with `extra`
+/// arguments and `env`, writing into `dir`: whether it succeeded, its stdout and its stderr.
 fn generate_cli(dir: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
     let out = dir.join("fox.png");
     let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline-zimage"));
     command
-        .args(["generate", "--device", "wgpu", "--device-memory", "1GiB", "--offload", "auto"])
+        .args(["generate", "--device", "wgpu", "--offload", "auto"])
         .args(["--height", "64", "--width", "64", "--steps", "2", "--max-sequence-length", "32"])
         .args(extra)
         .arg("--out")
@@ -403,10 +406,15 @@ fn generate_cli(dir: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> 
 fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driver() {
     let dir = std::env::temp_dir().join(format!("real-device-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a temporary directory");
-    // No --reserve: the reserve is the workload's largest activation estimate, and the run fits.
+    // No flag at all: the total is the adapter's device-local heap, and the reserve the workload's largest
+    // activation estimate; the run fits.
     let (ok, stdout, stderr) = generate_cli(&dir, &[], &[]);
     assert!(ok, "{stdout}\n{stderr}");
     assert!(stdout.contains("device memory on wgpu:0 (burn's pool)"), "{stdout}");
+    assert!(stdout.contains("(the device's largest device-local Vulkan heap)"), "the total's source: {stdout}");
+    // --device-memory overrides the heap.
+    let (ok, stdout, stderr) = generate_cli(&dir, &["--device-memory", "1GiB"], &[]);
+    assert!(ok, "{stdout}\n{stderr}");
     assert!(stdout.contains("of 1.00 GB (given by --device-memory)"), "the total's source is named: {stdout}");
     assert!(stdout.contains("reserve: ") && stdout.contains("the workload's largest activation estimate"), "{stdout}");
     assert!(stdout.contains("| Onload "), "the record is printed: {stdout}");
