@@ -160,12 +160,12 @@ pub fn group_options(plan: &Plan, settings: &Settings, spec: &ComponentSpec) -> 
         Route::BlockGroupOffload { blocks_per_group, prefetch, depth } => {
             // The plan's resident bytes are the kept groups plus the outside layers, unless the full-pin rule
             // streams those too (then it keeps nothing).
-            let keep_outside = planned.resident_bytes >= outside;
+            let keep_outside = planned.resident_weight_bytes >= outside;
             Some(GroupOptions {
                 level: GroupLevel::Block { blocks_per_group },
                 prefetch,
                 prefetch_depth: depth,
-                resident_budget: planned.resident_bytes.saturating_sub(if keep_outside { outside } else { 0 }),
+                resident_budget: planned.resident_weight_bytes.saturating_sub(if keep_outside { outside } else { 0 }),
                 pinned_budget: planned.pinned_bytes,
                 disk_store,
                 releasable: true,
@@ -293,6 +293,12 @@ pub fn plan_and_apply(
         load_calibration(&mut settings)?;
     }
     manager.disable_auto_offload()?;
+    // What the components' weights take on this device where it was measured: stored by earlier runs, then
+    // this process's own onloads, which replace them.
+    let mut specs = specs.to_vec();
+    let footprints: Vec<_> = device.footprints.iter().cloned().chain(manager.device_footprints()).collect();
+    offload_core::plan::apply_footprints(&mut specs, &footprints);
+    let specs = specs.as_slice();
     let plan = plan_pipeline(specs, settings.clone(), &device.machine())?;
     let outside = specs.iter().find(|s| s.name == calibrated).and_then(|s| s.layout.as_ref()).map(|l| l.outside_bytes);
     let applied = apply_plan(manager, components, specs, &plan, &settings, device)?;
@@ -415,7 +421,7 @@ impl PipelinePlan {
         let calibration = match (&self.settings.profile_name, self.calibration_run, outcome) {
             (Some(name), true, Outcome::Success) => {
                 let budget_used = self.calibrated.as_ref().map_or(0, |(component, outside)| {
-                    self.component(component).map_or(0, |c| c.resident_bytes.saturating_sub(*outside))
+                    self.component(component).map_or(0, |c| c.resident_weight_bytes.saturating_sub(*outside))
                 });
                 Some(store.record_calibration(name, self.plan.machine.device_available, peak_device, budget_used)?)
             }

@@ -168,13 +168,27 @@ fn open_cuda(name: &DeviceName) -> Result<Device> {
 }
 
 /// The wgpu runtime's answer, once per process: the device and a description of its adapter, or why not.
-/// The wgpu runtime of this process: the device, the adapter in words, and the adapter's largest device-local
-/// Vulkan heap (or why it was not read).
+/// The wgpu runtime of this process: the device, the adapter in words, its pool's page policy, and the adapter's
+/// largest device-local Vulkan heap (or why it was not read).
 #[cfg(feature = "wgpu")]
 struct WgpuRuntime {
     device: Device,
     adapter: String,
+    pages: PagePolicy,
     heap: std::result::Result<u64, String>,
+}
+
+/// The page policy `device`'s pool was opened with, where this library opened it and the runtime lets it be
+/// chosen (the wgpu device); `None` otherwise (CUDA keeps its default, which shares pages).
+pub fn page_policy(device: &Device) -> Option<PagePolicy> {
+    #[cfg(feature = "wgpu")]
+    if let Some(Ok(runtime)) = WGPU.get()
+        && runtime.device == *device
+    {
+        return Some(runtime.pages);
+    }
+    let _ = device;
+    None
 }
 
 /// The wgpu runtime can be initialised once per process; every later open shares the first answer.
@@ -206,7 +220,7 @@ fn wgpu_runtime(pages: PagePolicy) -> &'static std::result::Result<WgpuRuntime, 
             (x * 2.0).sum().try_into_data().map(|_| ()).map_err(|error| error.to_string())
         })
         .map_err(|panic| panic.to_string())??;
-        Ok(WgpuRuntime { device, adapter, heap })
+        Ok(WgpuRuntime { device, adapter, pages, heap })
     })
 }
 
@@ -235,7 +249,10 @@ fn vulkan_heap(adapter: &burn::tensor::wgpu::wgpu::AdapterInfo) -> std::result::
     let device = match devices.as_slice() {
         [one] => one,
         [] => {
-            return Err(format!("no Vulkan device has the adapter's ids ({:#x}:{:#x})", adapter.vendor, adapter.device));
+            return Err(format!(
+                "no Vulkan device has the adapter's ids ({:#x}:{:#x})",
+                adapter.vendor, adapter.device
+            ));
         }
         several => several.iter().find(|device| device.properties().device_name == adapter.name).ok_or_else(|| {
             format!("{} Vulkan devices share the adapter's ids and none is named {:?}", several.len(), adapter.name)
@@ -367,6 +384,8 @@ struct PoolState {
     total: u64,
     /// Where `total` came from.
     total_source: TotalSource,
+    /// Whether each allocation has a page of its own ([`PagePolicy::Exclusive`]).
+    exclusive_pages: bool,
     driver: Driver,
     peak: AtomicU64,
     reserved_peak: AtomicU64,
@@ -563,11 +582,13 @@ impl PoolReadings {
                 Err(why) => return Err(Error::UnknownTotal { device: name.to_string(), why }),
             },
         };
+        let exclusive_pages = page_policy(&device) == Some(PagePolicy::Exclusive);
         let state = Arc::new(PoolState {
             device,
             name,
             total,
             total_source,
+            exclusive_pages,
             driver,
             peak: AtomicU64::new(0),
             reserved_peak: AtomicU64::new(0),
@@ -689,6 +710,18 @@ impl DeviceMemory for PoolReadings {
             total: now.total,
             peak: self.state.peak.load(Ordering::Relaxed),
         })
+    }
+
+    /// The pool's pages ([`PoolSnapshot::reserved`]: in use, padding and cache) where each allocation has a page
+    /// of its own ([`PagePolicy::Exclusive`]), so that what an onload adds is its own; `None` where pages are
+    /// shared ([`PagePolicy::Adaptive`], CUDA's pool: measured on lavapipe, the first onload into an empty pool
+    /// took an 8 MB page for 123 KB of weights, and the next ones fitted in it). Bytes in use would not do either:
+    /// they are the weight bytes exactly, with no padding, whatever pages the pool took.
+    fn held(&self) -> std::result::Result<Option<u64>, ReadingUnavailable> {
+        if !self.state.exclusive_pages {
+            return Ok(None);
+        }
+        Ok(Some(self.observe()?.reserved))
     }
 }
 
@@ -929,6 +962,11 @@ impl DeviceMemory for CappedDevice {
     fn try_reading(&self) -> std::result::Result<MemoryReading, ReadingUnavailable> {
         let available = self.try_available()?;
         Ok(MemoryReading { available, total: self.total(), peak: self.readings.peak() })
+    }
+
+    /// The pool's pages, as the readings under the cap read them.
+    fn held(&self) -> std::result::Result<Option<u64>, ReadingUnavailable> {
+        self.readings.held()
     }
 }
 

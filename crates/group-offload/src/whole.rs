@@ -193,6 +193,8 @@ pub struct BurnComponent<M: Module> {
     placement: Placement,
     device: DeviceName,
     class_name: &'static str,
+    /// The pages its weights took at its first whole onload onto a device that pages (`None` before).
+    footprint: Option<u64>,
 }
 
 impl<M: Module> std::fmt::Debug for BurnComponent<M> {
@@ -207,7 +209,7 @@ impl<M: Module + 'static> BurnComponent<M> {
     pub fn new(module: M, class_name: &'static str, placement: Placement) -> Self {
         let sizes = module_tensor_sizes_on(&module, Some(&placement.exec));
         let bytes = sizes.iter().sum();
-        Self { module, resident: None, bytes, sizes, placement, device: DeviceName::cpu(), class_name }
+        Self { module, resident: None, bytes, sizes, placement, device: DeviceName::cpu(), class_name, footprint: None }
     }
 
     /// The module's host copy, for reading.
@@ -281,6 +283,15 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
         if !self.same_burn_device() {
             let exec = &self.placement.exec;
             let memory = self.placement.memory.as_deref();
+            let held = || memory.and_then(|m| m.held().ok().flatten());
+            // The first onload onto a device that allocates in pages measures the footprint: the pool's pages
+            // after the onload less before, its cache released first so that the weights take pages of their own.
+            let held_before = if self.footprint.is_none() && held().is_some() {
+                exec.memory_cleanup();
+                held()
+            } else {
+                None
+            };
             // Quantized parameters the device holds only in its packed store are repacked on the way (their
             // bytes, never dequantized: `crate::quant::module_to_device`).
             let copy_started = std::time::Instant::now();
@@ -306,6 +317,9 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
                     // third of a megabyte of pages for the tiny transformer's probes, kept until the next
                     // release otherwise).
                     exec.memory_cleanup();
+                    if let (Some(before), Some(after)) = (held_before, held()) {
+                        self.footprint = Some(after.saturating_sub(before)).filter(|&bytes| bytes > 0);
+                    }
                 }
                 Err(error) => {
                     ledger.free_tensors(&self.sizes);
@@ -338,6 +352,10 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
 
     fn class_name(&self) -> String {
         self.class_name.to_string()
+    }
+
+    fn device_footprint(&self) -> Option<u64> {
+        self.footprint
     }
 }
 

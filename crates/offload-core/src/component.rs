@@ -112,6 +112,15 @@ pub trait Offloadable: Any + Send {
         self.bytes()
     }
 
+    /// What the weights took on the execution device at the component's first whole onload there, as the device's
+    /// allocator counts them (its pages held after the onload less before, its cache released first), where the
+    /// component measured it; `None` where it did not (a device whose readings have no pages, such as a simulated
+    /// card, which holds the bytes asked). The manager keeps it for the plans
+    /// ([`ComponentsManager::device_footprints`](crate::ComponentsManager::device_footprints)).
+    fn device_footprint(&self) -> Option<u64> {
+        None
+    }
+
     /// Whether the manager may evict the component wholesale to make room for another (true by default). A
     /// model under group offload moves its own groups and answers false, unless its plan lets the manager
     /// release it whole between phases.

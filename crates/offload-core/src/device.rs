@@ -122,6 +122,14 @@ pub trait DeviceMemory: Send + Sync {
     /// The most bytes allocated at once so far.
     fn peak(&self) -> u64;
 
+    /// The bytes the device's allocator holds for this process in pages of its own (in use, padding and the
+    /// cache it can reuse), where the runtime allocates in pages; `Ok(None)` where it does not (a simulated card
+    /// holds the bytes asked: [`allocated`](Self::allocated)). What a component's footprint is measured in
+    /// ([`Offloadable::device_footprint`](crate::Offloadable::device_footprint)).
+    fn held(&self) -> Result<Option<u64>, ReadingUnavailable> {
+        Ok(None)
+    }
+
     /// All three numbers a strategy sees, read together.
     fn reading(&self) -> MemoryReading {
         MemoryReading { available: self.available(), total: self.total(), peak: self.peak() }

@@ -52,6 +52,8 @@ struct Entry {
     /// Where the component is, as of its last move.
     device: DeviceName,
     evictable: bool,
+    /// Its footprint on the execution device, once a whole onload measured it ([`Offloadable::device_footprint`]).
+    footprint: Option<u64>,
     /// The use index of the component's most recent run since auto offload was enabled.
     last_use: u64,
 }
@@ -333,6 +335,7 @@ impl ComponentsManager {
             resident_bytes: component.resident_bytes(),
             device: component.device(),
             evictable: component.evictable(),
+            footprint: component.device_footprint(),
             slot: Arc::new(Mutex::new(component)),
             last_use: 0,
         };
@@ -423,6 +426,27 @@ impl ComponentsManager {
             execution_device: state.auto.as_ref().map(|a| a.device.clone()),
             evictable: entry.evictable,
         })
+    }
+
+    /// The footprints on the execution device measured so far, one per component that measured one at a whole
+    /// onload ([`Offloadable::device_footprint`]), in registration order, under the names the components were
+    /// added with: what a plan for that device counts their weights as ([`DeviceFacts::with_footprints`]), and
+    /// what `ProfileStore::record_footprints` (feature `io`) keeps for the next process.
+    ///
+    /// [`DeviceFacts::with_footprints`]: crate::plan::DeviceFacts::with_footprints
+    pub fn device_footprints(&self) -> Vec<crate::plan::Footprint> {
+        let state = self.state.lock();
+        state
+            .entries
+            .iter()
+            .filter_map(|e| {
+                e.footprint.map(|device_bytes| crate::plan::Footprint {
+                    component: e.name.to_string(),
+                    weight_bytes: e.bytes,
+                    device_bytes,
+                })
+            })
+            .collect()
     }
 
     /// Where each component is now, in registration order.
@@ -724,6 +748,7 @@ impl ComponentsManager {
                 let entry = &mut state.entries[index];
                 entry.device = device;
                 entry.resident_bytes = component.resident_bytes();
+                entry.footprint = component.device_footprint().or(entry.footprint);
                 Ok(())
             }
             Err(error) if error.is_out_of_memory() => Err(PrepareFailure::OutOfMemory(error)),

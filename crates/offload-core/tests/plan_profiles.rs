@@ -322,3 +322,61 @@ fn a_measured_link_is_stored_per_device_and_replaces_the_assumed_one() {
         other => panic!("expected a format error, got {other:?}"),
     }
 }
+
+/// A component's footprint measured in a device's pages is kept per device beside the capacity profiles, and the
+/// next plan counts what stays on the device in those bytes (its peak, whether everything fits), while what
+/// crosses the link stays the weight bytes.
+#[test]
+fn a_measured_footprint_is_stored_per_device_and_the_plan_counts_the_device_in_it() {
+    use offload_core::plan::{ComponentSpec, Footprint, HostMemory, Machine, Route, apply_footprints};
+    let scratch = Scratch::new("footprint");
+    let store = scratch.store();
+    assert_eq!(store.footprints("wgpu:0").expect("readable"), Vec::new(), "nothing measured yet");
+    let vae = |device_bytes| Footprint { component: "vae".into(), weight_bytes: 1_000_000, device_bytes };
+    store.record_footprints("wgpu:0", &[vae(1_600_000)]).expect("saved");
+    // A later measurement of the same component and size replaces the earlier one; another size is kept apart.
+    let other = Footprint { component: "vae".into(), weight_bytes: 2_000_000, device_bytes: 2_100_000 };
+    let stored = store.record_footprints("wgpu:0", &[vae(1_500_000), other.clone()]).expect("saved");
+    assert_eq!(stored, [vae(1_500_000), other]);
+    assert_eq!(store.footprints("wgpu:0").expect("readable"), stored);
+    assert_eq!(store.footprints("cuda:0").expect("readable"), Vec::new(), "one device's are not another's");
+
+    // 1.0 MB of weights that take 1.5 MB of pages, beside 0.5 MB of activations, on 1.8 MB: they fit in bytes,
+    // not in pages.
+    let spec = ComponentSpec::new("vae", 1_000_000).with_activation(500_000);
+    let small = Machine::new(1_800_000, 1_800_000, HostMemory::new(1 << 30, 1 << 30));
+    let settings = Settings::resolve(
+        &SettingsLayer { preset: Some(Preset::Auto), reserve: Some(500_000), ..SettingsLayer::default() },
+        std::iter::empty::<(String, String)>(),
+        None,
+    )
+    .expect("settings");
+    let counted_in_bytes = plan_pipeline(std::slice::from_ref(&spec), settings.clone(), &small).expect("plans");
+    assert_eq!(counted_in_bytes.components[0].route, Route::Resident);
+    assert_eq!(counted_in_bytes.peak_bytes(), 1_500_000);
+    let mut specs = [spec];
+    assert_eq!(apply_footprints(&mut specs, &store.footprints("wgpu:0").expect("readable")), 1);
+    assert_eq!(specs[0].device_bytes, Some(1_500_000));
+    match plan_pipeline(&specs, settings, &small) {
+        Err(PlanError::DoesNotFit { component, needs, .. }) => {
+            assert_eq!((component.as_str(), needs), ("vae", 2_000_000))
+        }
+        other => panic!("1.5 MB of pages and 0.5 MB of activations do not fit in 1.8 MB: {other:?}"),
+    }
+
+    // Streamed, the window and the resident part are in pages, the bytes moved are the weights'.
+    let transformer = z_image_turbo().into_iter().find(|s| s.name == "transformer").expect("a transformer");
+    let weights = transformer.weight_bytes;
+    let paged = transformer.clone().with_device_bytes(weights / 10 * 11);
+    let card = machine(8, 64);
+    let plain =
+        plan_pipeline(std::slice::from_ref(&transformer), Preset::DiffusersOffloadCompat, &card).expect("plans");
+    let paged_plan = plan_pipeline(std::slice::from_ref(&paged), Preset::DiffusersOffloadCompat, &card).expect("plans");
+    let (plain, paged_plan) = (&plain.components[0], &paged_plan.components[0]);
+    assert!(plain.route.is_group_offload() && paged_plan.route == plain.route, "{plain:?}\n{paged_plan:?}");
+    assert_eq!(paged_plan.streamed_per_image, plain.streamed_per_image, "the link moves the weight bytes");
+    let activation = transformer.activation_bytes;
+    let on_device = |plan: &offload_core::plan::ComponentPlan| plan.peak_bytes - activation;
+    let grown = on_device(paged_plan) as f64 / on_device(plain) as f64;
+    assert!((grown - 1.1).abs() < 1e-3, "the weights on the device grow by the pages' 10%: {grown}");
+}

@@ -49,12 +49,15 @@ fn main() -> anyhow::Result<()> {
     } else {
         let name = DeviceName::parse(&device)?;
         let burn = group_offload::device::open_device_with(&name, group_offload::device::PagePolicy::Exclusive)?;
-        Target::Device { device: burn, name, total: TOTAL }
-    };
-    if let Target::Device { device: burn, name, total } = &target {
         // The process's first calls compile kernels and take the runtime's first buffers: not what a call needs.
-        pipeline_zimage::validate::measure_calls(burn, name, *total, &load, &opts)?;
-    }
+        pipeline_zimage::validate::measure_calls(&burn, &name, TOTAL, &load, &opts)?;
+        // What each component's weights take in the pool's pages, which the plans count them as.
+        let footprints = pipeline_zimage::validate::measure_footprints(&burn, &name, TOTAL, &load, &opts)?;
+        for footprint in &footprints {
+            println!("footprint: {footprint}");
+        }
+        Target::Device { device: burn, name, total: TOTAL, footprints }
+    };
     let probe = load(Placement::host_only())?;
     let cards = validation_cards(&probe, &opts)?;
     drop(probe);
@@ -109,7 +112,7 @@ fn main() -> anyhow::Result<()> {
         .fold((f64::INFINITY, 0f64), |(lo, hi), r| (lo.min(r), hi.max(r)));
     println!("peak ratio from {:.3} to {:.3}", worst.0, worst.1);
 
-    if let Target::Device { device: burn, name, total } = &target {
+    if let Target::Device { device: burn, name, total, .. } = &target {
         println!("\nactivation pages per call, every component resident: estimate, measured pages (in use, sampled)");
         let probe = load(Placement::host_only())?;
         for (size, tokens, guidance) in [

@@ -636,8 +636,9 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     };
     let name = DeviceName::parse(&args.device)?;
     // Under a card, the pool takes one page per allocation (where the runtime lets it choose), so a cap on its
-    // pages is a cap on what the calls allocate rather than on cubecl's page sizes.
-    let pages = if args.card.is_some() { PagePolicy::Exclusive } else { PagePolicy::Adaptive };
+    // pages is a cap on what the calls allocate rather than on cubecl's page sizes; under the planner too, so that
+    // what a component's onload adds to the pool is its own (its footprint, which later plans count it as).
+    let pages = if args.card.is_some() || planner { PagePolicy::Exclusive } else { PagePolicy::Adaptive };
     let exec = open_device_with(&name, pages)?;
     if let Some(description) = describe_device(&name) {
         println!("device {name}: {description}");
@@ -853,8 +854,12 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             Target::Real { cap, .. } => {
                 let memory = target.memory().context("a real device has readings")?;
                 // The link speed earlier runs measured on this device, in place of the generic assumption.
-                let measured = ProfileStore::from_settings(&settings)?.measured_link(name.as_str())?;
-                let facts = DeviceFacts::new(memory, host).with_measured_link(measured);
+                let store = ProfileStore::from_settings(&settings)?;
+                let measured = store.measured_link(name.as_str())?;
+                // What earlier runs measured each component's weights to take in this device's pages.
+                let facts = DeviceFacts::new(memory, host)
+                    .with_measured_link(measured)
+                    .with_footprints(store.footprints(name.as_str())?);
                 match cap {
                     Some(cap) => DeviceFacts { label: format!("{name} capped at {}", cap.label()), ..facts },
                     None => facts,
@@ -964,10 +969,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     if let Some(rate) = link.rate() {
         println!("link to {name}: {rate}");
     }
-    if matches!(target, Target::Real { .. })
-        && let Some(run) = LinkRun::from_rates(link.rate(), link.rate_of(false), link.rate_of(true))
-    {
-        // Kept beside the capacity profiles: the next plan on this device predicts from it.
+    if matches!(target, Target::Real { .. }) {
+        // Kept beside the capacity profiles: the next plan on this device predicts from them.
         let store = match &plan {
             Some(plan) => plan.profile_store()?,
             // Where the planner would look: --profile-dir, then OFFLOAD_PROFILE_DIR, then the data directory.
@@ -978,8 +981,20 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 .map_or_else(ProfileStore::default_dir, Ok)
                 .map(ProfileStore::at)?,
         };
-        let measured = store.record_link(name.as_str(), run)?;
-        println!("link figures for later plans on {name}: {measured} ({})", store.link_path(name.as_str()).display());
+        if let Some(run) = LinkRun::from_rates(link.rate(), link.rate_of(false), link.rate_of(true)) {
+            let measured = store.record_link(name.as_str(), run)?;
+            let path = store.link_path(name.as_str());
+            println!("link figures for later plans on {name}: {measured} ({})", path.display());
+        }
+        // What each component moved whole took in the device's pages, measured at its first onload.
+        let footprints = pipeline.manager().device_footprints();
+        if !footprints.is_empty() {
+            store.record_footprints(name.as_str(), &footprints)?;
+            println!("footprints for later plans on {name} ({}):", store.footprint_path(name.as_str()).display());
+            for footprint in &footprints {
+                println!("  {footprint}");
+            }
+        }
     }
     write_timeline(args, &timeline, &target)?;
     match &target {

@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use burn::tensor::Device;
 use group_offload::{device::CappedDevice, device::PoolReadings};
 use memory_sim::{CardSpec, Mode, SimCard};
-use offload_core::plan::{HostMemory, Preset, Route, Settings, SettingsLayer};
+use offload_core::plan::{Footprint, HostMemory, Preset, Route, Settings, SettingsLayer};
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, format_size};
 
 use crate::error::Result;
@@ -311,6 +311,9 @@ pub enum Target {
         name: DeviceName,
         /// Its capacity where the runtime reports none.
         total: u64,
+        /// The components' footprints measured on it ([`measure_footprints`]), which each case's plan counts
+        /// their weights as; empty: their weight bytes.
+        footprints: Vec<Footprint>,
     },
 }
 
@@ -387,7 +390,7 @@ fn run_case(
             validation.phases = phases(&plan, opts, &meter.call_peaks());
             Ok(validation)
         }
-        Target::Device { device, name, total } => {
+        Target::Device { device, name, total, footprints } => {
             device.memory_cleanup();
             let readings = PoolReadings::open(device.clone(), name.clone(), Some(*total))?;
             let before = readings.observe().map_err(group_offload::Error::from)?.reserved;
@@ -398,7 +401,7 @@ fn run_case(
             let meter = Meter::probing(Arc::new(offload_core::NoLedger), readings.clone());
             let mut pipeline =
                 load(Placement::on_device(device.clone(), name.clone(), meter.clone(), Some(cap.clone())))?;
-            let facts = DeviceFacts::new(cap.clone(), validation_host());
+            let facts = DeviceFacts::new(cap.clone(), validation_host()).with_footprints(footprints.iter().cloned());
             let settings = settings(preset, exact_reserve(&pipeline, opts))?;
             let plan = enable_pipeline_offload(&mut pipeline, settings, &facts, opts)?;
             pipeline.generate(opts, &mut |_, _| {})?;
@@ -482,15 +485,30 @@ fn short_route(route: Route) -> String {
 /// one that holds any one component whole beside the activations but not all of them, and one that holds the
 /// whole pipeline beside the largest activations.
 pub fn validation_cards(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Result<[u64; 3]> {
-    let specs = component_specs(pipeline, opts)?;
+    validation_cards_on(pipeline, opts, &[])
+}
+
+/// [`validation_cards`] on a device where the components' `footprints` were measured: the cards are sized from
+/// what their weights take there (a runtime's pages), so each card still makes the pipeline stream, move whole or
+/// stay.
+pub fn validation_cards_on(
+    pipeline: &ZImagePipeline,
+    opts: &GenerateOptions,
+    footprints: &[Footprint],
+) -> Result<[u64; 3]> {
+    let mut specs = component_specs(pipeline, opts)?;
+    offload_core::plan::apply_footprints(&mut specs, footprints);
     let reserve = exact_reserve(pipeline, opts);
-    let weight = |name: &str| specs.iter().find(|s| s.name == name).map_or(0, |s| s.weight_bytes);
-    let layout = specs.iter().find(|s| s.name == "transformer").and_then(|s| s.layout.clone());
-    let (outside, largest) =
-        layout.map_or((0, 0), |l| (l.outside_bytes, l.block_bytes.iter().copied().max().unwrap_or(0)));
-    let all: u64 = specs.iter().map(|s| s.weight_bytes).sum();
+    let spec = |name: &str| specs.iter().find(|s| s.name == name);
+    let device = |name: &str| spec(name).map_or(0, |s| s.device_weight());
+    let (outside, largest) = spec("transformer").map_or((0, 0), |s| {
+        s.layout.as_ref().map_or((0, 0), |l| {
+            (s.on_device(l.outside_bytes), s.on_device(l.block_bytes.iter().copied().max().unwrap_or(0)))
+        })
+    });
+    let all: u64 = specs.iter().map(|s| s.device_weight()).sum();
     let streaming = outside + 3 * largest + reserve;
-    let component = weight("transformer") + reserve + weight("vae") / 2;
+    let component = device("transformer") + reserve + device("vae") / 2;
     let whole = all + reserve + (64 << 10);
     Ok([streaming, component, whole])
 }
@@ -515,6 +533,32 @@ pub fn measure_calls(
     drop(pipeline);
     device.memory_cleanup();
     Ok(calls)
+}
+
+/// Measures each component's footprint on a real device ([`Footprint`]): one image of `opts` with every component
+/// resident, each measuring its pages at its whole onload. What [`Target::Device`]'s plans then count the weights
+/// as.
+pub fn measure_footprints(
+    device: &Device,
+    name: &DeviceName,
+    total: u64,
+    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    opts: &GenerateOptions,
+) -> Result<Vec<Footprint>> {
+    device.memory_cleanup();
+    let readings = PoolReadings::open(device.clone(), name.clone(), Some(total))?;
+    let pipeline = load(Placement::on_device(
+        device.clone(),
+        name.clone(),
+        Arc::new(offload_core::NoLedger),
+        Some(readings.clone()),
+    ))?;
+    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true)?;
+    pipeline.generate(opts, &mut |_, _| {})?;
+    let footprints = pipeline.manager().device_footprints();
+    drop(pipeline);
+    device.memory_cleanup();
+    Ok(footprints)
 }
 
 /// The table of [`Case`]s: per preset and card, predicted and measured peak, bytes and moves, and their ratios

@@ -1,9 +1,9 @@
 //! Predicted beside measured on a real cubecl runtime (burn's wgpu backend; lavapipe in CI), for every preset on
-//! three cards sized from the tiny pipeline: the bytes moved and the moves per image are the planner's exactly;
-//! the predicted device peak is at most 10% above the pool's page high-water (the cache released before each
-//! call) and below it by no more than the measured misses that `docs/benchmarks.md` explains (small tensors'
-//! pages, which the pool keeps; a streamed group's pages, kept for the rest of its call): the goal of 10% is not
-//! met on this runtime, and the bounds say by how much.
+//! three cards sized from the tiny pipeline's footprints on the device: the bytes moved and the moves per image
+//! are the planner's exactly; with each component's footprint measured in the pool's pages at its first whole
+//! onload, the predicted device peak is within 10% of the pool's page high-water (the cache released before each
+//! call) on every route, and so is each phase of a component moved whole or resident. A streamed component's
+//! phase is held to the measured bounds `docs/benchmarks.md` explains (its groups' pages are above its average).
 //! Each call's pages are also checked against the activation estimate they were fitted to.
 //!
 //! `cargo test -p pipeline-zimage --features wgpu --test validate_device -- --nocapture` prints the table.
@@ -18,7 +18,9 @@ use group_offload::{device::PagePolicy, device::open_device_with};
 use offload_core::DeviceName;
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
-use pipeline_zimage::validate::{Case, Table, Target, measure_calls, validate_presets, validation_cards};
+use pipeline_zimage::validate::{
+    Case, Table, Target, measure_calls, measure_footprints, validate_presets, validation_cards_on,
+};
 
 /// The size given as the lavapipe device's total: it reports none.
 const TOTAL: u64 = 1 << 30;
@@ -58,21 +60,47 @@ fn every_preset_on_the_real_device_moves_what_the_plan_predicts_and_peaks_near_i
         }
     }
 
+    // What each component's weights take in the pool's pages, measured at their whole onloads.
+    let footprints = measure_footprints(&device, &name, TOTAL, &load, &opts).expect("a resident run");
+    for footprint in &footprints {
+        println!("footprint: {footprint}");
+    }
+    assert_eq!(footprints.len(), 3, "every component measured its footprint: {footprints:?}");
     let probe = load(Placement::host_only()).expect("loads");
-    let cards = validation_cards(&probe, &opts).expect("cards");
-    let target = Target::Device { device: device.clone(), name: name.clone(), total: TOTAL };
+    let cards = validation_cards_on(&probe, &opts, &footprints).expect("cards");
+    let target = Target::Device { device: device.clone(), name: name.clone(), total: TOTAL, footprints };
     let cases = validate_presets(&target, &load, &cards, &opts);
     let table = Table(&cases).to_string();
     println!("{table}");
     for case in &cases {
         let Case::Measured(v) = case else { panic!("every preset runs on every card: {table}") };
-        assert_eq!(v.predicted.bytes, v.measured.bytes, "{} on {}: bytes\n{table}", v.preset, v.card);
+        assert_eq!(v.predicted.bytes, v.measured.bytes, "{} on {}: bytes\n{table}\n{}", v.preset, v.card, v.plan);
         assert_eq!(v.predicted.moves, v.measured.moves, "{} on {}: moves\n{table}", v.preset, v.card);
-        let streams = v.routes.contains("block") || v.routes.contains("leaf");
-        // Measured (docs/benchmarks.md): 0.90 to 0.94 where nothing streams, 0.815 to 0.843 where something does
-        // (small tensors' pages, which the planner does not model).
-        let floor = if streams { 0.75 } else { 0.85 };
         let ratio = v.peak_ratio();
-        assert!((floor..=1.10).contains(&ratio), "{} on {}: peak ratio {ratio:.3}\n{table}", v.preset, v.card);
+        // With the footprints measured, the run's peak is within 10% on every route (measured 1.002 to 1.066;
+        // 0.815 to 0.944 when the planner counted weight bytes).
+        assert!((0.90..=1.10).contains(&ratio), "{} on {}: peak ratio {ratio:.3}\n{table}", v.preset, v.card);
+        // Per phase, in the plan's component order. A component moved whole or resident is within 10%. A streamed
+        // one is predicted from its whole footprint's proportion, which its groups do not keep: a streamed block's
+        // small tensors each take a page of their own, above the component's average (measured: the text
+        // encoder's streamed phase 0.39 to 0.48, the transformer's 0.89 to 0.98; docs/benchmarks.md), so those
+        // are held to the measured bounds, not to the goal.
+        let routes: Vec<&str> = v.routes.split('/').collect();
+        for (i, (component, predicted, measured)) in v.phases.iter().enumerate() {
+            let phase = *predicted as f64 / (*measured).max(1) as f64;
+            println!("{} on {}: {component} {predicted}/{measured} {phase:.3}", v.preset, v.card);
+            let streamed = routes.get(i).is_some_and(|r| r.starts_with("block") || r.starts_with("leaf"));
+            let floor = match (streamed, component.as_str()) {
+                (false, _) => 0.90,
+                (true, "text_encoder") => 0.35,
+                (true, _) => 0.85,
+            };
+            assert!(
+                (floor..=1.10).contains(&phase),
+                "{} on {}: {component}'s phase {phase:.3}\n{table}",
+                v.preset,
+                v.card
+            );
+        }
     }
 }

@@ -72,8 +72,12 @@ impl BlockLayout {
 pub struct ComponentSpec {
     /// The component's name (`transformer`, `text_encoder`).
     pub name: String,
-    /// Weight bytes.
+    /// Weight bytes: what crosses the link when the component moves.
     pub weight_bytes: u64,
+    /// What the weights take on the device, measured in the runtime's pages ([`crate::plan::Footprint`]): `None`
+    /// where nothing was measured, and then the weight bytes are what the device holds (a simulated card). The
+    /// planner counts what stays on the device in these bytes, a streamed part in the same proportion.
+    pub device_bytes: Option<u64>,
     /// The block structure, when the component supports group offload; `None` when it does not (it can only be
     /// resident or component-offloaded).
     pub layout: Option<BlockLayout>,
@@ -95,6 +99,7 @@ impl ComponentSpec {
         Self {
             name: name.into(),
             weight_bytes,
+            device_bytes: None,
             layout: None,
             activation_bytes: 0,
             quantized: false,
@@ -113,6 +118,41 @@ impl ComponentSpec {
     pub fn with_activation(mut self, bytes: u64) -> Self {
         self.activation_bytes = bytes;
         self
+    }
+
+    /// Sets the measured device bytes of the weights ([`ComponentSpec::device_bytes`]).
+    pub fn with_device_bytes(mut self, bytes: u64) -> Self {
+        self.device_bytes = Some(bytes);
+        self
+    }
+
+    /// What the weights take on the device: the measured device bytes, else the weight bytes.
+    pub fn device_weight(&self) -> u64 {
+        self.device_bytes.unwrap_or(self.weight_bytes)
+    }
+
+    /// `weight` bytes of this component's weights on the device, in the measured footprint's proportion (the
+    /// weight bytes themselves when nothing was measured); rounded up.
+    pub fn on_device(&self, weight: u64) -> u64 {
+        match self.device_bytes {
+            Some(device) if self.weight_bytes > 0 => {
+                let scaled = (u128::from(weight) * u128::from(device)).div_ceil(u128::from(self.weight_bytes));
+                u64::try_from(scaled).unwrap_or(u64::MAX)
+            }
+            _ => weight,
+        }
+    }
+
+    /// The weight bytes that take `device` bytes on the device, in the measured footprint's proportion (the
+    /// inverse of [`on_device`](Self::on_device)); rounded down.
+    pub fn from_device(&self, device: u64) -> u64 {
+        match self.device_bytes {
+            Some(footprint) if footprint > 0 => {
+                let scaled = u128::from(device) * u128::from(self.weight_bytes) / u128::from(footprint);
+                u64::try_from(scaled).unwrap_or(u64::MAX)
+            }
+            _ => device,
+        }
     }
 
     /// Marks the weights quantized.
@@ -147,6 +187,9 @@ impl ComponentSpec {
         }
         if self.weight_bytes == 0 {
             return Err(invalid("it has no weight bytes; give the size of its weights".into()));
+        }
+        if self.device_bytes == Some(0) {
+            return Err(invalid("its device bytes are 0; leave them unset when nothing was measured".into()));
         }
         if self.calls_per_image == 0 {
             return Err(invalid("it is called 0 times per image; give at least 1 call".into()));

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use crate::device::DeviceMemory;
 use crate::plan::error::PlanError;
+use crate::plan::footprint::Footprint;
 use crate::plan::host::HostMemory;
 use crate::plan::link::{LinkSource, MeasuredLink};
 
@@ -161,6 +162,9 @@ pub struct DeviceFacts {
     pub time: TimeModel,
     /// The device's label in capacity profiles (`"12MB"`, `"rtx4090"`, `"cuda:0"`).
     pub label: String,
+    /// Components' footprints measured on this device ([`Footprint`]): the plan counts a matching component's
+    /// weights on the device in these bytes. Empty where nothing was measured (a simulated card, a first run).
+    pub footprints: Vec<Footprint>,
 }
 
 impl std::fmt::Debug for DeviceFacts {
@@ -169,6 +173,7 @@ impl std::fmt::Debug for DeviceFacts {
             .field("device", &self.memory.device().as_str().to_string())
             .field("host", &self.host)
             .field("label", &self.label)
+            .field("footprints", &self.footprints)
             .finish()
     }
 }
@@ -178,7 +183,15 @@ impl DeviceFacts {
     /// and the device's name as label.
     pub fn new(memory: Arc<dyn DeviceMemory>, host: HostMemory) -> Self {
         let label = memory.device().as_str().to_string();
-        Self { memory, host, time: TimeModel::generic(), label }
+        Self { memory, host, time: TimeModel::generic(), label, footprints: Vec::new() }
+    }
+
+    /// The same facts with the footprints measured on this device (by this process's manager,
+    /// [`ComponentsManager::device_footprints`](crate::ComponentsManager::device_footprints), or stored by earlier
+    /// runs); later ones replace earlier ones of the same component and size.
+    pub fn with_footprints(mut self, footprints: impl IntoIterator<Item = Footprint>) -> Self {
+        self.footprints.extend(footprints);
+        self
     }
 
     /// The same facts with another label.

@@ -25,6 +25,7 @@ pub mod budget;
 pub mod capacity;
 pub mod component;
 pub mod error;
+pub mod footprint;
 pub mod host;
 pub mod link;
 pub mod machine;
@@ -41,6 +42,7 @@ pub use capacity::{
 };
 pub use component::{BlockLayout, ComponentSpec, Route};
 pub use error::{Origin, PlanError};
+pub use footprint::{Footprint, apply_footprints};
 pub use host::HostMemory;
 pub use link::{LinkRun, LinkSource, MAX_LINK_RUNS, MeasuredLink};
 pub use machine::{DeviceFacts, Machine, TimeModel};

@@ -35,6 +35,10 @@ pub struct ComponentPlan {
     /// Device bytes held through its phase without streaming (the whole component when resident or
     /// component-offloaded; the outside bytes and resident groups under block offload).
     pub resident_bytes: u64,
+    /// The weight bytes of what stays on the device (`resident_bytes` counts them in the device's pages where
+    /// the component's footprint was measured, [`ComponentSpec::device_bytes`]): the unit group offload's resident
+    /// budget keeps groups in.
+    pub resident_weight_bytes: u64,
     /// Host bytes pinned for it.
     pub pinned_bytes: u64,
     /// Host bytes its host copy takes in RAM (0 when resident or kept on disk).
@@ -322,7 +326,10 @@ impl Shape {
 /// What a shape costs.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 struct Eval {
+    /// On the device, in its pages where measured.
     resident: u64,
+    /// The same, in weight bytes.
+    resident_weight: u64,
     window: u64,
     need: u64,
     peak: u64,
@@ -399,12 +406,14 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
     let mut eval = Eval { compute, ..Eval::default() };
     match shape.route {
         Route::Resident | Route::Off => {
-            eval.resident = weight;
+            eval.resident_weight = weight;
+            eval.resident = spec.device_weight();
             eval.first_seconds = compute;
             eval.steady_seconds = compute;
         }
         Route::ComponentOffload => {
-            eval.resident = weight;
+            eval.resident_weight = weight;
+            eval.resident = spec.device_weight();
             eval.host = weight;
             eval.first_streamed = weight;
             eval.first_moves = 1;
@@ -421,8 +430,10 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
             let largest = groups.iter().copied().max().unwrap_or(0).max(streamed_outside);
             eval.kept_groups = kept_count;
             eval.groups = groups.len();
-            eval.resident = kept + if shape.keep_outside { outside } else { 0 };
-            eval.window = streaming_window(largest, prefetch, depth);
+            // On the device in its pages; across the link in its bytes.
+            eval.resident_weight = kept + if shape.keep_outside { outside } else { 0 };
+            eval.resident = spec.on_device(eval.resident_weight);
+            eval.window = spec.on_device(streaming_window(largest, prefetch, depth));
             eval.host = if shape.on_disk { 0 } else { weight };
             eval.first_streamed = weight;
             eval.steady_streamed = layout.blocks_total() - kept + streamed_outside;
@@ -458,8 +469,9 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
                 (l.largest_leaf_bytes, l.leaf_count as u64, l.outside_bytes, l.first_leaf_bytes)
             });
             let streamed = weight - outside.min(weight);
-            eval.resident = outside;
-            eval.window = streaming_window(largest, prefetch, 1);
+            eval.resident_weight = outside;
+            eval.resident = spec.on_device(outside);
+            eval.window = spec.on_device(streaming_window(largest, prefetch, 1));
             eval.host = if shape.on_disk { 0 } else { weight };
             eval.first_streamed = weight;
             eval.steady_streamed = streamed;
@@ -553,7 +565,7 @@ impl Planner<'_> {
                 .zip(components)
                 .enumerate()
                 .filter(|(i, (c, _))| *i != index && matches!(c.shape.route, Route::Resident | Route::Off))
-                .map(|(_, (_, s))| s.weight_bytes)
+                .map(|(_, (_, s))| s.device_weight())
                 .sum()
         };
         let mut plans = Vec::with_capacity(components.len());
@@ -566,6 +578,7 @@ impl Planner<'_> {
                 component: spec.name.clone(),
                 route: choice.shape.route,
                 resident_bytes: eval.resident,
+                resident_weight_bytes: eval.resident_weight,
                 pinned_bytes: choice.shape.pinned,
                 host_bytes: eval.host,
                 on_disk: choice.shape.on_disk,
@@ -605,7 +618,7 @@ impl Planner<'_> {
         if !self.defaults.whole_pipeline_resident {
             return false;
         }
-        let weights: u64 = components.iter().map(|c| c.weight_bytes).sum();
+        let weights: u64 = components.iter().map(|c| c.device_weight()).sum();
         let headroom = components.iter().map(|c| self.headroom(c)).max().unwrap_or(0);
         weights.saturating_add(headroom) <= self.available()
     }
@@ -689,6 +702,9 @@ impl Planner<'_> {
             (0, ResidentReason::CalledOnce)
         } else {
             let window = streaming_window(layout.largest_group(blocks_per_group), prefetch, depth);
+            // The room is on the device, in its pages; the budget keeps groups by their weight bytes, as the
+            // mechanism does.
+            let room = spec.from_device(room);
             (resident_budget(room, layout.outside_bytes, window, layout.blocks_total()), ResidentReason::Fill)
         };
         shape.resident_budget = budget;
@@ -728,8 +744,9 @@ impl Planner<'_> {
         };
         let Some((shape, chosen_eval)) = chosen else {
             let smallest = options.iter().min_by_key(|(_, e)| e.need);
-            let (route, needs) = smallest
-                .map_or(("component offload".to_string(), spec.weight_bytes), |(s, e)| (s.route.to_string(), e.need));
+            let (route, needs) = smallest.map_or(("component offload".to_string(), spec.device_weight()), |(s, e)| {
+                (s.route.to_string(), e.need)
+            });
             let (reason, advice) = if let Some(budget) = self.settings.resident_budget {
                 (
                     format!(
@@ -953,10 +970,11 @@ impl Planner<'_> {
             return format!("preset off: not managed, the caller places it; predicted as resident ({})", fs(weight));
         }
         if everything_fits {
-            let total: u64 = all.iter().map(|c| c.weight_bytes).sum();
+            let total: u64 = all.iter().map(|c| c.device_weight()).sum();
             let (largest, name) = all.iter().map(|c| (self.headroom(c), c.name.as_str())).max().unwrap_or((0, ""));
+            let measured = if all.iter().any(|c| c.device_bytes.is_some()) { " (on the device, measured)" } else { "" };
             return format!(
-                "everything fits at once: {} of weights plus the largest activation headroom ({} for {name}) fit in \
+                "everything fits at once: {} of weights{measured} plus the largest activation headroom ({} for {name}) fit in \
                  {} available, so it stays resident and nothing streams after loading",
                 fs(total),
                 fs(largest),
@@ -971,15 +989,19 @@ impl Planner<'_> {
                 fs(activation_margin(spec.activation_bytes))
             ),
         };
-        let fits = weight <= choice.room;
+        let fits = spec.device_weight() <= choice.room;
         let mut why = String::new();
         if spec.quantized {
             why.push_str(
                 "its weights are quantized (sizes are their values and scales, and they stream as they are); ",
             );
         }
+        let on_device = match spec.device_bytes {
+            Some(device) => format!(" ({} on the device, measured)", fs(device)),
+            None => String::new(),
+        };
         why.push_str(&format!(
-            "{} of weights {} whole in the {} left after {} for activations ({headroom_source})",
+            "{} of weights{on_device} {} whole in the {} left after {} for activations ({headroom_source})",
             fs(weight),
             if fits { "fit" } else { "do not fit" },
             fs(choice.room),
@@ -993,7 +1015,8 @@ impl Planner<'_> {
             }
             Route::BlockGroupOffload { blocks_per_group, prefetch, depth } => {
                 let outside = spec.layout.as_ref().map_or(0, |l| l.outside_bytes);
-                let kept = eval.resident.saturating_sub(if choice.shape.keep_outside { outside } else { 0 });
+                let kept =
+                    eval.resident.saturating_sub(spec.on_device(if choice.shape.keep_outside { outside } else { 0 }));
                 let groups = format!("{} of {} groups ({})", eval.kept_groups, eval.groups, fs(kept));
                 let prefetch =
                     if prefetch { format!("with prefetch depth {depth}") } else { "without prefetch".into() };
