@@ -523,16 +523,32 @@ pub fn measure_calls(
     load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
 ) -> Result<Vec<CallReading>> {
-    device.memory_cleanup();
-    let readings = PoolReadings::open(device.clone(), name.clone(), Some(total))?;
-    let meter = Meter::probing(Arc::new(offload_core::NoLedger), readings.clone());
-    let pipeline = load(Placement::on_device(device.clone(), name.clone(), meter.clone(), Some(readings.clone())))?;
-    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true)?;
-    pipeline.generate(opts, &mut |_, _| {})?;
-    let calls = meter.calls();
+    let mut meter = None;
+    let pipeline = run_resident(device, name, total, load, opts, |readings| {
+        meter.insert(Meter::probing(Arc::new(offload_core::NoLedger), readings)).clone()
+    })?;
     drop(pipeline);
     device.memory_cleanup();
-    Ok(calls)
+    Ok(meter.map(|meter| meter.calls()).unwrap_or_default())
+}
+
+/// One image of `opts` on a real device from a released cache, every component resident under the ledger `ledger`
+/// makes of the pool's readings; the pipeline is returned for its figures (drop it, then release the cache).
+fn run_resident(
+    device: &Device,
+    name: &DeviceName,
+    total: u64,
+    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    opts: &GenerateOptions,
+    ledger: impl FnOnce(Arc<PoolReadings>) -> Arc<dyn DeviceLedger>,
+) -> Result<ZImagePipeline> {
+    device.memory_cleanup();
+    let readings = PoolReadings::open(device.clone(), name.clone(), Some(total))?;
+    let ledger = ledger(readings.clone());
+    let pipeline = load(Placement::on_device(device.clone(), name.clone(), ledger, Some(readings)))?;
+    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true)?;
+    pipeline.generate(opts, &mut |_, _| {})?;
+    Ok(pipeline)
 }
 
 /// Measures each component's footprint on a real device ([`Footprint`]): one image of `opts` with every component
@@ -545,16 +561,7 @@ pub fn measure_footprints(
     load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
 ) -> Result<Vec<Footprint>> {
-    device.memory_cleanup();
-    let readings = PoolReadings::open(device.clone(), name.clone(), Some(total))?;
-    let pipeline = load(Placement::on_device(
-        device.clone(),
-        name.clone(),
-        Arc::new(offload_core::NoLedger),
-        Some(readings.clone()),
-    ))?;
-    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true)?;
-    pipeline.generate(opts, &mut |_, _| {})?;
+    let pipeline = run_resident(device, name, total, load, opts, |_| Arc::new(offload_core::NoLedger))?;
     let footprints = pipeline.manager().device_footprints();
     drop(pipeline);
     device.memory_cleanup();
