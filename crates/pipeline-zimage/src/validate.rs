@@ -523,32 +523,39 @@ pub fn measure_calls(
     load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
 ) -> Result<Vec<CallReading>> {
-    let mut meter = None;
-    let pipeline = run_resident(device, name, total, load, opts, |readings| {
-        meter.insert(Meter::probing(Arc::new(offload_core::NoLedger), readings)).clone()
-    })?;
-    drop(pipeline);
-    device.memory_cleanup();
-    Ok(meter.map(|meter| meter.calls()).unwrap_or_default())
+    run_resident(
+        device,
+        name,
+        total,
+        load,
+        opts,
+        |readings| Meter::probing(Arc::new(offload_core::NoLedger), readings),
+        |_, meter| meter.calls(),
+    )
 }
 
-/// One image of `opts` on a real device from a released cache, every component resident under the ledger `ledger`
-/// makes of the pool's readings; the pipeline is returned for its figures (drop it, then release the cache).
-fn run_resident(
+/// One image of `opts` on a real device from a released cache, every component resident under the ledger that
+/// `ledger` makes of the pool's readings; `read` takes its figures from the pipeline and the ledger before the
+/// pipeline is dropped and the cache released again.
+fn run_resident<L: DeviceLedger + 'static, T>(
     device: &Device,
     name: &DeviceName,
     total: u64,
     load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
-    ledger: impl FnOnce(Arc<PoolReadings>) -> Arc<dyn DeviceLedger>,
-) -> Result<ZImagePipeline> {
+    ledger: impl FnOnce(Arc<PoolReadings>) -> Arc<L>,
+    read: impl FnOnce(&ZImagePipeline, &L) -> T,
+) -> Result<T> {
     device.memory_cleanup();
     let readings = PoolReadings::open(device.clone(), name.clone(), Some(total))?;
     let ledger = ledger(readings.clone());
-    let pipeline = load(Placement::on_device(device.clone(), name.clone(), ledger, Some(readings)))?;
+    let pipeline = load(Placement::on_device(device.clone(), name.clone(), ledger.clone(), Some(readings)))?;
     pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true)?;
     pipeline.generate(opts, &mut |_, _| {})?;
-    Ok(pipeline)
+    let figures = read(&pipeline, &ledger);
+    drop(pipeline);
+    device.memory_cleanup();
+    Ok(figures)
 }
 
 /// Measures each component's footprint on a real device ([`Footprint`]): one image of `opts` with every component
@@ -561,11 +568,15 @@ pub fn measure_footprints(
     load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
 ) -> Result<Vec<Footprint>> {
-    let pipeline = run_resident(device, name, total, load, opts, |_| Arc::new(offload_core::NoLedger))?;
-    let footprints = pipeline.manager().device_footprints();
-    drop(pipeline);
-    device.memory_cleanup();
-    Ok(footprints)
+    run_resident(
+        device,
+        name,
+        total,
+        load,
+        opts,
+        |_| Arc::new(offload_core::NoLedger),
+        |pipeline, _| pipeline.manager().device_footprints(),
+    )
 }
 
 /// The table of [`Case`]s: per preset and card, predicted and measured peak, bytes and moves, and their ratios
