@@ -72,6 +72,11 @@ impl Offloadable for GroupOffloadedModel {
         false
     }
 
+    /// The groups the prefetch worker uploaded that no call borrows (recorded as `oom_retry:<model>`).
+    fn release_idle(&mut self) -> u64 {
+        self.offload.release_idle_prefetches()
+    }
+
     fn class_name(&self) -> String {
         format!("GroupOffload<{}>", self.offload.config().model)
     }

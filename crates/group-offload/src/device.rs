@@ -891,7 +891,8 @@ impl CappedDevice {
 
     /// Checks `pages` against the cap and reserves them with `take`, in one critical section.
     fn reserve(&self, pages: u64, take: impl FnOnce(&mut Account)) -> std::result::Result<(), ComponentError> {
-        match reserve_in(&self.account, self.capacity, pages, || self.readings.observe(), take) {
+        let (read, release) = (|| self.readings.observe(), || self.readings.burn_device().memory_cleanup());
+        match reserve_in(&self.account, self.capacity, pages, read, release, take) {
             Ok(()) => Ok(()),
             Err(Refusal::Full { requested, free }) => Err(self.out_of_memory(requested, free)),
             Err(Refusal::Unreadable(unknown)) => Err(self.unreadable(unknown)),
@@ -909,25 +910,37 @@ enum Refusal {
 }
 
 /// What a cap of `capacity` can still give with `reserved` bytes on the account and the pool reading `now`: the
-/// cap less what is outside the pool and the larger of the account and the pool's allocations (the pool shows
-/// what nobody reserved), and never more than the device itself can give.
+/// cap less what is outside the pool and the larger of the account and the pool's pages (a card of the cap's
+/// size has to hold every page the pool holds, whatever part of it the allocations use: cubecl sizes a page to
+/// the running average of its bucket's requests and places a small allocation on any free page large enough, so
+/// the pages are not a function of the bytes asked; the pool shows what nobody reserved, such as a call's inputs
+/// and outputs), and never more than the device itself can give.
 fn free_under(capacity: u64, now: &PoolSnapshot, reserved: u64) -> u64 {
-    let charged = now.outside_pool().saturating_add((now.in_use + now.padding).max(reserved));
+    let charged = now.outside_pool().saturating_add(now.reserved.max(reserved));
     capacity.saturating_sub(charged).min(now.available())
 }
 
 /// The check and the reservation in one critical section: the account's lock is held from the reading to the
-/// reservation, so two threads can never both pass on the same free bytes.
+/// reservation, so two threads can never both pass on the same free bytes. When the pool's pages leave too little
+/// and some of them are its cache, the cache is released (`release`) and the pool read again before the request
+/// is refused, as torch's caching allocator empties its cache before it raises under a per-process memory
+/// fraction.
 fn reserve_in(
     account: &Mutex<Account>,
     capacity: u64,
     pages: u64,
-    read: impl FnOnce() -> std::result::Result<PoolSnapshot, ReadingUnavailable>,
+    mut read: impl FnMut() -> std::result::Result<PoolSnapshot, ReadingUnavailable>,
+    release: impl FnOnce(),
     take: impl FnOnce(&mut Account),
 ) -> std::result::Result<(), Refusal> {
     let mut account = account.lock();
-    let now = read().map_err(Refusal::Unreadable)?;
-    let free = free_under(capacity, &now, account.reserved());
+    let mut now = read().map_err(Refusal::Unreadable)?;
+    let mut free = free_under(capacity, &now, account.reserved());
+    if pages > free && now.cache() > 0 {
+        release();
+        now = read().map_err(Refusal::Unreadable)?;
+        free = free_under(capacity, &now, account.reserved());
+    }
     if pages > free {
         return Err(Refusal::Full { requested: pages, free });
     }
@@ -1013,19 +1026,12 @@ impl DeviceLedger for CappedDevice {
     }
 
     /// In hard mode, reserves the call's activation estimate (in pages) on this thread before the call runs, or
-    /// refuses the call with out-of-memory; then opens a window that keeps the call's high-water. The pool's
-    /// cache is released first when its pages and the call's could pass the cap, as torch's caching allocator
-    /// releases its cache before it raises under a per-process memory fraction.
+    /// refuses the call with out-of-memory; then opens a window that keeps the call's high-water. The estimate
+    /// is checked against the pool's pages, its cache released first when those leave too little room (the
+    /// call's new pages come on top of every page the pool holds).
     fn begin_call(&self, estimate: u64) -> std::result::Result<(), ComponentError> {
         if self.hard {
-            let now = self.readings.observe().map_err(|unknown| self.unreadable(unknown))?;
             let pages = self.pages.pages(estimate);
-            // The call's new pages come on top of the pool's, cache included (cubecl sizes a page to its
-            // allocation and reuses a cached one only when it fits): when those could pass the cap, the cache is
-            // released first, as a card of the cap's size would need.
-            if now.outside_pool() + now.reserved + pages > self.capacity {
-                self.readings.burn_device().memory_cleanup();
-            }
             let thread = std::thread::current().id();
             self.reserve(pages, |account| {
                 account.calls.insert(thread, pages);
@@ -1662,15 +1668,35 @@ mod tests {
     }
 
     #[test]
-    fn the_cap_counts_the_larger_of_the_account_and_the_pool_and_what_is_outside_it() {
+    fn the_cap_counts_the_larger_of_the_account_and_the_pools_pages_and_what_is_outside_it() {
         let now = PoolSnapshot { in_use: 600, padding: 40, reserved: 1_000, total: 10_000, driver_free: Some(7_000) };
-        // 2,000 outside the pool, 640 allocated in it.
-        assert_eq!(free_under(5_000, &now, 0), 2_360);
+        // 2,000 outside the pool, 1,000 of pages in it (640 of them allocated: the rest a card must hold too).
+        assert_eq!(free_under(5_000, &now, 0), 2_000);
         // The account holds more than the pool shows (reserved, not yet allocated): it counts.
         assert_eq!(free_under(5_000, &now, 1_640), 1_360);
         // Never more than the device itself can give.
         assert_eq!(free_under(100_000, &now, 0), 7_360);
         assert_eq!(free_under(1_000, &now, 0), 0);
+    }
+
+    #[test]
+    fn a_request_the_pages_refuse_is_granted_once_the_cache_is_released_and_only_then() {
+        let account = Mutex::new(Account::default());
+        // 3,000 of pages, 1,000 of them cache; a cap of 4,000 leaves 1,000, and 1,500 are asked.
+        let before = PoolSnapshot { in_use: 2_000, padding: 0, reserved: 3_000, total: 1 << 20, driver_free: None };
+        let after = PoolSnapshot { reserved: 2_000, ..before };
+        let released = std::cell::Cell::new(false);
+        let read = || Ok(if released.get() { after } else { before });
+        reserve_in(&account, 4_000, 1_500, read, || released.set(true), |a| a.placed += 1_500).expect("granted");
+        assert!(released.get(), "the cache was released before the request was granted");
+        assert_eq!(account.lock().placed, 1_500);
+        // A request that fits is granted without a release; one that the released pool still refuses is refused.
+        let (account, released) = (Mutex::new(Account::default()), std::cell::Cell::new(false));
+        let read = || Ok(after);
+        reserve_in(&account, 4_000, 100, read, || released.set(true), |a| a.placed += 100).expect("granted");
+        assert!(!released.get(), "nothing was released for a request that fitted");
+        let refused = reserve_in(&account, 4_000, 2_500, read, || (), |a| a.placed += 2_500);
+        assert!(matches!(refused, Err(Refusal::Full { requested: 2_500, free: 2_000 })), "{refused:?}");
     }
 
     #[test]
@@ -1691,7 +1717,7 @@ mod tests {
                             std::thread::yield_now();
                             Ok(empty)
                         };
-                        if reserve_in(&account, CAPACITY, pages, read, |a| a.placed += pages).is_ok() {
+                        if reserve_in(&account, CAPACITY, pages, read, || (), |a| a.placed += pages).is_ok() {
                             granted += 1;
                             assert!(account.lock().reserved() <= CAPACITY);
                             std::thread::yield_now();
@@ -1710,10 +1736,10 @@ mod tests {
         assert!(granted > 0 && refused > 0, "granted {granted}, refused {refused}");
         assert_eq!(account.placed, 0);
         assert!(account.high_water <= CAPACITY, "the account held {} of {CAPACITY}", account.high_water);
-        let refused = reserve_in(&Mutex::new(Account::default()), 100, 101, || Ok(empty), |_| {});
+        let refused = reserve_in(&Mutex::new(Account::default()), 100, 101, || Ok(empty), || (), |_| {});
         assert!(matches!(refused, Err(Refusal::Full { requested: 101, free: 100 })), "{refused:?}");
         let unknown = ReadingUnavailable { device: DeviceName::cpu(), message: "no answer".into() };
-        let refused = reserve_in(&Mutex::new(Account::default()), 100, 1, || Err(unknown), |_| {});
+        let refused = reserve_in(&Mutex::new(Account::default()), 100, 1, || Err(unknown.clone()), || (), |_| {});
         assert!(matches!(refused, Err(Refusal::Unreadable(_))), "{refused:?}");
     }
 

@@ -333,8 +333,8 @@ impl Shared {
     }
 
     /// Drops every group that is on the device only because it was prefetched and that nobody borrows (they
-    /// come back on their next take), each release recorded with `reason`; returns how many. Takes the lock.
-    pub fn release_idle_prefetches(&self, reason: &Reason) -> usize {
+    /// come back on their next take), each release recorded with `reason`; returns their bytes. Takes the lock.
+    pub fn release_idle_prefetches(&self, reason: &Reason) -> u64 {
         let mut state = self.state.lock();
         let idle: Vec<usize> = (0..state.groups.len())
             .filter(|&i| {
@@ -342,10 +342,11 @@ impl Shared {
                 slot.users == 0 && slot.prefetched && !slot.kept && matches!(slot.residency, Residency::OnDevice(_))
             })
             .collect();
+        let bytes = idle.iter().map(|&i| state.groups[i].host.bytes).sum();
         for &i in &idle {
             self.drop_from_device(&mut state, i, reason);
         }
-        idle.len()
+        bytes
     }
 
     /// Drops a group's device tensors and frees them on the ledger, the release recorded with `reason`. Called
@@ -535,7 +536,7 @@ impl Engine {
             // release as `oom_retry:<model>`: the out-of-memory is why they left.
             let dropped = shared.release_idle_prefetches(&Reason::OomRetry(self.model().to_string()));
             if dropped > 0 {
-                tracing::debug!(group = %host.id, dropped, "upload refused: dropped idle prefetches and retried");
+                tracing::debug!(group = %host.id, dropped, "upload refused: dropped idle prefetches (bytes) and retried");
                 result = shared.upload(&host, Reason::GroupOnload);
             }
         }
@@ -733,7 +734,7 @@ impl Engine {
             + self.shared.config.resident_budget
     }
 
-    /// The largest group's bytes.
+    /// Bytes of host copies pinned within the pinned budget, and of those the page-locked ones.
     pub fn pinned_bytes(&self) -> (u64, u64) {
         let state = self.shared.state.lock();
         let pinned = state.groups.iter().filter(|g| g.host.pinned).map(|g| g.host.bytes).sum();
@@ -741,8 +742,15 @@ impl Engine {
         (pinned, locked)
     }
 
+    /// The largest group's bytes, resident parts included.
     pub fn largest_group(&self) -> u64 {
         self.shared.state.lock().groups.iter().map(|g| g.host.bytes).max().unwrap_or(0)
+    }
+
+    /// The largest streamed group's bytes: the resident parts left out.
+    pub fn largest_streamed_group(&self) -> u64 {
+        let state = self.shared.state.lock();
+        state.groups.iter().filter(|g| !g.kept_at_start()).map(|g| g.host.bytes).max().unwrap_or(0)
     }
 
     /// Group ids and sizes, in registration order.

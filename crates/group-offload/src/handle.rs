@@ -139,6 +139,10 @@ impl<M: OffloadModel> Offloadable for GroupedModel<M> {
         self.releasable
     }
 
+    fn release_idle(&mut self) -> u64 {
+        self.model.release_idle()
+    }
+
     fn class_name(&self) -> String {
         format!("{} (group offload)", M::CLASS)
     }

@@ -211,10 +211,15 @@ impl GroupOffload {
     }
 
     /// Gives back every group on the device only because the worker prefetched it and that no guard borrows
-    /// (it comes back on its first take, as a miss); returns how many. A call whose activations the device
-    /// refuses calls it before it runs ([`run_call_making_room`](crate::device::run_call_making_room)), and the
-    /// record shows each release as `oom_retry:<model>`: offloaded because that call ran out of memory.
-    pub fn release_idle_prefetches(&self) -> usize {
+    /// (it comes back on its first take, as a miss); returns their bytes. The worker's uploads in flight are
+    /// waited for first, so the ones it had reserved room for are given back too: call it only where no call of
+    /// this model runs (nothing of its own is loading). A call whose activations the device
+    /// refuses calls it before it runs ([`run_call_making_room`](crate::device::run_call_making_room)), and so
+    /// does the manager when another component ran out of memory with nothing evictable left
+    /// ([`Offloadable::release_idle`](offload_core::Offloadable::release_idle)); the record shows each release
+    /// as `oom_retry:<model>`: offloaded because a call ran out of memory.
+    pub fn release_idle_prefetches(&self) -> u64 {
+        self.engine.wait_idle();
         let reason = offload_core::Reason::OomRetry(self.engine.model().to_string());
         self.engine.shared.release_idle_prefetches(&reason)
     }
@@ -322,6 +327,12 @@ impl GroupOffload {
     /// `resident + (d + 1) × largest` bytes of weights while guards are taken one at a time.
     pub fn largest_group(&self) -> u64 {
         self.engine.largest_group()
+    }
+
+    /// The largest group that streams (the resident parts, which stay on the device, left out): with resident
+    /// bytes and prefetch depth `d`, the ring of groups in use holds at most `(d + 1) ×` this.
+    pub fn largest_streamed_group(&self) -> u64 {
+        self.engine.largest_streamed_group()
     }
 
     /// A checksum of every group's host copy, to show an upload (or a failed one) left it unchanged.

@@ -128,6 +128,15 @@ pub trait Offloadable: Any + Send {
         true
     }
 
+    /// Gives back what the component holds on the device only in anticipation of its next call (a model under
+    /// group offload: the groups its prefetch worker uploaded that no call borrows yet, which come back on their
+    /// first take); returns the bytes given back. The manager calls it, on the components it may not evict and
+    /// that no call holds, when another component ran out of memory and nothing evictable is left, before it
+    /// reports that the component does not fit. Nothing by default.
+    fn release_idle(&mut self) -> u64 {
+        0
+    }
+
     /// Gives back what a failed call still holds on the device. The manager calls it once it has handled a
     /// call's out-of-memory error: after the `oom_retry` offload it recorded (whose readings show what the
     /// failed call held, as the anchor's do while the exception is alive) and before the call runs again or the

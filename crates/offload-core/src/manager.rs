@@ -810,6 +810,22 @@ impl ComponentsManager {
             .min_by_key(|(i, e)| (e.resident_bytes, *i))
             .map(|(i, _)| i);
         let Some(victim) = smallest else {
+            // Nothing left to evict: what the others hold only for their next call goes back before the verdict.
+            let released: u64 = state
+                .entries
+                .iter()
+                .filter(|e| e.id != id && e.device == device && !e.evictable && e.claims() == 0)
+                .map(|e| e.slot.lock().release_idle())
+                .sum();
+            if released > 0 {
+                tracing::warn!(
+                    component = id,
+                    released = %format_size(released),
+                    "out of device memory ({error}); gave back what the components under group offload had \
+                     prefetched, and retrying"
+                );
+                return Ok(());
+            }
             let bytes = state.index(id).map(|i| state.entries[i].resident_bytes).unwrap_or(0);
             return Err(Error::DoesNotFit { id: id.to_string(), bytes, device, source: error });
         };

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use common::{Dummy, UNIT, hard_card, patched_card};
 use expect_test::expect;
-use offload_core::{Action, ComponentsManager, DeviceName, Error, Lookup, Reason};
+use offload_core::{Action, ComponentsManager, DeviceLedger, DeviceName, Error, Lookup, Reason};
 use offload_strategy::OffloadView;
 
 /// A second component type, to run a component as the wrong type.
@@ -342,6 +342,69 @@ fn oom_reraises_with_advice_when_nothing_is_left_to_offload() {
     // Nothing lost: the component is still registered, on a known device, and runs with a smaller output.
     assert_eq!(device_of(&manager, &model), "cuda:0");
     assert!(manager.run(&model, |m: &mut Dummy| m.forward(1.0, 8 * UNIT)).is_ok());
+}
+
+/// A model under group offload as the manager sees it: never evicted, 16 units resident, and `idle` units its
+/// prefetch worker uploaded for its next call, which it gives back when asked.
+struct Streamer {
+    card: Arc<memory_sim::SimCard>,
+    device: DeviceName,
+    idle: u64,
+}
+
+impl offload_core::Offloadable for Streamer {
+    fn bytes(&self) -> u64 {
+        64 * UNIT
+    }
+    fn device(&self) -> DeviceName {
+        self.device.clone()
+    }
+    fn onload(&mut self, device: &DeviceName) -> Result<(), offload_core::ComponentError> {
+        self.card.allocate(16 * UNIT + self.idle)?;
+        self.device = device.clone();
+        Ok(())
+    }
+    fn offload(&mut self) -> Result<(), offload_core::ComponentError> {
+        self.card.free(16 * UNIT + self.idle);
+        self.idle = 0;
+        self.device = DeviceName::cpu();
+        Ok(())
+    }
+    fn resident_bytes(&self) -> u64 {
+        16 * UNIT
+    }
+    fn evictable(&self) -> bool {
+        false
+    }
+    fn release_idle(&mut self) -> u64 {
+        self.card.free(self.idle);
+        std::mem::take(&mut self.idle)
+    }
+}
+
+/// A component that runs out of memory with nothing evictable left first gets what the components under group
+/// offload hold only for their next call (their idle prefetches), then runs; with nothing idle it does not fit.
+#[test]
+fn oom_retry_takes_back_idle_prefetches_before_it_gives_up() {
+    let card = hard_card(100 * UNIT);
+    let manager = ComponentsManager::new();
+    let streamer = Streamer { card: card.clone(), device: DeviceName::cpu(), idle: 40 * UNIT };
+    let streamer = manager.add("transformer", streamer, None).unwrap();
+    let decoder = manager.add("decoder", Dummy::new(32 * UNIT, &card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    manager.run(&streamer, |_: &mut Streamer| Ok(())).unwrap();
+    // 56 units held (16 resident, 40 idle), 32 for the decoder's weights: its 40-unit output does not fit until
+    // the idle 40 go back.
+    assert_eq!(run_decode(&manager, &decoder, 40 * UNIT), Ok(2.0 + 32.0 * UNIT as f64 / 7.0));
+    assert_eq!(device_of(&manager, &streamer), "cuda:0", "never evicted");
+    assert_eq!(manager.inspect(&streamer, |s: &Streamer| s.idle).unwrap(), 0, "its idle prefetches went back");
+    // Nothing idle is left: an output that the resident 16 units leave no room for does not fit, typed.
+    let err = manager.run(&decoder, |m: &mut Dummy| m.decode(1.0, 60 * UNIT)).unwrap_err();
+    assert!(matches!(err, Error::DoesNotFit { .. }), "{err:?}");
+}
+
+fn run_decode(manager: &ComponentsManager, id: &str, output: u64) -> Result<f64, String> {
+    manager.run(id, |m: &mut Dummy| m.decode(1.0, output)).map_err(|e| e.to_string())
 }
 
 #[test]
