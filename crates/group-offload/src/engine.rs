@@ -536,7 +536,7 @@ impl Engine {
             // release as `oom_retry:<model>`: the out-of-memory is why they left.
             let dropped = shared.release_idle_prefetches(&Reason::OomRetry(self.model().to_string()));
             if dropped > 0 {
-                tracing::debug!(group = %host.id, dropped, "upload refused: dropped idle prefetches (bytes) and retried");
+                tracing::debug!(group = %host.id, dropped_bytes = dropped, "upload refused: dropped idle prefetches and retried");
                 result = shared.upload(&host, Reason::GroupOnload);
             }
         }
