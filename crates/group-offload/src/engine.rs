@@ -16,13 +16,14 @@
 //! the next groups to run.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use burn::tensor::Device;
 use offload_core::link::LinkSample;
 use offload_core::timeline::category;
-use offload_core::{Action, ComponentError, Direction, OffloadEvent, Reason};
+use offload_core::{Action, ComponentError, DeviceName, Direction, OffloadEvent, Reason};
 use parking_lot::{Condvar, Mutex};
 
 use crate::config::GroupOffloadConfig;
@@ -179,6 +180,9 @@ pub(crate) struct Shared {
     pub config: GroupOffloadConfig,
     state: Mutex<State>,
     changed: Condvar,
+    /// Set when the engine is dropped: a prefetch still queued on the device's shared upload thread is then
+    /// skipped, not uploaded for a model that is gone.
+    closed: AtomicBool,
 }
 
 struct Job {
@@ -186,21 +190,72 @@ struct Job {
     host: Arc<GroupHost>,
 }
 
+/// A unit of work for a device's shared upload thread.
+type Task = Box<dyn FnOnce() + Send>;
+
+/// Where an engine's prefetches run.
+enum Worker {
+    /// A thread of the engine's own, ended with it: burn's CPU backend, which has no streams (the simulated
+    /// card's link is paced per model on it).
+    Own { jobs: mpsc::Sender<Job>, thread: JoinHandle<()> },
+    /// The device's one upload thread, shared by every engine on that device for the life of the process: on a
+    /// cubecl runtime a thread is a stream with pools of its own, and a new stream sizes its first pages far
+    /// above small tensors (see [`device_uploads`]), so a thread per model and per load paid that again each
+    /// time.
+    Device(mpsc::Sender<Task>),
+}
+
 /// The engine: shared state plus the worker thread that owns the prefetch stream.
 pub(crate) struct Engine {
     pub shared: Arc<Shared>,
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
+    worker: Mutex<Option<Worker>>,
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // Closing the channel ends the worker's loop; joining waits for an upload in flight.
-        self.jobs.lock().take();
-        if let Some(handle) = self.worker.lock().take() {
-            let _ = handle.join();
+        match self.worker.lock().take() {
+            // Closing the channel ends the worker's loop; joining waits for an upload in flight.
+            Some(Worker::Own { jobs, thread }) => {
+                drop(jobs);
+                let _ = thread.join();
+            }
+            // The shared thread lives on: the prefetches still queued are skipped, and the one in flight is
+            // waited for, so no upload of this model outlives it.
+            Some(Worker::Device(_)) => {
+                self.shared.closed.store(true, Ordering::Release);
+                self.wait_idle();
+            }
+            None => {}
         }
     }
+}
+
+/// The upload thread of `device`, started at its first use and kept for the process (threads named
+/// `group-offload-uploads-<device>`, so the checks they make count as a worker's).
+///
+/// Why one per device: cubecl gives each thread a stream, and each stream its own pools. Its exclusive pool
+/// (`PagePolicy::Exclusive`) sizes a new page to the larger of the request and a running average of its
+/// bucket's requests, which starts at half the bucket's largest size and moves 1% toward each request. On a new
+/// stream a tensor of a few KB therefore takes a page of about 16 KB, and so does each uniform buffer of the
+/// upload check's launches, until some hundreds of requests have passed. Measured on lavapipe with a new worker
+/// per model: a streamed text encoder's worker held 341 KB of pages for 37 KB of tensors and 241 KB of uniform
+/// pages for 896 B (`docs/devices.md`).
+fn device_uploads(device: &Device, name: &DeviceName) -> std::io::Result<mpsc::Sender<Task>> {
+    static UPLOADS: Mutex<Vec<(Device, mpsc::Sender<Task>)>> = Mutex::new(Vec::new());
+    let mut uploads = UPLOADS.lock();
+    if let Some((_, sender)) = uploads.iter().find(|(d, _)| d == device) {
+        return Ok(sender.clone());
+    }
+    let (sender, tasks) = mpsc::channel::<Task>();
+    std::thread::Builder::new().name(format!("group-offload-uploads-{name}")).spawn(move || {
+        // Each task catches its own panics (`run_job`), so the thread serves the device's models until the process
+        // ends.
+        while let Ok(task) = tasks.recv() {
+            task();
+        }
+    })?;
+    uploads.push((device.clone(), sender.clone()));
+    Ok(sender)
 }
 
 impl Shared {
@@ -392,19 +447,31 @@ impl Engine {
                 stray_failure: None,
             }),
             changed: Condvar::new(),
+            closed: AtomicBool::new(false),
         });
-        let (sender, receiver) = mpsc::channel::<Job>();
-        let worker_shared = shared.clone();
-        // On CUDA, burn gives every OS thread its own stream, so this thread is the prefetch stream: its uploads
-        // overlap the compute queued by the caller, and burn orders cross-stream use with events.
-        let handle = std::thread::Builder::new()
-            .name(format!("group-offload-{model}"))
-            .spawn(move || worker_loop(&worker_shared, &receiver))
-            .map_err(|e| Error::InvalidConfig {
-                model: model.clone(),
-                problem: format!("cannot start the prefetch worker: {e}"),
-            })?;
-        Ok(Arc::new(Self { shared, jobs: Mutex::new(Some(sender)), worker: Mutex::new(Some(handle)) }))
+        let unstarted = |e: std::io::Error| Error::InvalidConfig {
+            model: model.clone(),
+            problem: format!("cannot start the prefetch worker: {e}"),
+        };
+        let worker = if shared.config.device == Device::flex() {
+            let (jobs, receiver) = mpsc::channel::<Job>();
+            let worker_shared = shared.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("group-offload-{model}"))
+                .spawn(move || {
+                    while let Ok(job) = receiver.recv() {
+                        run_job(&worker_shared, job);
+                    }
+                })
+                .map_err(unstarted)?;
+            Worker::Own { jobs, thread }
+        } else {
+            // On CUDA and wgpu, burn gives every OS thread its own stream, so the upload thread is the prefetch
+            // stream: its uploads overlap the compute queued by the caller, and burn orders cross-stream use with
+            // events.
+            Worker::Device(device_uploads(&shared.config.device, &shared.config.device_name).map_err(unstarted)?)
+        };
+        Ok(Arc::new(Self { shared, worker: Mutex::new(Some(worker)) }))
     }
 
     pub fn model(&self) -> &str {
@@ -581,14 +648,22 @@ impl Engine {
         for i in stale {
             self.shared.drop_from_device(state, i, &Reason::GroupOffload);
         }
-        let jobs = self.jobs.lock();
+        let worker = self.worker.lock();
         for next in window {
             let slot = &mut state.groups[next];
             if !matches!(slot.residency, Residency::Offloaded) {
                 continue;
             }
-            let Some(sender) = jobs.as_ref() else { return };
-            if sender.send(Job { group: next, host: slot.host.clone() }).is_ok() {
+            let job = Job { group: next, host: slot.host.clone() };
+            let sent = match worker.as_ref() {
+                Some(Worker::Own { jobs, .. }) => jobs.send(job).is_ok(),
+                Some(Worker::Device(tasks)) => {
+                    let shared = self.shared.clone();
+                    tasks.send(Box::new(move || run_job(&shared, job))).is_ok()
+                }
+                None => return,
+            };
+            if sent {
                 slot.residency = Residency::Loading;
                 slot.prefetched = true;
                 state.stats.prefetches += 1;
@@ -791,23 +866,39 @@ impl GroupSlot {
     }
 }
 
-fn worker_loop(shared: &Shared, jobs: &mpsc::Receiver<Job>) {
-    while let Ok(job) = jobs.recv() {
-        let result = shared.upload(&job.host, Reason::Prefetch);
-        let mut state = shared.state.lock();
-        let slot = &mut state.groups[job.group];
-        match result {
-            Ok(tensors) => {
-                slot.residency = Residency::OnDevice(tensors);
-                state.stats.bytes_onloaded += job.host.bytes;
-            }
-            Err(e) => {
-                slot.residency = Residency::Offloaded;
-                slot.prefetched = false;
-                state.stats.failed_prefetches += 1;
-                tracing::warn!(error = %e, "prefetch failed; the group will be loaded when it is taken");
-            }
+/// One prefetch, on the worker: uploads the job's group and publishes it, or leaves it offloaded (to be loaded
+/// when taken) when the upload fails or the engine is gone.
+fn run_job(shared: &Shared, job: Job) {
+    let result = if shared.closed.load(Ordering::Acquire) {
+        None
+    } else {
+        // A panic past the upload's own device guards fails this prefetch alone: the group is left offloaded and
+        // its waiters woken, rather than the group left loading forever and the worker gone.
+        let upload =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.upload(&job.host, Reason::Prefetch)));
+        Some(upload.unwrap_or_else(|_| {
+            let message = "the prefetch panicked; the group will be loaded when it is taken".to_string();
+            let source = ComponentError::Device { device: shared.config.device_name.clone(), message };
+            Err(shared.onload_error(&job.host, source))
+        }))
+    };
+    let mut state = shared.state.lock();
+    let slot = &mut state.groups[job.group];
+    match result {
+        Some(Ok(tensors)) => {
+            slot.residency = Residency::OnDevice(tensors);
+            state.stats.bytes_onloaded += job.host.bytes;
         }
-        shared.changed.notify_all();
+        Some(Err(e)) => {
+            slot.residency = Residency::Offloaded;
+            slot.prefetched = false;
+            state.stats.failed_prefetches += 1;
+            tracing::warn!(error = %e, "prefetch failed; the group will be loaded when it is taken");
+        }
+        None => {
+            slot.residency = Residency::Offloaded;
+            slot.prefetched = false;
+        }
     }
+    shared.changed.notify_all();
 }

@@ -2,9 +2,9 @@
 //! Mesa's lavapipe driver, which runs on the CPU). What only a device can show: parity against diffusers' goldens,
 //! auto offload deciding from the device's own pool readings with no simulated card, block and leaf group
 //! offload with prefetch (the pool's high-water within the ring bound, every streamed group's memory returned,
-//! resident groups really on the device), the decode OOM recovered under a hard cap over the device, the hard
-//! cap's account under contention between the prefetch worker and the main thread (100 runs), and a refused
-//! allocation typed as a device error with nothing lost.
+//! resident groups really on the device, every model's prefetches on the device's one upload thread), the decode
+//! OOM recovered under a hard cap over the device, the hard cap's account under contention between the prefetch
+//! worker and the main thread (100 runs), and a refused allocation typed as a device error with nothing lost.
 //!
 //! Run it with `cargo test -p pipeline-zimage --features wgpu --test real_device` (Debian:
 //! `apt-get install mesa-vulkan-drivers libvulkan1` first). The device's pool is one per process, so the tests
@@ -279,6 +279,80 @@ fn group_offload_streams_within_the_ring_bound_and_returns_every_groups_memory()
     }
 }
 
+/// Two streamed models on one device prefetch on the device's one upload thread (one stream, whose page sizes
+/// follow every group it uploaded, where a thread per model started a new stream each time: `docs/devices.md`),
+/// and a model dropped with prefetches queued or in flight leaves none of its groups on the device.
+#[test]
+fn models_on_one_device_prefetch_on_its_one_upload_thread_and_a_dropped_one_leaves_nothing() {
+    use offload_core::Timeline;
+    use offload_core::timeline::{ArgValue, EventKind, category};
+
+    let (device, name, _turn) = device();
+    let (model, xs, t, caps) = transformer_and_inputs(&device);
+    let inputs = in_use(&device);
+    let timeline = Timeline::enabled();
+    let options = GroupOptions {
+        level: GroupLevel::Block { blocks_per_group: 1 },
+        prefetch: true,
+        prefetch_depth: 2,
+        ..GroupOptions::default()
+    };
+    let grouped = |id: &str| {
+        let config =
+            GroupOffloadConfig::new(id, device.clone()).with_device_name(name.clone()).with_timeline(timeline.clone());
+        GroupedModel::<ZImageTransformer2DModel>::new(model.clone(), config, &options, Arc::new(NoLedger))
+            .expect("group offload")
+    };
+    let (mut first, mut second) = (grouped("first"), grouped("second"));
+    for _ in 0..2 {
+        for grouped in [&mut first, &mut second] {
+            let out = grouped
+                .run(0, |model, _| model.forward_items(xs.clone(), t.clone(), caps.clone()))
+                .expect("a forward under group offload");
+            let _ = values(out[0].clone());
+        }
+    }
+    second.offload().wait_idle();
+    let prefetches: Vec<_> = timeline
+        .events()
+        .into_iter()
+        .filter(|e| e.category == category::UPLOAD && matches!(e.kind, EventKind::Span { .. }))
+        .filter(|e| matches!(e.arg("reason"), Some(ArgValue::Text(reason)) if reason == &Reason::Prefetch.to_string()))
+        .collect();
+    let threads: std::collections::BTreeSet<_> = prefetches.iter().map(|e| e.thread).collect();
+    assert!(prefetches.len() >= 2, "both models prefetched: {} prefetch spans", prefetches.len());
+    assert_eq!(threads.len(), 1, "every prefetch on one thread: {threads:?}");
+    let thread = *threads.first().expect("a thread");
+    let thread_name = timeline.threads().into_iter().find(|t| t.tid == thread).expect("a named thread").name;
+    assert_eq!(thread_name, format!("group-offload-uploads-{name}"));
+    for grouped in [&first, &second] {
+        assert!(grouped.offload().stats().prefetch_hits > 0, "{:?}", grouped.offload().stats());
+    }
+
+    // A forward leaves the next forward's first groups prefetched (queued or in flight); dropping the model then
+    // waits for the one in flight and skips the rest, and nothing of it stays on the device.
+    let out = first
+        .run(0, |model, _| model.forward_items(xs.clone(), t.clone(), caps.clone()))
+        .expect("a forward under group offload");
+    let _ = values(out[0].clone());
+    drop(out);
+    drop(first);
+    second.offload().wait_idle();
+    let second_on_device: u64 = second
+        .offload()
+        .groups()
+        .into_iter()
+        .filter(|(id, _)| second.offload().on_device().contains(id))
+        .map(|(_, bytes)| bytes)
+        .sum();
+    let held = in_use(&device) - inputs;
+    assert!(
+        (second_on_device..=second_on_device + RUNTIME_BUFFERS).contains(&held),
+        "the pool holds {held} B with the first model dropped; the second reports {second_on_device} B"
+    );
+    Offloadable::offload(&mut second).expect("offload");
+    assert!(in_use(&device) <= inputs + RUNTIME_BUFFERS, "every group's memory is back");
+}
 #[test]
 fn the_pipeline_streams_both_encoders_on_the_device_and_gives_the_resident_image() {
     let (device, name, _turn) = device();

@@ -2,8 +2,8 @@
 //! three cards sized from the tiny pipeline's footprints on the device: the bytes moved and the moves per image
 //! are the planner's exactly; with each component's footprint measured in the pool's pages at its first whole
 //! onload, the predicted device peak is within 10% of the pool's page high-water (the cache released before each
-//! call) on every route, and so is each phase of a component moved whole or resident. A streamed component's
-//! phase is held to the measured bounds `docs/benchmarks.md` explains (its groups' pages are above its average).
+//! call) on every route, and so is each phase, streamed ones included, but for one measured exception above the
+//! goal (the tiny text encoder at block level; see the test).
 //! Each call's pages are also checked against the activation estimate they were fitted to.
 //!
 //! `cargo test -p pipeline-zimage --features wgpu --test validate_device -- --nocapture` prints the table.
@@ -80,23 +80,21 @@ fn every_preset_on_the_real_device_moves_what_the_plan_predicts_and_peaks_near_i
         // With the footprints measured, the run's peak is within 10% on every route (measured 1.002 to 1.066;
         // 0.815 to 0.944 when the planner counted weight bytes).
         assert!((0.90..=1.10).contains(&ratio), "{} on {}: peak ratio {ratio:.3}\n{table}", v.preset, v.card);
-        // Per phase, in the plan's component order. A component moved whole or resident is within 10%. A streamed
-        // one is predicted from its whole footprint's proportion, which its groups do not keep: a streamed block's
-        // small tensors each take a page of their own, above the component's average (measured: the text
-        // encoder's streamed phase 0.39 to 0.48, the transformer's 0.89 to 0.98; docs/benchmarks.md), so those
-        // are held to the measured bounds, not to the goal.
+        // Per phase, in the plan's component order, within 10%, streamed components included (measured: the
+        // transformer's streamed phase 0.939 to 0.998, the text encoder's at leaf level 1.066; 0.39 to 0.48 for
+        // the text encoder and 0.89 to 0.98 for the transformer while each model had an upload thread, and so a
+        // stream, of its own: docs/devices.md). One bound is wider, and above: for the tiny text encoder at block
+        // level the plan's window comes to its whole footprint (275,073 B predicted, 275,072 B whole), measured on
+        // the compute stream at its whole onload, while streamed it took 229 to 242 KB of pages against 268 KB
+        // whole (measured 1.136 to 1.198: over, the side on which a card sized from the plan still fits).
         let routes: Vec<&str> = v.routes.split('/').collect();
         for (i, (component, predicted, measured)) in v.phases.iter().enumerate() {
             let phase = *predicted as f64 / (*measured).max(1) as f64;
             println!("{} on {}: {component} {predicted}/{measured} {phase:.3}", v.preset, v.card);
-            let streamed = routes.get(i).is_some_and(|r| r.starts_with("block") || r.starts_with("leaf"));
-            let floor = match (streamed, component.as_str()) {
-                (false, _) => 0.90,
-                (true, "text_encoder") => 0.35,
-                (true, _) => 0.85,
-            };
+            let block = routes.get(i).is_some_and(|r| r.starts_with("block"));
+            let ceiling = if block && component == "text_encoder" { 1.25 } else { 1.10 };
             assert!(
-                (floor..=1.10).contains(&phase),
+                (0.90..=ceiling).contains(&phase),
                 "{} on {}: {component}'s phase {phase:.3}\n{table}",
                 v.preset,
                 v.card
