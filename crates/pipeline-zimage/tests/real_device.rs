@@ -161,6 +161,12 @@ fn auto_offload_decides_from_the_devices_own_readings() {
 }
 
 /// The transformer alone, its golden inputs on `device`.
+/// The bytes of `offload`'s groups on the device now, by its own account.
+fn bytes_on_device(offload: &group_offload::parts::GroupOffload) -> u64 {
+    let on_device = offload.on_device();
+    offload.groups().into_iter().filter(|(id, _)| on_device.contains(id)).map(|(_, bytes)| bytes).sum()
+}
+
 fn transformer_and_inputs(device: &Device) -> (ZImageTransformer2DModel, Vec<Tensor<4>>, Tensor<1>, Vec<Tensor<2>>) {
     let checkpoint = Checkpoint::open(fixtures().join("tiny-z-image-turbo")).expect("the tiny checkpoint");
     let (model, _) = checkpoint.load_transformer(&Device::flex(), &LoadOptions::new()).expect("the transformer");
@@ -257,12 +263,7 @@ fn group_offload_streams_within_the_ring_bound_and_returns_every_groups_memory()
 
         // After a forward only the resident groups and the next forward's prefetched groups are on the device.
         offload.wait_idle();
-        let on_device: u64 = offload
-            .groups()
-            .into_iter()
-            .filter(|(id, _)| offload.on_device().contains(id))
-            .map(|(_, bytes)| bytes)
-            .sum();
+        let on_device = bytes_on_device(&offload);
         let held = in_use(&device) - inputs;
         assert!(
             (on_device..=on_device + RUNTIME_BUFFERS).contains(&held),
@@ -338,13 +339,7 @@ fn models_on_one_device_prefetch_on_its_one_upload_thread_and_a_dropped_one_leav
     drop(out);
     drop(first);
     second.offload().wait_idle();
-    let second_on_device: u64 = second
-        .offload()
-        .groups()
-        .into_iter()
-        .filter(|(id, _)| second.offload().on_device().contains(id))
-        .map(|(_, bytes)| bytes)
-        .sum();
+    let second_on_device = bytes_on_device(second.offload());
     let held = in_use(&device) - inputs;
     assert!(
         (second_on_device..=second_on_device + RUNTIME_BUFFERS).contains(&held),
