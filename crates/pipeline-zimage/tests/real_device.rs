@@ -348,6 +348,7 @@ fn models_on_one_device_prefetch_on_its_one_upload_thread_and_a_dropped_one_leav
     Offloadable::offload(&mut second).expect("offload");
     assert!(in_use(&device) <= inputs + RUNTIME_BUFFERS, "every group's memory is back");
 }
+
 #[test]
 fn the_pipeline_streams_both_encoders_on_the_device_and_gives_the_resident_image() {
     let (device, name, _turn) = device();
