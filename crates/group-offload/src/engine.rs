@@ -241,20 +241,20 @@ impl Drop for Engine {
 /// per model: a streamed text encoder's worker held 341 KB of pages for 37 KB of tensors and 241 KB of uniform
 /// pages for 896 B (`docs/devices.md`).
 fn device_uploads(device: &Device, name: &DeviceName) -> std::io::Result<mpsc::Sender<Task>> {
-    static UPLOADS: Mutex<Vec<(Device, mpsc::Sender<Task>)>> = Mutex::new(Vec::new());
+    static UPLOADS: Mutex<Vec<(Device, mpsc::Sender<Task>, JoinHandle<()>)>> = Mutex::new(Vec::new());
     let mut uploads = UPLOADS.lock();
-    if let Some((_, sender)) = uploads.iter().find(|(d, _)| d == device) {
+    // A thread that a panicking upload ended is replaced, not handed out.
+    uploads.retain(|(_, _, thread)| !thread.is_finished());
+    if let Some((_, sender, _)) = uploads.iter().find(|(d, _, _)| d == device) {
         return Ok(sender.clone());
     }
     let (sender, tasks) = mpsc::channel::<Task>();
-    std::thread::Builder::new().name(format!("group-offload-uploads-{name}")).spawn(move || {
-        // Each task catches its own panics (`run_job`), so the thread serves the device's models until the process
-        // ends.
+    let thread = std::thread::Builder::new().name(format!("group-offload-uploads-{name}")).spawn(move || {
         while let Ok(task) = tasks.recv() {
             task();
         }
     })?;
-    uploads.push((device.clone(), sender.clone()));
+    uploads.push((device.clone(), sender.clone(), thread));
     Ok(sender)
 }
 
@@ -869,19 +869,9 @@ impl GroupSlot {
 /// One prefetch, on the worker: uploads the job's group and publishes it, or leaves it offloaded (to be loaded
 /// when taken) when the upload fails or the engine is gone.
 fn run_job(shared: &Shared, job: Job) {
-    let result = if shared.closed.load(Ordering::Acquire) {
-        None
-    } else {
-        // A panic past the upload's own device guards fails this prefetch alone: the group is left offloaded and
-        // its waiters woken, rather than the group left loading forever and the worker gone.
-        let upload =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| shared.upload(&job.host, Reason::Prefetch)));
-        Some(upload.unwrap_or_else(|_| {
-            let message = "the prefetch panicked; the group will be loaded when it is taken".to_string();
-            let source = ComponentError::Device { device: shared.config.device_name.clone(), message };
-            Err(shared.onload_error(&job.host, source))
-        }))
-    };
+    let _unwinding = Unwinding { shared, group: job.group };
+    let result =
+        if shared.closed.load(Ordering::Acquire) { None } else { Some(shared.upload(&job.host, Reason::Prefetch)) };
     let mut state = shared.state.lock();
     let slot = &mut state.groups[job.group];
     match result {
@@ -901,4 +891,27 @@ fn run_job(shared: &Shared, job: Job) {
         }
     }
     shared.changed.notify_all();
+}
+
+/// Puts a prefetch's group back to offloaded when its upload unwinds (a panic past the upload's own device guards,
+/// in a ledger or a host read), so that no caller waits for ever on a group that will not arrive. The panic goes
+/// on: it is not turned into an error, and the worker thread ends with it (a device's upload thread is then started
+/// again for the next engine, [`device_uploads`]; the groups of the engines that used it load when taken).
+struct Unwinding<'a> {
+    shared: &'a Shared,
+    group: usize,
+}
+
+impl Drop for Unwinding<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let mut state = self.shared.state.lock();
+        let slot = &mut state.groups[self.group];
+        slot.residency = Residency::Offloaded;
+        slot.prefetched = false;
+        state.stats.failed_prefetches += 1;
+        self.shared.changed.notify_all();
+    }
 }

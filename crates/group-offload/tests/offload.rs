@@ -803,3 +803,49 @@ fn the_timeline_holds_each_groups_upload_compute_and_release_prefetches_on_the_w
     assert_eq!(samples.len() as u64, stats.onloads + stats.prefetches + stats.offloads);
     assert!(samples.iter().all(|s| s.allocated <= card.peak()));
 }
+
+/// A ledger that panics when a prefetch worker asks it for room, and defers to the card on every other thread.
+struct PanicsOnTheWorker(Arc<SimCard>);
+
+impl offload_core::DeviceLedger for PanicsOnTheWorker {
+    fn allocate(&self, bytes: u64) -> Result<(), offload_core::ComponentError> {
+        self.0.allocate(bytes)
+    }
+
+    fn free(&self, bytes: u64) {
+        self.0.free(bytes)
+    }
+
+    fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), offload_core::ComponentError> {
+        let worker = std::thread::current().name().is_some_and(|name| name.starts_with("group-offload-"));
+        assert!(!worker, "a ledger bug on the prefetch worker");
+        self.0.allocate_tensors(sizes)
+    }
+
+    fn free_tensors(&self, sizes: &[u64]) {
+        self.0.free_tensors(sizes)
+    }
+}
+
+/// A prefetch whose upload panics outside the device's own operations (here in a ledger) is not turned into an
+/// error and leaves no group loading for ever: the group goes back offloaded, the forward that takes it loads it
+/// itself, and every output is the resident model's.
+#[test]
+fn a_panicking_prefetch_leaves_its_group_offloaded_and_the_forward_loads_it() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    let card = hard_card(GIB);
+    let config = config(&card, true).with_ledger(Arc::new(PanicsOnTheWorker(card.clone())));
+    let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
+    for pass in 0..3 {
+        let out = offloaded.forward(x.clone()).unwrap();
+        assert!(max_abs_diff(&out, &expected) <= 1e-6, "pass {pass}");
+    }
+    offloaded.offload.wait_idle();
+    let stats = offloaded.offload.stats();
+    assert!(stats.failed_prefetches >= 1, "{stats:?}");
+    assert_eq!(stats.prefetch_hits, 0, "{stats:?}");
+    assert!(stats.misses > 0, "the groups were loaded when taken: {stats:?}");
+}
