@@ -298,6 +298,9 @@ pub fn plan_and_apply(
     let mut specs = specs.to_vec();
     let footprints: Vec<_> = device.footprints.iter().cloned().chain(manager.device_footprints()).collect();
     offload_core::plan::apply_footprints(&mut specs, &footprints);
+    // What their calls took on it, the same way (a call counts as the larger of its estimate and its pages).
+    let calls: Vec<_> = device.call_footprints.iter().cloned().chain(manager.call_footprints()).collect();
+    offload_core::plan::apply_call_footprints(&mut specs, &calls);
     let specs = specs.as_slice();
     let plan = plan_pipeline(specs, settings.clone(), &device.machine())?;
     let outside = specs.iter().find(|s| s.name == calibrated).and_then(|s| s.layout.as_ref()).map(|l| l.outside_bytes);

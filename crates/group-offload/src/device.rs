@@ -66,6 +66,7 @@ use std::time::Duration;
 use burn::tensor::{DType, Device, Tensor};
 pub use offload_core::device::ReadingUnavailable;
 use offload_core::offload_strategy::MemoryReading;
+use offload_core::plan::CallPages;
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, format_size};
 use parking_lot::Mutex;
 
@@ -389,9 +390,19 @@ struct PoolState {
     driver: Driver,
     peak: AtomicU64,
     reserved_peak: AtomicU64,
-    /// Per thread running a call: the highest in-use reading since the call began.
-    windows: Mutex<HashMap<ThreadId, CallWindow>>,
+    /// The open call windows: one per thread running a capped call ([`PoolReadings::begin_window`]) and one per
+    /// token of [`DeviceMemory::open_call_window`], each with the highest readings since it opened.
+    windows: Mutex<HashMap<WindowKey, CallWindow>>,
+    /// The next token [`DeviceMemory::open_call_window`] hands out.
+    next_token: AtomicU64,
     stop: AtomicBool,
+}
+
+/// Who a call window belongs to: a thread (a capped device's call) or a token (a component measuring its call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum WindowKey {
+    Thread(ThreadId),
+    Token(u64),
 }
 
 /// What one call window saw: the reading when it began and the highest readings since.
@@ -593,6 +604,7 @@ impl PoolReadings {
             peak: AtomicU64::new(0),
             reserved_peak: AtomicU64::new(0),
             windows: Mutex::new(HashMap::new()),
+            next_token: AtomicU64::new(1),
             stop: AtomicBool::new(false),
         });
         state.observe().map_err(|unknown| Error::NoPoolReadings { device: unknown.device.to_string() })?;
@@ -652,7 +664,7 @@ impl PoolReadings {
         let mut windows = self.state.windows.lock();
         let start = self.state.snapshot()?;
         let window = CallWindow { start, high_in_use: start.in_use, high_reserved: start.reserved };
-        windows.insert(std::thread::current().id(), window);
+        windows.insert(WindowKey::Thread(std::thread::current().id()), window);
         Ok(start)
     }
 
@@ -660,7 +672,7 @@ impl PoolReadings {
     /// the last reading fails the window is closed and the failure returned, since its high-water is not known.
     pub fn end_window(&self) -> std::result::Result<Option<CallWindow>, ReadingUnavailable> {
         let last = self.state.observe();
-        let window = self.state.windows.lock().remove(&std::thread::current().id());
+        let window = self.state.windows.lock().remove(&WindowKey::Thread(std::thread::current().id()));
         last.map(|_| window)
     }
 }
@@ -722,6 +734,26 @@ impl DeviceMemory for PoolReadings {
             return Ok(None);
         }
         Ok(Some(self.observe()?.reserved))
+    }
+
+    /// A window of its own (independent of a capped device's per-thread window), where each allocation has a page
+    /// of its own; `Ok(None)` where pages are shared, for the reason [`held`](Self::held) gives.
+    fn open_call_window(&self) -> std::result::Result<Option<u64>, ReadingUnavailable> {
+        if !self.state.exclusive_pages {
+            return Ok(None);
+        }
+        let mut windows = self.state.windows.lock();
+        let start = self.state.snapshot()?;
+        let token = self.state.next_token.fetch_add(1, Ordering::Relaxed);
+        let window = CallWindow { start, high_in_use: start.in_use, high_reserved: start.reserved };
+        windows.insert(WindowKey::Token(token), window);
+        Ok(Some(token))
+    }
+
+    fn close_call_window(&self, token: u64) -> std::result::Result<Option<u64>, ReadingUnavailable> {
+        let last = self.state.observe();
+        let window = self.state.windows.lock().remove(&WindowKey::Token(token));
+        last.map(|_| window.map(|w| w.high_reserved.saturating_sub(w.start.reserved)))
     }
 }
 
@@ -981,6 +1013,15 @@ impl DeviceMemory for CappedDevice {
     fn held(&self) -> std::result::Result<Option<u64>, ReadingUnavailable> {
         self.readings.held()
     }
+
+    /// The readings' own window ([`PoolReadings`]), beside the cap's per-thread one.
+    fn open_call_window(&self) -> std::result::Result<Option<u64>, ReadingUnavailable> {
+        self.readings.open_call_window()
+    }
+
+    fn close_call_window(&self, token: u64) -> std::result::Result<Option<u64>, ReadingUnavailable> {
+        self.readings.close_call_window(token)
+    }
 }
 
 impl CappedDevice {
@@ -1151,6 +1192,60 @@ pub fn run_call_making_room<R: DeviceOutput>(
     result
 }
 
+/// What a whole component measured of its calls' pages: its call count at the latest activation estimate, and
+/// the pages its second call at that estimate took ([`measure_call`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct CallMeasure {
+    estimate: u64,
+    calls: u32,
+    pages: Option<CallPages>,
+}
+
+impl CallMeasure {
+    /// The call footprint measured at the latest estimate, once there is one.
+    pub(crate) fn footprint(&self) -> Option<CallPages> {
+        self.pages.filter(|p| p.estimate_bytes == self.estimate)
+    }
+}
+
+/// Runs `call` and, where `memory` has pages of its own ([`DeviceMemory::held`]), measures what the component's
+/// second call at `estimate` took: the pool's cache is released first, so that the call's pages are its own, and
+/// the high-water of a window over the call, less its start, becomes the component's call footprint
+/// ([`Offloadable::call_footprint`](offload_core::Offloadable::call_footprint)). Not the first call: it takes the
+/// runtime's first buffers for the call's kernels (measured on lavapipe: the tiny text encoder's first call took
+/// 110.50 KB of pages, its later ones about 87 KB). Only for a component whose weights are all on the device
+/// before the call begins (a streamed one's uploads would count as its call's). A call that fails measures
+/// nothing, and a reading that fails is no figure.
+pub(crate) fn measure_call<R>(
+    device: &Device,
+    memory: Option<&dyn DeviceMemory>,
+    measure: &mut CallMeasure,
+    estimate: u64,
+    call: impl FnOnce() -> std::result::Result<R, ComponentError>,
+) -> std::result::Result<R, ComponentError> {
+    if measure.estimate != estimate {
+        *measure = CallMeasure { estimate, calls: 0, pages: None };
+    }
+    measure.calls = measure.calls.saturating_add(1);
+    let window = match memory {
+        Some(memory) if measure.calls == 2 && matches!(memory.held(), Ok(Some(_))) => {
+            device.memory_cleanup();
+            memory.open_call_window().ok().flatten().map(|token| (memory, token))
+        }
+        _ => None,
+    };
+    let result = call();
+    if let Some((memory, token)) = window {
+        let pages = memory.close_call_window(token);
+        if let (Ok(_), Ok(Some(pages))) = (&result, pages)
+            && pages > 0
+        {
+            measure.pages = Some(CallPages { estimate_bytes: estimate, device_bytes: pages });
+        }
+    }
+    result
+}
+
 /// What a component call returns, as far as the device is concerned: the tensors whose computation must have
 /// succeeded before the call reports success. [`check_outputs`] reads one value of each back.
 pub trait DeviceOutput {
@@ -1291,7 +1386,7 @@ pub fn check_device(
 /// Whether `device` can fail after the call that asked for the work: every device but burn's CPU backend, which
 /// computes eagerly in host memory (so the checks above skip it, keeping the simulated card's hot paths free of
 /// a sync and a read-back per call and per group upload).
-fn defers_failures(device: &Device) -> bool {
+pub(crate) fn defers_failures(device: &Device) -> bool {
     *device != Device::flex()
 }
 

@@ -231,7 +231,8 @@ impl Drop for Engine {
 }
 
 /// The upload thread of `device`, started at its first use and kept for the process (threads named
-/// `group-offload-uploads-<device>`, so the checks they make count as a worker's).
+/// `group-offload-uploads-<device>`, so the checks they make count as a worker's): every engine's prefetches on the
+/// device, and every whole component's onload copy ([`on_upload_thread`]), so that all weights share its pools.
 ///
 /// Why one per device: cubecl gives each thread a stream, and each stream its own pools. Its exclusive pool
 /// (`PagePolicy::Exclusive`) sizes a new page to the larger of the request and a running average of its
@@ -256,6 +257,29 @@ fn device_uploads(device: &Device, name: &DeviceName) -> std::io::Result<mpsc::S
     })?;
     uploads.push((device.clone(), sender.clone(), thread));
     Ok(sender)
+}
+
+/// Runs `f` on `device`'s upload thread ([`device_uploads`]) and waits for what it returns: how a whole component's
+/// onload puts its weights in the same stream's pools as the groups streamed on that device, so that the footprint
+/// it measures is what those pools take for the weights. A panic in `f` goes on in the caller (the thread lives).
+/// Fails only when the thread cannot be started.
+pub(crate) fn on_upload_thread<R: Send + 'static>(
+    device: &Device,
+    name: &DeviceName,
+    f: impl FnOnce() -> R + Send + 'static,
+) -> std::io::Result<R> {
+    let (sender, result) = mpsc::sync_channel(1);
+    let task: Task = Box::new(move || {
+        let _ = sender.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    device_uploads(device, name)?
+        .send(task)
+        .map_err(|_| std::io::Error::other(format!("the upload thread of {name} has ended")))?;
+    match result.recv() {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => Err(std::io::Error::other(format!("the upload thread of {name} ended before the upload ran"))),
+    }
 }
 
 impl Shared {

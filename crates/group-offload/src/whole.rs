@@ -11,11 +11,14 @@
 
 use std::sync::Arc;
 
-use crate::device::{DeviceOutput, catch_device_panic, check_device, check_outputs, run_call};
+use crate::device::{
+    CallMeasure, DeviceOutput, catch_device_panic, check_device, check_outputs, measure_call, run_call,
+};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::quantization::quantized_data_len;
 use burn::tensor::{DType, Device, Tensor};
 use offload_core::link::{LinkMeter, LinkSample};
+use offload_core::plan::CallPages;
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, Offloadable};
 
 /// Bytes of a module's float parameters, at their current dtypes (a quantized tensor's values and scales).
@@ -195,6 +198,8 @@ pub struct BurnComponent<M: Module> {
     class_name: &'static str,
     /// The pages its weights took at its first whole onload onto a device that pages (`None` before).
     footprint: Option<u64>,
+    /// What its calls took on such a device, measured at its second call at an estimate.
+    calls: CallMeasure,
 }
 
 impl<M: Module> std::fmt::Debug for BurnComponent<M> {
@@ -209,17 +214,22 @@ impl<M: Module + 'static> BurnComponent<M> {
     pub fn new(module: M, class_name: &'static str, placement: Placement) -> Self {
         let sizes = module_tensor_sizes_on(&module, Some(&placement.exec));
         let bytes = sizes.iter().sum();
-        Self { module, resident: None, bytes, sizes, placement, device: DeviceName::cpu(), class_name, footprint: None }
+        Self {
+            module,
+            resident: None,
+            bytes,
+            sizes,
+            placement,
+            device: DeviceName::cpu(),
+            class_name,
+            footprint: None,
+            calls: CallMeasure::default(),
+        }
     }
 
     /// The module's host copy, for reading.
     pub fn module(&self) -> &M {
         &self.module
-    }
-
-    /// The copy that computes now: the device copy while resident on a device, the host copy otherwise.
-    fn active(&self) -> &M {
-        self.resident.as_ref().unwrap_or(&self.module)
     }
 
     /// The burn device the module computes on now.
@@ -242,15 +252,15 @@ impl<M: Module + 'static> BurnComponent<M> {
     ) -> Result<R, ComponentError> {
         let device = self.burn_device().clone();
         let placement = &self.placement;
-        let module = self.active();
-        run_call(
-            &device,
-            &placement.name,
-            placement.ledger.as_ref(),
-            placement.memory.as_deref(),
-            activation_bytes,
-            || f(module, &device).map_err(Into::into),
-        )
+        // The copy that computes now: the device copy while resident on a device, the host copy otherwise.
+        let module = self.resident.as_ref().unwrap_or(&self.module);
+        let memory = placement.memory.as_deref();
+        // The weights are all on the device before the call: its second call at an estimate measures its pages.
+        measure_call(&device, memory, &mut self.calls, activation_bytes, || {
+            run_call(&device, &placement.name, placement.ledger.as_ref(), memory, activation_bytes, || {
+                f(module, &device).map_err(Into::into)
+            })
+        })
     }
 
     /// Takes the module back, for use outside the manager.
@@ -292,19 +302,23 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
             } else {
                 None
             };
-            // Quantized parameters the device holds only in its packed store are repacked on the way (their
-            // bytes, never dequantized: `crate::quant::module_to_device`).
             let copy_started = std::time::Instant::now();
-            let moved = catch_device_panic(|| crate::quant::module_to_device(self.module.clone(), exec));
-            // cubecl reports an allocation failure at the next sync, not at the allocating call.
-            let checked = match moved {
-                Ok(Err(message)) => {
-                    Err(ComponentError::Transfer { what: format!("{} to {device}", self.class_name), message })
-                }
-                Ok(Ok(moved)) => check_device(exec, device, "onload", memory)
-                    .and_then(|()| check_outputs(&Parameters(&moved), exec, device, "onload", memory))
-                    .map(|()| moved),
-                Err(panic) => Err(panic.with_device(device, "onload", memory)),
+            let checked = if crate::device::defers_failures(exec) {
+                // On a cubecl runtime the copy runs on the device's upload thread, whose stream holds the groups
+                // streamed on that device too: the footprint measured here is then in the pools those groups use.
+                let (module, exec, name, what) = (self.module.clone(), exec.clone(), device.clone(), self.class_name);
+                let memory = self.placement.memory.clone();
+                crate::engine::on_upload_thread(&exec.clone(), device, move || {
+                    copy_checked(module, &exec, &name, what, memory.as_deref())
+                })
+                .unwrap_or_else(|error| {
+                    Err(ComponentError::Transfer {
+                        what: format!("{} to {device}", self.class_name),
+                        message: error.to_string(),
+                    })
+                })
+            } else {
+                copy_checked(self.module.clone(), exec, device, self.class_name, memory)
             };
             match checked {
                 Ok(moved) => {
@@ -356,6 +370,30 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
 
     fn device_footprint(&self) -> Option<u64> {
         self.footprint
+    }
+
+    fn call_footprint(&self) -> Option<CallPages> {
+        self.calls.footprint()
+    }
+}
+
+/// Copies `module` to `exec` and waits for the copy: the parameters read back one value each, so that an allocation
+/// the runtime refused surfaces now, typed (cubecl reports it at the next sync, not at the allocating call).
+fn copy_checked<M: Module>(
+    module: M,
+    exec: &Device,
+    device: &DeviceName,
+    what: &str,
+    memory: Option<&dyn DeviceMemory>,
+) -> Result<M, ComponentError> {
+    // Quantized parameters the device holds only in its packed store are repacked on the way (their bytes, never
+    // dequantized: `crate::quant::module_to_device`).
+    match catch_device_panic(|| crate::quant::module_to_device(module, exec)) {
+        Ok(Err(message)) => Err(ComponentError::Transfer { what: format!("{what} to {device}"), message }),
+        Ok(Ok(moved)) => check_device(exec, device, "onload", memory)
+            .and_then(|()| check_outputs(&Parameters(&moved), exec, device, "onload", memory))
+            .map(|()| moved),
+        Err(panic) => Err(panic.with_device(device, "onload", memory)),
     }
 }
 

@@ -121,6 +121,15 @@ pub trait Offloadable: Any + Send {
         None
     }
 
+    /// What the component's first call at its latest activation estimate took on the execution device, in the
+    /// device allocator's pages (the high-water during the call over what it held when the call began, the cache
+    /// released first), where the component measured it; `None` where it did not (a device without pages of its
+    /// own, [`DeviceMemory::held`](crate::DeviceMemory::held)). The manager hands it out for the plans
+    /// ([`ComponentsManager::call_footprints`](crate::ComponentsManager::call_footprints)).
+    fn call_footprint(&self) -> Option<crate::plan::CallPages> {
+        None
+    }
+
     /// Whether the manager may evict the component wholesale to make room for another (true by default). A
     /// model under group offload moves its own groups and answers false, unless its plan lets the manager
     /// release it whole between phases.

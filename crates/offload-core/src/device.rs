@@ -130,6 +130,22 @@ pub trait DeviceMemory: Send + Sync {
         Ok(None)
     }
 
+    /// Opens a window over one call where the device allocates in pages of its own ([`held`](Self::held)
+    /// answers): from now until [`close_call_window`](Self::close_call_window) with the token returned, the
+    /// highest pages the allocator holds are kept. `Ok(None)` where nothing is measured (the default). Windows are
+    /// independent of each other: several can be open on one thread.
+    fn open_call_window(&self) -> Result<Option<u64>, ReadingUnavailable> {
+        Ok(None)
+    }
+
+    /// Closes the window `token` opened: the pages the allocator held at the highest while it was open, over
+    /// those it held when it opened (`Ok(None)` for a token that is not open). A failed last reading closes the
+    /// window and is returned, since its high-water is not known.
+    fn close_call_window(&self, token: u64) -> Result<Option<u64>, ReadingUnavailable> {
+        let _ = token;
+        Ok(None)
+    }
+
     /// All three numbers a strategy sees, read together.
     fn reading(&self) -> MemoryReading {
         MemoryReading { available: self.available(), total: self.total(), peak: self.peak() }

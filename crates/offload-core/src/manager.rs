@@ -449,6 +449,29 @@ impl ComponentsManager {
             .collect()
     }
 
+    /// The call footprints measured so far, one per component that measured its first call at an estimate on a
+    /// device with pages of its own ([`Offloadable::call_footprint`]), in registration order, under the names the
+    /// components were added with: what a plan for that device counts their calls as
+    /// ([`DeviceFacts::with_call_footprints`]), and what `ProfileStore::record_call_footprints` (feature `io`)
+    /// keeps for the next process. Each component is asked under its own lock, so this waits for a run in
+    /// progress; call it between runs.
+    ///
+    /// [`DeviceFacts::with_call_footprints`]: crate::plan::DeviceFacts::with_call_footprints
+    pub fn call_footprints(&self) -> Vec<crate::plan::CallFootprint> {
+        let slots: Vec<(String, Slot)> =
+            self.state.lock().entries.iter().map(|e| (e.name.to_string(), e.slot.clone())).collect();
+        slots
+            .into_iter()
+            .filter_map(|(component, slot)| {
+                slot.lock().call_footprint().map(|call| crate::plan::CallFootprint {
+                    component,
+                    estimate_bytes: call.estimate_bytes,
+                    device_bytes: call.device_bytes,
+                })
+            })
+            .collect()
+    }
+
     /// Where each component is now, in registration order.
     pub fn placement(&self) -> Vec<(String, DeviceName)> {
         self.state.lock().entries.iter().map(|e| (e.id.clone(), e.device.clone())).collect()

@@ -380,3 +380,59 @@ fn a_measured_footprint_is_stored_per_device_and_the_plan_counts_the_device_in_i
     let grown = on_device(paged_plan) as f64 / on_device(plain) as f64;
     assert!((grown - 1.1).abs() < 1e-3, "the weights on the device grow by the pages' 10%: {grown}");
 }
+
+/// A call's measured pages are kept per device in the same file as the weights' footprints, each component and
+/// estimate apart, and the next plan counts a call as the larger of its estimate and its pages: in the peak and in
+/// the headroom that decides whether everything fits; a call that took less than its estimate keeps the estimate.
+#[test]
+fn a_measured_call_footprint_is_stored_per_device_and_the_plan_counts_a_call_as_the_larger_of_it_and_the_estimate() {
+    use offload_core::plan::{
+        CallFootprint, ComponentSpec, Footprint, HostMemory, Machine, Route, apply_call_footprints,
+    };
+    let scratch = Scratch::new("call-footprint");
+    let store = scratch.store();
+    assert_eq!(store.call_footprints("wgpu:0").expect("readable"), Vec::new(), "nothing measured yet");
+    let call =
+        |estimate_bytes, device_bytes| CallFootprint { component: "text_encoder".into(), estimate_bytes, device_bytes };
+    let weights = Footprint { component: "text_encoder".into(), weight_bytes: 1_000_000, device_bytes: 1_040_000 };
+    store.record_footprints("wgpu:0", std::slice::from_ref(&weights)).expect("saved");
+    store.record_call_footprints("wgpu:0", &[call(32_000, 110_000)]).expect("saved");
+    // A later measurement at the same estimate replaces the earlier one; another estimate is kept apart.
+    let stored = store.record_call_footprints("wgpu:0", &[call(32_000, 87_000), call(64_000, 90_000)]).expect("saved");
+    assert_eq!(stored, [call(32_000, 87_000), call(64_000, 90_000)]);
+    assert_eq!(store.call_footprints("wgpu:0").expect("readable"), stored);
+    assert_eq!(store.footprints("wgpu:0").expect("readable"), [weights], "the weights' footprints are kept beside");
+    assert_eq!(store.call_footprints("cuda:0").expect("readable"), Vec::new(), "one device's are not another's");
+
+    // 1 GiB of weights and a call estimated at 100 MiB fit resident on 1,500 MiB with the call's margin (256 MiB
+    // at the least); a call that took 400 MiB of pages does not.
+    const MIB: u64 = 1 << 20;
+    let spec = ComponentSpec::new("text_encoder", 1024 * MIB).with_activation(100 * MIB);
+    let small = Machine::new(1500 * MIB, 1500 * MIB, HostMemory::new(1 << 40, 1 << 40));
+    let settings = Settings::resolve(
+        &SettingsLayer { preset: Some(Preset::Auto), ..SettingsLayer::default() },
+        std::iter::empty::<(String, String)>(),
+        None,
+    )
+    .expect("settings");
+    let estimated = plan_pipeline(std::slice::from_ref(&spec), settings.clone(), &small).expect("plans");
+    assert_eq!(estimated.components[0].route, Route::Resident);
+    assert_eq!(estimated.peak_bytes(), 1124 * MIB);
+    let large = |estimate_bytes, device_bytes| CallFootprint { estimate_bytes, device_bytes, ..call(0, 0) };
+    let mut specs = [spec.clone()];
+    assert_eq!(apply_call_footprints(&mut specs, &[large(100 * MIB, 400 * MIB), large(MIB, 2 * MIB)]), 1);
+    assert_eq!((specs[0].call_device_bytes, specs[0].call_on_device()), (Some(400 * MIB), 400 * MIB));
+    let measured = plan_pipeline(&specs, settings.clone(), &small);
+    assert!(
+        !matches!(&measured, Ok(plan) if plan.components[0].route == Route::Resident),
+        "1 GiB and a call of 400 MiB of pages with its margin do not stay resident on 1,500 MiB: {measured:?}"
+    );
+    let roomy = Machine::new(4096 * MIB, 4096 * MIB, HostMemory::new(1 << 40, 1 << 40));
+    let plan = plan_pipeline(&specs, settings.clone(), &roomy).expect("plans");
+    assert_eq!(plan.peak_bytes(), 1424 * MIB, "the call counts as its pages");
+    // A call that took less than its estimate keeps the estimate: the estimate models the tensors.
+    let mut below = [spec.with_activation(200 * MIB)];
+    assert_eq!(apply_call_footprints(&mut below, &[large(200 * MIB, 150 * MIB)]), 1);
+    assert_eq!(below[0].call_on_device(), 200 * MIB);
+    assert_eq!(plan_pipeline(&below, settings, &roomy).expect("plans").peak_bytes(), 1224 * MIB);
+}

@@ -52,11 +52,14 @@ fn main() -> anyhow::Result<()> {
         // The process's first calls compile kernels and take the runtime's first buffers: not what a call needs.
         pipeline_zimage::validate::measure_calls(&burn, &name, TOTAL, &load, &opts)?;
         // What each component's weights take in the pool's pages, which the plans count them as.
-        let footprints = pipeline_zimage::validate::measure_footprints(&burn, &name, TOTAL, &load, &opts)?;
-        for footprint in &footprints {
+        let measured = pipeline_zimage::validate::measure_footprints(&burn, &name, TOTAL, &load, &opts)?;
+        for footprint in &measured.weights {
             println!("footprint: {footprint}");
         }
-        Target::Device { device: burn, name, total: TOTAL, footprints }
+        for call in &measured.calls {
+            println!("call footprint: {call}");
+        }
+        Target::Device { device: burn, name, total: TOTAL, footprints: measured.weights, calls: measured.calls }
     };
     let probe = load(Placement::host_only())?;
     let cards = validation_cards(&probe, &opts)?;

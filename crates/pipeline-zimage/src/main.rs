@@ -859,7 +859,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 // What earlier runs measured each component's weights to take in this device's pages.
                 let facts = DeviceFacts::new(memory, host)
                     .with_measured_link(measured)
-                    .with_footprints(store.footprints(name.as_str())?);
+                    .with_footprints(store.footprints(name.as_str())?)
+                    .with_call_footprints(store.call_footprints(name.as_str())?);
                 match cap {
                     Some(cap) => DeviceFacts { label: format!("{name} capped at {}", cap.label()), ..facts },
                     None => facts,
@@ -993,6 +994,15 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             println!("footprints for later plans on {name} ({}):", store.footprint_path(name.as_str()).display());
             for footprint in &footprints {
                 println!("  {footprint}");
+            }
+        }
+        // What each component's first call took in them, where it ran whole.
+        let calls = pipeline.manager().call_footprints();
+        if !calls.is_empty() {
+            store.record_call_footprints(name.as_str(), &calls)?;
+            println!("call footprints for later plans on {name} ({}):", store.footprint_path(name.as_str()).display());
+            for call in &calls {
+                println!("  {call}");
             }
         }
     }

@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use burn::tensor::Device;
 use group_offload::{device::CappedDevice, device::PoolReadings};
 use memory_sim::{CardSpec, Mode, SimCard};
-use offload_core::plan::{Footprint, HostMemory, Preset, Route, Settings, SettingsLayer};
+use offload_core::plan::{CallFootprint, Footprint, HostMemory, Preset, Route, Settings, SettingsLayer};
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, format_size};
 
 use crate::error::Result;
@@ -314,6 +314,9 @@ pub enum Target {
         /// The components' footprints measured on it ([`measure_footprints`]), which each case's plan counts
         /// their weights as; empty: their weight bytes.
         footprints: Vec<Footprint>,
+        /// The pages their calls took on it ([`measure_footprints`]), which each case's plan counts a call as
+        /// where they are above its estimate; empty: the estimates.
+        calls: Vec<CallFootprint>,
     },
 }
 
@@ -390,7 +393,7 @@ fn run_case(
             validation.phases = phases(&plan, opts, &meter.call_peaks());
             Ok(validation)
         }
-        Target::Device { device, name, total, footprints } => {
+        Target::Device { device, name, total, footprints, calls } => {
             device.memory_cleanup();
             let readings = PoolReadings::open(device.clone(), name.clone(), Some(*total))?;
             let before = readings.observe().map_err(group_offload::Error::from)?.reserved;
@@ -401,7 +404,9 @@ fn run_case(
             let meter = Meter::probing(Arc::new(offload_core::NoLedger), readings.clone());
             let mut pipeline =
                 load(Placement::on_device(device.clone(), name.clone(), meter.clone(), Some(cap.clone())))?;
-            let facts = DeviceFacts::new(cap.clone(), validation_host()).with_footprints(footprints.iter().cloned());
+            let facts = DeviceFacts::new(cap.clone(), validation_host())
+                .with_footprints(footprints.iter().cloned())
+                .with_call_footprints(calls.iter().cloned());
             let settings = settings(preset, exact_reserve(&pipeline, opts))?;
             let plan = enable_pipeline_offload(&mut pipeline, settings, &facts, opts)?;
             pipeline.generate(opts, &mut |_, _| {})?;
@@ -529,20 +534,23 @@ pub fn measure_calls(
         total,
         load,
         opts,
+        1,
         |readings| Meter::probing(Arc::new(offload_core::NoLedger), readings),
         |_, meter| meter.calls(),
     )
 }
 
-/// One image of `opts` on a real device from a released cache, every component resident under the ledger that
-/// `ledger` makes of the pool's readings; `read` takes its figures from the pipeline and the ledger before the
-/// pipeline is dropped and the cache released again.
+/// `images` images of `opts` on a real device from a released cache, every component resident under the ledger
+/// that `ledger` makes of the pool's readings; `read` takes its figures from the pipeline and the ledger before
+/// the pipeline is dropped and the cache released again.
+#[allow(clippy::too_many_arguments)]
 fn run_resident<L: DeviceLedger + 'static, T>(
     device: &Device,
     name: &DeviceName,
     total: u64,
     load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
+    images: usize,
     ledger: impl FnOnce(Arc<PoolReadings>) -> Arc<L>,
     read: impl FnOnce(&ZImagePipeline, &L) -> T,
 ) -> Result<T> {
@@ -551,31 +559,47 @@ fn run_resident<L: DeviceLedger + 'static, T>(
     let ledger = ledger(readings.clone());
     let pipeline = load(Placement::on_device(device.clone(), name.clone(), ledger.clone(), Some(readings)))?;
     pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true)?;
-    pipeline.generate(opts, &mut |_, _| {})?;
+    for _ in 0..images {
+        pipeline.generate(opts, &mut |_, _| {})?;
+    }
     let figures = read(&pipeline, &ledger);
     drop(pipeline);
     device.memory_cleanup();
     Ok(figures)
 }
 
-/// Measures each component's footprint on a real device ([`Footprint`]): one image of `opts` with every component
-/// resident, each measuring its pages at its whole onload. What [`Target::Device`]'s plans then count the weights
-/// as.
+/// What a resident run measured on a real device, in the pool's pages: each component's weights at its whole
+/// onload ([`Footprint`]) and its second call ([`CallFootprint`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Footprints {
+    /// The weights' footprints.
+    pub weights: Vec<Footprint>,
+    /// The calls' footprints.
+    pub calls: Vec<CallFootprint>,
+}
+
+/// Measures each component's footprints on a real device ([`Footprints`]): two images of `opts` with every
+/// component resident, each measuring its pages at its whole onload and at its second call (the first takes the
+/// runtime's first buffers). What [`Target::Device`]'s plans then count the weights and the calls as.
 pub fn measure_footprints(
     device: &Device,
     name: &DeviceName,
     total: u64,
     load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
-) -> Result<Vec<Footprint>> {
+) -> Result<Footprints> {
     run_resident(
         device,
         name,
         total,
         load,
         opts,
+        2,
         |_| Arc::new(offload_core::NoLedger),
-        |pipeline, _| pipeline.manager().device_footprints(),
+        |pipeline, _| Footprints {
+            weights: pipeline.manager().device_footprints(),
+            calls: pipeline.manager().call_footprints(),
+        },
     )
 }
 

@@ -308,8 +308,13 @@ fn every_preset_predicts_a_quantized_pipelines_bytes_and_moves_exactly_on_wgpu()
         let mut cards = validation_cards(&probe, &opts).expect("cards").map(|card| card.max(decode)).to_vec();
         cards.dedup();
         drop(probe);
-        let target =
-            Target::Device { device: device.clone(), name: name.clone(), total: TOTAL, footprints: Vec::new() };
+        let target = Target::Device {
+            device: device.clone(),
+            name: name.clone(),
+            total: TOTAL,
+            footprints: Vec::new(),
+            calls: Vec::new(),
+        };
         let cases = validate_presets(&target, &load, &cards, &opts);
         let table = Table(&cases).to_string();
         println!("{value:?}\n{table}");

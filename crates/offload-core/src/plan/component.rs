@@ -83,6 +83,11 @@ pub struct ComponentSpec {
     pub layout: Option<BlockLayout>,
     /// Peak activation bytes of one call for the workload (resolution, caption length, dtype).
     pub activation_bytes: u64,
+    /// What one call at [`activation_bytes`](Self::activation_bytes) took on the device, measured in the runtime's
+    /// pages ([`crate::plan::CallFootprint`]): `None` where nothing was measured. The planner counts a call as the
+    /// larger of the two ([`call_on_device`](Self::call_on_device)): the estimate models the tensors, the pages
+    /// add what a runtime takes beyond them for small ones.
+    pub call_device_bytes: Option<u64>,
     /// Whether the weights are quantized. Quantized weights keep their own kernels and stream as they are (their
     /// groups move the quantized bytes), so they are routed as float weights of the same sizes are; the plan's
     /// explanation says they are quantized. The sizes (`weight_bytes`, the layout) are the quantized ones.
@@ -102,6 +107,7 @@ impl ComponentSpec {
             device_bytes: None,
             layout: None,
             activation_bytes: 0,
+            call_device_bytes: None,
             quantized: false,
             flops_per_call: 0.0,
             calls_per_image: 1,
@@ -155,6 +161,12 @@ impl ComponentSpec {
         }
     }
 
+    /// What one call counts for on the device: the activation estimate, or the pages a call at that estimate
+    /// took where that was measured and more ([`call_device_bytes`](Self::call_device_bytes)).
+    pub fn call_on_device(&self) -> u64 {
+        self.activation_bytes.max(self.call_device_bytes.unwrap_or(0))
+    }
+
     /// Marks the weights quantized.
     pub fn quantized(mut self, quantized: bool) -> Self {
         self.quantized = quantized;
@@ -190,6 +202,9 @@ impl ComponentSpec {
         }
         if self.device_bytes == Some(0) {
             return Err(invalid("its device bytes are 0; leave them unset when nothing was measured".into()));
+        }
+        if self.call_device_bytes == Some(0) {
+            return Err(invalid("its call's device bytes are 0; leave them unset when nothing was measured".into()));
         }
         if self.calls_per_image == 0 {
             return Err(invalid("it is called 0 times per image; give at least 1 call".into()));

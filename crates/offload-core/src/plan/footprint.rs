@@ -13,6 +13,14 @@
 //!
 //! A footprint belongs to one component of one size: it applies to a spec of the same name and the same weight
 //! bytes only (another checkpoint, dtype or quantization has other pages).
+//!
+//! A call's activations are paged the same way: a call made of many small tensors takes more pages than its
+//! activation estimate counts (on lavapipe the tiny text encoder's call took about 87 KB of pages for a 32.7 KB
+//! estimate). A component measures the pages of its first call at an estimate
+//! ([`Offloadable::call_footprint`](crate::Offloadable::call_footprint), a [`CallPages`]); the manager hands them
+//! out as [`CallFootprint`]s ([`ComponentsManager::call_footprints`](crate::ComponentsManager::call_footprints)),
+//! stored beside the weights' footprints, and a plan counts a matching call as the larger of its estimate and its
+//! measured pages ([`ComponentSpec::call_device_bytes`]).
 
 use std::fmt;
 
@@ -53,6 +61,65 @@ impl fmt::Display for Footprint {
     }
 }
 
+/// What one call of a component took on the device, as a component measures it
+/// ([`Offloadable::call_footprint`](crate::Offloadable::call_footprint)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallPages {
+    /// The activation estimate the call was made with.
+    pub estimate_bytes: u64,
+    /// The pages the device's allocator took during the call at its highest, over those it held when the call
+    /// began, its cache released first.
+    pub device_bytes: u64,
+}
+
+/// One component's measured call footprint on a device: the pages a call at `estimate_bytes` took.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "io", derive(Serialize, Deserialize))]
+pub struct CallFootprint {
+    /// The component's name, as the manager and the plan know it (`text_encoder`).
+    pub component: String,
+    /// The activation estimate of the call measured: the workload it belongs to.
+    pub estimate_bytes: u64,
+    /// The pages the call took on the device.
+    pub device_bytes: u64,
+}
+
+impl fmt::Display for CallFootprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: a call estimated at {} took {} on the device",
+            self.component,
+            crate::format_size(self.estimate_bytes),
+            crate::format_size(self.device_bytes)
+        )
+    }
+}
+
+/// Sets [`ComponentSpec::call_device_bytes`] on each spec that `calls` has a call footprint for (same name, same
+/// activation estimate; the latest one when several match), and returns how many were set.
+///
+/// ```
+/// use offload_core::plan::{CallFootprint, ComponentSpec, apply_call_footprints};
+///
+/// let mut specs = [ComponentSpec::new("text_encoder", 1_000).with_activation(32_768)];
+/// let measured = [CallFootprint { component: "text_encoder".into(), estimate_bytes: 32_768, device_bytes: 89_000 }];
+/// assert_eq!(apply_call_footprints(&mut specs, &measured), 1);
+/// assert_eq!(specs[0].call_on_device(), 89_000, "the call counts as the pages it took");
+/// ```
+pub fn apply_call_footprints(specs: &mut [ComponentSpec], calls: &[CallFootprint]) -> usize {
+    let mut set = 0;
+    for spec in specs.iter_mut() {
+        let measured =
+            calls.iter().rev().find(|c| c.component == spec.name && c.estimate_bytes == spec.activation_bytes);
+        if let Some(call) = measured.filter(|c| c.device_bytes > 0) {
+            spec.call_device_bytes = Some(call.device_bytes);
+            set += 1;
+        }
+    }
+    set
+}
+
 /// Sets [`ComponentSpec::device_bytes`] on each spec that `footprints` has a footprint for (same name, same weight
 /// bytes); the others keep theirs. Returns how many were set.
 ///
@@ -89,13 +156,16 @@ struct FootprintProfile {
     /// The latest footprint of each component and size.
     #[serde(default)]
     footprints: Vec<Footprint>,
+    /// The latest call footprint of each component and activation estimate.
+    #[serde(default)]
+    calls: Vec<CallFootprint>,
 }
 
 #[cfg(feature = "io")]
 mod store {
     use std::path::PathBuf;
 
-    use super::{Footprint, FootprintProfile};
+    use super::{CallFootprint, Footprint, FootprintProfile};
     use crate::plan::capacity::{ProfileStore, SCHEMA_VERSION, Workload};
     use crate::plan::error::PlanError;
 
@@ -109,31 +179,69 @@ mod store {
             self.dir().join(footprint_file(device))
         }
 
-        /// The footprints earlier runs measured on `device` (empty before the first).
-        pub fn footprints(&self, device: &str) -> Result<Vec<Footprint>, PlanError> {
+        /// The device's stored profile, or an empty one (before the first, or of another schema or device).
+        fn footprint_profile(&self, device: &str) -> Result<FootprintProfile, PlanError> {
             let path = self.footprint_path(device);
-            let Some(profile) = Self::read_toml::<FootprintProfile>(&path)? else { return Ok(Vec::new()) };
+            let empty = FootprintProfile {
+                schema_version: SCHEMA_VERSION,
+                device: device.to_string(),
+                footprints: Vec::new(),
+                calls: Vec::new(),
+            };
+            let Some(profile) = Self::read_toml::<FootprintProfile>(&path)? else { return Ok(empty) };
             if profile.schema_version != SCHEMA_VERSION || profile.device != device {
                 tracing::warn!(path = %path.display(), "ignoring footprints of another schema or device");
-                return Ok(Vec::new());
+                return Ok(empty);
             }
-            Ok(profile.footprints)
+            Ok(profile)
+        }
+
+        fn write_footprint_profile(&self, profile: &FootprintProfile) -> Result<(), PlanError> {
+            let text = toml::to_string(profile).map_err(|e| PlanError::ProfileFormat {
+                path: self.footprint_path(&profile.device),
+                message: e.to_string(),
+            })?;
+            self.write_atomically(&footprint_file(&profile.device), &text)
+        }
+
+        /// The footprints earlier runs measured on `device` (empty before the first).
+        pub fn footprints(&self, device: &str) -> Result<Vec<Footprint>, PlanError> {
+            Ok(self.footprint_profile(device)?.footprints)
         }
 
         /// Stores `measured` for `device` (written atomically): each replaces the stored footprint of the same
         /// component and weight bytes, the others are kept. Returns the device's footprints now stored.
         pub fn record_footprints(&self, device: &str, measured: &[Footprint]) -> Result<Vec<Footprint>, PlanError> {
-            let mut footprints = self.footprints(device)?;
+            let mut profile = self.footprint_profile(device)?;
             for footprint in measured {
-                footprints
+                profile
+                    .footprints
                     .retain(|f| !(f.component == footprint.component && f.weight_bytes == footprint.weight_bytes));
-                footprints.push(footprint.clone());
+                profile.footprints.push(footprint.clone());
             }
-            let profile = FootprintProfile { schema_version: SCHEMA_VERSION, device: device.to_string(), footprints };
-            let text = toml::to_string(&profile)
-                .map_err(|e| PlanError::ProfileFormat { path: self.footprint_path(device), message: e.to_string() })?;
-            self.write_atomically(&footprint_file(device), &text)?;
+            self.write_footprint_profile(&profile)?;
             Ok(profile.footprints)
+        }
+
+        /// The call footprints earlier runs measured on `device` (empty before the first).
+        pub fn call_footprints(&self, device: &str) -> Result<Vec<CallFootprint>, PlanError> {
+            Ok(self.footprint_profile(device)?.calls)
+        }
+
+        /// Stores `measured` for `device` in the same file (written atomically): each replaces the stored call
+        /// footprint of the same component and estimate, the others are kept. Returns those now stored.
+        pub fn record_call_footprints(
+            &self,
+            device: &str,
+            measured: &[CallFootprint],
+        ) -> Result<Vec<CallFootprint>, PlanError> {
+            let mut profile = self.footprint_profile(device)?;
+            for call in measured {
+                profile.calls.retain(|c| !(c.component == call.component && c.estimate_bytes == call.estimate_bytes));
+                profile.calls.push(call.clone());
+            }
+            self.write_footprint_profile(&profile)?;
+            Ok(profile.calls)
         }
     }
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use crate::device::DeviceMemory;
 use crate::plan::error::PlanError;
-use crate::plan::footprint::Footprint;
+use crate::plan::footprint::{CallFootprint, Footprint};
 use crate::plan::host::HostMemory;
 use crate::plan::link::{LinkSource, MeasuredLink};
 
@@ -165,6 +165,9 @@ pub struct DeviceFacts {
     /// Components' footprints measured on this device ([`Footprint`]): the plan counts a matching component's
     /// weights on the device in these bytes. Empty where nothing was measured (a simulated card, a first run).
     pub footprints: Vec<Footprint>,
+    /// Components' call footprints measured on this device ([`CallFootprint`]): the plan counts a matching call
+    /// as the larger of its estimate and these pages. Empty where nothing was measured.
+    pub call_footprints: Vec<CallFootprint>,
 }
 
 impl std::fmt::Debug for DeviceFacts {
@@ -174,6 +177,7 @@ impl std::fmt::Debug for DeviceFacts {
             .field("host", &self.host)
             .field("label", &self.label)
             .field("footprints", &self.footprints)
+            .field("call_footprints", &self.call_footprints)
             .finish()
     }
 }
@@ -183,7 +187,7 @@ impl DeviceFacts {
     /// and the device's name as label.
     pub fn new(memory: Arc<dyn DeviceMemory>, host: HostMemory) -> Self {
         let label = memory.device().as_str().to_string();
-        Self { memory, host, time: TimeModel::generic(), label, footprints: Vec::new() }
+        Self { memory, host, time: TimeModel::generic(), label, footprints: Vec::new(), call_footprints: Vec::new() }
     }
 
     /// The same facts with the footprints measured on this device (by this process's manager,
@@ -191,6 +195,14 @@ impl DeviceFacts {
     /// runs); later ones replace earlier ones of the same component and size.
     pub fn with_footprints(mut self, footprints: impl IntoIterator<Item = Footprint>) -> Self {
         self.footprints.extend(footprints);
+        self
+    }
+
+    /// The same facts with the call footprints measured on this device (by this process's manager,
+    /// [`ComponentsManager::call_footprints`](crate::ComponentsManager::call_footprints), or stored by earlier
+    /// runs); later ones replace earlier ones of the same component and estimate.
+    pub fn with_call_footprints(mut self, calls: impl IntoIterator<Item = CallFootprint>) -> Self {
+        self.call_footprints.extend(calls);
         self
     }
 

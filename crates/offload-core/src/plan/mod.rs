@@ -42,7 +42,7 @@ pub use capacity::{
 };
 pub use component::{BlockLayout, ComponentSpec, Route};
 pub use error::{Origin, PlanError};
-pub use footprint::{Footprint, apply_footprints};
+pub use footprint::{CallFootprint, CallPages, Footprint, apply_call_footprints, apply_footprints};
 pub use host::HostMemory;
 pub use link::{LinkRun, LinkSource, MAX_LINK_RUNS, MeasuredLink};
 pub use machine::{DeviceFacts, Machine, TimeModel};

@@ -488,7 +488,7 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
         }
     }
     eval.need = eval.resident.saturating_add(eval.window).saturating_add(headroom);
-    eval.peak = eval.resident.saturating_add(eval.window).saturating_add(spec.activation_bytes);
+    eval.peak = eval.resident.saturating_add(eval.window).saturating_add(spec.call_on_device());
     eval
 }
 
@@ -534,7 +534,7 @@ impl Planner<'_> {
     }
 
     fn headroom(&self, spec: &ComponentSpec) -> u64 {
-        activation_headroom(spec.activation_bytes, self.settings.reserve)
+        activation_headroom(spec.call_on_device(), self.settings.reserve)
     }
 
     fn plan(&self, components: &[ComponentSpec]) -> Result<Plan, PlanError> {
@@ -983,11 +983,15 @@ impl Planner<'_> {
         }
         let headroom_source = match self.settings.reserve {
             Some(_) => format!("the reserve setting from {}", self.settings.origin("reserve")),
-            None => format!(
-                "estimate {} + margin {}, sized from the workload rather than DDO's fixed headroom tiers",
-                fs(spec.activation_bytes),
-                fs(activation_margin(spec.activation_bytes))
-            ),
+            None => {
+                let call = spec.call_on_device();
+                let what = if call > spec.activation_bytes { "a call's pages, measured," } else { "estimate" };
+                format!(
+                    "{what} {} + margin {}, sized from the workload rather than DDO's fixed headroom tiers",
+                    fs(call),
+                    fs(activation_margin(call))
+                )
+            }
         };
         let fits = spec.device_weight() <= choice.room;
         let mut why = String::new();
