@@ -537,7 +537,7 @@ impl Engine {
             slot.residency = Residency::Loading;
             slot.host.clone()
         };
-        let result = self.shared.upload(&host, Reason::GroupOnload);
+        let result = upload_now(&self.shared, &host, Reason::GroupOnload);
         let mut state = self.shared.state.lock();
         let outcome = match result {
             Ok(tensors) => {
@@ -619,7 +619,7 @@ impl Engine {
             tracing::debug!(group = %host.id, "prefetch miss: loading synchronously");
         }
         drop(state);
-        let mut result = shared.upload(&host, Reason::GroupOnload);
+        let mut result = upload_now(shared, &host, Reason::GroupOnload);
         if result.as_ref().is_err_and(Error::is_out_of_memory) {
             // Prefetched groups nobody borrows yet hold the bytes this one needs (a refused prefetch let the worker
             // run ahead into what the last group released): give them back and try once more, so the worker can
@@ -628,7 +628,7 @@ impl Engine {
             let dropped = shared.release_idle_prefetches(&Reason::OomRetry(self.model().to_string()));
             if dropped > 0 {
                 tracing::debug!(group = %host.id, dropped_bytes = dropped, "upload refused: dropped idle prefetches and retried");
-                result = shared.upload(&host, Reason::GroupOnload);
+                result = upload_now(shared, &host, Reason::GroupOnload);
             }
         }
         let mut state = shared.state.lock();
@@ -888,6 +888,18 @@ impl GroupSlot {
     fn kept_at_start(&self) -> bool {
         self.resident_part
     }
+}
+
+/// An upload the calling thread waits for (a kept group, the capture's loads, a miss). On a cubecl device it runs on
+/// the device's upload thread, as prefetches and whole onloads do, so that every group's pages come from the pools
+/// of one stream and the footprints measured there hold for them; burn's CPU backend uploads on the caller.
+fn upload_now(shared: &Arc<Shared>, host: &Arc<GroupHost>, reason: Reason) -> Result<Arc<[DeviceTensor]>> {
+    if !crate::device::defers_failures(&shared.config.device) {
+        return shared.upload(host, reason);
+    }
+    let (task_shared, task_host) = (shared.clone(), host.clone());
+    on_upload_thread(&shared.config.device, &shared.config.device_name, move || task_shared.upload(&task_host, reason))
+        .unwrap_or_else(|error| Err(shared.onload_error(host, ComponentError::other(error.to_string()))))
 }
 
 /// One prefetch, on the worker: uploads the job's group and publishes it, or leaves it offloaded (to be loaded
