@@ -185,9 +185,32 @@ pub(crate) struct Shared {
     closed: AtomicBool,
 }
 
+/// One prefetch, from the moment its group is marked `Loading` until it is published. Whatever happens to it, its
+/// group leaves `Loading`: [`run_job`] publishes it, and a job dropped unpublished (left in a channel whose thread
+/// ended, refused by a closed channel, or unwound by a panic in its upload) puts the group back to offloaded and
+/// wakes its waiters, so that no caller waits for ever on a group that will not arrive. A job is never dropped
+/// under the state lock: [`Engine::schedule`] returns the jobs, and they are sent after the lock is released.
 struct Job {
+    shared: Arc<Shared>,
     group: usize,
     host: Arc<GroupHost>,
+    published: bool,
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if self.published {
+            return;
+        }
+        let mut state = self.shared.state.lock();
+        let slot = &mut state.groups[self.group];
+        if matches!(slot.residency, Residency::Loading) {
+            slot.residency = Residency::Offloaded;
+        }
+        slot.prefetched = false;
+        state.stats.failed_prefetches += 1;
+        self.shared.changed.notify_all();
+    }
 }
 
 /// A unit of work for a device's shared upload thread.
@@ -250,13 +273,18 @@ fn device_uploads(device: &Device, name: &DeviceName) -> std::io::Result<mpsc::S
         return Ok(sender.clone());
     }
     let (sender, tasks) = mpsc::channel::<Task>();
-    let thread = std::thread::Builder::new().name(format!("group-offload-uploads-{name}")).spawn(move || {
+    let thread = std::thread::Builder::new().name(upload_thread_name(name)).spawn(move || {
         while let Ok(task) = tasks.recv() {
             task();
         }
     })?;
     uploads.push((device.clone(), sender.clone(), thread));
     Ok(sender)
+}
+
+/// The name of `device`'s upload thread.
+fn upload_thread_name(name: &DeviceName) -> String {
+    format!("group-offload-uploads-{name}")
 }
 
 /// Runs `f` on `device`'s upload thread ([`device_uploads`]) and waits for what it returns: how a whole component's
@@ -268,6 +296,11 @@ pub(crate) fn on_upload_thread<R: Send + 'static>(
     name: &DeviceName,
     f: impl FnOnce() -> R + Send + 'static,
 ) -> std::io::Result<R> {
+    // On the upload thread itself (a task that uploads again) the work runs here: sending it to this thread's own
+    // queue and waiting would wait for ever.
+    if std::thread::current().name() == Some(upload_thread_name(name).as_str()) {
+        return Ok(f());
+    }
     let (sender, result) = mpsc::sync_channel(1);
     let task: Task = Box::new(move || {
         let _ = sender.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
@@ -479,12 +512,11 @@ impl Engine {
         };
         let worker = if shared.config.device == Device::flex() {
             let (jobs, receiver) = mpsc::channel::<Job>();
-            let worker_shared = shared.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("group-offload-{model}"))
                 .spawn(move || {
                     while let Ok(job) = receiver.recv() {
-                        run_job(&worker_shared, job);
+                        run_job(job);
                     }
                 })
                 .map_err(unstarted)?;
@@ -597,7 +629,9 @@ impl Engine {
                             state.stats.prefetch_hits += 1;
                         }
                     }
-                    self.schedule(&mut state, group);
+                    let jobs = self.schedule(&mut state, group);
+                    drop(state);
+                    self.dispatch(jobs);
                     return Ok(tensors);
                 }
                 Residency::Loading => {
@@ -633,30 +667,33 @@ impl Engine {
         }
         let mut state = shared.state.lock();
         let slot = &mut state.groups[group];
-        let outcome = match result {
+        let (outcome, jobs) = match result {
             Ok(tensors) => {
                 slot.residency = Residency::OnDevice(tensors.clone());
                 state.stats.onloads += 1;
                 state.stats.bytes_onloaded += host.bytes;
-                self.schedule(&mut state, group);
-                Ok(tensors)
+                let jobs = self.schedule(&mut state, group);
+                (Ok(tensors), jobs)
             }
             Err(e) => {
                 slot.residency = Residency::Offloaded;
                 slot.users -= 1;
-                Err(e)
+                (Err(e), Vec::new())
             }
         };
         shared.changed.notify_all();
+        drop(state);
+        self.dispatch(jobs);
         outcome
     }
 
-    /// After `group` was taken: drops prefetched groups that are no longer expected, then asks the worker for
-    /// the next groups of the captured order.
-    fn schedule(&self, state: &mut State, group: usize) {
+    /// After `group` was taken: drops prefetched groups that are no longer expected, then marks the next groups
+    /// of the captured order `Loading` and returns their jobs, for [`dispatch`](Self::dispatch) once the lock is
+    /// released.
+    fn schedule(&self, state: &mut State, group: usize) -> Vec<Job> {
         let config = &self.shared.config;
         if state.capturing || !config.prefetch {
-            return;
+            return Vec::new();
         }
         let window = state.window(config.prefetch_depth);
         let stale: Vec<usize> = (0..state.groups.len())
@@ -672,25 +709,32 @@ impl Engine {
         for i in stale {
             self.shared.drop_from_device(state, i, &Reason::GroupOffload);
         }
-        let worker = self.worker.lock();
+        let mut jobs = Vec::new();
         for next in window {
             let slot = &mut state.groups[next];
             if !matches!(slot.residency, Residency::Offloaded) {
                 continue;
             }
-            let job = Job { group: next, host: slot.host.clone() };
-            let sent = match worker.as_ref() {
-                Some(Worker::Own { jobs, .. }) => jobs.send(job).is_ok(),
-                Some(Worker::Device(tasks)) => {
-                    let shared = self.shared.clone();
-                    tasks.send(Box::new(move || run_job(&shared, job))).is_ok()
-                }
-                None => return,
-            };
-            if sent {
-                slot.residency = Residency::Loading;
-                slot.prefetched = true;
-                state.stats.prefetches += 1;
+            slot.residency = Residency::Loading;
+            slot.prefetched = true;
+            state.stats.prefetches += 1;
+            jobs.push(Job { shared: self.shared.clone(), group: next, host: slot.host.clone(), published: false });
+        }
+        jobs
+    }
+
+    /// Hands the jobs of [`schedule`](Self::schedule) to the worker. Called without the state lock: a job the
+    /// worker's channel refuses is dropped here, and its drop takes the lock to put its group back.
+    fn dispatch(&self, jobs: Vec<Job>) {
+        if jobs.is_empty() {
+            return;
+        }
+        let worker = self.worker.lock();
+        for job in jobs {
+            match worker.as_ref() {
+                Some(Worker::Own { jobs, .. }) => drop(jobs.send(job)),
+                Some(Worker::Device(tasks)) => drop(tasks.send(Box::new(move || run_job(job)))),
+                None => drop(job),
             }
         }
     }
@@ -809,7 +853,9 @@ impl Engine {
             state.cursor = state.order.len().checked_sub(1);
             tracing::info!(model = self.model(), calls = state.order.len(), "group offload captured the call order");
             if let Some(&last) = state.order.last() {
-                self.schedule(&mut state, last);
+                let jobs = self.schedule(&mut state, last);
+                drop(state);
+                self.dispatch(jobs);
             }
         }
     }
@@ -903,9 +949,12 @@ fn upload_now(shared: &Arc<Shared>, host: &Arc<GroupHost>, reason: Reason) -> Re
 }
 
 /// One prefetch, on the worker: uploads the job's group and publishes it, or leaves it offloaded (to be loaded
-/// when taken) when the upload fails or the engine is gone.
-fn run_job(shared: &Shared, job: Job) {
-    let _unwinding = Unwinding { shared, group: job.group };
+/// when taken) when the upload fails or the engine is gone. A panic in the upload (past the device's own guards,
+/// in a ledger or a host read) goes on: it is not turned into an error, the job's drop puts the group back, and
+/// the worker thread ends with it (a device's upload thread is then started again for the next engine,
+/// [`device_uploads`]; the jobs left in its channel are dropped, so their groups load when taken).
+fn run_job(mut job: Job) {
+    let shared = job.shared.clone();
     let result =
         if shared.closed.load(Ordering::Acquire) { None } else { Some(shared.upload(&job.host, Reason::Prefetch)) };
     let mut state = shared.state.lock();
@@ -926,28 +975,6 @@ fn run_job(shared: &Shared, job: Job) {
             slot.prefetched = false;
         }
     }
+    job.published = true;
     shared.changed.notify_all();
-}
-
-/// Puts a prefetch's group back to offloaded when its upload unwinds (a panic past the upload's own device guards,
-/// in a ledger or a host read), so that no caller waits for ever on a group that will not arrive. The panic goes
-/// on: it is not turned into an error, and the worker thread ends with it (a device's upload thread is then started
-/// again for the next engine, [`device_uploads`]; the groups of the engines that used it load when taken).
-struct Unwinding<'a> {
-    shared: &'a Shared,
-    group: usize,
-}
-
-impl Drop for Unwinding<'_> {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            return;
-        }
-        let mut state = self.shared.state.lock();
-        let slot = &mut state.groups[self.group];
-        slot.residency = Residency::Offloaded;
-        slot.prefetched = false;
-        state.stats.failed_prefetches += 1;
-        self.shared.changed.notify_all();
-    }
 }

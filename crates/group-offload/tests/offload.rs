@@ -827,25 +827,54 @@ impl offload_core::DeviceLedger for PanicsOnTheWorker {
     }
 }
 
+/// Three forwards of the block model whose ledger panics on the prefetch worker, at prefetch depth `depth`, on a
+/// thread of their own: a forward that waits for a prefetch that will never arrive fails the test at its deadline
+/// instead of stalling the suite. Returns each forward's largest difference from the resident model, and the stats.
+fn forwards_with_a_panicking_worker(depth: usize) -> (Vec<f32>, group_offload::engine::GroupStats) {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let device = Device::flex();
+        let model = Model::new(&device);
+        let x = input(&device);
+        let expected = model.forward(x.clone());
+        let card = hard_card(GIB);
+        let config = config(&card, true)
+            .with_prefetch_depth(depth)
+            .with_ledger(Arc::new(PanicsOnTheWorker(card.clone())));
+        let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
+        let diffs: Vec<f32> =
+            (0..3).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
+        offloaded.offload.wait_idle();
+        let _ = done.send((diffs, offloaded.offload.stats()));
+    });
+    finished
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("a forward waited for a prefetch that was never going to arrive, or panicked")
+}
+
 /// A prefetch whose upload panics outside the device's own operations (here in a ledger) is not turned into an
 /// error and leaves no group loading for ever: the group goes back offloaded, the forward that takes it loads it
 /// itself, and every output is the resident model's.
 #[test]
 fn a_panicking_prefetch_leaves_its_group_offloaded_and_the_forward_loads_it() {
-    let device = Device::flex();
-    let model = Model::new(&device);
-    let x = input(&device);
-    let expected = model.forward(x.clone());
-    let card = hard_card(GIB);
-    let config = config(&card, true).with_ledger(Arc::new(PanicsOnTheWorker(card.clone())));
-    let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
-    for pass in 0..3 {
-        let out = offloaded.forward(x.clone()).unwrap();
-        assert!(max_abs_diff(&out, &expected) <= 1e-6, "pass {pass}");
-    }
-    offloaded.offload.wait_idle();
-    let stats = offloaded.offload.stats();
+    let (diffs, stats) = forwards_with_a_panicking_worker(1);
+    assert!(diffs.iter().all(|d| *d <= 1e-6), "{diffs:?}");
     assert!(stats.failed_prefetches >= 1, "{stats:?}");
     assert_eq!(stats.prefetch_hits, 0, "{stats:?}");
     assert!(stats.misses > 0, "the groups were loaded when taken: {stats:?}");
+}
+
+/// Prefetches queued behind one whose upload panics never run: the worker's thread ends with the panic and drops
+/// its channel. Each of them gives its group back as it is dropped, so the forward that takes the group loads it
+/// itself instead of waiting for ever. With depth 2 the capture's end queues two prefetches at once, so the second
+/// is almost always still in the channel when the first panics (before each job gave its group back, this hung
+/// every time it ran here, and so, now and then, did the depth-1 test above: a miss's own prefetch could be queued
+/// while the worker unwound).
+#[test]
+fn prefetches_queued_behind_a_panicking_one_give_their_groups_back() {
+    let (diffs, stats) = forwards_with_a_panicking_worker(2);
+    assert!(diffs.iter().all(|d| *d <= 1e-6), "{diffs:?}");
+    // Both queued prefetches failed: the one that panicked and the one dropped behind it.
+    assert!(stats.failed_prefetches >= 2, "{stats:?}");
+    assert_eq!(stats.prefetch_hits, 0, "{stats:?}");
 }
