@@ -569,7 +569,9 @@ impl Engine {
             slot.residency = Residency::Loading;
             slot.host.clone()
         };
+        let unwinding = GivesBackOnUnwind { shared: &self.shared, group, user: false };
         let result = upload_now(&self.shared, &host, Reason::GroupOnload);
+        std::mem::forget(unwinding);
         let mut state = self.shared.state.lock();
         let outcome = match result {
             Ok(tensors) => {
@@ -653,6 +655,7 @@ impl Engine {
             tracing::debug!(group = %host.id, "prefetch miss: loading synchronously");
         }
         drop(state);
+        let unwinding = GivesBackOnUnwind { shared, group, user: true };
         let mut result = upload_now(shared, &host, Reason::GroupOnload);
         if result.as_ref().is_err_and(Error::is_out_of_memory) {
             // Prefetched groups nobody borrows yet hold the bytes this one needs (a refused prefetch let the worker
@@ -665,6 +668,7 @@ impl Engine {
                 result = upload_now(shared, &host, Reason::GroupOnload);
             }
         }
+        std::mem::forget(unwinding);
         let mut state = shared.state.lock();
         let slot = &mut state.groups[group];
         let (outcome, jobs) = match result {
@@ -946,6 +950,31 @@ fn upload_now(shared: &Arc<Shared>, host: &Arc<GroupHost>, reason: Reason) -> Re
     let (task_shared, task_host) = (shared.clone(), host.clone());
     on_upload_thread(&shared.config.device, &shared.config.device_name, move || task_shared.upload(&task_host, reason))
         .unwrap_or_else(|error| Err(shared.onload_error(host, ComponentError::other(error.to_string()))))
+}
+
+/// Armed around a synchronous upload that set its group `Loading` (and, for a take, counted its caller as a user):
+/// if the upload panics on the calling thread (past the device's own guards: a ledger, a host read), the panic goes
+/// on, and this puts the group back offloaded and wakes its waiters, so that no other caller waits for ever on it.
+/// Forgotten once the upload returns; the caller then publishes the outcome itself.
+struct GivesBackOnUnwind<'a> {
+    shared: &'a Shared,
+    group: usize,
+    /// Whether the upload's caller was counted as a user of the group.
+    user: bool,
+}
+
+impl Drop for GivesBackOnUnwind<'_> {
+    fn drop(&mut self) {
+        let mut state = self.shared.state.lock();
+        let slot = &mut state.groups[self.group];
+        if matches!(slot.residency, Residency::Loading) {
+            slot.residency = Residency::Offloaded;
+        }
+        if self.user {
+            slot.users = slot.users.saturating_sub(1);
+        }
+        self.shared.changed.notify_all();
+    }
 }
 
 /// One prefetch, on the worker: uploads the job's group and publishes it, or leaves it offloaded (to be loaded

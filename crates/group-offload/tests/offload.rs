@@ -878,3 +878,57 @@ fn prefetches_queued_behind_a_panicking_one_give_their_groups_back() {
     assert!(stats.failed_prefetches >= 2, "{stats:?}");
     assert_eq!(stats.prefetch_hits, 0, "{stats:?}");
 }
+
+/// A ledger that panics at its `at`-th request for room (counting from 1), and defers to the card otherwise.
+struct PanicsAt {
+    card: Arc<SimCard>,
+    at: usize,
+    requests: std::sync::atomic::AtomicUsize,
+}
+
+impl offload_core::DeviceLedger for PanicsAt {
+    fn allocate(&self, bytes: u64) -> Result<(), offload_core::ComponentError> {
+        self.card.allocate(bytes)
+    }
+
+    fn free(&self, bytes: u64) {
+        self.card.free(bytes)
+    }
+
+    fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), offload_core::ComponentError> {
+        let request = self.requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        assert_ne!(request, self.at, "a ledger bug on the calling thread");
+        self.card.allocate_tensors(sizes)
+    }
+
+    fn free_tensors(&self, sizes: &[u64]) {
+        self.card.free_tensors(sizes)
+    }
+}
+
+/// A synchronous upload that panics on the calling thread (here in a ledger, during the capture's loads) stays a
+/// panic, and leaves its group offloaded, not `Loading`: the next forward loads it and matches the resident model
+/// instead of waiting for ever (run under a deadline, so a hang fails the test).
+#[test]
+fn a_synchronous_upload_that_panics_leaves_its_group_offloaded() {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let device = Device::flex();
+        let model = Model::new(&device);
+        let x = input(&device);
+        let expected = model.forward(x.clone());
+        let card = hard_card(GIB);
+        let ledger = PanicsAt { card: card.clone(), at: 3, requests: Default::default() };
+        let offloaded = BlockModel::new(model, config(&card, false).with_ledger(Arc::new(ledger)), 1, Residency::Resident);
+        let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| offloaded.forward(x.clone())));
+        let diffs: Vec<f32> =
+            (0..2).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
+        let _ = done.send((first.is_err(), diffs, offloaded.offload.on_device()));
+    });
+    let (panicked, diffs, on_device) = finished
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("a forward waited for a group a panicked upload left loading");
+    assert!(panicked, "the ledger's panic went on to the caller");
+    assert!(diffs.iter().all(|d| *d <= 1e-6), "{diffs:?}");
+    assert!(!on_device.is_empty(), "the resident top is on the device again");
+}
