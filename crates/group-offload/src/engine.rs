@@ -202,14 +202,7 @@ impl Drop for Job {
         if self.published {
             return;
         }
-        let mut state = self.shared.state.lock();
-        let slot = &mut state.groups[self.group];
-        if matches!(slot.residency, Residency::Loading) {
-            slot.residency = Residency::Offloaded;
-        }
-        slot.prefetched = false;
-        state.stats.failed_prefetches += 1;
-        self.shared.changed.notify_all();
+        self.shared.give_back(self.group, false, true);
     }
 }
 
@@ -316,6 +309,25 @@ pub(crate) fn on_upload_thread<R: Send + 'static>(
 }
 
 impl Shared {
+    /// Puts a `Loading` group whose upload will not publish back to offloaded and wakes its waiters: for a
+    /// prefetch dropped unpublished ([`Job`], also counted as failed) and a synchronous upload that unwound
+    /// ([`GivesBackOnUnwind`], which also lets go of its caller's use when `user`). Takes the lock.
+    fn give_back(&self, group: usize, user: bool, prefetch: bool) {
+        let mut state = self.state.lock();
+        let slot = &mut state.groups[group];
+        if matches!(slot.residency, Residency::Loading) {
+            slot.residency = Residency::Offloaded;
+        }
+        if user {
+            slot.users = slot.users.saturating_sub(1);
+        }
+        if prefetch {
+            slot.prefetched = false;
+            state.stats.failed_prefetches += 1;
+        }
+        self.changed.notify_all();
+    }
+
     fn record(&self, action: Action, id: &str, bytes: u64, reason: Reason) {
         let reading = self.config.memory.as_ref().map(|m| m.reading());
         self.record_with(action, id, bytes, reason, reading);
@@ -965,15 +977,7 @@ struct GivesBackOnUnwind<'a> {
 
 impl Drop for GivesBackOnUnwind<'_> {
     fn drop(&mut self) {
-        let mut state = self.shared.state.lock();
-        let slot = &mut state.groups[self.group];
-        if matches!(slot.residency, Residency::Loading) {
-            slot.residency = Residency::Offloaded;
-        }
-        if self.user {
-            slot.users = slot.users.saturating_sub(1);
-        }
-        self.shared.changed.notify_all();
+        self.shared.give_back(self.group, self.user, false);
     }
 }
 

@@ -831,8 +831,7 @@ impl offload_core::DeviceLedger for PanicsOnTheWorker {
 /// thread of their own: a forward that waits for a prefetch that will never arrive fails the test at its deadline
 /// instead of stalling the suite. Returns each forward's largest difference from the resident model, and the stats.
 fn forwards_with_a_panicking_worker(depth: usize) -> (Vec<f32>, group_offload::engine::GroupStats) {
-    let (done, finished) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
+    within_deadline("a forward waited for a prefetch that was never going to arrive, or panicked", move || {
         let device = Device::flex();
         let model = Model::new(&device);
         let x = input(&device);
@@ -845,11 +844,18 @@ fn forwards_with_a_panicking_worker(depth: usize) -> (Vec<f32>, group_offload::e
         let diffs: Vec<f32> =
             (0..3).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
         offloaded.offload.wait_idle();
-        let _ = done.send((diffs, offloaded.offload.stats()));
+        (diffs, offloaded.offload.stats())
+    })
+}
+
+/// Runs `f` on a thread of its own and returns what it returns, failing with `what` if that takes over 60 s (or
+/// `f` panics): a test of a hang fails at the deadline instead of stalling the suite.
+fn within_deadline<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(f());
     });
-    finished
-        .recv_timeout(std::time::Duration::from_secs(60))
-        .expect("a forward waited for a prefetch that was never going to arrive, or panicked")
+    finished.recv_timeout(std::time::Duration::from_secs(60)).expect(what)
 }
 
 /// A prefetch whose upload panics outside the device's own operations (here in a ledger) is not turned into an
@@ -911,8 +917,8 @@ impl offload_core::DeviceLedger for PanicsAt {
 /// instead of waiting for ever (run under a deadline, so a hang fails the test).
 #[test]
 fn a_synchronous_upload_that_panics_leaves_its_group_offloaded() {
-    let (done, finished) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
+    let what = "a forward waited for a group a panicked upload left loading";
+    let (panicked, diffs, on_device) = within_deadline(what, move || {
         let device = Device::flex();
         let model = Model::new(&device);
         let x = input(&device);
@@ -923,11 +929,8 @@ fn a_synchronous_upload_that_panics_leaves_its_group_offloaded() {
         let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| offloaded.forward(x.clone())));
         let diffs: Vec<f32> =
             (0..2).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
-        let _ = done.send((first.is_err(), diffs, offloaded.offload.on_device()));
+        (first.is_err(), diffs, offloaded.offload.on_device())
     });
-    let (panicked, diffs, on_device) = finished
-        .recv_timeout(std::time::Duration::from_secs(60))
-        .expect("a forward waited for a group a panicked upload left loading");
     assert!(panicked, "the ledger's panic went on to the caller");
     assert!(diffs.iter().all(|d| *d <= 1e-6), "{diffs:?}");
     assert!(!on_device.is_empty(), "the resident top is on the device again");
