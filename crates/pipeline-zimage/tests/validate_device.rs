@@ -90,9 +90,9 @@ fn every_preset_on_the_real_device_moves_what_the_plan_predicts_and_peaks_near_i
         assert!((0.90..=1.10).contains(&ratio), "{} on {}: peak ratio {ratio:.3}\n{table}", v.preset, v.card);
         // Per phase: a component moved whole or resident within 10% (measured 0.986 to 1.017 over the runs of
         // 2026-12-04). A streamed one within 10% low and 20% high: with each upload waiting for the work submitted
-        // before it (so the pages of the groups let go of are back in the pool), four runs measured the
-        // transformer at block level 0.953 to 1.003 and at leaf level 0.961 to 0.982, the text encoder at leaf
-        // level 0.975 to 1.027, and at block level 0.976, 1.033 or 1.170: the plan adds the encoder's two-layer
+        // before it (so the pages of the groups let go of are back in the pool), sixteen runs measured the
+        // transformer at block level 0.950 to 1.010 and at leaf level 0.949 to 0.984, the text encoder at leaf
+        // level 0.963 to 1.028, and at block level 0.960 to 0.976, 1.033 or 1.170: the plan adds the encoder's two-layer
         // window (77 KB) and its call (87 KB), and whether the second layer's prefetch lands before the call's
         // peak is timing. Before the wait, a group let go of just before an upload was now and then still pinned,
         // and streamed phases measured 0.854 to 0.998 (docs/devices.md).
