@@ -67,7 +67,10 @@ pub use offload_core::link::LinkRate;
 
 enum Residency {
     Offloaded,
-    Loading,
+    /// An upload in flight. `placed` turns true once the group's memory is taken on the device (a prefetch's,
+    /// [`Shared::upload`]'s `placed` callback), though its copies may still be running: a release waits for the
+    /// prefetches of the window to be placed before it lets its own group go ([`Engine::release`]).
+    Loading { placed: bool },
     OnDevice(Arc<[DeviceTensor]>),
 }
 
@@ -315,7 +318,7 @@ impl Shared {
     fn give_back(&self, group: usize, user: bool, prefetch: bool) {
         let mut state = self.state.lock();
         let slot = &mut state.groups[group];
-        if matches!(slot.residency, Residency::Loading) {
+        if matches!(slot.residency, Residency::Loading { .. }) {
             slot.residency = Residency::Offloaded;
         }
         if user {
@@ -324,6 +327,16 @@ impl Shared {
         if prefetch {
             slot.prefetched = false;
             state.stats.failed_prefetches += 1;
+        }
+        self.changed.notify_all();
+    }
+
+    /// A prefetch's group has its memory on the device ([`Residency::Loading`]'s `placed`): wakes a release that
+    /// waits for it. Takes the lock.
+    fn mark_placed(&self, group: usize) {
+        let mut state = self.state.lock();
+        if let Residency::Loading { placed } = &mut state.groups[group].residency {
+            *placed = true;
         }
         self.changed.notify_all();
     }
@@ -358,8 +371,11 @@ impl Shared {
     }
 
     /// One upload: allocate on the ledger, pay the transfer, build the device tensors. Called without the lock.
-    /// On any failure nothing stays allocated and the host copy is untouched.
-    fn upload(&self, host: &GroupHost, reason: Reason) -> Result<Arc<[DeviceTensor]>> {
+    /// On any failure nothing stays allocated and the host copy is untouched. `placed` is called once the group's
+    /// memory is taken on the device, before the copies are checked: on a runtime that pages (a cubecl device)
+    /// once its tensors are built in the runtime's pool, elsewhere once the ledger holds them (the ledger is then
+    /// the device's account, and a simulated link's transfer time comes after).
+    fn upload(&self, host: &GroupHost, reason: Reason, placed: &dyn Fn()) -> Result<Arc<[DeviceTensor]>> {
         // The reading is taken before the move and the event recorded once it succeeded, as the manager does,
         // so a failed upload leaves no onload row for a group that never arrived.
         let reading = self.config.memory.as_ref().map(|m| m.reading());
@@ -370,7 +386,7 @@ impl Shared {
             .span(category::UPLOAD, &host.id)
             .arg("bytes", host.bytes)
             .arg("reason", reason.to_string());
-        let result = self.upload_bytes(host, reason, reading);
+        let result = self.upload_bytes(host, reason, reading, placed);
         if let Err(error) = &result {
             span.set_arg("error", error.to_string());
         }
@@ -387,11 +403,16 @@ impl Shared {
         host: &GroupHost,
         reason: Reason,
         reading: Option<offload_core::offload_strategy::MemoryReading>,
+        placed: &dyn Fn(),
     ) -> Result<Arc<[DeviceTensor]>> {
         let ledger = &self.config.ledger;
+        let pages = crate::device::defers_failures(&self.config.device);
         // One allocation per tensor, as the runtime makes them: a paging ledger rounds each one, all or none.
         let sizes = host.tensor_sizes();
         ledger.allocate_tensors(&sizes).map_err(|e| self.onload_error(host, e))?;
+        if !pages {
+            placed();
+        }
         let copied = if host.pinned {
             ledger.transfer_pinned(host.bytes)
         } else {
@@ -435,6 +456,9 @@ impl Shared {
             }
             Err(panic) => Err(panic),
         };
+        if pages && built.is_ok() {
+            placed();
+        }
         // The upload is complete, on this thread's stream, before the group is published as on the device: a
         // sync and a read-back of one value per tensor surface a refused allocation as this group's, and no later
         // reader races the copy.
@@ -597,7 +621,7 @@ impl Engine {
             if !matches!(slot.residency, Residency::Offloaded) {
                 return Ok(());
             }
-            slot.residency = Residency::Loading;
+            slot.residency = Residency::Loading { placed: false };
             slot.host.clone()
         };
         let unwinding = GivesBackOnUnwind { shared: &self.shared, group, user: false };
@@ -667,7 +691,7 @@ impl Engine {
                     self.dispatch(jobs);
                     return Ok(tensors);
                 }
-                Residency::Loading => {
+                Residency::Loading { .. } => {
                     waited = true;
                     shared.changed.wait(&mut state);
                 }
@@ -676,7 +700,7 @@ impl Engine {
         }
         // A synchronous upload on this thread.
         let slot = &mut state.groups[group];
-        slot.residency = Residency::Loading;
+        slot.residency = Residency::Loading { placed: false };
         slot.users += 1;
         slot.prefetched = false;
         let host = slot.host.clone();
@@ -750,7 +774,7 @@ impl Engine {
             if !matches!(slot.residency, Residency::Offloaded) {
                 continue;
             }
-            slot.residency = Residency::Loading;
+            slot.residency = Residency::Loading { placed: false };
             slot.prefetched = true;
             state.stats.prefetches += 1;
             jobs.push(Job { shared: self.shared.clone(), group: next, host: slot.host.clone(), published: false });
@@ -775,27 +799,47 @@ impl Engine {
     }
 
     /// A guard let go of `group`.
+    ///
+    /// With prefetch on, a group leaves the device only once the prefetches of the window are placed (their
+    /// memory taken on the device, [`Residency::Loading`]): the next groups arrive before this one goes, so the
+    /// window holds `1 + depth` groups at every release, as the plan counts it, whatever the threads' timing.
+    /// Without the wait, a prefetch the worker reached only after this release took the pages this group gave
+    /// back, and the device held one group fewer than planned now and then (measured on wgpu: the tiny text
+    /// encoder's block phase at 1.170 of the plan in a third of the runs, docs/devices.md). The wait costs a
+    /// forward little: its next take needs the first of those groups published, which comes later still.
     pub fn release(&self, group: usize) {
         let shared = &self.shared;
         let mut state = shared.state.lock();
         let Some(slot) = state.groups.get_mut(group) else { return };
         slot.users = slot.users.saturating_sub(1);
-        if slot.users > 0 || slot.kept {
-            return;
-        }
-        let bytes = slot.host.bytes;
-        if state.kept_bytes + bytes <= shared.config.resident_budget {
-            state.kept_bytes += bytes;
-            state.groups[group].kept = true;
-            return;
-        }
-        let upcoming =
-            !state.capturing && shared.config.prefetch && state.window(shared.config.prefetch_depth).contains(&group);
-        if upcoming {
-            // The group is among the next to run (a short order, or guards released out of order): keep it rather
-            // than upload it again.
-            state.groups[group].prefetched = true;
-            return;
+        loop {
+            let slot = &state.groups[group];
+            if slot.users > 0 || slot.kept || !matches!(slot.residency, Residency::OnDevice(_)) {
+                return;
+            }
+            let bytes = slot.host.bytes;
+            if state.kept_bytes + bytes <= shared.config.resident_budget {
+                state.kept_bytes += bytes;
+                state.groups[group].kept = true;
+                return;
+            }
+            let prefetching = !state.capturing && shared.config.prefetch;
+            let window = if prefetching { state.window(shared.config.prefetch_depth) } else { Vec::new() };
+            if window.contains(&group) {
+                // The group is among the next to run (a short order, or guards released out of order): keep it
+                // rather than upload it again.
+                state.groups[group].prefetched = true;
+                return;
+            }
+            let unplaced = |state: &State| {
+                window.iter().any(|&next| matches!(state.groups[next].residency, Residency::Loading { placed: false }))
+            };
+            if !unplaced(&state) {
+                break;
+            }
+            // Every prefetch leaves `Loading { placed: false }`: placed, published, or put back on failure, each
+            // with a wake-up; the group's state is read again after the wait, as another thread may have taken it.
+            shared.changed.wait(&mut state);
         }
         shared.drop_from_device(&mut state, group, &Reason::GroupOffload);
     }
@@ -805,7 +849,7 @@ impl Engine {
     pub fn offload_all(&self) -> Result<()> {
         let shared = &self.shared;
         let mut state = shared.state.lock();
-        while state.groups.iter().any(|g| matches!(g.residency, Residency::Loading)) {
+        while state.groups.iter().any(|g| matches!(g.residency, Residency::Loading { .. })) {
             shared.changed.wait(&mut state);
         }
         if let Some(busy) = state.groups.iter().find(|g| g.users > 0) {
@@ -957,7 +1001,7 @@ impl Engine {
 
     pub fn wait_idle(&self) {
         let mut state = self.shared.state.lock();
-        while state.groups.iter().any(|g| matches!(g.residency, Residency::Loading)) {
+        while state.groups.iter().any(|g| matches!(g.residency, Residency::Loading { .. })) {
             self.shared.changed.wait(&mut state);
         }
     }
@@ -976,10 +1020,10 @@ impl GroupSlot {
 /// of one stream and the footprints measured there hold for them; burn's CPU backend uploads on the caller.
 fn upload_now(shared: &Arc<Shared>, host: &Arc<GroupHost>, reason: Reason) -> Result<Arc<[DeviceTensor]>> {
     if !crate::device::defers_failures(&shared.config.device) {
-        return shared.upload(host, reason);
+        return shared.upload(host, reason, &|| {});
     }
     let (task_shared, task_host) = (shared.clone(), host.clone());
-    on_upload_thread(&shared.config.device, &shared.config.device_name, move || task_shared.upload(&task_host, reason))
+    on_upload_thread(&shared.config.device, &shared.config.device_name, move || task_shared.upload(&task_host, reason, &|| {}))
         .unwrap_or_else(|error| Err(shared.onload_error(host, ComponentError::other(error.to_string()))))
 }
 
@@ -1007,8 +1051,12 @@ impl Drop for GivesBackOnUnwind<'_> {
 /// [`device_uploads`]; the jobs left in its channel are dropped, so their groups load when taken).
 fn run_job(mut job: Job) {
     let shared = job.shared.clone();
-    let result =
-        if shared.closed.load(Ordering::Acquire) { None } else { Some(shared.upload(&job.host, Reason::Prefetch)) };
+    let placed = || shared.mark_placed(job.group);
+    let result = if shared.closed.load(Ordering::Acquire) {
+        None
+    } else {
+        Some(shared.upload(&job.host, Reason::Prefetch, &placed))
+    };
     let mut state = shared.state.lock();
     let slot = &mut state.groups[job.group];
     match result {

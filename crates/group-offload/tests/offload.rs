@@ -283,6 +283,59 @@ fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
     block_peak(1, true, 2);
 }
 
+/// A ledger that makes every prefetch late: on the worker it waits `delay` before it takes a group's bytes, so
+/// the forward is done with the group before it long before the next one is placed.
+struct LateWorker(Arc<SimCard>, Duration);
+
+impl offload_core::DeviceLedger for LateWorker {
+    fn allocate(&self, bytes: u64) -> Result<(), offload_core::ComponentError> {
+        self.0.allocate(bytes)
+    }
+
+    fn free(&self, bytes: u64) {
+        self.0.free(bytes)
+    }
+
+    fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), offload_core::ComponentError> {
+        if std::thread::current().name().is_some_and(|name| name.starts_with("group-offload-")) {
+            std::thread::sleep(self.1);
+        }
+        self.0.allocate_tensors(sizes)
+    }
+
+    fn free_tensors(&self, sizes: &[u64]) {
+        self.0.free_tensors(sizes)
+    }
+}
+
+/// The window is what the plan counts whatever the threads' timing: a group leaves the card only once the
+/// prefetches of the window hold their bytes. With a worker late by far more than a block's compute, every steady
+/// forward still peaks at the resident part plus `1 + depth` groups, exactly (without the wait in `release`, the
+/// late prefetch took the bytes the released group gave back, and the peak was one group lower), and every group
+/// is still a prefetch hit or a wait, never a miss.
+#[test]
+fn a_late_prefetch_still_fills_the_window_before_the_group_before_it_leaves() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    for depth in [1, 2] {
+        let card = hard_card(GIB);
+        let config = config(&card, true)
+            .with_prefetch_depth(depth)
+            .with_ledger(Arc::new(LateWorker(card.clone(), Duration::from_millis(20))));
+        let offloaded = BlockModel::new(model.clone(), config, 1, Residency::Resident);
+        let peak = steady_peak(&card, || {
+            let out = offloaded.forward(x.clone()).unwrap();
+            assert!(max_abs_diff(&out, &expected) <= 1e-6);
+        });
+        let window = (depth as u64 + 1) * offloaded.offload.largest_group();
+        let bound = offloaded.offload.resident_bytes() + window;
+        assert_eq!(peak, bound, "depth {depth}: the peak is the resident part plus the whole window");
+        assert_eq!(offloaded.offload.stats().misses, 0, "depth {depth}: {:?}", offloaded.offload.stats());
+    }
+}
+
 #[test]
 fn steady_runs_have_no_misses_and_every_group_is_a_prefetch_hit() {
     let device = Device::flex();

@@ -1,7 +1,7 @@
 //! Predicted beside measured on the simulated card: for every preset on three cards sized from the tiny
 //! pipeline, the planner's device peak is within 10% above the card's measured peak (the run's, and each
-//! component's phase within 1% below to 10% above; a prefetched phase's as a bound, since a late prefetch lowers
-//! what it measures), and its bytes moved and moves per image are the ones the ledger counted, exactly (`docs/benchmarks.md`, "Predicted beside measured").
+//! component's phase within 1% below to 10% above, a prefetched one's included), and its bytes moved and moves per
+//! image are the ones the ledger counted, exactly (`docs/benchmarks.md`, "Predicted beside measured").
 
 use group_offload::Placement;
 use pipeline_zimage::pipeline::ZImagePipeline;
@@ -36,15 +36,19 @@ fn every_preset_predicts_the_simulated_cards_peak_within_ten_percent_and_its_mov
         streamed += usize::from(v.measured.moves > 3);
         // Each phase too: the component's predicted peak against the card's peak during its calls (the leaf
         // window's prefetch can land a norms group early: at most 1% under). A phase whose groups prefetch
-        // (` d1` in its route) reaches the planner's ring only when the worker's upload lands while the group
-        // before it computes, which a loaded machine can delay (one CI run measured the text encoder's block
-        // phase at 121,792 B for 158,976 B predicted): there the prediction is held as a bound, not within 10%.
-        let routes: Vec<&str> = v.routes.split('/').collect();
-        for (index, (component, predicted, measured)) in v.phases.iter().enumerate() {
+        // (` d1` in its route) reaches the planner's window whatever the threads' timing: a group leaves the
+        // card only once the next one's prefetch holds its bytes. Before that wait, a prefetch the worker
+        // reached late took the bytes the last group gave back, and one CI run on a loaded machine measured the
+        // text encoder's block phase at 121,792 B for 158,976 B predicted (1.31).
+        for (component, predicted, measured) in &v.phases {
             let ratio = *predicted as f64 / *measured as f64;
-            let prefetched = routes.get(index).is_some_and(|route| route.contains(" d"));
-            let within = if prefetched { ratio >= 0.99 } else { (0.99..=1.10).contains(&ratio) };
-            assert!(within, "{} on {}: {component} {predicted} / {measured}\n{table}", v.preset, v.card);
+            assert!(
+                (0.99..=1.10).contains(&ratio),
+                "{} on {}: {component} {predicted} / {measured} ({})\n{table}",
+                v.preset,
+                v.card,
+                v.routes
+            );
         }
     }
     // The cards make presets stream by blocks and by leaves, not only move components whole.
