@@ -32,7 +32,7 @@ pub mod profile;
 pub mod run;
 
 pub use card::{CATALOGUE, CardSpec, CardStats, Faults, LOG_LIMIT, LedgerCall, Mode, SimCard, Timing};
-pub use component::{ActivationProfile, ComponentProfile, VirtualComponent};
+pub use component::{ActivationProfile, ComponentProfile, Step, VirtualComponent};
 pub use error::SimError;
 pub use expect::{CardExpectation, Expectations};
 pub use profile::PipelineProfile;

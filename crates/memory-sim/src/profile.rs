@@ -18,8 +18,26 @@
 //! | peak when the VAE arrives | 12.07 | transformer working set 12.07 − 11.46 − 0.15 = 0.46 GiB |
 //! | peak of the whole run (`max_memory_allocated`) | 14.15 | VAE working set 14.15 − 0.15 − 0.05 − 11.46 − 0.16 = 2.33 GiB |
 //!
-//! Each working set is made in one allocation per layer or block, so a hard card's out-of-memory strikes
-//! part-way through a call (see [`ActivationProfile`]).
+//! The text encoder's and the transformer's working sets are made in one allocation per layer or block, so a
+//! hard card's out-of-memory strikes part-way through a call (see [`ActivationProfile`]).
+//!
+//! The VAE decoder's working set rises and falls, calibrated on the anchor's second record (the same docs: a
+//! 13.5GB card, `memory_reserve=0`), whose decode fails part-way and is retried:
+//!
+//! | reading | value | what it pins |
+//! |---|---|---|
+//! | available when the VAE arrives | 1.29 | free for the decode once its 159.87 MB are on: 1.29 − 0.156 = 1.134 GiB |
+//! | available at the `oom_retry` row | 693.77 MB | held by the failed decode: 1.134 − 0.678 = 0.456 GiB |
+//! | peak at the `oom_retry` row | 12.65 | made by the decode before it failed: 12.65 − (12.90 − 1.134) = 0.884 GiB |
+//!
+//! So the decoder reaches 0.884 GiB, falls back to 0.456 GiB (its early maps freed), and then asks for more than
+//! the 0.678 GiB left; on a card with room it goes on to the 2.33 GiB the first record pins. The record does not
+//! say how large the failing request was, only that it was over 0.678 GiB: the profile takes 1 GiB (a 1024² map
+//! of 256 channels in f32), a modelling choice. The readings are taken after the failure, when torch has
+//! released its cache (an out-of-memory frees the cached blocks before it is raised), so the available
+//! reading is the card less what is allocated. On the simulated card this run reads 0.05 GiB lower and peaks
+//! 0.05 GiB higher than the anchor: the 0.05 GiB the transformer's calls leave, which the first record shows
+//! held and this one does not (the allocator's cache, which the card does not model).
 //!
 //! The VAE leaves its image behind (1024 × 1024 × 3 bf16 = 6 MiB). The other two profiles' outputs are what the
 //! record shows the allocator did not give back, not the size of the tensors alone; they reproduce the
@@ -97,13 +115,15 @@ pub mod z_image_turbo {
 }
 
 /// The allocations a call's working set is made in: one per layer or block that runs (Qwen3's 36 layers; the
-/// transformer's 2 noise-refiner, 2 context-refiner and 30 main blocks; the VAE decoder's mid block, its 4 up
-/// blocks of 3 ResNet blocks and its 3 upsamplers, 16 stages). A modelling choice, not a measurement: it sets
-/// how far into a call an out-of-memory can strike, and how much the failed call holds when it does.
+/// transformer's 2 noise-refiner, 2 context-refiner and 30 main blocks). A modelling choice, not a measurement:
+/// it sets how far into a call an out-of-memory can strike, and how much the failed call holds when it does.
 const TEXT_ALLOCATIONS: u32 = z_image_turbo::TEXT_LAYERS as u32;
 const TRANSFORMER_ALLOCATIONS: u32 =
     (z_image_turbo::NOISE_REFINER_BLOCKS + z_image_turbo::CONTEXT_REFINER_BLOCKS + z_image_turbo::MAIN_BLOCKS) as u32;
-const VAE_DECODER_STAGES: u32 = 16;
+
+/// The VAE decoder's working set after each of its allocations and frees, GiB, from the anchor's two records
+/// (module docs): up to 0.884, down to 0.456, a 1 GiB request, up to its 2.33 peak.
+pub const VAE_DECODE_LEVELS_GIB: [f64; 5] = [0.456, 0.884, 0.456, 1.456, 2.33];
 
 fn gib(x: f64) -> u64 {
     (x * GIB).round() as u64
@@ -164,8 +184,10 @@ impl PipelineProfile {
                 ComponentProfile {
                     name: "vae".into(),
                     bytes: z_image_turbo::VAE_BYTES,
-                    activations: ActivationProfile::new(gib(2.33), 1024 * 1024 * 3 * 2)
-                        .in_allocations(VAE_DECODER_STAGES),
+                    activations: ActivationProfile::through_levels(
+                        VAE_DECODE_LEVELS_GIB.iter().map(|&level| gib(level)).collect(),
+                        1024 * 1024 * 3 * 2,
+                    ),
                     flops: vae_flops,
                 },
             ],
