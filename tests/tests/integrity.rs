@@ -21,7 +21,10 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor};
-use group_offload::{parts::BlockOffload, parts::GroupOffload, config::GroupOffloadConfig, component::GroupOffloadedModel, parts::ModuleOffload, parts::Residency};
+use group_offload::{
+    component::GroupOffloadedModel, config::GroupOffloadConfig, parts::BlockOffload, parts::GroupOffload,
+    parts::ModuleOffload, parts::Residency,
+};
 use memory_sim::{CardSpec, Faults, Mode, SimCard};
 use offload_core::{
     ComponentError, ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, Direction, Error, Offloadable,

@@ -188,21 +188,22 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
         let (first_path, first_check) = match first {
             Some((path, access)) => {
                 let path = LitStr::new(path, Span::call_site());
-                (quote!(::core::option::Option::Some(#path)), quote!(let _ = |block: &#ty| { let _ = &block #access; };))
+                (
+                    quote!(::core::option::Option::Some(#path)),
+                    quote!(let _ = |block: &#ty| { let _ = &block #access; };),
+                )
             }
             None => (quote!(::core::option::Option::None), quote!()),
         };
         let (view, part) = match kind {
             Kind::Blocks => (quote!(#krate::Blocks<'a, #ty>), quote!(#krate::model::Streamed<#ty>)),
             Kind::Block => (quote!(#krate::Single<'a, #ty>), quote!(#krate::model::StreamedOne<#ty>)),
-            Kind::NestedList => (
-                quote!(#krate::Nested<'a, #ty>),
-                quote!(::std::vec::Vec<<#ty as #krate::OffloadModel>::Parts>),
-            ),
-            Kind::NestedOne => (
-                quote!(<#ty as #krate::OffloadModel>::Weights<'a>),
-                quote!(<#ty as #krate::OffloadModel>::Parts),
-            ),
+            Kind::NestedList => {
+                (quote!(#krate::Nested<'a, #ty>), quote!(::std::vec::Vec<<#ty as #krate::OffloadModel>::Parts>))
+            }
+            Kind::NestedOne => {
+                (quote!(<#ty as #krate::OffloadModel>::Weights<'a>), quote!(<#ty as #krate::OffloadModel>::Parts))
+            }
         };
         view_fields.push(quote!(#[doc = #doc] pub #name: #view));
         part_fields.push(quote!(#name: #part));
@@ -217,7 +218,8 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
                 resident.push(quote!(#name: #krate::Single::Resident(&self.#name)));
                 streamed.push(quote!(#name: #krate::Single::Streamed(&parts.#name)));
                 split.push(quote!(let #name = split.block(#key, split.hollow(&mut self.#name))?;));
-                census.push(quote!(#first_check census.blocks_from(::core::slice::from_ref(&self.#name), #first_path);));
+                census
+                    .push(quote!(#first_check census.blocks_from(::core::slice::from_ref(&self.#name), #first_path);));
             }
             Kind::NestedList => {
                 resident.push(quote!(#name: #krate::Nested::Resident(&self.#name)));

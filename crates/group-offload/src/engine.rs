@@ -70,7 +70,9 @@ enum Residency {
     /// An upload in flight. `placed` turns true once the group's memory is taken on the device (a prefetch's,
     /// [`Shared::upload`]'s `placed` callback), though its copies may still be running: a release waits for the
     /// prefetches of the window to be placed before it lets its own group go ([`Engine::release`]).
-    Loading { placed: bool },
+    Loading {
+        placed: bool,
+    },
     OnDevice(Arc<[DeviceTensor]>),
 }
 
@@ -1023,8 +1025,10 @@ fn upload_now(shared: &Arc<Shared>, host: &Arc<GroupHost>, reason: Reason) -> Re
         return shared.upload(host, reason, &|| {});
     }
     let (task_shared, task_host) = (shared.clone(), host.clone());
-    on_upload_thread(&shared.config.device, &shared.config.device_name, move || task_shared.upload(&task_host, reason, &|| {}))
-        .unwrap_or_else(|error| Err(shared.onload_error(host, ComponentError::other(error.to_string()))))
+    on_upload_thread(&shared.config.device, &shared.config.device_name, move || {
+        task_shared.upload(&task_host, reason, &|| {})
+    })
+    .unwrap_or_else(|error| Err(shared.onload_error(host, ComponentError::other(error.to_string()))))
 }
 
 /// Armed around a synchronous upload that set its group `Loading` (and, for a take, counted its caller as a user):

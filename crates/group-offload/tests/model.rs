@@ -7,7 +7,10 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Distribution, Tensor};
-use group_offload::{Blocks, model::Census, Error, GroupLevel, GroupOptions, Layer, ModelHandle, parts::ModuleOffload, OffloadModel, Placement, Shell, model::Split, model::Streamed, check_streaming, model::measure_layout};
+use group_offload::{
+    Blocks, Error, GroupLevel, GroupOptions, Layer, ModelHandle, OffloadModel, Placement, Shell, check_streaming,
+    model::Census, model::Split, model::Streamed, model::measure_layout, parts::ModuleOffload,
+};
 use offload_core::{Action, ComponentsManager, Reason};
 
 #[derive(Module, Debug)]
@@ -240,7 +243,8 @@ fn block_forward(block: &Layer<'_, Block>, x: Tensor<2>) -> group_offload::Resul
 fn a_forward_that_takes_parts_twice_is_captured_whole_with_no_miss_at_both_levels() {
     let device = Device::flex();
     let Net { embed, blocks, .. } = net(&device);
-    let model = Repeats { embed, blocks, last: net(&device).blocks.remove(0), head: LinearConfig::new(16, 4).init(&device) };
+    let model =
+        Repeats { embed, blocks, last: net(&device).blocks.remove(0), head: LinearConfig::new(16, 4).init(&device) };
     let x = input(&device);
     let resident = group_offload::whole(model.weights().forward(x.clone()));
     // The free check fails on a second forward's miss or new step, at either level.

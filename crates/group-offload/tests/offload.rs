@@ -11,7 +11,10 @@ use std::time::Duration;
 use burn::nn::Linear;
 use burn::tensor::{Device, Tensor};
 use common::{BLOCKS, Block, Model, Top, hard_card, input, max_abs_diff, slow_card};
-use group_offload::{parts::BlockOffload, Error, parts::GroupOffload, config::GroupOffloadConfig, component::GroupOffloadedModel, parts::LeafOffload, LeafPredicate, parts::ModuleOffload, parts::Residency};
+use group_offload::{
+    Error, LeafPredicate, component::GroupOffloadedModel, config::GroupOffloadConfig, parts::BlockOffload,
+    parts::GroupOffload, parts::LeafOffload, parts::ModuleOffload, parts::Residency,
+};
 use memory_sim::SimCard;
 use offload_core::{Action, ComponentsManager, DeviceMemory, DeviceName, OffloadRecord, Offloadable, Reason};
 
@@ -890,12 +893,10 @@ fn forwards_with_a_panicking_worker(depth: usize) -> (Vec<f32>, group_offload::e
         let x = input(&device);
         let expected = model.forward(x.clone());
         let card = hard_card(GIB);
-        let config = config(&card, true)
-            .with_prefetch_depth(depth)
-            .with_ledger(Arc::new(PanicsOnTheWorker(card.clone())));
+        let config =
+            config(&card, true).with_prefetch_depth(depth).with_ledger(Arc::new(PanicsOnTheWorker(card.clone())));
         let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
-        let diffs: Vec<f32> =
-            (0..3).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
+        let diffs: Vec<f32> = (0..3).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
         offloaded.offload.wait_idle();
         (diffs, offloaded.offload.stats())
     })
@@ -978,10 +979,10 @@ fn a_synchronous_upload_that_panics_leaves_its_group_offloaded() {
         let expected = model.forward(x.clone());
         let card = hard_card(GIB);
         let ledger = PanicsAt { card: card.clone(), at: 3, requests: Default::default() };
-        let offloaded = BlockModel::new(model, config(&card, false).with_ledger(Arc::new(ledger)), 1, Residency::Resident);
+        let offloaded =
+            BlockModel::new(model, config(&card, false).with_ledger(Arc::new(ledger)), 1, Residency::Resident);
         let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| offloaded.forward(x.clone())));
-        let diffs: Vec<f32> =
-            (0..2).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
+        let diffs: Vec<f32> = (0..2).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
         (first.is_err(), diffs, offloaded.offload.on_device())
     });
     assert!(panicked, "the ledger's panic went on to the caller");

@@ -24,8 +24,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::{DType, Device, Distribution, FloatDType, Tensor};
-use group_offload::{device::CappedDevice, config::GroupOffloadConfig, device::PoolReadings};
 use group_offload::{GroupLevel, GroupOptions, handle::GroupedModel};
+use group_offload::{config::GroupOffloadConfig, device::CappedDevice, device::PoolReadings};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, DeviceName, parse_size};
 use pipeline_zimage::config::TransformerConfig;

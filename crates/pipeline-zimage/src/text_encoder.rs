@@ -261,7 +261,12 @@ impl SelfAttention {
 
 /// [`SelfAttention::forward`] over a [`Layer`], taking `q_proj`, `k_proj`, `v_proj`, the attention's own
 /// parameters (the query and key norms), then `o_proj`.
-fn self_attention(attention: &Layer<'_, SelfAttention>, x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>) -> Result<Tensor<3>> {
+fn self_attention(
+    attention: &Layer<'_, SelfAttention>,
+    x: Tensor<3>,
+    cos: Tensor<2>,
+    sin: Tensor<2>,
+) -> Result<Tensor<3>> {
     let [b, l, _] = x.dims();
     let structure = attention.structure();
     let [nh, nkv, hd] = [structure.num_heads, structure.num_kv_heads, structure.head_dim];

@@ -567,7 +567,6 @@ pub struct AutoencoderKl {
     pub shift_factor: f64,
 }
 
-
 impl AutoencoderKl {
     /// Builds the module with lazily initialised parameters on `device`. `config` must be valid
     /// ([`VaeConfig::validate`]).

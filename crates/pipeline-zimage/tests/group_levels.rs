@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use group_offload::config::GroupOffloadConfig;
 use group_offload::Placement;
+use group_offload::config::GroupOffloadConfig;
 use group_offload::{GroupLevel, GroupOptions, handle::GroupedModel};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, Offloadable};

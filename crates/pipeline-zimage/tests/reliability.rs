@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
-use group_offload::{whole::BurnComponent, Placement};
+use group_offload::{Placement, whole::BurnComponent};
 use memory_sim::{CardSpec, Faults, Mode, SimCard};
 use offload_core::{Action, ComponentError, DeviceLedger, DeviceMemory, Direction, OffloadRecord, Offloadable, Reason};
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
@@ -589,7 +589,9 @@ struct Contention {
 fn contention_runs(runs: usize) -> Contention {
     let (xs, t, caps) = transformer_inputs();
     let forward = |pipeline: &ZImagePipeline, activation: u64| {
-        pipeline.transformer().try_run(activation, |weights, _| weights.forward_items(xs.clone(), t.clone(), caps.clone()))
+        pipeline
+            .transformer()
+            .try_run(activation, |weights, _| weights.forward_items(xs.clone(), t.clone(), caps.clone()))
     };
     let (reference, capacity, activation) = {
         let mut probe = load(Placement::host_only());

@@ -20,8 +20,8 @@ use burn::tensor::activation::{gelu, silu};
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use group_offload::apply::{PipelinePlan, plan_and_apply};
 use group_offload::prelude::*;
-use group_offload::apply::PipelinePlan;
 use offload_core::ComponentsManager;
 use offload_core::plan::{DeviceFacts, Settings, Workload};
 
@@ -317,7 +317,7 @@ impl TinyDitPipeline {
             specs.push(group_offload::apply::component_spec(&self.manager, &**component)?.with_activation(activation));
         }
         let workload = Workload::new().with("model", "tiny-dit");
-        Ok(group_offload::apply::plan_and_apply(&self.manager, &mut components, &specs, settings, device, workload, "dit")?)
+        Ok(plan_and_apply(&self.manager, &mut components, &specs, settings, device, workload, "dit")?)
         // offload: end
     }
 
@@ -350,9 +350,7 @@ impl TinyDitPipeline {
             x = x + velocity.to_device(host) * dt;
         }
         // offload: begin
-        let image = self.decoder.run(decoder, |decoder, device| {
-            Ok(decoder.forward(x.clone().to_device(device)))
-        })?;
+        let image = self.decoder.run(decoder, |decoder, device| Ok(decoder.forward(x.clone().to_device(device))))?;
         // offload: end
         Ok(image.to_device(host))
     }

@@ -87,9 +87,11 @@ pub struct AttentionBlock {
 // offload: end
 pub struct Stage {
     /// The ResNet blocks, run in order.
-    #[offload(blocks)] pub resnets: Vec<ResnetBlock>,
+    #[offload(blocks)]
+    pub resnets: Vec<ResnetBlock>,
     /// The attentions, `attentions[i]` after `resnets[i]` (the mid block's; empty elsewhere).
-    #[offload(blocks)] pub attentions: Vec<AttentionBlock>,
+    #[offload(blocks)]
+    pub attentions: Vec<AttentionBlock>,
     /// The resampler, after the blocks.
     pub resample: Option<Conv2d>,
 }
@@ -107,11 +109,14 @@ pub struct UNet {
     /// 3×3, `LATENT -> CHANNELS[0]`.
     pub conv_in: Conv2d,
     /// The down stages, full then half resolution.
-    #[offload(nested)] pub down_blocks: Vec<Stage>,
+    #[offload(nested)]
+    pub down_blocks: Vec<Stage>,
     /// The mid block: ResNet, attention, ResNet.
-    #[offload(nested)] pub mid_block: Stage,
+    #[offload(nested)]
+    pub mid_block: Stage,
     /// The up stages, half then full resolution, fed by the skips.
-    #[offload(nested)] pub up_blocks: Vec<Stage>,
+    #[offload(nested)]
+    pub up_blocks: Vec<Stage>,
     /// Norm before the output.
     pub norm_out: GroupNorm,
     /// 3×3, `CHANNELS[0] -> LATENT`.
@@ -194,7 +199,10 @@ impl UNet {
 impl Encoder {
     /// An encoder of `classes` classes with random weights.
     pub fn random(classes: usize, device: &Device) -> Self {
-        Self { embed: EmbeddingConfig::new(classes, EMBED).init(device), proj: LinearConfig::new(EMBED, EMBED).init(device) }
+        Self {
+            embed: EmbeddingConfig::new(classes, EMBED).init(device),
+            proj: LinearConfig::new(EMBED, EMBED).init(device),
+        }
     }
 
     /// The condition `[B, EMBED]` of class ids `[B, 1]`.

@@ -55,8 +55,8 @@ fn the_unet_streams_as_it_runs_resident() {
     let x = Tensor::<4>::ones([1, LATENT, SIZE, SIZE], &device);
     let t = Tensor::<2>::ones([1, 1], &device);
     let c = Tensor::<2>::ones([1, EMBED], &device);
-    let check = check_streaming(models().1, &device, |w| w.forward(x.clone(), t.clone(), c.clone()))
-        .expect("the UNet streams");
+    let check =
+        check_streaming(models().1, &device, |w| w.forward(x.clone(), t.clone(), c.clone())).expect("the UNet streams");
     // 12 ResNets, the mid block's attention, and the two resamplers: one group each.
     assert_eq!(check.block_groups, 15, "{check:?}");
     assert!(check.leaf_groups > 40, "{check:?}");
@@ -68,10 +68,9 @@ fn the_unet_streams_as_it_runs_resident() {
 fn block_and_leaf_level_run_on_a_card_smaller_than_the_unet_with_no_miss() {
     let resident = resident();
     let unet = unet_bytes();
-    for (level, capacity) in [
-        (GroupLevel::Block { blocks_per_group: 1 }, unet * 9 / 10),
-        (GroupLevel::Leaf, unet * 3 / 4),
-    ] {
+    for (level, capacity) in
+        [(GroupLevel::Block { blocks_per_group: 1 }, unet * 9 / 10), (GroupLevel::Leaf, unet * 3 / 4)]
+    {
         let card = hard_card(capacity);
         let mut pipeline = pipeline(Placement::simulated(card.clone()));
         let options = GroupOptions { level, ..GroupOptions::default() };
@@ -162,8 +161,9 @@ fn the_auto_preset_streams_the_unet_on_a_card_too_small_for_it() {
     ];
     let mut components: [&mut dyn group_offload::handle::Component; 2] = [&mut pipeline.encoder, &mut pipeline.unet];
     let workload = Workload::new().with("model", "tiny-unet");
-    let plan = group_offload::apply::plan_and_apply(&manager, &mut components, &specs, settings, &facts, workload, "unet")
-        .expect("plans and applies");
+    let plan =
+        group_offload::apply::plan_and_apply(&manager, &mut components, &specs, settings, &facts, workload, "unet")
+            .expect("plans and applies");
     let route = plan.applied("unet").expect("the UNet is planned").applied;
     assert!(route.is_group_offload(), "a UNet larger than the card must stream, got {route}:\n{plan}");
     assert!(pipeline.unet.is_grouped());
