@@ -102,6 +102,8 @@ struct State {
     /// The first stray load that could not read its host copy since the last call ended (the disk file vanished),
     /// as the error the call returns.
     stray_failure: Option<StrayFailure>,
+    /// Whether the warning of a capture past [`CAPTURE_LIMIT`] was given.
+    capture_warned: bool,
 }
 
 /// A stray load whose host copy could not be read: what the call that made it fails with.
@@ -124,6 +126,10 @@ impl From<StrayFailure> for Error {
 /// How many stray parameters' names the engine keeps.
 const STRAYS_KEPT: usize = 16;
 
+/// Takes per group after which a capture that no `run` has ended is taken for a usage error: the engine warns once
+/// and the order stops growing (a forward that takes each of its groups more often than this is not expected).
+const CAPTURE_LIMIT: usize = 64;
+
 impl State {
     /// Bookkeeping of one call. During the capture the call is appended; the capture ends when the first forward
     /// returns ([`GroupOffload::run`](crate::parts::GroupOffload::run)) or at `end_capture`. After it, a call that is not the expected next one is learnt: a group
@@ -132,6 +138,22 @@ impl State {
     fn note_call(&mut self, group: usize, model: &str) {
         if self.capturing {
             // Every take of the first forward is a step, repeats included: a part taken twice is two steps.
+            if self.order.len() >= CAPTURE_LIMIT * self.groups.len().max(1) {
+                // Parts driven without `GroupOffload::run` (or `end_capture`) never end the capture, so nothing
+                // is prefetched; the order stops growing here rather than by one step a take for ever.
+                if !self.capture_warned {
+                    self.capture_warned = true;
+                    tracing::warn!(
+                        model,
+                        takes = self.order.len(),
+                        "group offload is still capturing its call order after {CAPTURE_LIMIT} takes per group: \
+                         if its forwards are not wrapped in GroupOffload::run (ModelHandle::run does), nothing is \
+                         prefetched; wrap each forward in it, or call GroupOffload::end_capture after the first. A \
+                         forward that takes its groups this often is captured up to here"
+                    );
+                }
+                return;
+            }
             self.order.push(group);
             self.cursor = Some(self.order.len() - 1);
             return;
@@ -559,6 +581,7 @@ impl Engine {
                 stats: GroupStats::default(),
                 strays: Vec::new(),
                 stray_failure: None,
+                capture_warned: false,
             }),
             changed: Condvar::new(),
             closed: AtomicBool::new(false),

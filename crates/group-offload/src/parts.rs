@@ -258,7 +258,9 @@ impl GroupOffload {
     /// first forward: when the first `run` returns `Ok`, the order it took its groups in is the captured order,
     /// and from then on each take prefetches the next groups of that order. A first `run` that fails is
     /// forgotten, so the next one captures again. [`ModelHandle::run`](crate::ModelHandle::run) and
-    /// [`check_streaming`](crate::check_streaming) call it for you.
+    /// [`check_streaming`](crate::check_streaming) call it for you. Parts driven without `run` (or
+    /// [`end_capture`](Self::end_capture)) stay capturing and never prefetch: after 64 takes per group the
+    /// offloader warns once (`tracing`) and its order stops growing.
     ///
     /// A stray load during the forward that could not read its host copy (a disk-stored group's file removed
     /// while the model runs) makes the run fail with [`Error::Disk`] naming the file, whatever the forward
