@@ -162,7 +162,7 @@ fn streamed(
 
 /// Times `forwards` steady forwards (after one capture forward) of a streamed model. Each forward is one
 /// [`GroupOffload::run`]: the first one's return ends the capture, and only then do takes prefetch (without it the
-/// offloader stays capturing and every take loads on the spot, as this bench measured from 2026-12-02 to 12-05).
+/// offloader stays capturing and every take loads on the spot, as this bench measured from 995b87a to 2026-12-05).
 fn time_streamed(
     offload: &GroupOffload,
     part: &BlockOffload<BenchBlock>,
