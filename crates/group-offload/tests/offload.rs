@@ -286,31 +286,6 @@ fn peaks_order_leaf_block1_block3_resident_and_respect_the_ring_bound() {
     block_peak(1, true, 2);
 }
 
-/// A ledger that makes every prefetch late: on the worker it waits `delay` before it takes a group's bytes, so
-/// the forward is done with the group before it long before the next one is placed.
-struct LateWorker(Arc<SimCard>, Duration);
-
-impl offload_core::DeviceLedger for LateWorker {
-    fn allocate(&self, bytes: u64) -> Result<(), offload_core::ComponentError> {
-        self.0.allocate(bytes)
-    }
-
-    fn free(&self, bytes: u64) {
-        self.0.free(bytes)
-    }
-
-    fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), offload_core::ComponentError> {
-        if std::thread::current().name().is_some_and(|name| name.starts_with("group-offload-")) {
-            std::thread::sleep(self.1);
-        }
-        self.0.allocate_tensors(sizes)
-    }
-
-    fn free_tensors(&self, sizes: &[u64]) {
-        self.0.free_tensors(sizes)
-    }
-}
-
 /// The window is what the plan counts whatever the threads' timing: a group leaves the card only once the
 /// prefetches of the window hold their bytes. With a worker late by far more than a block's compute, every steady
 /// forward still peaks at the resident part plus `1 + depth` groups, exactly (without the wait in `release`, the
@@ -326,7 +301,7 @@ fn a_late_prefetch_still_fills_the_window_before_the_group_before_it_leaves() {
         let card = hard_card(GIB);
         let config = config(&card, true)
             .with_prefetch_depth(depth)
-            .with_ledger(Arc::new(LateWorker(card.clone(), Duration::from_millis(20))));
+            .with_ledger(Arc::new(OnTheWorker(card.clone(), WorkerAct::Sleep(Duration::from_millis(20)))));
         let offloaded = BlockModel::new(model.clone(), config, 1, Residency::Resident);
         let peak = steady_peak(&card, || {
             let out = offloaded.forward(x.clone()).unwrap();
@@ -909,10 +884,18 @@ fn the_timeline_holds_each_groups_upload_compute_and_release_prefetches_on_the_w
     assert!(samples.iter().all(|s| s.allocated <= card.peak()));
 }
 
-/// A ledger that panics when a prefetch worker asks it for room, and defers to the card on every other thread.
-struct PanicsOnTheWorker(Arc<SimCard>);
+/// What [`OnTheWorker`] does when a prefetch worker asks it for room.
+enum WorkerAct {
+    /// Waits this long first: every prefetch is late.
+    Sleep(Duration),
+    /// Panics: a ledger bug on the worker.
+    Panic,
+}
 
-impl offload_core::DeviceLedger for PanicsOnTheWorker {
+/// A ledger that acts on a prefetch worker's requests for room, and defers to the card on every other thread.
+struct OnTheWorker(Arc<SimCard>, WorkerAct);
+
+impl offload_core::DeviceLedger for OnTheWorker {
     fn allocate(&self, bytes: u64) -> Result<(), offload_core::ComponentError> {
         self.0.allocate(bytes)
     }
@@ -922,8 +905,12 @@ impl offload_core::DeviceLedger for PanicsOnTheWorker {
     }
 
     fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), offload_core::ComponentError> {
-        let worker = std::thread::current().name().is_some_and(|name| name.starts_with("group-offload-"));
-        assert!(!worker, "a ledger bug on the prefetch worker");
+        if std::thread::current().name().is_some_and(|name| name.starts_with("group-offload-")) {
+            match self.1 {
+                WorkerAct::Sleep(delay) => std::thread::sleep(delay),
+                WorkerAct::Panic => panic!("a ledger bug on the prefetch worker"),
+            }
+        }
         self.0.allocate_tensors(sizes)
     }
 
@@ -942,8 +929,9 @@ fn forwards_with_a_panicking_worker(depth: usize) -> (Vec<f32>, group_offload::e
         let x = input(&device);
         let expected = model.forward(x.clone());
         let card = hard_card(GIB);
-        let config =
-            config(&card, true).with_prefetch_depth(depth).with_ledger(Arc::new(PanicsOnTheWorker(card.clone())));
+        let config = config(&card, true)
+            .with_prefetch_depth(depth)
+            .with_ledger(Arc::new(OnTheWorker(card.clone(), WorkerAct::Panic)));
         let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
         let diffs: Vec<f32> = (0..3).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
         offloaded.offload.wait_idle();
