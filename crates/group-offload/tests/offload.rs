@@ -478,14 +478,21 @@ fn failed_upload_keeps_the_host_copy_and_allocates_nothing() {
     }
 }
 
-#[test]
-fn a_failed_prefetch_falls_back_to_a_synchronous_onload() {
+/// The test model at block level, one block a group with prefetch, on a 1 GiB hard card: its input, the resident
+/// model's output for it, the card and the offloaded model.
+fn prefetched_blocks() -> (Tensor<2>, Tensor<2>, Arc<SimCard>, BlockModel) {
     let device = Device::flex();
     let model = Model::new(&device);
     let x = input(&device);
     let expected = model.forward(x.clone());
     let card = hard_card(GIB);
     let offloaded = BlockModel::new(model, config(&card, true), 1, Residency::Resident);
+    (x, expected, card, offloaded)
+}
+
+#[test]
+fn a_failed_prefetch_falls_back_to_a_synchronous_onload() {
+    let (x, expected, card, offloaded) = prefetched_blocks();
     offloaded.forward(x.clone()).unwrap();
     common::fail_allocation(&card, card.stats().allocations + 2);
     for _ in 0..2 {
@@ -809,12 +816,7 @@ fn the_overlap_bench_prefetches_every_group_of_every_steady_forward() {
 /// as long as the model runs. `recapture` forgets that order, and forwards wrapped in `run` capture and prefetch.
 #[test]
 fn a_capture_no_run_ends_stops_growing_and_run_starts_the_prefetches() {
-    let device = Device::flex();
-    let model = Model::new(&device);
-    let x = input(&device);
-    let expected = model.forward(x.clone());
-    let card = hard_card(GIB);
-    let offloaded = BlockModel::new(model, config(&card, true), 1, Residency::Resident);
+    let (x, expected, _, offloaded) = prefetched_blocks();
     let groups = offloaded.offload.groups().len();
     let forwards = 64 * groups / (BLOCKS + 2) + 2;
     for _ in 0..forwards {
