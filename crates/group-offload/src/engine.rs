@@ -830,8 +830,9 @@ impl Engine {
     /// window holds `1 + depth` groups at every release, as the plan counts it, whatever the threads' timing.
     /// Without the wait, a prefetch the worker reached only after this release took the pages this group gave
     /// back, and the device held one group fewer than planned now and then (measured on wgpu: the tiny text
-    /// encoder's block phase at 1.170 of the plan in a third of the runs, docs/devices.md). The wait costs a
-    /// forward little: its next take needs the first of those groups published, which comes later still.
+    /// encoder's block phase at 1.170 of the plan in a third of the runs, docs/devices.md). At depth 1 the wait
+    /// costs a forward nothing: its next take needs that group published, which comes later still; deeper, the
+    /// release also waits for the window's last group to be allocated.
     pub fn release(&self, group: usize) {
         let shared = &self.shared;
         let mut state = shared.state.lock();
