@@ -178,7 +178,7 @@ pub fn compare(args: &CompareArgs) -> anyhow::Result<()> {
             let ratio = optimum
                 .filter(|o| *o > 0)
                 .map_or_else(|| "-".to_string(), |o| format!("{:.2}", run.moved() as f64 / o as f64));
-            let usable = run.card.capacity - run.card.context_overhead;
+            let usable = run.card.usable();
             let note = if run.peak > usable { "peak above the card: soft mode only" } else { "" };
             println!(
                 "{:<8} {:<14} {:>12} {:>12} {:>6} {:>10}  {note}",

@@ -135,7 +135,7 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     }
     let timing = card.timing;
     let time = TimeModel::new(timing.link_bytes_per_second, timing.link_latency.as_secs_f64(), timing.flops_per_second);
-    let machine = Machine::new(card.capacity, card.capacity - card.context_overhead, host).with_time(time);
+    let machine = Machine::new(card.capacity, card.usable(), host).with_time(time);
 
     let mut explicit = SettingsLayer::default();
     if let Some(preset) = &args.preset {

@@ -968,6 +968,7 @@ impl Engine {
     pub fn recapture(&self) {
         let mut state = self.shared.state.lock();
         state.capturing = true;
+        state.capture_warned = false;
         state.order.clear();
         state.cursor = None;
     }

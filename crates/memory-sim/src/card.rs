@@ -225,9 +225,14 @@ impl CardSpec {
         Ok(self)
     }
 
+    /// The memory left after the context: what the card's components and calls can use.
+    pub fn usable(&self) -> u64 {
+        self.capacity - self.context_overhead
+    }
+
     /// Checks that a reserve leaves room on this card; a reserve as large as the usable memory is an error.
     pub fn check_reserve(&self, reserve: u64) -> Result<(), SimError> {
-        let usable = self.capacity - self.context_overhead;
+        let usable = self.usable();
         if reserve >= usable {
             return Err(SimError::ImpossibleCard {
                 label: self.label.clone(),
@@ -440,7 +445,7 @@ impl SimCard {
     }
 
     fn usable(&self) -> u64 {
-        self.spec.capacity - self.spec.context_overhead
+        self.spec.usable()
     }
 }
 

@@ -75,10 +75,9 @@ impl ActivationProfile {
     /// ```
     pub fn through_levels(levels: Vec<u64>, left_behind: u64) -> Self {
         let working = levels.iter().copied().max().unwrap_or(0);
-        let rises =
-            levels.iter().scan(0u64, |held, &level| Some(level > std::mem::replace(held, level))).filter(|r| *r);
-        let allocations = u32::try_from(rises.count()).unwrap_or(u32::MAX).max(1);
-        Self { working, left_behind, allocations, levels }
+        let mut profile = Self { working, left_behind, allocations: 1, levels };
+        profile.allocations = u32::try_from(profile.parts().count()).unwrap_or(u32::MAX).max(1);
+        profile
     }
 
     /// The sizes of the working set's allocations, in the order they are made; with no levels they sum to the

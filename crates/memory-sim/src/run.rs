@@ -194,7 +194,7 @@ pub fn replay(
     let sizes: Vec<u64> = components.iter().map(|c| c.bytes).collect();
     let use_indices: Vec<usize> =
         uses[..completed].iter().filter_map(|name| components.iter().position(|c| &c.name == name)).collect();
-    let usable = card.capacity - card.context_overhead;
+    let usable = card.usable();
     let optimum_memory = match card.mode {
         crate::card::Mode::Hard => usable,
         crate::card::Mode::Soft => usable.max(peak),

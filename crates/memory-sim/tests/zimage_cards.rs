@@ -162,7 +162,7 @@ fn the_optimum_is_a_lower_bound_for_every_run() {
                             "{card} {mode:?} reserve {reserve} x{prompts} {name}: moved {} < optimum {optimum}",
                             run.moved()
                         );
-                        let usable = spec.capacity - spec.context_overhead;
+                        let usable = spec.usable();
                         if run.peak > usable {
                             assert_eq!(
                                 run.optimum_memory, run.peak,
@@ -222,11 +222,7 @@ fn reproduces_the_published_13_5gb_decode_oom_record() {
     let gib = |x: f64| (x * GIB).round() as u64;
     let vae = profile.component("vae").unwrap().bytes;
     let free_at_start = rows[2].available.unwrap() - vae;
-    let allocated_at_start = spec_usable(&run) - free_at_start;
+    let allocated_at_start = run.card.usable() - free_at_start;
     assert_eq!(free_at_start - retry.available.unwrap(), gib(0.456), "held by the failed decode");
     assert_eq!(retry.peak.unwrap() - allocated_at_start, gib(0.884), "made by the decode before it failed");
-}
-
-fn spec_usable(run: &SimRun) -> u64 {
-    run.card.capacity - run.card.context_overhead
 }
