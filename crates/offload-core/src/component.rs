@@ -141,7 +141,9 @@ pub trait Offloadable: Any + Send {
     /// group offload: the groups its prefetch worker uploaded that no call borrows yet, which come back on their
     /// first take); returns the bytes given back. The manager calls it, on the components it may not evict and
     /// that no call holds, when another component ran out of memory and nothing evictable is left, before it
-    /// reports that the component does not fit. Nothing by default.
+    /// reports that the component does not fit; and, once a run, on the component whose own call ran out of memory
+    /// with nothing of the others left to give, once that call has ended, before it runs the call again. Nothing by
+    /// default.
     fn release_idle(&mut self) -> u64 {
         0
     }

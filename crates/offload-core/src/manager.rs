@@ -592,7 +592,9 @@ impl ComponentsManager {
     /// `f` is any entry point (`forward`, a VAE's `decode`): the run is a closure, not a method name. When `f`
     /// or the onload fails with [`ComponentError::OutOfMemory`] and retry is on, the smallest other resident
     /// component is offloaded (recorded as `oom_retry:<id>`) and `f` runs again from the same inputs, one
-    /// component per failure. When nothing is left to offload the error is [`Error::DoesNotFit`], which points
+    /// component per failure. When nothing is left to offload, what the components under group offload hold only
+    /// for their next call goes back ([`Offloadable::release_idle`]: the others', then, once a run, this one's own)
+    /// and `f` runs again; when nothing of that is left either, the error is [`Error::DoesNotFit`], which points
     /// to group offload. With auto offload disabled, `f` runs wherever the component is.
     pub fn run<C, R>(&self, id: &str, mut f: impl FnMut(&mut C) -> Result<R, ComponentError>) -> Result<R>
     where
@@ -626,6 +628,7 @@ impl ComponentsManager {
         // The run's span covers its onload (and the offloads that made room for it), its call and any retry.
         let _run = timeline.into_span(category::RUN, id);
         let mut offloaded_for_retry: Vec<String> = Vec::new();
+        let mut gave_back_own_idle = false;
         loop {
             let outcome = match (ready, use_index) {
                 (true, _) | (false, None) => f(component.as_mut()),
@@ -644,7 +647,29 @@ impl ComponentsManager {
                     // then given back before the call runs again or the error leaves.
                     let made_room = self.make_room_after_oom(id, error, &mut offloaded_for_retry);
                     component.release_failed_call();
-                    made_room?
+                    match made_room {
+                        // Nothing of the others is left to give: what this component holds only for its own next
+                        // call (a grouped model's prefetches, which its worker may have uploaded while the call
+                        // ran) goes back, once a run, so a call that fills the room again each time it runs ends
+                        // with the verdict instead of a loop. Its failed call has ended: nothing borrows them.
+                        Err(does_not_fit @ Error::DoesNotFit { .. }) => {
+                            if gave_back_own_idle {
+                                return Err(does_not_fit);
+                            }
+                            gave_back_own_idle = true;
+                            let released = component.release_idle();
+                            if released == 0 {
+                                return Err(does_not_fit);
+                            }
+                            tracing::warn!(
+                                component = id,
+                                released = %format_size(released),
+                                "out of device memory with nothing else to offload; gave back what this component \
+                                 had prefetched for its next call, and retrying"
+                            );
+                        }
+                        other => other?,
+                    }
                 }
                 Err(source) => return Err(Error::Component { operation: "run", id: id.to_string(), source }),
             }

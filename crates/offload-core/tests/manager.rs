@@ -403,6 +403,46 @@ fn oom_retry_takes_back_idle_prefetches_before_it_gives_up() {
     assert!(matches!(err, Error::DoesNotFit { .. }), "{err:?}");
 }
 
+/// A component under group offload that runs out of memory in its own call, with nothing of the others left to
+/// give, gets back what it holds only for its next call (its idle prefetches, which the prefetch worker may have
+/// uploaded while the call ran) and runs once more; it gives them back once per run, so a call that fills the
+/// room again each time it runs ends typed, as [`Error::DoesNotFit`], after two tries, never in a loop.
+#[test]
+fn a_call_that_runs_out_gives_back_its_own_idle_prefetches_once_and_runs_again() {
+    let card = hard_card(100 * UNIT);
+    let manager = ComponentsManager::new();
+    let streamer = Streamer { card: card.clone(), device: DeviceName::cpu(), idle: 40 * UNIT };
+    let streamer = manager.add("transformer", streamer, None).unwrap();
+    manager.enable_auto_offload(card.clone(), 0, true).unwrap();
+    // 56 units held (16 resident, 40 idle): a call that needs 50 fits only once the idle 40 go back.
+    let mut tries = 0;
+    let call = |s: &mut Streamer, tries: &mut u32, need: u64| {
+        *tries += 1;
+        s.card.allocate(need)?;
+        s.card.free(need);
+        Ok(())
+    };
+    manager.run(&streamer, |s: &mut Streamer| call(s, &mut tries, 50 * UNIT)).unwrap();
+    assert_eq!(tries, 2, "one failed call, then one after its idle prefetches went back");
+    assert_eq!(manager.inspect(&streamer, |s: &Streamer| s.idle).unwrap(), 0, "its idle prefetches went back");
+    let reasons: Vec<String> =
+        manager.offload_record().events().iter().filter_map(|e| e.reason.as_ref().map(ToString::to_string)).collect();
+    assert!(reasons.is_empty(), "nothing evicted: {reasons:?}");
+    // Each try prefetches 40 units for the next call before it asks for 50 more: the room is gone again every
+    // time, so the second try's failure is the verdict.
+    let mut tries = 0;
+    let err = manager
+        .run(&streamer, |s: &mut Streamer| {
+            s.card.allocate(40 * UNIT)?;
+            s.idle += 40 * UNIT;
+            call(s, &mut tries, 50 * UNIT)
+        })
+        .unwrap_err();
+    assert!(matches!(err, Error::DoesNotFit { .. }), "{err:?}");
+    assert_eq!(tries, 2, "its own idle prefetches go back once per run");
+    assert_eq!(device_of(&manager, &streamer), "cuda:0", "never evicted");
+}
+
 fn run_decode(manager: &ComponentsManager, id: &str, output: u64) -> Result<f64, String> {
     manager.run(id, |m: &mut Dummy| m.decode(1.0, output)).map_err(|e| e.to_string())
 }
