@@ -168,15 +168,15 @@ fn open_cuda(name: &DeviceName) -> Result<Device> {
     })
 }
 
-/// The wgpu runtime's answer, once per process: the device and a description of its adapter, or why not.
-/// The wgpu runtime of this process: the device, the adapter in words, its pool's page policy, and the adapter's
-/// largest device-local Vulkan heap (or why it was not read).
+/// The wgpu runtime of this process: the device, the adapter in words, its pool's page policy, the adapter's
+/// largest device-local Vulkan heap and that heap's budget when the runtime opened (each, or why it was not read).
 #[cfg(feature = "wgpu")]
 struct WgpuRuntime {
     device: Device,
     adapter: String,
     pages: PagePolicy,
     heap: std::result::Result<u64, String>,
+    budget: std::result::Result<u64, String>,
 }
 
 /// The page policy `device`'s pool was opened with, where this library opened it and the runtime lets it be
@@ -211,9 +211,12 @@ fn wgpu_runtime(pages: PagePolicy) -> &'static std::result::Result<WgpuRuntime, 
             "{} on {:?} (driver {} {}), {pages:?} pages",
             info.name, info.backend, info.driver, info.driver_info
         );
-        let heap = match info.backend {
-            burn::tensor::wgpu::wgpu::Backend::Vulkan => vulkan_heap(&info),
-            other => Err(format!("the adapter runs on {other:?}, not Vulkan, whose heaps are the ones read")),
+        let (heap, budget) = match info.backend {
+            burn::tensor::wgpu::wgpu::Backend::Vulkan => (vulkan_heap(&info), vulkan_budget(&info)),
+            other => {
+                let why = format!("the adapter runs on {other:?}, not Vulkan, whose heaps are the ones read");
+                (Err(why.clone()), Err(why))
+            }
         };
         // A device that cannot run one small kernel is no device: probe it here, where the error is typed.
         catch_device_panic(|| {
@@ -221,7 +224,7 @@ fn wgpu_runtime(pages: PagePolicy) -> &'static std::result::Result<WgpuRuntime, 
             (x * 2.0).sum().try_into_data().map(|_| ()).map_err(|error| error.to_string())
         })
         .map_err(|panic| panic.to_string())??;
-        Ok(WgpuRuntime { device, adapter, pages, heap })
+        Ok(WgpuRuntime { device, adapter, pages, heap, budget })
     })
 }
 
@@ -268,6 +271,26 @@ fn vulkan_heap(adapter: &burn::tensor::wgpu::wgpu::AdapterInfo) -> std::result::
         .max()
         .filter(|&size| size > 0)
         .ok_or_else(|| format!("the Vulkan device {:?} lists no device-local heap", adapter.name))
+}
+
+/// The budget of the adapter's largest device-local Vulkan heap (`VK_EXT_memory_budget`), read from `vulkaninfo
+/// --text` ([`crate::vulkaninfo`]): what a new process may allocate from the heap now, the heap less what other
+/// processes hold. Read before this process allocates, it is this process's room. Why not, in words, where
+/// `vulkaninfo` is missing (Debian's `vulkan-tools`), fails, or the driver does not offer the extension
+/// (lavapipe does not).
+#[cfg(feature = "wgpu")]
+fn vulkan_budget(adapter: &burn::tensor::wgpu::wgpu::AdapterInfo) -> std::result::Result<u64, String> {
+    let output = std::process::Command::new("vulkaninfo")
+        .arg("--text")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .map_err(|error| format!("vulkaninfo could not run ({error}; Debian: `apt-get install vulkan-tools`)"))?;
+    if !output.status.success() {
+        return Err(format!("vulkaninfo failed ({})", output.status));
+    }
+    let report = String::from_utf8_lossy(&output.stdout);
+    crate::vulkaninfo::device_local_budget(&report, adapter.vendor, adapter.device, &adapter.name)
 }
 
 #[cfg(feature = "wgpu")]
@@ -454,6 +477,9 @@ pub enum TotalSource {
     /// The runtime's reading of the device ([`runtime_capacity`]: the adapter's largest device-local Vulkan heap on
     /// wgpu).
     RuntimeHeap,
+    /// The budget of that heap when the device opened (`VK_EXT_memory_budget`, [`runtime_budget`]), where the
+    /// driver offers it and it is below the heap: other processes hold the rest.
+    RuntimeBudget,
 }
 
 impl std::fmt::Display for TotalSource {
@@ -462,6 +488,7 @@ impl std::fmt::Display for TotalSource {
             TotalSource::Driver => "the driver's",
             TotalSource::Given => "given by --device-memory",
             TotalSource::RuntimeHeap => "the device's largest device-local Vulkan heap",
+            TotalSource::RuntimeBudget => "the budget of the device's largest device-local Vulkan heap at open",
         })
     }
 }
@@ -471,8 +498,7 @@ impl std::fmt::Display for TotalSource {
 /// SPIR-V backend is built, the `vulkan` feature; otherwise the library reads it through vulkano when the runtime
 /// opens: [`open_device`]); Metal's recommended working set on Apple. `None` for a runtime or driver that reports
 /// none ([`runtime_capacity_or_why`] says why). The heap is the device's size, not its budget: what other
-/// processes hold on it is not seen (`VK_EXT_memory_budget` has no safe binding: vulkano 0.35 does not read it,
-/// and the workspace forbids `unsafe`).
+/// processes hold on it is in [`runtime_budget`], which [`PoolReadings::open`] takes where it is lower.
 pub fn runtime_capacity(device: &Device) -> Option<u64> {
     runtime_capacity_or_why(device).ok()
 }
@@ -496,6 +522,25 @@ pub fn runtime_capacity_or_why(device: &Device) -> std::result::Result<u64, Stri
     {
         let _ = device;
         Err("this build reads no runtime's capacity (the `wgpu` feature is off)".into())
+    }
+}
+
+/// The budget of the device's largest device-local Vulkan heap when the runtime opened it (`VK_EXT_memory_budget`,
+/// read from `vulkaninfo`: what this process could allocate there, other processes' use taken off), or why there
+/// is none: not a wgpu device this library opened, not on Vulkan, no `vulkaninfo`, or a driver without the
+/// extension (lavapipe).
+pub fn runtime_budget(device: &Device) -> std::result::Result<u64, String> {
+    #[cfg(feature = "wgpu")]
+    {
+        match WGPU.get() {
+            Some(Ok(runtime)) if runtime.device == *device => runtime.budget.clone(),
+            _ => Err("the device is not the wgpu device this library opened".into()),
+        }
+    }
+    #[cfg(not(feature = "wgpu"))]
+    {
+        let _ = device;
+        Err("this build reads no runtime's budget (the `wgpu` feature is off)".into())
     }
 }
 
@@ -566,8 +611,10 @@ impl PoolReadings {
     ///
     /// The device's capacity comes from the driver where it has a call (CUDA's `cuMemGetInfo`; `total` is then
     /// ignored), else from `total` when given (an override), else from the runtime ([`runtime_capacity`]: on wgpu
-    /// the device-local Vulkan heap). Fails with [`Error::NoPoolReadings`] for a backend without a memory pool
-    /// (the CPU backend `flex`), and [`Error::UnknownTotal`] when none of the three gives a size.
+    /// the device-local Vulkan heap, or its budget when the device opened where the driver offers
+    /// `VK_EXT_memory_budget` and it is lower, [`runtime_budget`]). Fails with [`Error::NoPoolReadings`] for a
+    /// backend without a memory pool (the CPU backend `flex`), and [`Error::UnknownTotal`] when none of the three
+    /// gives a size.
     pub fn open(device: Device, name: DeviceName, total: Option<u64>) -> Result<Arc<Self>> {
         Self::open_with(device, name, total, Some(Self::SAMPLE_EVERY))
     }
@@ -588,7 +635,10 @@ impl PoolReadings {
             (Some((_, total)), _) => (total, TotalSource::Driver),
             (None, Some(total)) if total > 0 => (total, TotalSource::Given),
             _ => match runtime_capacity_or_why(&device) {
-                Ok(total) if total > 0 => (total, TotalSource::RuntimeHeap),
+                Ok(heap) if heap > 0 => match runtime_budget(&device) {
+                    Ok(budget) if budget < heap => (budget, TotalSource::RuntimeBudget),
+                    _ => (heap, TotalSource::RuntimeHeap),
+                },
                 Ok(_) => return Err(Error::UnknownTotal { device: name.to_string(), why: "its heap is empty".into() }),
                 Err(why) => return Err(Error::UnknownTotal { device: name.to_string(), why }),
             },

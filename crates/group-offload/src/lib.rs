@@ -110,7 +110,9 @@
 //! failures become typed errors ([`run_call`], [`check_device`]): uploads and calls report success only once
 //! one value of each of their tensors was read back, since cubecl reports a failed allocation at the next read.
 //! Only the library's own device operations (upload, sync, read-back) are guarded against a runtime's panic,
-//! never the model's forward (`docs/devices.md`).
+//! never the model's forward (`docs/devices.md`). On wgpu over Vulkan the device's size is its largest
+//! device-local heap, or that heap's budget where the driver offers `VK_EXT_memory_budget`, read from
+//! `vulkaninfo` ([`vulkaninfo`]) when the device opens.
 //!
 //! Int and bool parameters are not offloaded: they move to the execution device when the part is added and
 //! stay there, uncounted. Quantized float parameters (burn's `QFloat`) stream like any other: their host copy is
@@ -144,6 +146,7 @@ pub mod prelude;
 pub mod quant;
 mod store;
 pub mod view;
+pub mod vulkaninfo;
 mod walk;
 pub mod whole;
 

@@ -1035,6 +1035,11 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 format_size(now.total),
                 readings.total_source()
             );
+            if readings.total_source() == group_offload::device::TotalSource::RuntimeHeap
+                && let Err(why) = group_offload::device::runtime_budget(readings.burn_device())
+            {
+                println!("no heap budget read: {why}");
+            }
             if let Some(cap) = cap {
                 println!(
                     "capped at {} ({}): available under the cap now {}",

@@ -483,6 +483,8 @@ fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driv
     assert!(ok, "{stdout}\n{stderr}");
     assert!(stdout.contains("device memory on wgpu:0 (burn's pool)"), "{stdout}");
     assert!(stdout.contains("(the device's largest device-local Vulkan heap)"), "the total's source: {stdout}");
+    // Lavapipe offers no VK_EXT_memory_budget (or vulkaninfo is not installed): the line says which.
+    assert!(stdout.contains("no heap budget read: "), "{stdout}");
     // --device-memory overrides the heap.
     let (ok, stdout, stderr) = generate_cli(&dir, &["--device-memory", "1GiB"], &[]);
     assert!(ok, "{stdout}\n{stderr}");
@@ -518,6 +520,36 @@ fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driv
     let (ok, _, stderr) = generate_cli(&dir, &[], &hidden);
     assert!(!ok);
     assert!(stderr.contains("mesa-vulkan-drivers"), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Where the driver offers `VK_EXT_memory_budget`, the device's total is its heap's budget when it opened, read from
+/// `vulkaninfo`. Lavapipe offers none, so a stand-in `vulkaninfo` first on `PATH` prints the report a driver with
+/// the extension gives (lavapipe's ids, its 2 GiB heap, a 1 GiB budget: another process holds the rest); the
+/// device, its runtime and the run are real.
+#[test]
+fn the_heaps_budget_is_the_total_where_the_driver_offers_it() {
+    let dir = std::env::temp_dir().join(format!("real-device-budget-{}", std::process::id()));
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).expect("a temporary directory");
+    let report = "GPU0:\nVkPhysicalDeviceProperties:\n\tvendorID          = 0x10005\n\tdeviceID          = 0x0000\n\
+                  \tdeviceName        = llvmpipe\nVkPhysicalDeviceMemoryProperties:\nmemoryHeaps: count = 1\n\
+                  \tmemoryHeaps[0]:\n\t\tsize   = 2147483648 (0x80000000) (2.00 GiB)\n\
+                  \t\tbudget = 1073741824 (0x40000000) (1.00 GiB)\n\t\tusage  = 0 (0x00000000) (0.00 B)\n\
+                  \t\tflags: count = 1\n\t\t\tMEMORY_HEAP_DEVICE_LOCAL_BIT\n";
+    let script = bin.join("vulkaninfo");
+    std::fs::write(&script, format!("#!/bin/sh\nprintf '%b' '{}'\n", report.replace('\n', "\\n").replace('\t', "\\t")))
+        .expect("the stand-in");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("an executable stand-in");
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let (ok, stdout, stderr) = generate_cli(&dir, &[], &[("PATH", path.as_str())]);
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("of 1.00 GB (the budget of the device's largest device-local Vulkan heap at open)"),
+        "the total is the budget: {stdout}"
+    );
+    assert!(!stdout.contains("no heap budget read"), "{stdout}");
     std::fs::remove_dir_all(&dir).ok();
 }
 
