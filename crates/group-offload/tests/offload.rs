@@ -978,6 +978,85 @@ fn prefetches_queued_behind_a_panicking_one_give_their_groups_back() {
     assert_eq!(stats.prefetch_hits, 0, "{stats:?}");
 }
 
+/// A ledger that refuses the first prefetch the worker asks room for (100 ms late), then the calling thread's next
+/// upload, once each, as a full device would; it defers to the card otherwise.
+struct RefusesAPrefetchThenItsTake {
+    card: Arc<SimCard>,
+    /// 0: nothing refused yet; 1: the prefetch was refused; 2: the take was refused too.
+    step: std::sync::Mutex<u8>,
+}
+
+impl offload_core::DeviceLedger for RefusesAPrefetchThenItsTake {
+    fn allocate(&self, bytes: u64) -> Result<(), offload_core::ComponentError> {
+        self.card.allocate(bytes)
+    }
+
+    fn free(&self, bytes: u64) {
+        self.card.free(bytes)
+    }
+
+    fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), offload_core::ComponentError> {
+        let on_worker = std::thread::current().name().is_some_and(|name| name.starts_with("group-offload-"));
+        let mut step = self.step.lock().unwrap();
+        if (*step == 0 && on_worker) || (*step == 1 && !on_worker) {
+            if on_worker {
+                // Late, so that the forward is already waiting for this group: refused now, it is loaded by
+                // the forward itself rather than prefetched again by an earlier take.
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            *step += 1;
+            let requested = sizes.iter().sum();
+            let device = DeviceName::parse("cuda").unwrap();
+            return Err(offload_core::ComponentError::OutOfMemory { device, requested, available: 0 });
+        }
+        drop(step);
+        self.card.allocate_tensors(sizes)
+    }
+
+    fn free_tensors(&self, sizes: &[u64]) {
+        self.card.free_tensors(sizes)
+    }
+
+    fn transfer(&self, bytes: u64, direction: offload_core::Direction) -> Result<(), offload_core::ComponentError> {
+        self.card.transfer(bytes, direction)
+    }
+}
+
+/// A take whose upload the device refuses gives back the prefetches nobody borrows and tries once more; one the
+/// worker is still copying is waited for first, then given back. The capture's end queues the next forward's first
+/// block, and the forward's resident top queues the second behind it (depth 2): the first is refused while the
+/// forward waits for it, so the forward loads it itself, while the worker copies the second (30 ms a transfer
+/// here). The device refuses that take too: without the wait the second group was still in flight, nothing was
+/// idle to give back, and the forward failed with the worker's group on the card.
+#[test]
+fn a_refused_take_waits_for_the_prefetch_in_flight_then_gives_it_back_and_loads() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    let card = slow_card(GIB, Duration::from_millis(30));
+    let record = OffloadRecord::new();
+    let ledger = Arc::new(RefusesAPrefetchThenItsTake { card: card.clone(), step: std::sync::Mutex::new(0) });
+    let config = config(&card, true).with_prefetch_depth(2).with_ledger(ledger.clone()).with_record(record.clone());
+    let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
+    for forward in 0..3 {
+        let out = offloaded.forward(x.clone()).unwrap_or_else(|e| panic!("forward {forward}: {e}"));
+        assert!(max_abs_diff(&out, &expected) <= 1e-6, "forward {forward}");
+    }
+    offloaded.offload.wait_idle();
+    assert_eq!(*ledger.step.lock().unwrap(), 2, "the prefetch and then the take were refused");
+    let stats = offloaded.offload.stats();
+    assert_eq!(stats.failed_prefetches, 1, "{stats:?}");
+    // The group in flight was given back because the take ran out, and came back as a prefetch later.
+    let given_back: Vec<_> = record
+        .events()
+        .into_iter()
+        .filter(|e| e.action == Action::Offload && e.reason == Some(Reason::OomRetry("m".into())))
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(given_back, ["m/blocks_1_1"], "{stats:?}");
+}
+
 /// A ledger that panics at its `at`-th request for room (counting from 1), and defers to the card otherwise.
 struct PanicsAt {
     card: Arc<SimCard>,

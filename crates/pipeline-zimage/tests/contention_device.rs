@@ -90,6 +90,8 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
         held: u64,
         retries: usize,
         refused_prefetches: u64,
+        /// The offload record of a run that failed, to say where the room ran out.
+        record: Option<String>,
     }
     let capped = |capacity: u64| {
         let cap = CappedDevice::new(readings(&device, &name), capacity, true, "cap");
@@ -105,9 +107,10 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
         let record = pipeline.manager().offload_record();
         let retries = record.events().iter().filter(|e| matches!(e.reason, Some(Reason::OomRetry(_)))).count();
         let refused_prefetches = pipeline.group_offload("transformer").map_or(0, |g| g.stats().failed_prefetches);
+        let record = outcome.is_err().then(|| record.to_string());
         drop(pipeline);
         device.memory_cleanup();
-        Capped { outcome, held: cap.reserved_high_water(), retries, refused_prefetches }
+        Capped { outcome, held: cap.reserved_high_water(), retries, refused_prefetches, record }
     };
     // The smallest cap at which `holds` is true of a run, between `below` (false) and `above` (true), to a
     // sixteenth of a group.
@@ -137,10 +140,12 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
 
     let (mut retries, mut refused_prefetches) = (0usize, 0u64);
     for run in 0..100 {
-        let Capped { outcome, held, retries: moves, refused_prefetches: refusals } = capped(capacity);
+        let Capped { outcome, held, retries: moves, refused_prefetches: refusals, record } = capped(capacity);
         // Every out-of-memory retried: a refused main-thread upload gives back the idle prefetches and tries again,
         // so the worker never starves the thread that computes and no run ends with `DoesNotFit`.
-        let image = outcome.unwrap_or_else(|error| panic!("run {run} under a {capacity} B cap: {error}"));
+        let image = outcome.unwrap_or_else(|error| {
+            panic!("run {run} under a {capacity} B cap: {error:?}\n{}", record.unwrap_or_default())
+        });
         assert_eq!(max_abs_diff(&image, &reference), 0.0, "run {run}: the uncapped run's image");
         assert!(held <= capacity, "run {run}: the account held {held} B of a {capacity} B cap");
         assert!(refusals > 0, "run {run}: the worker was never refused under a {capacity} B cap: no contention");
