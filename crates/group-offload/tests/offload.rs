@@ -301,7 +301,7 @@ fn a_late_prefetch_still_fills_the_window_before_the_group_before_it_leaves() {
         let card = hard_card(GIB);
         let config = config(&card, true)
             .with_prefetch_depth(depth)
-            .with_ledger(Arc::new(OnTheWorker(card.clone(), WorkerAct::Sleep(Duration::from_millis(20)))));
+            .with_ledger(on_the_worker_ledger(&card, WorkerAct::Sleep(Duration::from_millis(20))));
         let offloaded = BlockModel::new(model.clone(), config, 1, Residency::Resident);
         let peak = steady_peak(&card, || {
             let out = offloaded.forward(x.clone()).unwrap();
@@ -886,7 +886,47 @@ fn the_timeline_holds_each_groups_upload_compute_and_release_prefetches_on_the_w
     assert!(samples.iter().all(|s| s.allocated <= card.peak()));
 }
 
-/// What [`OnTheWorker`] does when a prefetch worker asks it for room.
+/// A ledger over the card that first hands each request for room to `act` (`allocate_tensors`, the one every
+/// upload makes), which may wait, panic or refuse; every other call, and every request `act` lets through, goes to
+/// the card.
+struct Acting<F> {
+    card: Arc<SimCard>,
+    act: F,
+}
+
+impl<F> offload_core::DeviceLedger for Acting<F>
+where
+    F: Fn(&[u64]) -> Result<(), offload_core::ComponentError> + Send + Sync,
+{
+    fn allocate(&self, bytes: u64) -> Result<(), offload_core::ComponentError> {
+        self.card.allocate(bytes)
+    }
+
+    fn free(&self, bytes: u64) {
+        self.card.free(bytes)
+    }
+
+    fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), offload_core::ComponentError> {
+        (self.act)(sizes)?;
+        self.card.allocate_tensors(sizes)
+    }
+
+    fn free_tensors(&self, sizes: &[u64]) {
+        self.card.free_tensors(sizes)
+    }
+
+    fn transfer(&self, bytes: u64, direction: offload_core::Direction) -> Result<(), offload_core::ComponentError> {
+        self.card.transfer(bytes, direction)
+    }
+}
+
+/// Whether this thread is a prefetch worker (the engine's own, or its device's upload thread).
+fn on_the_worker() -> bool {
+    std::thread::current().name().is_some_and(|name| name.starts_with("group-offload-"))
+}
+
+/// What [`on_the_worker_ledger`] does when a prefetch worker asks it for room.
+#[derive(Clone, Copy)]
 enum WorkerAct {
     /// Waits this long first: every prefetch is late.
     Sleep(Duration),
@@ -895,30 +935,19 @@ enum WorkerAct {
 }
 
 /// A ledger that acts on a prefetch worker's requests for room, and defers to the card on every other thread.
-struct OnTheWorker(Arc<SimCard>, WorkerAct);
-
-impl offload_core::DeviceLedger for OnTheWorker {
-    fn allocate(&self, bytes: u64) -> Result<(), offload_core::ComponentError> {
-        self.0.allocate(bytes)
-    }
-
-    fn free(&self, bytes: u64) {
-        self.0.free(bytes)
-    }
-
-    fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), offload_core::ComponentError> {
-        if std::thread::current().name().is_some_and(|name| name.starts_with("group-offload-")) {
-            match self.1 {
-                WorkerAct::Sleep(delay) => std::thread::sleep(delay),
-                WorkerAct::Panic => panic!("a ledger bug on the prefetch worker"),
+fn on_the_worker_ledger(card: &Arc<SimCard>, act: WorkerAct) -> Arc<dyn offload_core::DeviceLedger> {
+    Arc::new(Acting {
+        card: card.clone(),
+        act: move |_: &[u64]| {
+            if on_the_worker() {
+                match act {
+                    WorkerAct::Sleep(delay) => std::thread::sleep(delay),
+                    WorkerAct::Panic => panic!("a ledger bug on the prefetch worker"),
+                }
             }
-        }
-        self.0.allocate_tensors(sizes)
-    }
-
-    fn free_tensors(&self, sizes: &[u64]) {
-        self.0.free_tensors(sizes)
-    }
+            Ok(())
+        },
+    })
 }
 
 /// Three forwards of the block model whose ledger panics on the prefetch worker, at prefetch depth `depth`, on a
@@ -931,9 +960,8 @@ fn forwards_with_a_panicking_worker(depth: usize) -> (Vec<f32>, group_offload::e
         let x = input(&device);
         let expected = model.forward(x.clone());
         let card = hard_card(GIB);
-        let config = config(&card, true)
-            .with_prefetch_depth(depth)
-            .with_ledger(Arc::new(OnTheWorker(card.clone(), WorkerAct::Panic)));
+        let config =
+            config(&card, true).with_prefetch_depth(depth).with_ledger(on_the_worker_ledger(&card, WorkerAct::Panic));
         let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
         let diffs: Vec<f32> = (0..3).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
         offloaded.offload.wait_idle();
@@ -978,50 +1006,6 @@ fn prefetches_queued_behind_a_panicking_one_give_their_groups_back() {
     assert_eq!(stats.prefetch_hits, 0, "{stats:?}");
 }
 
-/// A ledger that refuses the first prefetch the worker asks room for (100 ms late), then the calling thread's next
-/// upload, once each, as a full device would; it defers to the card otherwise.
-struct RefusesAPrefetchThenItsTake {
-    card: Arc<SimCard>,
-    /// 0: nothing refused yet; 1: the prefetch was refused; 2: the take was refused too.
-    step: std::sync::Mutex<u8>,
-}
-
-impl offload_core::DeviceLedger for RefusesAPrefetchThenItsTake {
-    fn allocate(&self, bytes: u64) -> Result<(), offload_core::ComponentError> {
-        self.card.allocate(bytes)
-    }
-
-    fn free(&self, bytes: u64) {
-        self.card.free(bytes)
-    }
-
-    fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), offload_core::ComponentError> {
-        let on_worker = std::thread::current().name().is_some_and(|name| name.starts_with("group-offload-"));
-        let mut step = self.step.lock().unwrap();
-        if (*step == 0 && on_worker) || (*step == 1 && !on_worker) {
-            if on_worker {
-                // Late, so that the forward is already waiting for this group: refused now, it is loaded by
-                // the forward itself rather than prefetched again by an earlier take.
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            *step += 1;
-            let requested = sizes.iter().sum();
-            let device = DeviceName::parse("cuda").unwrap();
-            return Err(offload_core::ComponentError::OutOfMemory { device, requested, available: 0 });
-        }
-        drop(step);
-        self.card.allocate_tensors(sizes)
-    }
-
-    fn free_tensors(&self, sizes: &[u64]) {
-        self.card.free_tensors(sizes)
-    }
-
-    fn transfer(&self, bytes: u64, direction: offload_core::Direction) -> Result<(), offload_core::ComponentError> {
-        self.card.transfer(bytes, direction)
-    }
-}
-
 /// A take whose upload the device refuses gives back the prefetches nobody borrows and tries once more; one the
 /// worker is still copying is waited for first, then given back. The capture's end queues the next forward's first
 /// block, and the forward's resident top queues the second behind it (depth 2): the first is refused while the
@@ -1036,15 +1020,37 @@ fn a_refused_take_waits_for_the_prefetch_in_flight_then_gives_it_back_and_loads(
     let expected = model.forward(x.clone());
     let card = slow_card(GIB, Duration::from_millis(30));
     let record = OffloadRecord::new();
-    let ledger = Arc::new(RefusesAPrefetchThenItsTake { card: card.clone(), step: std::sync::Mutex::new(0) });
-    let config = config(&card, true).with_prefetch_depth(2).with_ledger(ledger.clone()).with_record(record.clone());
+    // The ledger refuses the first prefetch the worker asks room for (100 ms late), then the calling thread's next
+    // upload, once each, as a full device would. Its step: 0, nothing refused yet; 1, the prefetch was refused; 2,
+    // the take was refused too.
+    let step = Arc::new(std::sync::Mutex::new(0u8));
+    let refuses = step.clone();
+    let ledger = Acting {
+        card: card.clone(),
+        act: move |sizes: &[u64]| {
+            let on_worker = on_the_worker();
+            let mut step = refuses.lock().unwrap();
+            if (*step == 0 && on_worker) || (*step == 1 && !on_worker) {
+                if on_worker {
+                    // Late, so that the forward is already waiting for this group: refused now, it is loaded by
+                    // the forward itself rather than prefetched again by an earlier take.
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                *step += 1;
+                let (device, requested) = (DeviceName::parse("cuda").unwrap(), sizes.iter().sum());
+                return Err(offload_core::ComponentError::OutOfMemory { device, requested, available: 0 });
+            }
+            Ok(())
+        },
+    };
+    let config = config(&card, true).with_prefetch_depth(2).with_ledger(Arc::new(ledger)).with_record(record.clone());
     let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
     for forward in 0..3 {
         let out = offloaded.forward(x.clone()).unwrap_or_else(|e| panic!("forward {forward}: {e}"));
         assert!(max_abs_diff(&out, &expected) <= 1e-6, "forward {forward}");
     }
     offloaded.offload.wait_idle();
-    assert_eq!(*ledger.step.lock().unwrap(), 2, "the prefetch and then the take were refused");
+    assert_eq!(*step.lock().unwrap(), 2, "the prefetch and then the take were refused");
     let stats = offloaded.offload.stats();
     assert_eq!(stats.failed_prefetches, 1, "{stats:?}");
     // The group in flight was given back because the take ran out, and came back as a prefetch later.
@@ -1055,33 +1061,6 @@ fn a_refused_take_waits_for_the_prefetch_in_flight_then_gives_it_back_and_loads(
         .map(|e| e.id)
         .collect();
     assert_eq!(given_back, ["m/blocks_1_1"], "{stats:?}");
-}
-
-/// A ledger that panics at its `at`-th request for room (counting from 1), and defers to the card otherwise.
-struct PanicsAt {
-    card: Arc<SimCard>,
-    at: usize,
-    requests: std::sync::atomic::AtomicUsize,
-}
-
-impl offload_core::DeviceLedger for PanicsAt {
-    fn allocate(&self, bytes: u64) -> Result<(), offload_core::ComponentError> {
-        self.card.allocate(bytes)
-    }
-
-    fn free(&self, bytes: u64) {
-        self.card.free(bytes)
-    }
-
-    fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), offload_core::ComponentError> {
-        let request = self.requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-        assert_ne!(request, self.at, "a ledger bug on the calling thread");
-        self.card.allocate_tensors(sizes)
-    }
-
-    fn free_tensors(&self, sizes: &[u64]) {
-        self.card.free_tensors(sizes)
-    }
 }
 
 /// A synchronous upload that panics on the calling thread (here in a ledger, during the capture's loads) stays a
@@ -1096,7 +1075,16 @@ fn a_synchronous_upload_that_panics_leaves_its_group_offloaded() {
         let x = input(&device);
         let expected = model.forward(x.clone());
         let card = hard_card(GIB);
-        let ledger = PanicsAt { card: card.clone(), at: 3, requests: Default::default() };
+        // Panics at its third request for room, on the calling thread (there is no worker without prefetch).
+        let requests = std::sync::atomic::AtomicUsize::new(0);
+        let ledger = Acting {
+            card: card.clone(),
+            act: move |_: &[u64]| {
+                let request = requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                assert_ne!(request, 3, "a ledger bug on the calling thread");
+                Ok(())
+            },
+        };
         let offloaded =
             BlockModel::new(model, config(&card, false).with_ledger(Arc::new(ledger)), 1, Residency::Resident);
         let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| offloaded.forward(x.clone())));
