@@ -355,16 +355,6 @@ impl Shared {
         self.changed.notify_all();
     }
 
-    /// Waits until no prefetch is in flight: every group the worker was given is published or put back. A group
-    /// that a caller uploads itself (`Loading` but not prefetched, as the take that calls this has marked its own)
-    /// is not waited for. Takes the lock.
-    fn settle_prefetches(&self) {
-        let mut state = self.state.lock();
-        while state.groups.iter().any(|g| g.prefetched && matches!(g.residency, Residency::Loading { .. })) {
-            self.changed.wait(&mut state);
-        }
-    }
-
     /// A prefetch's group has its memory on the device ([`Residency::Loading`]'s `placed`): wakes a release that
     /// waits for it. Takes the lock.
     fn mark_placed(&self, group: usize) {
@@ -527,8 +517,16 @@ impl Shared {
 
     /// Drops every group that is on the device only because it was prefetched and that nobody borrows (they
     /// come back on their next take), each release recorded with `reason`; returns their bytes. Takes the lock.
+    ///
+    /// The prefetches in flight are waited for first, until each is published or put back: one the worker was
+    /// still uploading would otherwise keep the room it took, and the caller, which gives back room because it ran
+    /// out, would run out again with the worker's group placed. A group a caller uploads itself (`Loading` but not
+    /// prefetched, as a refused take has marked its own) is not waited for.
     pub fn release_idle_prefetches(&self, reason: &Reason) -> u64 {
         let mut state = self.state.lock();
+        while state.groups.iter().any(|g| g.prefetched && matches!(g.residency, Residency::Loading { .. })) {
+            self.changed.wait(&mut state);
+        }
         let idle: Vec<usize> = (0..state.groups.len())
             .filter(|&i| {
                 let slot = &state.groups[i];
@@ -751,10 +749,8 @@ impl Engine {
             // Prefetched groups nobody borrows yet hold the bytes this one needs (a refused prefetch let the worker
             // run ahead into what the last group released): give them back and try once more, so the worker can
             // never starve the thread that computes. As for a refused call's activations, the record shows each
-            // release as `oom_retry:<model>`: the out-of-memory is why they left. The prefetches still in flight
-            // are waited for first: one the worker was uploading when this upload was refused would otherwise
-            // take the room just given back, and this take would fail again with the worker's group placed.
-            shared.settle_prefetches();
+            // release as `oom_retry:<model>`: the out-of-memory is why they left (after the prefetches still in
+            // flight have landed, so that none keeps the room this take needs).
             let dropped = shared.release_idle_prefetches(&Reason::OomRetry(self.model().to_string()));
             if dropped > 0 {
                 tracing::debug!(group = %host.id, dropped_bytes = dropped, "upload refused: dropped idle prefetches and retried");

@@ -219,7 +219,6 @@ impl GroupOffload {
     /// ([`Offloadable::release_idle`](offload_core::Offloadable::release_idle)); the record shows each release
     /// as `oom_retry:<model>`: offloaded because a call ran out of memory.
     pub fn release_idle_prefetches(&self) -> u64 {
-        self.engine.wait_idle();
         let reason = offload_core::Reason::OomRetry(self.engine.model().to_string());
         self.engine.shared.release_idle_prefetches(&reason)
     }
