@@ -285,7 +285,9 @@ impl Drop for Engine {
 /// per model: a streamed text encoder's worker held 341 KB of pages for 37 KB of tensors and 241 KB of uniform
 /// pages for 896 B (`docs/devices.md`).
 fn device_uploads(device: &Device, name: &DeviceName) -> std::io::Result<mpsc::Sender<Task>> {
-    static UPLOADS: Mutex<Vec<(Device, mpsc::Sender<Task>, JoinHandle<()>)>> = Mutex::new(Vec::new());
+    /// One device's upload worker: the device, its task queue and its thread.
+    type Worker = (Device, mpsc::Sender<Task>, JoinHandle<()>);
+    static UPLOADS: Mutex<Vec<Worker>> = Mutex::new(Vec::new());
     let mut uploads = UPLOADS.lock();
     // A thread that a panicking upload ended is replaced, not handed out.
     uploads.retain(|(_, _, thread)| !thread.is_finished());

@@ -362,9 +362,12 @@ fn held_block<'a, B: Module>(blocks: &'a BlockOffload<B>, group: usize, index: u
 pub struct BlockIter<'a, B> {
     blocks: Blocks<'a, B>,
     next: usize,
-    /// The block group taken for the blocks it holds: its number, its first block and its guard.
-    group: Option<(usize, usize, Rc<GroupGuard<'a, Vec<B>>>)>,
+    /// The block group taken for the blocks it holds.
+    group: Option<HeldGroup<'a, B>>,
 }
+
+/// A block group a [`BlockIter`] holds: its number, its first block and its guard.
+type HeldGroup<'a, B> = (usize, usize, Rc<GroupGuard<'a, Vec<B>>>);
 
 impl<'a, B: Module + 'a> Iterator for BlockIter<'a, B> {
     type Item = Result<Layer<'a, B>>;

@@ -293,6 +293,11 @@ pub(crate) const MAX_QUANTIZED_RANK: usize = 6;
 
 /// One parameter on the execution device, as an upload built it.
 #[derive(Clone)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "a group's parameters are built once per upload and installed at once; boxing the float tensor would \
+              add a heap allocation per parameter per move for the rarer quantized case's sake"
+)]
 pub(crate) enum DeviceTensor {
     /// A float parameter, flat: installation reshapes it to the parameter's shape (a view).
     Flat(Tensor<1>),

@@ -10,8 +10,10 @@ use offload_core::{Action, ComponentsManager, DeviceLedger, DeviceMemory, Error,
 const UNIT: u64 = 1 << 20;
 
 fn card(headroom_units: u64) -> Arc<SimCard> {
-    let spec =
-        CardSpec::parse(&(headroom_units * UNIT).to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0);
+    let spec = CardSpec::parse(&(headroom_units * UNIT).to_string())
+        .expect("a card size")
+        .with_mode(Mode::Hard)
+        .with_context_overhead(0);
     SimCard::new(spec)
 }
 
@@ -26,7 +28,7 @@ fn component(name: &str, units: u64, working_units: u64, card: &Arc<SimCard>) ->
 }
 
 fn device_of(manager: &ComponentsManager, id: &str) -> String {
-    manager.component_info(id).unwrap().device.kind().to_string()
+    manager.component_info(id).expect("a registered component").device.kind().to_string()
 }
 
 #[test]

@@ -16,18 +16,18 @@ struct Outcome {
 
 fn play(card_label: &str, faults: Faults) -> (Outcome, Arc<SimCard>) {
     let profile = PipelineProfile::z_image_turbo(4);
-    let card = SimCard::new(CardSpec::parse(card_label).unwrap().with_mode(Mode::Hard));
+    let card = SimCard::new(CardSpec::parse(card_label).expect("a card size").with_mode(Mode::Hard));
     card.set_faults(faults);
     let manager = ComponentsManager::new();
     let ids: Vec<String> = profile
         .components
         .iter()
-        .map(|c| manager.add(&c.name, VirtualComponent::new(c.clone(), card.clone()), None).unwrap())
+        .map(|c| manager.add(&c.name, VirtualComponent::new(c.clone(), card.clone()), None).expect("registers"))
         .collect();
-    manager.enable_auto_offload(card.clone(), 3_000_000_000, true).unwrap();
+    manager.enable_auto_offload(card.clone(), 3_000_000_000, true).expect("auto offload on");
     let mut error = None;
     for name in profile.uses(2) {
-        let index = profile.components.iter().position(|c| c.name == name).unwrap();
+        let index = profile.components.iter().position(|c| c.name == name).expect("a component of the profile");
         if let Err(e) = manager.run(&ids[index], |v: &mut VirtualComponent| v.call()) {
             error = Some(e);
             break;
@@ -39,7 +39,7 @@ fn play(card_label: &str, faults: Faults) -> (Outcome, Arc<SimCard>) {
     for (id, device) in manager.placement() {
         let (bytes, component_device, n) = manager
             .inspect(&id, |v: &VirtualComponent| (v.profile().bytes, offload_core::Offloadable::device(v), v.calls()))
-            .unwrap();
+            .expect("a registered component");
         assert_eq!(device, component_device, "{id}: the manager and the component disagree on its device");
         if !device.is_cpu() {
             resident_weights += bytes;

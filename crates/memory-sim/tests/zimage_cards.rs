@@ -9,7 +9,8 @@ use offload_core::{Action, OffloadEvent};
 const GIB: f64 = (1u64 << 30) as f64;
 
 fn run(card: &str) -> SimRun {
-    simulate(&PipelineProfile::z_image_turbo(4), CardSpec::parse(card).unwrap(), &RunOptions::default()).unwrap()
+    simulate(&PipelineProfile::z_image_turbo(4), CardSpec::parse(card).expect("a card size"), &RunOptions::default())
+        .expect("the simulation runs")
 }
 
 /// The anchor's docs table for a 20GB card, as the rows it published (sizes exact, readings in GiB).
@@ -41,7 +42,7 @@ fn reproduces_the_published_20gb_record() {
 fn check_card(card: &str, record: Expect) {
     let expectations = Expectations::z_image_turbo();
     let run = run(card);
-    let declared = expectations.for_card(card).unwrap();
+    let declared = expectations.for_card(card).expect("the card's expectations are declared");
     if let Some(difference) = diff(declared, &run.observed()) {
         panic!("card {card} differs from its declaration:\n{difference}\n{}", run.record);
     }

@@ -800,8 +800,8 @@ mod tests {
         timeline.span(category::UPLOAD, long).arg("bytes", 4096u64).arg("reason", "prefetch").end();
         timeline.span("a category of my own", "vae_3").end();
         timeline.instant(category::PHASE, "é", &[("an arg whose key is longer than thirty bytes", 1u64.into())]);
-        let texts: Vec<(String, String, Vec<(String, ArgValue)>)> =
-            timeline.events().into_iter().map(|e| (e.category, e.name, e.args)).collect();
+        type Text = (String, String, Vec<(String, ArgValue)>);
+        let texts: Vec<Text> = timeline.events().into_iter().map(|e| (e.category, e.name, e.args)).collect();
         assert_eq!(
             texts,
             vec![

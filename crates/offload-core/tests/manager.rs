@@ -29,11 +29,11 @@ impl offload_core::Offloadable for NotADummy {
 }
 
 fn device_of(manager: &ComponentsManager, id: &str) -> String {
-    manager.component_info(id).unwrap().device.to_string()
+    manager.component_info(id).expect("a registered component").device.to_string()
 }
 
 fn run(manager: &ComponentsManager, id: &str) -> f64 {
-    manager.run(id, |m: &mut Dummy| m.forward(1.0, 0)).unwrap()
+    manager.run(id, |m: &mut Dummy| m.forward(1.0, 0)).expect("the call runs")
 }
 
 // --- TestComponentsManagerRegistry ---

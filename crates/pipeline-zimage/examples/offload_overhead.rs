@@ -84,7 +84,12 @@ fn parse_args() -> anyhow::Result<Args> {
             other => bail!("unknown argument {other}; see the example's documentation"),
         }
     }
-    if args.steps == 0 || args.dim % 64 != 0 || args.layers == 0 || args.latent % 2 != 0 || args.latent == 0 {
+    if args.steps == 0
+        || !args.dim.is_multiple_of(64)
+        || args.layers == 0
+        || !args.latent.is_multiple_of(2)
+        || args.latent == 0
+    {
         bail!("--steps and --layers must be positive, --dim a multiple of 64 and --latent a positive even number");
     }
     Ok(args)

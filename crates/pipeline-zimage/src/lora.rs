@@ -71,13 +71,13 @@ impl LoraSpec {
         };
         if !scale.is_finite() {
             return Err(Error::InvalidArgument {
-                name: "lora".into(),
+                name: "lora",
                 reason: format!("{text}: the scale {scale} is not a finite number; give FILE or FILE:SCALE (0.8, say)"),
             });
         }
         if path.is_empty() {
             return Err(Error::InvalidArgument {
-                name: "lora".into(),
+                name: "lora",
                 reason: "an empty file name; give FILE or FILE:SCALE".into(),
             });
         }

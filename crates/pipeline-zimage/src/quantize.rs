@@ -70,7 +70,7 @@ fn quantize_fitting<M: Module>(module: M, scheme: &QuantScheme, per_word: Option
                 return param;
             }
             let shape = param.shape().as_slice().to_vec();
-            if self.per_word.is_some_and(|per_word| shape[D - 1] % per_word != 0) {
+            if self.per_word.is_some_and(|per_word| !shape[D - 1].is_multiple_of(per_word)) {
                 let path = self.stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".");
                 self.done.left_float.push((path, shape));
                 return param;
@@ -215,7 +215,7 @@ pub fn quantize_with<M: group_offload::OffloadModel + Clone>(
     let produced = group_offload::quant::produced_scheme(scheme, &placement.host);
     let per_word = group_offload::quant::device_scheme(&produced, &placement.exec)
         .filter(|stored| *stored != produced)
-        .map(|stored| 32 / stored.value.size_bits() as usize);
+        .map(|stored| 32 / stored.value.size_bits());
     // A copy of the handles is quantized first, so nothing is unregistered until the quantized module exists.
     Ok(component.replace(|module| quantize_fitting(module, scheme, per_word))?)
 }

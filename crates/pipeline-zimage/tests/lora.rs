@@ -34,7 +34,12 @@ fn cases() -> Vec<(String, Vec<LoraSpec>)> {
                 .as_array()
                 .expect("loras")
                 .iter()
-                .map(|l| LoraSpec::new(lora_file(l["file"].as_str().unwrap()), l["scale"].as_f64().unwrap() as f32))
+                .map(|l| {
+                    LoraSpec::new(
+                        lora_file(l["file"].as_str().expect("a file")),
+                        l["scale"].as_f64().expect("a scale") as f32,
+                    )
+                })
                 .collect();
             (name.clone(), specs)
         })
@@ -55,8 +60,11 @@ fn image(pipeline: &ZImagePipeline) -> Vec<f32> {
 }
 
 /// Every float parameter's bytes, in visit order: what "bit for bit" compares.
-fn weight_bits<M: Module>(module: &M) -> Vec<(Vec<usize>, Vec<u8>)> {
-    struct Bits(Vec<(Vec<usize>, Vec<u8>)>);
+/// Each parameter's shape and bytes, in visiting order.
+type WeightBits = Vec<(Vec<usize>, Vec<u8>)>;
+
+fn weight_bits<M: Module>(module: &M) -> WeightBits {
+    struct Bits(WeightBits);
     impl ModuleVisitor for Bits {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let data = param.val().into_data();
@@ -68,7 +76,7 @@ fn weight_bits<M: Module>(module: &M) -> Vec<(Vec<usize>, Vec<u8>)> {
     bits.0
 }
 
-fn pipeline_bits(pipeline: &ZImagePipeline) -> (Vec<(Vec<usize>, Vec<u8>)>, Vec<(Vec<usize>, Vec<u8>)>) {
+fn pipeline_bits(pipeline: &ZImagePipeline) -> (WeightBits, WeightBits) {
     (
         pipeline.transformer().inspect(weight_bits).expect("whole"),
         pipeline.text_encoder().inspect(weight_bits).expect("whole"),
@@ -237,7 +245,11 @@ fn write_lora(name: &str, tensors: &[(&str, Vec<usize>)], metadata: Option<&str>
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
         .iter()
         .map(|(key, bytes, shape)| {
-            (key.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes).unwrap())
+            (
+                key.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .expect("a tensor view"),
+            )
         })
         .collect();
     let metadata = metadata.map(|m| std::collections::HashMap::from([("lora_adapter_metadata".to_string(), m.into())]));
@@ -250,7 +262,7 @@ fn write_lora(name: &str, tensors: &[(&str, Vec<usize>)], metadata: Option<&str>
 fn bad_files_are_typed_errors_naming_the_key_and_change_nothing() {
     let mut pipeline = load_tiny(Placement::host_only());
     let good = LoraSpec::new(lora_file("peft.safetensors"), 1.0);
-    pipeline.set_loras(&[good.clone()], LoraMode::Fused).expect("a good LoRA first");
+    pipeline.set_loras(std::slice::from_ref(&good), LoraMode::Fused).expect("a good LoRA first");
     let before = pipeline_bits(&pipeline);
     let q = "transformer.layers.0.attention.to_q";
     let cases: Vec<(&str, PathBuf, &str)> = vec![

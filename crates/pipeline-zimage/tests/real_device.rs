@@ -102,7 +102,7 @@ fn the_tiny_pipeline_matches_diffusers_on_the_real_device() {
     for (id, placed) in pipeline.manager().placement() {
         assert_eq!(placed, name, "{id}");
     }
-    let weights: u64 = pipeline_zimage::pipeline::COMPONENTS.iter().map(|c| bytes(&pipeline, *c)).sum();
+    let weights: u64 = pipeline_zimage::pipeline::COMPONENTS.iter().map(|c| bytes(&pipeline, c)).sum();
     assert!(in_use(&device) >= weights, "the pool holds {} for {weights} of weights", in_use(&device));
 }
 

@@ -14,13 +14,15 @@ pub const UNIT: u64 = 1024;
 /// A hard simulated card of `capacity` bytes (no context overhead, `cuda:0`): its readings follow its
 /// allocations, and an allocation past the capacity fails with out-of-memory.
 pub fn hard_card(capacity: u64) -> Arc<SimCard> {
-    SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0))
+    SimCard::new(
+        CardSpec::parse(&capacity.to_string()).expect("a card size").with_mode(Mode::Hard).with_context_overhead(0),
+    )
 }
 
 /// A soft simulated card of 80 units whose `available` reads `available` whatever is allocated (the anchor's
 /// `_patch_memory_stats`; change it with `SimCard::patch_available`).
 pub fn patched_card(available: u64) -> Arc<SimCard> {
-    let card = SimCard::new(CardSpec::parse(&(80 * UNIT).to_string()).unwrap().with_context_overhead(0));
+    let card = SimCard::new(CardSpec::parse(&(80 * UNIT).to_string()).expect("a card size").with_context_overhead(0));
     card.patch_available(Some(available));
     card
 }
