@@ -53,9 +53,9 @@ fn every_preset_on_the_real_device_moves_what_the_plan_predicts_and_peaks_near_i
     // behind the tasks the host queued, while the host drops tensors as it goes (cubecl-runtime 0.11.3,
     // `ManagedMemoryHandle::is_free` is the handle's strong count), so a page the host lets go of just after an
     // allocation was queued is free for it or not depending on how far the device thread lags. Measured over 40
-    // resident runs beside two busy processes (2026-12-05): 157 of 160 later 128x128 calls took the same pages,
-    // 3 took one page more (+22 to +25 KB); CI once read +74 KB (ratio 0.829). The estimate is held against each
-    // call's least pages over three runs: what the call takes when that race goes its usual way.
+    // resident runs beside two busy processes (2026-12-05): of 120 later 128x128 steps, 117 took the usual pages
+    // within 1 KB and 3 one page more (+22 to +25 KB); CI once read +74 KB (ratio 0.829). The estimate is held
+    // against each call's least pages over three runs: what the call takes when that race goes its usual way.
     for size in [64, 128] {
         let runs = (0..3)
             .map(|_| measure_calls(&device, &name, TOTAL, &load, &options(size)).expect("a resident run"))
