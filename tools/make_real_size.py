@@ -30,8 +30,6 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-
 SHARD_BYTES = 5_000_000_000
 SEED = 20261201
 
@@ -54,9 +52,15 @@ VAE = dict(
 )
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 
+# Every file this tool writes lies here (tools/owned_output.py refuses a directory holding a file it did not write
+# in any of them, even with --force): exactly the files and folders of a real Z-Image checkpoint.
+WRITES = ["model_index.json", "transformer/", "text_encoder/", "vae/", "scheduler/", "tokenizer/"]
+
 
 def random_weight(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     """A bf16 tensor of `shape` whose values keep a forward finite."""
+    import torch
+
     if len(shape) == 1:
         if "norm" in name and name.endswith("weight"):
             return torch.ones(shape, dtype=torch.bfloat16)
@@ -68,10 +72,12 @@ def random_weight(name: str, shape: torch.Size, gen: torch.Generator) -> torch.T
     return out.to(torch.bfloat16)
 
 
-def write_shards(model, dir_: Path, stem: str, gen: torch.Generator) -> dict:
+def write_shards(model, owned, component: str, stem: str, gen: torch.Generator) -> dict:
     """The model's keys and shapes (from its meta tensors) as bf16 shards of at most SHARD_BYTES."""
+    import torch
     from safetensors.torch import save_file
 
+    dir_ = owned.root / component
     entries = [(name, t.shape) for name, t in model.state_dict().items()]
     shards: list[list[tuple[str, torch.Size]]] = [[]]
     size = 0
@@ -86,14 +92,15 @@ def write_shards(model, dir_: Path, stem: str, gen: torch.Generator) -> dict:
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         file = f"{stem}.safetensors" if len(shards) == 1 else f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+        target = owned.claim(f"{component}/{file}")
         tensors = {name: random_weight(name, shape, gen) for name, shape in shard}
-        save_file(tensors, str(dir_ / file), metadata={"format": "pt"})
+        save_file(tensors, str(target), metadata={"format": "pt"})
         del tensors
         weight_map.update({name: file for name, _ in shard})
         print(f"  {dir_.name}/{file}: {len(shard)} tensors", flush=True)
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (dir_ / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        owned.claim(f"{component}/{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return {"tensors": len(entries), "bytes": total, "shards": len(shards)}
 
 
@@ -101,16 +108,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--force", action="store_true",
-                    help="write into a non-empty directory this tool did not make (its files are kept)")
+                    help="write into a non-empty directory this tool did not make, beside its files: none is ever "
+                         "written over or removed, and a directory holding files where this tool writes (a real "
+                         "checkpoint: model_index.json, transformer/, text_encoder/, vae/, scheduler/, tokenizer/) "
+                         "is refused even then")
     args = ap.parse_args()
     out: Path = args.out
-    # Never removes what it did not write: a foreign non-empty directory is refused unless --force, and a
-    # rewrite removes only the files the last run listed (tools/owned_output.py).
+    # Never writes over or removes what it did not write: a foreign non-empty directory is refused unless --force,
+    # one holding a file where this tool writes (a real checkpoint) is refused even then, and a rewrite removes only
+    # the files the last run listed (tools/owned_output.py).
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from owned_output import OwnedOutput
 
     owned = OwnedOutput(out, "tools/make_real_size.py", args.force)
-    owned.prepare()
+    owned.prepare(writes=WRITES)
+    # torch is imported only once the directory is accepted, so the refusal needs nothing installed.
+    import torch
+
     gen = torch.Generator().manual_seed(SEED)
     torch.set_num_threads(2)
     started = time.time()
@@ -128,21 +142,30 @@ def main() -> None:
         text_encoder = Qwen3Model(te_config)
         vae = AutoencoderKL(**VAE)
 
+    # Each config is claimed before the library writes it (prepare already refused any foreign file there).
     (out / "transformer").mkdir(exist_ok=True)
+    owned.claim("transformer/config.json")
     transformer.save_config(str(out / "transformer"))
-    summary["transformer"] = write_shards(transformer, out / "transformer", "diffusion_pytorch_model", gen)
+    summary["transformer"] = write_shards(transformer, owned, "transformer", "diffusion_pytorch_model", gen)
 
     (out / "text_encoder").mkdir(exist_ok=True)
+    owned.claim("text_encoder/config.json")
     te_config.save_pretrained(str(out / "text_encoder"))
-    summary["text_encoder"] = write_shards(text_encoder, out / "text_encoder", "model", gen)
+    summary["text_encoder"] = write_shards(text_encoder, owned, "text_encoder", "model", gen)
 
     (out / "vae").mkdir(exist_ok=True)
+    owned.claim("vae/config.json")
     vae.save_config(str(out / "vae"))
-    summary["vae"] = write_shards(vae, out / "vae", "diffusion_pytorch_model", gen)
+    summary["vae"] = write_shards(vae, owned, "vae", "diffusion_pytorch_model", gen)
 
+    owned.claim("scheduler/scheduler_config.json")
     FlowMatchEulerDiscreteScheduler(**SCHEDULER).save_pretrained(str(out / "scheduler"))
     tiny = Path(__file__).resolve().parent.parent / "crates/pipeline-zimage/tests/fixtures/tiny-z-image-turbo"
-    shutil.copytree(tiny / "tokenizer", out / "tokenizer", dirs_exist_ok=True)
+    for source in sorted((tiny / "tokenizer").rglob("*")):
+        if source.is_file():
+            target = owned.claim(Path("tokenizer") / source.relative_to(tiny / "tokenizer"))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
     index = {
         "_class_name": "ZImagePipeline",
         "_diffusers_version": diffusers.__version__,
@@ -152,7 +175,7 @@ def main() -> None:
         "transformer": ["diffusers", "ZImageTransformer2DModel"],
         "vae": ["diffusers", "AutoencoderKL"],
     }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    owned.claim("model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     owned.finish()
     summary["versions"] = {"torch": torch.__version__, "diffusers": diffusers.__version__,
                            "transformers": transformers.__version__}

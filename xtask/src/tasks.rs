@@ -27,8 +27,9 @@ pub struct FixturesArgs {
     /// not committed), with `tools/make_real_size.py`.
     #[arg(long, value_name = "DIR")]
     pub real_size: Option<PathBuf>,
-    /// Write into a non-empty directory the generators did not make (its files are kept; a generator only ever
-    /// removes the files its manifest lists as its own).
+    /// Write into a non-empty directory the generators did not make, beside its files: a generator never writes
+    /// over or removes a file it did not write (its manifest lists its own), and a directory holding a file where
+    /// it writes, such as a downloaded checkpoint's shards, configs or tokenizer, is refused even with --force.
     #[arg(long)]
     pub force: bool,
 }
@@ -123,8 +124,10 @@ fn fixture_python(python: &str) -> anyhow::Result<PathBuf> {
 pub fn fixtures(args: &FixturesArgs) -> anyhow::Result<()> {
     let python = fixture_python(&args.python)?;
     if let Some(dir) = &args.real_size {
+        // The generator runs from the workspace root; a relative DIR is the user's, from where they ran it.
+        let dir = std::path::absolute(dir).with_context(|| format!("cannot resolve {}", dir.display()))?;
         let mut command = Command::new(&python);
-        command.arg("tools/make_real_size.py").arg("--out").arg(dir);
+        command.arg("tools/make_real_size.py").arg("--out").arg(&dir);
         if args.force {
             command.arg("--force");
         }

@@ -2,7 +2,9 @@
 //! every bad key and value as a typed error; the documented table.
 
 use expect_test::{Expect, expect};
-use offload_core::plan::{KEYS, Kind, Origin, PlanError, Preset, Settings, SettingsLayer, settings_table};
+use offload_core::plan::{
+    KEYS, Kind, MAX_PREFETCH_DEPTH, Origin, PlanError, Preset, Settings, SettingsLayer, settings_table,
+};
 
 fn check(actual: String, expect: Expect) {
     expect.assert_eq(&actual);
@@ -22,7 +24,7 @@ fn samples(kind: Kind) -> [(&'static str, &'static str); 2] {
         Kind::Preset => [("low_ram_safe", "\"low_ram_safe\""), ("no_pin", "\"no_pin\"")],
         Kind::Size => [("4GiB", "\"4GiB\""), ("1000", "1000")],
         Kind::Bool => [("false", "false"), ("true", "true")],
-        Kind::Count => [("3", "3"), ("2", "2")],
+        Kind::Count | Kind::Depth => [("3", "3"), ("2", "2")],
         Kind::Path => [("/tmp/a", "\"/tmp/a\""), ("/tmp/b", "\"/tmp/b\"")],
         Kind::Text => [("first", "\"first\""), ("second", "\"second\"")],
         Kind::Ratio => [("2.5", "2.5"), ("8", "8")],
@@ -177,7 +179,7 @@ fn a_bad_value_names_the_key_where_it_came_from_and_what_is_accepted() {
             invalid value "-1GB" for setting resident_budget from environment variable OFFLOAD_RESIDENT_BUDGET: expected a size such as "6GiB", "3GB" or a byte count (KB/MB/GB decimal, KiB/MiB/GiB binary); change it there
             invalid value "lots" for setting pinned_budget from environment variable OFFLOAD_PINNED_BUDGET: expected a size such as "6GiB", "3GB" or a byte count (KB/MB/GB decimal, KiB/MiB/GiB binary); change it there
             invalid value "maybe" for setting prefetch from environment variable OFFLOAD_PREFETCH: expected true or false (the environment also takes 1/0, yes/no, on/off); change it there
-            invalid value "0" for setting prefetch_depth from environment variable OFFLOAD_PREFETCH_DEPTH: expected a whole number, 1 or more; change it there
+            invalid value "0" for setting prefetch_depth from environment variable OFFLOAD_PREFETCH_DEPTH: expected a whole number from 1 to 64 (each is a group held on the device; 1 is usually best); change it there
             invalid value "two" for setting blocks_per_group from environment variable OFFLOAD_BLOCKS_PER_GROUP: expected a whole number, 1 or more; change it there
             invalid value " " for setting disk_store_dir from environment variable OFFLOAD_DISK_STORE_DIR: expected a path; change it there
             invalid value "2" for setting low_host_memory from environment variable OFFLOAD_LOW_HOST_MEMORY: expected true or false (the environment also takes 1/0, yes/no, on/off); change it there
@@ -217,7 +219,7 @@ fn a_bad_value_in_the_file_is_refused_with_its_key() {
     check(
         err.to_string(),
         expect![[
-            r#"invalid value "0" for setting prefetch_depth from the TOML settings file: expected a whole number, 1 or more; change it there"#
+            r#"invalid value "0" for setting prefetch_depth from the TOML settings file: expected a whole number from 1 to 64 (each is a group held on the device; 1 is usually best); change it there"#
         ]],
     );
 }
@@ -273,6 +275,29 @@ fn values_set_directly_on_the_explicit_layer_are_checked() {
             "{err:?}"
         );
     }
+}
+
+#[test]
+fn a_prefetch_depth_past_the_bound_is_refused_from_every_layer() {
+    // The depth a user once passed: before the bound it reached the group offloader, whose window allocation
+    // panicked with `capacity overflow` under its lock.
+    let absurd = usize::MAX.to_string();
+    let past = (MAX_PREFETCH_DEPTH + 1).to_string();
+    for text in [absurd.as_str(), past.as_str()] {
+        let explicit = SettingsLayer::default().set("prefetch_depth", text).expect_err(text);
+        assert!(matches!(&explicit, PlanError::InvalidValue { key: "prefetch_depth", .. }), "{explicit:?}");
+        let from_env = Settings::resolve(&SettingsLayer::default(), env(&[("OFFLOAD_PREFETCH_DEPTH", text)]), None)
+            .expect_err(text);
+        assert!(from_env.to_string().contains("from 1 to 64"), "{from_env}");
+        let file = format!("prefetch_depth = {text}");
+        assert!(Settings::resolve(&SettingsLayer::default(), no_env(), Some(&file)).is_err(), "{file}");
+    }
+    let direct = SettingsLayer { prefetch_depth: Some(usize::MAX), ..SettingsLayer::default() };
+    assert!(Settings::resolve(&direct, no_env(), None).is_err());
+    // The bound itself is accepted, and the message's number is the constant's.
+    let top = SettingsLayer::default().set("prefetch_depth", &MAX_PREFETCH_DEPTH.to_string());
+    assert!(top.is_ok(), "{top:?}");
+    assert!(Kind::Depth.expected().contains(&format!("1 to {MAX_PREFETCH_DEPTH}")));
 }
 
 #[test]

@@ -287,6 +287,59 @@ pub enum Error {
         /// What went wrong and what to do instead.
         reason: String,
     },
+
+    /// An output file the run could not write, found before anything ran.
+    #[error("{flag} {}: {problem}", path.display())]
+    OutputPath {
+        /// The flag or setting that named it.
+        flag: String,
+        /// The path as given.
+        path: std::path::PathBuf,
+        /// What is wrong with it and what to give instead.
+        problem: String,
+    },
+
+    /// Two outputs name one file, so the second would replace the first.
+    #[error("{first} and {second} both name {}: the second would replace the first; give each its own file", path.display())]
+    OutputsCollide {
+        /// The first flag.
+        first: String,
+        /// The second flag.
+        second: String,
+        /// The file both name.
+        path: std::path::PathBuf,
+    },
+
+    /// An output names a file the run reads.
+    #[error("{output} would replace {input}: both name {}; write the output elsewhere", path.display())]
+    OutputReplacesInput {
+        /// The output's flag.
+        output: String,
+        /// The input's flag.
+        input: String,
+        /// The file both name.
+        path: std::path::PathBuf,
+    },
+
+    /// Two components of a checkpoint do not fit together (each config is valid on its own).
+    #[error("{first} and {second} do not fit together: {problem}")]
+    IncompatibleComponents {
+        /// The first config, as the checkpoint names it (`vae/config.json`).
+        first: String,
+        /// The second config, or what the pipeline itself needs.
+        second: String,
+        /// What differs, and what to use instead.
+        problem: String,
+    },
+
+    /// Writing an output failed; any file that was there before is unchanged.
+    #[error("cannot write {}: {source}; any earlier file there is as it was", path.display())]
+    OutputWrite {
+        /// The file asked for.
+        path: std::path::PathBuf,
+        /// What failed.
+        source: std::io::Error,
+    },
 }
 
 /// Renders ` (first: NAME)` for a non-empty list, to keep messages short on large lists.

@@ -19,6 +19,7 @@
 //! - [`plot`]: the device memory plot of a run's timeline (`--memory-plot`).
 //! - [`schedule`]: the uses a run captured: a lookahead from the first image for the images after it, and a
 //!   run's bytes moved beside `auto`'s and the optimum on the same schedule.
+//! - [`output`]: the files a run writes, checked before it starts and written atomically.
 //! - [`host`]: the process's host memory (peak resident set), for capacity profiles and the real-size benchmark.
 //! - [`error`]: the crate's one error type.
 //!
@@ -33,6 +34,7 @@ pub mod host;
 pub mod loading;
 pub mod lora;
 pub mod nn;
+pub mod output;
 pub mod pipeline;
 pub mod plot;
 pub mod presets;

@@ -31,7 +31,8 @@ use offload_core::plan::{DeviceFacts, LinkRun, ProfileStore};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
 use pipeline_zimage::loading::LoadOptions;
-use pipeline_zimage::lora::{LoraMode, LoraSpec, LoraTarget};
+use pipeline_zimage::lora::{LoraFile, LoraMode, LoraSpec, LoraTarget};
+use pipeline_zimage::output::{Format, Output, check_output_dir, check_outputs, write_atomic, write_bytes_atomic};
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 use pipeline_zimage::plot::{PlotOptions, draw_memory_plot};
 use pipeline_zimage::presets::{check_capacity, enable_pipeline_offload, exact_reserve, generate_profiled};
@@ -294,9 +295,9 @@ struct Generate {
     plot_font: Option<PathBuf>,
 }
 
-/// The largest height or width the CLI accepts: a 16,384 × 16,384 image is 268 million pixels (3 GiB as f32),
-/// and every size the pipeline derives from it (latents, tokens, pixels × channels × bytes) fits a `usize`.
-const MAX_SIDE: usize = 16_384;
+/// The most images one process makes (`--images`): each is a file and a run of its own, so more is a mistake
+/// rather than a plan (run several processes).
+const MAX_IMAGES: usize = 100_000;
 
 /// Arguments refused at the edge, before anything loads: each says what was asked and what to pass instead.
 #[derive(Debug, thiserror::Error)]
@@ -315,13 +316,11 @@ enum ArgumentError {
         /// The images asked for.
         images: usize,
     },
-    /// A side larger than the CLI accepts.
-    #[error("--{flag} {value} is larger than the largest side accepted ({MAX_SIDE} pixels); pass a smaller size")]
-    SideTooLarge {
-        /// `height` or `width`.
-        flag: &'static str,
-        /// The value asked for.
-        value: usize,
+    /// No image, or more than one process makes.
+    #[error("--images {images}: pass 1 to {MAX_IMAGES} (more images are a run of several processes)")]
+    ImageCount {
+        /// The images asked for.
+        images: usize,
     },
     /// A cap larger than the device it caps.
     #[error(
@@ -343,24 +342,25 @@ enum ArgumentError {
     },
 }
 
-/// Checks the arguments that need no device and no weights: the seeds of every image and the image's sides.
+/// Checks the arguments that need no device and no weights and that only the CLI has: the number of images and
+/// the seeds of every image.
 fn check_arguments(args: &Generate) -> Result<(), ArgumentError> {
-    if args.images > 0 && args.seed.checked_add(args.images as u64 - 1).is_none() {
-        return Err(ArgumentError::SeedOverflow { seed: args.seed, images: args.images });
+    if args.images == 0 || args.images > MAX_IMAGES {
+        return Err(ArgumentError::ImageCount { images: args.images });
     }
-    for (flag, value) in [("height", args.height), ("width", args.width)] {
-        if value > MAX_SIDE {
-            return Err(ArgumentError::SideTooLarge { flag, value });
-        }
+    if args.seed.checked_add(args.images as u64 - 1).is_none() {
+        return Err(ArgumentError::SeedOverflow { seed: args.seed, images: args.images });
     }
     Ok(())
 }
 
-/// Everything the CLI checks before it opens a device or reads a weight: the seeds and sides, the sizes
-/// (`--reserve`, `--card`, `--device-memory`) and a reserve the card cannot hold. The fuzzer's target for the
+/// Everything the CLI checks before it reads a file, opens a device or reads a weight: the images and seeds, the
+/// counts the library bounds (`GenerateOptions::check_counts`: sides, steps, prompt tokens, guidance, strength), the
+/// sizes (`--reserve`, `--card`, `--device-memory`) and a reserve the card cannot hold. The fuzzer's target for the
 /// CLI's numeric arguments: for any arguments it returns, never panics.
 fn preflight(args: &Generate) -> anyhow::Result<()> {
     check_arguments(args)?;
+    options(args).check_counts()?;
     let reserve = args.reserve.as_deref().map(parse_size).transpose().context("--reserve")?;
     let total = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?;
     if let Some(label) = &args.card {
@@ -390,6 +390,67 @@ fn check_manual_reserve(
         CardSpec::parse(&total.to_string())?.with_context_overhead(0).check_reserve(reserve)?;
     }
     Ok(())
+}
+
+/// The generation options the arguments give, without the input files (`--latents`, `--image`), which
+/// [`read_inputs`] reads.
+fn options(args: &Generate) -> GenerateOptions {
+    let mut opts = GenerateOptions::turbo(args.prompt.clone());
+    opts.negative_prompt = args.negative_prompt.clone();
+    opts.steps = args.steps;
+    opts.guidance = args.guidance;
+    opts.height = args.height;
+    opts.width = args.width;
+    opts.max_sequence_length = args.max_sequence_length;
+    opts.seed = args.seed;
+    opts.strength = args.strength;
+    opts
+}
+
+/// The input files, read before anything loads: a missing or malformed one is refused in milliseconds, not after
+/// the checkpoint has loaded.
+struct Inputs {
+    latents: Option<Tensor<4>>,
+    image: Option<Tensor<4>>,
+    loras: Vec<(LoraSpec, LoraFile)>,
+}
+
+/// Reads `--latents`, `--image` and every `--lora` file (each LoRA checked as a file here; against the models once
+/// they are loaded).
+fn read_inputs(args: &Generate) -> anyhow::Result<Inputs> {
+    let latents = args.latents.as_deref().map(read_latents).transpose()?;
+    let image = args.image.as_deref().map(|p| read_image(p, args.height, args.width)).transpose()?;
+    let loras = args
+        .loras
+        .iter()
+        .map(|spec| Ok((spec.clone(), LoraFile::read(&spec.path)?)))
+        .collect::<Result<Vec<_>, pipeline_zimage::error::Error>>()?;
+    Ok(Inputs { latents, image, loras })
+}
+
+/// The files the run reads, for the outputs' check (no output may replace one).
+fn input_paths(args: &Generate) -> Vec<(&'static str, &Path)> {
+    let mut inputs: Vec<(&'static str, &Path)> = Vec::new();
+    inputs.extend(args.latents.as_deref().map(|p| ("--latents", p)));
+    inputs.extend(args.image.as_deref().map(|p| ("--image", p)));
+    inputs.extend(args.config.as_deref().map(|p| ("--config", p)));
+    inputs.extend(args.plot_font.as_deref().map(|p| ("--plot-font", p)));
+    inputs.extend(args.loras.iter().map(|spec| ("--lora", spec.path.as_path())));
+    inputs
+}
+
+/// Every file the run writes: each image's PNG and tensor (numbered with several images), the trace and the plot.
+fn outputs(args: &Generate) -> Vec<Output> {
+    let mut outputs = Vec::new();
+    for index in 0..args.images {
+        outputs.push(Output::new("--out", numbered(&args.out, index, args.images), Format::Png));
+        if let Some(path) = &args.out_tensor {
+            outputs.push(Output::new("--out-tensor", numbered(path, index, args.images), Format::Safetensors));
+        }
+    }
+    outputs.extend(args.trace.iter().map(|path| Output::new("--trace", path, Format::Any)));
+    outputs.extend(args.memory_plot.iter().map(|path| Output::new("--memory-plot", path, Format::Png)));
+    outputs
 }
 
 fn default_weights() -> PathBuf {
@@ -439,14 +500,22 @@ fn read_image(path: &Path, height: usize, width: usize) -> anyhow::Result<Tensor
     Ok(Tensor::from_data(TensorData::new(planar, [1, 3, height, width]), (&Device::flex(), DType::F32)))
 }
 
+/// Writes the image as a PNG at `out` and, when asked, as an f32 safetensors file at `out_tensor`, each encoded in
+/// memory first and written atomically ([`write_bytes_atomic`]): a failure leaves any file there as it was. Both
+/// paths were checked before the run ([`check_outputs`]).
 fn write_outputs(image: Tensor<4>, out: &Path, out_tensor: Option<&Path>) -> anyhow::Result<()> {
-    let [_, _, height, width] = image.dims();
+    let [batch, channels, height, width] = image.dims();
+    if (batch, channels) != (1, 3) {
+        bail!("the pipeline made an image of shape {:?}, not [1, 3, H, W]; nothing was written", image.dims());
+    }
     let data = image.try_into_data().map_err(|e| anyhow::anyhow!("cannot read the image back from the device: {e}"))?;
     let values: Vec<f32> = data.try_into_vec_as::<f32>().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     if let Some(path) = out_tensor {
         let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1, 3, height, width], &bytes)?;
-        safetensors::serialize_to_file([("image", view)], None, path)?;
+        let file = safetensors::serialize([("image", view)], None)
+            .with_context(|| format!("cannot encode --out-tensor {}", path.display()))?;
+        write_bytes_atomic(path, &file)?;
     }
     let mut png = image::RgbImage::new(width as u32, height as u32);
     for (x, y, pixel) in png.enumerate_pixels_mut() {
@@ -455,39 +524,10 @@ fn write_outputs(image: Tensor<4>, out: &Path, out_tensor: Option<&Path>) -> any
             pixel[c] = (v * 255.0).round().clamp(0.0, 255.0) as u8;
         }
     }
-    png.save(out).with_context(|| format!("cannot write {}", out.display()))?;
-    Ok(())
-}
-
-/// Checks, before anything runs, that `path` (given with `flag`) can be written: not a directory, in a
-/// directory that exists, writable, and ending in `.{extension}` when one is required.
-fn check_output_file(flag: &str, path: &Path, extension: Option<&str>) -> anyhow::Result<()> {
-    let shown = path.display();
-    if path.is_dir() {
-        bail!("{flag} {shown} is a directory; give a file name in it, such as {}", path.join("run.json").display());
-    }
-    if let Some(wanted) = extension
-        && !path.extension().is_some_and(|e| e.eq_ignore_ascii_case(wanted))
-    {
-        bail!("{flag} {shown}: the file is written as {}; give a name ending in .{wanted}", wanted.to_uppercase());
-    }
-    let parent = match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent,
-        _ => Path::new("."),
-    };
-    if !parent.is_dir() {
-        bail!("{flag} {shown}: the directory {} does not exist; create it first or write elsewhere", parent.display());
-    }
-    // Opened for appending, so an existing file is not truncated; one created here is removed again.
-    let existed = path.exists();
-    std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(path)
-        .with_context(|| format!("{flag} {shown} cannot be written; choose a writable path"))?;
-    if !existed {
-        std::fs::remove_file(path).ok();
-    }
+    let mut encoded = Vec::new();
+    png.write_to(&mut std::io::Cursor::new(&mut encoded), image::ImageFormat::Png)
+        .with_context(|| format!("cannot encode {} as PNG", out.display()))?;
+    write_bytes_atomic(out, &encoded)?;
     Ok(())
 }
 
@@ -495,10 +535,7 @@ fn check_output_file(flag: &str, path: &Path, extension: Option<&str>) -> anyhow
 fn write_timeline(args: &Generate, timeline: &Timeline, target: &Target) -> anyhow::Result<()> {
     let memory = target.memory();
     if let Some(path) = &args.trace {
-        let file = std::fs::File::create(path).with_context(|| format!("cannot create --trace {}", path.display()))?;
-        let mut out = std::io::BufWriter::new(file);
-        timeline.write_chrome_trace(&mut out).with_context(|| format!("cannot write --trace {}", path.display()))?;
-        std::io::Write::flush(&mut out).with_context(|| format!("cannot write --trace {}", path.display()))?;
+        write_atomic(path, |out| timeline.write_chrome_trace(out))?;
         println!(
             "wrote the trace {}: {} events on {} threads; open it in https://ui.perfetto.dev or chrome://tracing",
             path.display(),
@@ -535,6 +572,21 @@ fn write_timeline(args: &Generate, timeline: &Timeline, target: &Target) -> anyh
         }
     }
     Ok(())
+}
+
+/// The store capacity profiles and link figures go to: the planner's settings' (`profile_dir`, or the platform's
+/// data directory) under a plan; otherwise where the planner would look: --profile-dir, then
+/// `OFFLOAD_PROFILE_DIR`, then the data directory.
+fn profile_store(args: &Generate, settings: Option<&Settings>) -> anyhow::Result<ProfileStore> {
+    Ok(match settings {
+        Some(settings) => ProfileStore::from_settings(settings)?,
+        None => args
+            .profile_dir
+            .clone()
+            .or_else(|| std::env::var_os("OFFLOAD_PROFILE_DIR").map(PathBuf::from))
+            .map_or_else(ProfileStore::default_dir, Ok)
+            .map(ProfileStore::at)?,
+    })
 }
 
 /// The environment as text pairs (values that are not Unicode are read lossily, as `Settings::from_process` does).
@@ -603,12 +655,6 @@ fn resolve_settings(
 }
 
 fn generate(args: &Generate) -> anyhow::Result<()> {
-    if let Some(path) = &args.trace {
-        check_output_file("--trace", path, None)?;
-    }
-    if let Some(path) = &args.memory_plot {
-        check_output_file("--memory-plot", path, Some("png"))?;
-    }
     let weights = args.weights.clone().unwrap_or_else(default_weights);
     let env = environment();
     let planner = uses_planner(args, &env);
@@ -617,10 +663,26 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     }
     let offload = if planner { Offload::None } else { args.offload.unwrap_or(Offload::None) };
     let strategy = StrategyChoice::parse(&args.strategy)?;
-    if args.images == 0 {
-        bail!("--images 0 makes nothing: pass --images 1 or more");
-    }
     preflight(args)?;
+    // Everything a user gives is checked before any device opens or any weight loads, which takes minutes at real
+    // size: every file the run writes, every file it reads, the settings, and the options against the checkpoint's
+    // configs (read, and checked against each other, without a weight).
+    check_outputs(&outputs(args), &input_paths(args))?;
+    let inputs = read_inputs(args)?;
+    let mut opts = options(args);
+    opts.latents = inputs.latents;
+    opts.image = inputs.image;
+    pipeline_zimage::pipeline::check_before_loading(&weights, &opts)
+        .with_context(|| format!("checking {} before loading it", weights.display()))?;
+    // Bad settings (and the settings file) are reported before the weights load; the simulated card's reserve is
+    // added once they have.
+    let settings = planner.then(|| resolve_settings(args, &env, None)).transpose()?.map(|(settings, _)| settings);
+    let device_name = DeviceName::parse(&args.device)?;
+    // Capacity profiles and link figures are written into the profile directory after the run: checked now.
+    if planner || !device_name.is_cpu() {
+        let store = profile_store(args, settings.as_ref())?;
+        check_output_dir("--profile-dir", store.dir())?;
+    }
     if strategy != StrategyChoice::Auto && (planner || offload == Offload::None) {
         bail!(
             "--strategy {} chooses the manager's strategy under --offload auto or --offload group; {}",
@@ -634,7 +696,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         (Some(reserve), false) => Some(parse_size(reserve).context("--reserve")?),
         _ => None,
     };
-    let name = DeviceName::parse(&args.device)?;
+    let name = device_name;
     // Under a card, the pool takes one page per allocation (where the runtime lets it choose), so a cap on its
     // pages is a cap on what the calls allocate rather than on cubecl's page sizes; under the planner too, so that
     // what a component's onload adds to the pool is its own (its footprint, which later plans count it as).
@@ -718,9 +780,11 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
              to simulate a card on the CPU, or --device-memory SIZE on a runtime that reports no total"
         );
     }
-    if planner {
-        // Bad settings are reported before the weights load; the simulated card's reserve is added once they have.
-        resolve_settings(args, &env, None)?;
+    if let Some(scheme) = &args.quantize {
+        // The scheme is checked for the host that quantizes and the device that runs it before the weights load.
+        for component in ["text_encoder", "transformer"] {
+            group_offload::quant::check_placement(component, scheme, &Device::flex(), &exec)?;
+        }
     }
     let device_name = match &target {
         Target::Host { card: Some(card) } => card.device(),
@@ -743,8 +807,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     for report in pipeline.load_reports() {
         eprintln!("{report}");
     }
-    if !args.loras.is_empty() {
-        let applied = pipeline.set_loras(&args.loras, args.lora_mode.into())?;
+    if !inputs.loras.is_empty() {
+        let applied = pipeline.set_lora_files(inputs.loras, args.lora_mode.into())?;
         eprintln!(
             "lora ({}): {} file(s), {} transformer and {} text encoder layers updated{}{}",
             applied.mode(),
@@ -804,17 +868,6 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             anonymous.reset();
         }));
     }
-    let mut opts = GenerateOptions::turbo(args.prompt.clone());
-    opts.negative_prompt = args.negative_prompt.clone();
-    opts.steps = args.steps;
-    opts.guidance = args.guidance;
-    opts.height = args.height;
-    opts.width = args.width;
-    opts.max_sequence_length = args.max_sequence_length;
-    opts.seed = args.seed;
-    opts.strength = args.strength;
-    opts.latents = args.latents.as_deref().map(read_latents).transpose()?;
-    opts.image = args.image.as_deref().map(|p| read_image(p, args.height, args.width)).transpose()?;
     pipeline.validate(&opts)?;
     // The manager's reserve under --offload: the one given, or the workload's largest activation estimate (the
     // planner's exact reserve), checked against the card and the device before anything runs.
@@ -898,7 +951,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     let mut record = None;
     let mut first_image_uses = 0;
     // Per image: its wall time and what the record shows moving during it, for the images-after-the-first line.
-    let mut per_image: Vec<ImageFigures> = Vec::with_capacity(args.images);
+    let mut per_image: Vec<ImageFigures> = Vec::new();
     let mut events_seen = pipeline.manager().offload_record().events().len();
     for index in 0..args.images {
         // Checked before anything loaded (check_arguments): the last image's seed fits.
@@ -974,13 +1027,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         // Kept beside the capacity profiles: the next plan on this device predicts from them.
         let store = match &plan {
             Some(plan) => plan.profile_store()?,
-            // Where the planner would look: --profile-dir, then OFFLOAD_PROFILE_DIR, then the data directory.
-            None => args
-                .profile_dir
-                .clone()
-                .or_else(|| std::env::var_os("OFFLOAD_PROFILE_DIR").map(PathBuf::from))
-                .map_or_else(ProfileStore::default_dir, Ok)
-                .map(ProfileStore::at)?,
+            None => profile_store(args, None)?,
         };
         if let Some(run) = LinkRun::from_rates(link.rate(), link.rate_of(false), link.rate_of(true)) {
             let measured = store.record_link(name.as_str(), run)?;
@@ -1348,10 +1395,18 @@ mod tests {
         assert!(error.to_string().contains("pass a --seed of at most 18446744073709551614"), "{error}");
         assert!(check_arguments(&args(&["--seed", "18446744073709551615"])).is_ok());
         assert!(check_arguments(&args(&["--seed", "18446744073709551614", "--images", "2"])).is_ok());
-        let error = check_arguments(&args(&["--height", "18446744073709551615"])).expect_err("too tall");
-        assert!(matches!(error, ArgumentError::SideTooLarge { flag: "height", .. }), "{error}");
-        let error = check_arguments(&args(&["--width", "16400"])).expect_err("too wide");
-        assert!(error.to_string().starts_with("--width 16400 is larger than the largest side"), "{error}");
+        // The library bounds the sides (and every other count); the CLI asks it before anything loads.
+        let error = preflight(&args(&["--height", "18446744073709551615"])).expect_err("too tall");
+        assert!(
+            error.to_string().starts_with("invalid height: 18446744073709551615 is more than the largest"),
+            "{error}"
+        );
+        let error = preflight(&args(&["--width", "16400"])).expect_err("too wide");
+        assert!(error.to_string().contains("(16384 pixels); pass a smaller value"), "{error}");
+        for images in ["0", "100001", "1000000000000000"] {
+            let error = check_arguments(&args(&["--images", images])).expect_err("images");
+            assert!(matches!(error, ArgumentError::ImageCount { .. }), "{error}");
+        }
         // Through generate, the refusal comes before the weights would load (a directory that is no checkpoint).
         let missing = std::env::temp_dir().join("pipeline-zimage-no-checkpoint-here");
         let weights = missing.display().to_string();
@@ -1383,29 +1438,36 @@ mod tests {
     }
 
     #[test]
-    fn output_files_are_checked_before_the_run_with_the_fix_in_the_message() {
+    fn every_output_file_is_checked_before_the_run_with_the_fix_in_the_message() {
         let dir = std::env::temp_dir().join(format!("pipeline-zimage-cli-outputs-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("a temporary directory");
-        let message = |flag: &str, path: &Path, extension: Option<&str>| {
-            check_output_file(flag, path, extension).expect_err("refused").to_string()
+        let at = |name: &str| dir.join(name).display().to_string();
+        let message = |extra: &[&str]| {
+            let parsed = args(extra);
+            check_outputs(&outputs(&parsed), &input_paths(&parsed)).expect_err("refused").to_string()
         };
-        let error = message("--trace", &dir, None);
-        assert!(
-            error.starts_with(&format!("--trace {} is a directory; give a file name in it", dir.display())),
-            "{error}"
-        );
-        let error = message("--trace", &dir.join("missing/run.json"), None);
+        let shown = dir.display().to_string();
+        let error = message(&["--trace", &shown]);
+        assert!(error.starts_with(&format!("--trace {shown}: it is a directory; give a file name in it")), "{error}");
+        let error = message(&["--trace", &at("missing/run.json")]);
         assert!(error.contains("missing does not exist; create it first or write elsewhere"), "{error}");
-        let error = message("--memory-plot", &dir.join("memory.jpg"), Some("png"));
-        assert!(error.ends_with("memory.jpg: the file is written as PNG; give a name ending in .png"), "{error}");
-        // A good path is accepted and left as it was: nothing created, an existing file not truncated.
+        let error = message(&["--memory-plot", &at("memory.jpg")]);
+        assert!(error.ends_with("memory.jpg: the file is written as a PNG image (this build encodes no other image format); give a name ending in .png"), "{error}");
+        let error = message(&["--out", &at("image.jpg")]);
+        assert!(error.starts_with("--out "), "{error}");
+        // A good path is accepted and left as it was: nothing created, an existing file kept.
         let fresh = dir.join("run.json");
-        check_output_file("--trace", &fresh, None).expect("writable");
+        let good = args(&["--out", &at("image.png"), "--trace", &at("run.json"), "--memory-plot", &at("memory.PNG")]);
+        check_outputs(&outputs(&good), &input_paths(&good)).expect("writable");
         assert!(!fresh.exists());
         std::fs::write(&fresh, "kept").expect("written");
-        check_output_file("--trace", &fresh, None).expect("writable");
+        check_outputs(&outputs(&good), &input_paths(&good)).expect("writable");
         assert_eq!(std::fs::read_to_string(&fresh).expect("read"), "kept");
-        check_output_file("--memory-plot", &dir.join("memory.PNG"), Some("png")).expect("any case");
+        // Several images: every numbered name is an output.
+        let several = args(&["--out", &at("image.png"), "--images", "3", "--out-tensor", &at("image.safetensors")]);
+        let names: Vec<String> = outputs(&several).iter().map(|o| o.path.display().to_string()).collect();
+        assert_eq!(names.len(), 6);
+        assert!(names.contains(&at("image-3.png")) && names.contains(&at("image-2.safetensors")), "{names:?}");
         // The flags parse.
         let parsed = args(&["--trace", "t.json", "--memory-plot", "m.png", "--plot-font", "f.ttf"]);
         assert_eq!(parsed.trace.as_deref(), Some(Path::new("t.json")));

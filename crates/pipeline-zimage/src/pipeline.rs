@@ -33,6 +33,18 @@ use crate::tokenizer::PromptTokenizer;
 use crate::transformer::ZImageTransformer2DModel;
 use crate::vae::{AutoencoderKl, VaeConfig};
 
+/// The largest height or width accepted: a 16,384 × 16,384 image is 268 million pixels (3 GiB as f32), and every
+/// size the pipeline derives from it (latents, tokens, pixels × channels × bytes) fits a `usize`.
+pub const MAX_SIDE: usize = 16_384;
+
+/// The most denoising steps accepted: Turbo takes 8 and base models 50, so a schedule past this is a mistake, and
+/// the schedule and progress bar are sized by it.
+pub const MAX_STEPS: usize = 10_000;
+
+/// The most prompt tokens accepted, whatever the checkpoint (the tokenizer pads every prompt to this length, so an
+/// absurd one would allocate before any check of the model's own position tables).
+pub const MAX_SEQUENCE_LENGTH: usize = 65_536;
+
 /// What to generate. [`GenerateOptions::turbo`] gives Z-Image-Turbo's defaults.
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {
@@ -79,20 +91,32 @@ impl GenerateOptions {
         }
     }
 
-    /// Checks the arguments a user gives, with errors that say what to change, for a VAE of `vae_scale_factor`
-    /// pixels per latent cell ([`VaeConfig::scale_factor`]; [`ZImagePipeline::validate`] passes its own): sizes
-    /// must be multiples of twice it, as diffusers requires.
-    pub fn validate(&self, vae_scale_factor: usize) -> Result<()> {
-        let multiple = 2 * vae_scale_factor.max(1);
-        if self.height == 0
-            || self.width == 0
-            || !self.height.is_multiple_of(multiple)
-            || !self.width.is_multiple_of(multiple)
-        {
-            return Err(Error::InvalidSize { height: self.height, width: self.width, multiple });
+    /// Checks the counts and numbers a user gives that need no checkpoint, with errors that say what to change: the
+    /// sides (1 to [`MAX_SIDE`]), the steps (1 to [`MAX_STEPS`]), the prompt tokens (1 to [`MAX_SEQUENCE_LENGTH`]),
+    /// the guidance (finite, at least 0) and the strength (in `[0, 1]`). Every size the pipeline derives from them
+    /// (latents, tokens, pixels × channels × bytes) then fits a `usize`, and nothing allocates for a count it was
+    /// never going to reach. [`validate`](Self::validate) runs it first.
+    pub fn check_counts(&self) -> Result<()> {
+        let too_large = |name: &'static str, value: usize, bound: usize, unit: &str| Error::InvalidArgument {
+            name,
+            reason: format!("{value} is more than the largest accepted ({bound} {unit}); pass a smaller value"),
+        };
+        for (name, side) in [("height", self.height), ("width", self.width)] {
+            if side > MAX_SIDE {
+                return Err(too_large(name, side, MAX_SIDE, "pixels"));
+            }
         }
         if self.steps == 0 {
             return Err(Error::ZeroSteps);
+        }
+        if self.steps > MAX_STEPS {
+            return Err(too_large("steps", self.steps, MAX_STEPS, "steps"));
+        }
+        if self.max_sequence_length == 0 {
+            return Err(Error::InvalidArgument { name: "max_sequence_length", reason: "it must be at least 1".into() });
+        }
+        if self.max_sequence_length > MAX_SEQUENCE_LENGTH {
+            return Err(too_large("max_sequence_length", self.max_sequence_length, MAX_SEQUENCE_LENGTH, "tokens"));
         }
         if !(0.0..=1.0).contains(&self.strength) || self.strength.is_nan() {
             return Err(Error::InvalidStrength { strength: self.strength });
@@ -103,17 +127,32 @@ impl GenerateOptions {
                 reason: format!("{} is not a finite number of at least 0; use 0 for Turbo", self.guidance),
             });
         }
-        if self.max_sequence_length == 0 {
-            return Err(Error::InvalidArgument { name: "max_sequence_length", reason: "it must be at least 1".into() });
+        Ok(())
+    }
+
+    /// Checks everything a user gives against the pipeline's `configs`, with errors that say what to change: the
+    /// counts ([`check_counts`](Self::check_counts)); sides that are multiples of twice the VAE's scale factor, as
+    /// diffusers requires; the latents' shape (the VAE's latent channels) and the input image's.
+    pub fn validate(&self, configs: &CheckpointConfigs) -> Result<()> {
+        self.check_counts()?;
+        let vae_scale_factor = configs.vae.scale_factor();
+        let multiple = 2 * vae_scale_factor.max(1);
+        if self.height == 0
+            || self.width == 0
+            || !self.height.is_multiple_of(multiple)
+            || !self.width.is_multiple_of(multiple)
+        {
+            return Err(Error::InvalidSize { height: self.height, width: self.width, multiple });
         }
         let [h, w] = self.latent_size(vae_scale_factor);
+        let channels = configs.vae.latent_channels;
         if let Some(latents) = &self.latents
-            && latents.dims() != [1, 16, h, w]
+            && latents.dims() != [1, channels, h, w]
         {
             return Err(Error::InvalidArgument {
                 name: "latents",
                 reason: format!(
-                    "shape {:?} does not match {}x{} (expected [1, 16, {h}, {w}])",
+                    "shape {:?} does not match {}x{} (expected [1, {channels}, {h}, {w}])",
                     latents.dims(),
                     self.height,
                     self.width
@@ -121,12 +160,12 @@ impl GenerateOptions {
             });
         }
         if let Some(image) = &self.image
-            && image.dims() != [1, 3, self.height, self.width]
+            && image.dims() != [1, IMAGE_CHANNELS, self.height, self.width]
         {
             return Err(Error::InvalidArgument {
                 name: "image",
                 reason: format!(
-                    "shape {:?} is not [1, 3, {}, {}]; resize the image or pass its size",
+                    "shape {:?} is not [1, {IMAGE_CHANNELS}, {}, {}]; resize the image or pass its size",
                     image.dims(),
                     self.height,
                     self.width
@@ -145,6 +184,84 @@ impl GenerateOptions {
 
     fn guided(&self) -> bool {
         self.guidance > 0.0
+    }
+}
+
+/// The configs of a pipeline's components, read before any weight loads ([`CheckpointConfigs::read`]) and checked
+/// against each other ([`CheckpointConfigs::check`]): each config's own `validate` checks it alone, and a VAE whose
+/// latents the transformer cannot take, or a text encoder wider than the transformer's caption input, would
+/// otherwise fail deep in a forward, after the whole denoise.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointConfigs {
+    /// `text_encoder/config.json`.
+    pub text_encoder: TextEncoderConfig,
+    /// `transformer/config.json`.
+    pub transformer: TransformerConfig,
+    /// `vae/config.json`.
+    pub vae: VaeConfig,
+    /// `scheduler/scheduler_config.json`.
+    pub scheduler: SchedulerConfig,
+}
+
+/// The channels of the images the pipeline reads and writes (RGB).
+pub const IMAGE_CHANNELS: usize = 3;
+
+impl CheckpointConfigs {
+    /// Reads every component's config from `checkpoint` (each validated on its own) and checks them against each
+    /// other; reads no weight.
+    pub fn read(checkpoint: &Checkpoint) -> Result<Self> {
+        let configs = Self {
+            text_encoder: TextEncoderConfig::from_file(checkpoint.config_path("text_encoder"))?,
+            transformer: checkpoint.transformer_config()?,
+            vae: VaeConfig::from_file(checkpoint.config_path("vae"))?,
+            scheduler: SchedulerConfig::from_file(checkpoint.config_path("scheduler"))?,
+        };
+        configs.check()?;
+        Ok(configs)
+    }
+
+    /// Checks the components against each other: the VAE reads and writes RGB images, its latent channels are the
+    /// transformer's input channels, and the text encoder's width is the transformer's caption width. The error
+    /// names both configs and what to use instead.
+    pub fn check(&self) -> Result<()> {
+        let incompatible = |first: &str, second: &str, problem: String| Error::IncompatibleComponents {
+            first: first.to_string(),
+            second: second.to_string(),
+            problem,
+        };
+        let (vae, te, tr) = (&self.vae, &self.text_encoder, &self.transformer);
+        for (field, channels) in [("in_channels", vae.in_channels), ("out_channels", vae.out_channels)] {
+            if channels != IMAGE_CHANNELS {
+                return Err(incompatible(
+                    "vae/config.json",
+                    "the pipeline's RGB images",
+                    format!(
+                        "the VAE's {field} is {channels}, but the pipeline reads and writes {IMAGE_CHANNELS}-channel                          images; use a VAE made for RGB images ({field} {IMAGE_CHANNELS})"
+                    ),
+                ));
+            }
+        }
+        if vae.latent_channels != tr.in_channels {
+            return Err(incompatible(
+                "vae/config.json",
+                "transformer/config.json",
+                format!(
+                    "the VAE makes latents of {} channels, but the transformer takes {} (in_channels); use the VAE                      that came with this transformer",
+                    vae.latent_channels, tr.in_channels
+                ),
+            ));
+        }
+        if te.hidden_size != tr.cap_feat_dim {
+            return Err(incompatible(
+                "text_encoder/config.json",
+                "transformer/config.json",
+                format!(
+                    "the text encoder's hidden_size is {}, but the transformer takes captions of width {}                      (cap_feat_dim); use the text encoder that came with this transformer",
+                    te.hidden_size, tr.cap_feat_dim
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -168,10 +285,8 @@ pub struct ZImagePipeline {
     transformer: ModelHandle<ZImageTransformer2DModel>,
     vae: ModelHandle<AutoencoderKl>,
     tokenizer: PromptTokenizer,
-    scheduler: SchedulerConfig,
-    transformer_config: TransformerConfig,
-    text_encoder_config: TextEncoderConfig,
-    vae_config: VaeConfig,
+    /// The components' configs, checked against each other.
+    configs: CheckpointConfigs,
     placement: Placement,
     reports: Vec<LoadReport>,
     transformer_dtype: DType,
@@ -205,9 +320,10 @@ impl ZImagePipeline {
     /// everything where it is.
     pub fn load(dir: impl AsRef<Path>, placement: Placement, opts: &LoadOptions) -> Result<Self> {
         let checkpoint = Checkpoint::open(dir)?;
+        // Every config is read, and the components are checked against each other, before any weight loads.
+        let scheduler = CheckpointConfigs::read(&checkpoint)?.scheduler;
         let host = placement.host.clone();
         let tokenizer = PromptTokenizer::from_dir(checkpoint.component_dir("tokenizer")?, 512)?;
-        let scheduler = SchedulerConfig::from_file(checkpoint.config_path("scheduler"))?;
         let (text_encoder_config, text_encoder, te_report) =
             TextEncoder::load(checkpoint.component_dir("text_encoder")?, &host, opts)?;
         let (transformer, tr_report) = checkpoint.load_transformer(&host, opts)?;
@@ -232,6 +348,13 @@ impl ZImagePipeline {
 
     /// Assembles a pipeline from loaded parts.
     pub fn from_parts(parts: Parts, placement: Placement, reports: Vec<LoadReport>) -> Result<Self> {
+        let configs = CheckpointConfigs {
+            text_encoder: parts.text_encoder_config,
+            transformer: parts.transformer_config,
+            vae: parts.vae_config,
+            scheduler: parts.scheduler,
+        };
+        configs.check()?;
         let manager = Arc::new(ComponentsManager::new());
         let dtype = parts.transformer.dtype();
         let [te, tr, vae] = COMPONENTS;
@@ -241,10 +364,7 @@ impl ZImagePipeline {
             vae: ModelHandle::register(&manager, vae, parts.vae, placement.clone())?,
             manager,
             tokenizer: parts.tokenizer,
-            scheduler: parts.scheduler,
-            transformer_config: parts.transformer_config,
-            text_encoder_config: parts.text_encoder_config,
-            vae_config: parts.vae_config,
+            configs,
             placement,
             reports,
             transformer_dtype: dtype,
@@ -289,8 +409,27 @@ impl ZImagePipeline {
                     .into(),
             });
         }
-        let files =
-            specs.iter().map(|spec| Ok((LoraFile::read(&spec.path)?, spec.scale))).collect::<Result<Vec<_>>>()?;
+        let files = specs.iter().map(|spec| Ok((spec.clone(), LoraFile::read(&spec.path)?))).collect::<Result<_>>()?;
+        self.set_lora_files(files, mode)
+    }
+
+    /// [`set_loras`](Self::set_loras) with the files already read (each [`LoraFile::read`] beside its spec), so a
+    /// caller can refuse a bad file before it loads the checkpoint. The same checks, the same all-or-nothing rule.
+    pub fn set_lora_files(&mut self, loras: Vec<(LoraSpec, LoraFile)>, mode: LoraMode) -> Result<&AppliedLoras> {
+        if self.transformer.is_grouped() || self.text_encoder.is_grouped() {
+            return Err(Error::LoraUnsupported {
+                reason: "a component is under group offload, whose store holds its weights; apply LoRAs after \
+                         loading and before enabling group offload or an offload plan"
+                    .into(),
+            });
+        }
+        let (specs, files): (Vec<LoraSpec>, Vec<(LoraFile, f32)>) = loras
+            .into_iter()
+            .map(|(spec, file)| {
+                let scale = spec.scale;
+                (spec, (file, scale))
+            })
+            .unzip();
         let transformer = self.transformer.inspect(ComponentLayers::transformer)?;
         let text_encoder = self.text_encoder.inspect(ComponentLayers::text_encoder)?;
         let resolved = lora::resolve(&files, &transformer, &text_encoder)?;
@@ -298,7 +437,7 @@ impl ZImagePipeline {
         lora::check_mode(&resolved, mode, &layers)?;
         lora::check_removal(&self.loras, &layers)?;
         let old = std::mem::take(&mut self.loras);
-        let mut applied = AppliedLoras::new(specs.to_vec(), mode, resolved.skipped.clone());
+        let mut applied = AppliedLoras::new(specs, mode, resolved.skipped.clone());
         // Checked above: the rewrites below cannot fail, and each works in place on the host copy.
         self.transformer.rebuild(|mut model| {
             lora::remove(&mut model, LoraTarget::Transformer, &old);
@@ -414,7 +553,7 @@ impl ZImagePipeline {
 
     /// The transformer's configuration.
     pub fn transformer_config(&self) -> &TransformerConfig {
-        &self.transformer_config
+        &self.configs.transformer
     }
 
     /// Enables auto offload onto the execution device, read through `memory`.
@@ -429,9 +568,9 @@ impl ZImagePipeline {
         let caption = self.caption_tokens(opts);
         let s = self.vae_scale_factor();
         [
-            text_encoder_activation_bytes(&self.text_encoder_config, opts.max_sequence_length, dtype),
-            self.transformer_config.activation_bytes_with_caption(opts.height, opts.width, s, caption, dtype),
-            vae_activation_bytes(&self.vae_config, opts.height, opts.width, dtype),
+            text_encoder_activation_bytes(&self.configs.text_encoder, opts.max_sequence_length, dtype),
+            self.configs.transformer.activation_bytes_with_caption(opts.height, opts.width, s, caption, dtype),
+            vae_activation_bytes(&self.configs.vae, opts.height, opts.width, dtype),
         ]
     }
 
@@ -453,7 +592,7 @@ impl ZImagePipeline {
         let tokenizer = self.tokenizer.with_max_sequence_length(max_sequence_length);
         let tokens = tokenizer.encode(prompts)?;
         let activations =
-            text_encoder_activation_bytes(&self.text_encoder_config, max_sequence_length, self.transformer_dtype);
+            text_encoder_activation_bytes(&self.configs.text_encoder, max_sequence_length, self.transformer_dtype);
         let run = self.text_encoder.try_run(activations, |weights, device| {
             weights.encode(tokens.input_ids_tensor(device), tokens.attention_mask_tensor(device))
         });
@@ -512,9 +651,12 @@ impl ZImagePipeline {
             let embeds = self.encode_prompts(&prompts, opts.max_sequence_length)?;
             let noise = match &opts.latents {
                 Some(latents) => latents.clone().cast(DType::F32).to_device(&device),
-                None => initial_noise(opts.seed, [1, 16, h, w], &self.placement.host).to_device(&device),
+                None => {
+                    let channels = self.configs.vae.latent_channels;
+                    initial_noise(opts.seed, [1, channels, h, w], &self.placement.host).to_device(&device)
+                }
             };
-            let full = self.scheduler.schedule(opts.steps, (h / 2) * (w / 2))?;
+            let full = self.configs.scheduler.schedule(opts.steps, (h / 2) * (w / 2))?;
             let (schedule, latents) = match &opts.image {
                 None => (full, noise),
                 Some(image) => {
@@ -609,7 +751,7 @@ impl ZImagePipeline {
     pub fn decode(&self, latents: Tensor<4>) -> Result<Tensor<4>> {
         let [_, _, h, w] = latents.dims();
         let s = self.vae_scale_factor();
-        let activations = vae_activation_bytes(&self.vae_config, s * h, s * w, self.transformer_dtype);
+        let activations = vae_activation_bytes(&self.configs.vae, s * h, s * w, self.transformer_dtype);
         self.decode_with(latents, activations)
     }
 
@@ -665,23 +807,38 @@ impl ZImagePipeline {
 
     /// The text encoder's configuration.
     pub fn text_encoder_config(&self) -> &TextEncoderConfig {
-        &self.text_encoder_config
+        &self.configs.text_encoder
     }
 
     /// The VAE's configuration.
     pub fn vae_config(&self) -> &VaeConfig {
-        &self.vae_config
+        &self.configs.vae
     }
 
     /// Pixels per latent cell per side, from the VAE's config: `2^(levels − 1)`, 8 for the FLUX VAE.
     pub fn vae_scale_factor(&self) -> usize {
-        self.vae_config.scale_factor()
+        self.configs.vae.scale_factor()
     }
 
-    /// Checks `opts` for this pipeline ([`GenerateOptions::validate`] with its VAE's scale factor).
-    pub fn validate(&self, opts: &GenerateOptions) -> Result<()> {
-        opts.validate(self.vae_scale_factor())
+    /// The components' configs, checked against each other when the pipeline was made.
+    pub fn configs(&self) -> &CheckpointConfigs {
+        &self.configs
     }
+
+    /// Checks `opts` for this pipeline ([`GenerateOptions::validate`] with its configs).
+    pub fn validate(&self, opts: &GenerateOptions) -> Result<()> {
+        opts.validate(&self.configs)
+    }
+}
+
+/// Checks `opts` against the checkpoint in `dir` before any weight loads: every component's config, the
+/// components against each other ([`CheckpointConfigs::check`]) and `opts` against them
+/// ([`GenerateOptions::validate`]). What [`ZImagePipeline::load`] followed by [`ZImagePipeline::validate`] would
+/// refuse, refused in milliseconds instead of after minutes of loading at real size.
+pub fn check_before_loading(dir: impl AsRef<Path>, opts: &GenerateOptions) -> Result<CheckpointConfigs> {
+    let configs = CheckpointConfigs::read(&Checkpoint::open(dir)?)?;
+    opts.validate(&configs)?;
+    Ok(configs)
 }
 
 pub(crate) fn unknown_component(name: &str) -> Error {

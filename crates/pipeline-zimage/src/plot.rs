@@ -122,7 +122,8 @@ fn spans<'a>(events: &'a [TimelineEvent], category: &'a str) -> impl Iterator<It
 
 /// Draws device memory over time from `timeline` into the PNG file `path`, `options.width` by
 /// `options.height` pixels. Fails with [`Error::Plot`] when the timeline holds no memory sample (it was recorded
-/// without device readings) or the file cannot be written.
+/// without device readings), and with [`Error::OutputWrite`] when the file cannot be written (any file there is
+/// kept as it was).
 pub fn draw_memory_plot(timeline: &Timeline, path: &Path, options: &PlotOptions) -> Result<PlotSummary> {
     let plot_error = |reason: String| Error::Plot { path: path.to_path_buf(), reason };
     let samples = timeline.memory_samples();
@@ -322,6 +323,12 @@ pub fn draw_memory_plot(timeline: &Timeline, path: &Path, options: &PlotOptions)
     }
     let image = image::RgbImage::from_raw(width, height, buffer)
         .ok_or_else(|| plot_error("the drawn buffer has the wrong size".into()))?;
-    image.save_with_format(path, image::ImageFormat::Png).map_err(|e| plot_error(format!("cannot write it: {e}")))?;
+    // Encoded in memory first, then written under a temporary name and renamed, so a failure leaves any file at
+    // `path` as it was.
+    let mut png = Vec::new();
+    image
+        .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+        .map_err(|e| plot_error(format!("cannot encode it: {e}")))?;
+    crate::output::write_bytes_atomic(path, &png)?;
     Ok(PlotSummary { samples: samples.len(), marks, link_samples: rates.len(), labelled })
 }

@@ -44,6 +44,8 @@ pub enum Kind {
     Bool,
     /// A whole number, 1 or more.
     Count,
+    /// A prefetch depth: a whole number from 1 to [`MAX_PREFETCH_DEPTH`].
+    Depth,
     /// A filesystem path.
     Path,
     /// Non-empty text.
@@ -60,6 +62,7 @@ impl Kind {
             Kind::Size => "size",
             Kind::Bool => "bool",
             Kind::Count => "integer >= 1",
+            Kind::Depth => "integer 1 to 64",
             Kind::Path => "path",
             Kind::Text => "text",
             Kind::Ratio => "number >= 0",
@@ -76,6 +79,7 @@ impl Kind {
             Kind::Size => "a size such as \"6GiB\", \"3GB\" or a byte count (KB/MB/GB decimal, KiB/MiB/GiB binary)",
             Kind::Bool => "true or false (the environment also takes 1/0, yes/no, on/off)",
             Kind::Count => "a whole number, 1 or more",
+            Kind::Depth => "a whole number from 1 to 64 (each is a group held on the device; 1 is usually best)",
             Kind::Path => "a path",
             Kind::Text => "non-empty text of letters, digits, '-', '_' or '.'",
             Kind::Ratio => "a number, 0 or more (0 disables)",
@@ -131,7 +135,7 @@ pub const KEYS: &[KeyInfo] = &[
         default: "true (no_pin: false)",
         doc: "upload the next groups on a worker thread",
     },
-    KeyInfo { key: "prefetch_depth", kind: Kind::Count, default: "1", doc: "groups uploaded ahead of the running one" },
+    KeyInfo { key: "prefetch_depth", kind: Kind::Depth, default: "1", doc: "groups uploaded ahead of the running one" },
     KeyInfo {
         key: "blocks_per_group",
         kind: Kind::Count,
@@ -273,6 +277,14 @@ fn invalid(info: &KeyInfo, value: &str, origin: &Origin) -> PlanError {
     }
 }
 
+/// Whether a whole number is in range for `kind` ([`Kind::Count`] or [`Kind::Depth`]).
+fn in_range(kind: Kind, n: usize) -> bool {
+    match kind {
+        Kind::Depth => (1..=MAX_PREFETCH_DEPTH).contains(&n),
+        _ => n >= 1,
+    }
+}
+
 fn valid_text(text: &str) -> bool {
     !text.is_empty() && text.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
 }
@@ -295,8 +307,8 @@ fn parse_text(info: &KeyInfo, text: &str, origin: &Origin) -> Result<Value, Plan
             "0" | "false" | "no" | "off" => false,
             _ => return Err(bad()),
         }),
-        Kind::Count => match trimmed.parse::<usize>() {
-            Ok(n) if n >= 1 => Value::Count(n),
+        Kind::Count | Kind::Depth => match trimmed.parse::<usize>() {
+            Ok(n) if in_range(info.kind, n) => Value::Count(n),
             _ => return Err(bad()),
         },
         Kind::Path if trimmed.is_empty() => return Err(bad()),
@@ -320,8 +332,8 @@ fn parse_toml(info: &KeyInfo, value: &toml::Value) -> Result<Value, PlanError> {
         (Kind::Bool, toml::Value::Boolean(b)) => Ok(Value::Bool(*b)),
         (Kind::Bool, _) => Err(bad()),
         (Kind::Size, toml::Value::Integer(n)) => u64::try_from(*n).map(Value::Bytes).map_err(|_| bad()),
-        (Kind::Count, toml::Value::Integer(n)) => match usize::try_from(*n) {
-            Ok(n) if n >= 1 => Ok(Value::Count(n)),
+        (Kind::Count | Kind::Depth, toml::Value::Integer(n)) => match usize::try_from(*n) {
+            Ok(n) if in_range(info.kind, n) => Ok(Value::Count(n)),
             _ => Err(bad()),
         },
         (Kind::Ratio, toml::Value::Integer(n)) if *n >= 0 => Ok(Value::Ratio(*n as f64)),
@@ -425,7 +437,7 @@ impl SettingsLayer {
             Err(invalid(info, &shown, origin))
         };
         if let Some(n) = self.prefetch_depth {
-            check("prefetch_depth", n >= 1, n.to_string())?;
+            check("prefetch_depth", in_range(Kind::Depth, n), n.to_string())?;
         }
         if let Some(n) = self.blocks_per_group {
             check("blocks_per_group", n >= 1, n.to_string())?;
