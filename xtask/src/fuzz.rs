@@ -21,8 +21,8 @@ pub struct Args {
     #[arg(long, default_value_t = 0x5eed)]
     pub seed: u64,
     /// Only this target: an in-process one (size, card, settings), a checkpoint reader (model_index,
-    /// shard_index, transformer_config, text_encoder_config, vae_config, scheduler_config, safetensors) or the
-    /// CLI's numeric arguments (cli); default: all.
+    /// shard_index, transformer_config, text_encoder_config, vae_config, scheduler_config, safetensors), the
+    /// library's generation options (options) or the CLI's numeric arguments (cli); default: all.
     #[arg(long)]
     pub target: Option<String>,
 }
@@ -76,6 +76,7 @@ pub const READERS: &[&str] = &[
     "vae_config",
     "scheduler_config",
     "safetensors",
+    "options",
 ];
 
 /// The CLI's target: `pipeline-zimage generate`'s argument parsing and pre-flight checks (seeds, sides, sizes), run

@@ -10,12 +10,14 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::module::Module;
-use burn::tensor::{DType, Device};
+use burn::tensor::{DType, Device, Tensor};
 use pipeline_zimage::Error;
 use pipeline_zimage::config::{EXPECTED_COMPONENTS, ModelIndex, TransformerConfig};
 use pipeline_zimage::loading::{LoadOptions, load_bytes, parse_weight_map};
 use pipeline_zimage::nn::{PtLinear, RmsNorm};
-use pipeline_zimage::pipeline::{text_encoder_activation_bytes, vae_activation_bytes};
+use pipeline_zimage::pipeline::{
+    CheckpointConfigs, GenerateOptions, text_encoder_activation_bytes, vae_activation_bytes,
+};
 use pipeline_zimage::scheduler::SchedulerConfig;
 use pipeline_zimage::text_encoder::TextEncoderConfig;
 use pipeline_zimage::vae::VaeConfig;
@@ -33,6 +35,7 @@ pub fn targets() -> Vec<Target> {
         ("vae_config", vae_config),
         ("scheduler_config", scheduler_config),
         ("safetensors", safetensors_file),
+        ("options", options),
     ]
 }
 
@@ -43,7 +46,7 @@ pub fn accepted(target: &str) -> u64 {
     index.map_or(0, |i| ACCEPTED[i].load(Ordering::Relaxed))
 }
 
-static ACCEPTED: [AtomicU64; 7] = [const { AtomicU64::new(0) }; 7];
+static ACCEPTED: [AtomicU64; 8] = [const { AtomicU64::new(0) }; 8];
 
 fn accept(index: usize) {
     ACCEPTED[index].fetch_add(1, Ordering::Relaxed);
@@ -62,6 +65,10 @@ fn typed(error: &Error, names: &str) {
             | Error::DTypeMismatch { .. }
             | Error::TensorLoad { .. }
             | Error::PartialLoad { .. }
+            | Error::InvalidArgument { .. }
+            | Error::InvalidSize { .. }
+            | Error::InvalidStrength { .. }
+            | Error::ZeroSteps
     );
     assert!(expected, "a reader failed with an unexpected error: {error:?}");
     assert!(error.to_string().contains(names), "the error does not name {names}: {error}");
@@ -448,6 +455,67 @@ pub fn safetensors_file(input: &[u8]) {
         match load_bytes(&mut Probe::new(), "probe", Path::new("probe.safetensors"), bytes.to_vec(), &opts) {
             Ok(_) => accept(6),
             Err(error) => typed(&error, "probe"),
+        }
+    }
+}
+
+/// The seeds of the generation options' edits: Turbo's defaults with latents, and the tiny checkpoint's sizes with an
+/// input image.
+const OPTIONS: &[&str] = &[
+    include_str!("../../../../fuzz/corpus/options/turbo.json"),
+    include_str!("../../../../fuzz/corpus/options/tiny.json"),
+];
+
+/// The configs options are validated against: Z-Image-Turbo's, read from the corpus the config targets share.
+fn turbo_configs() -> Option<CheckpointConfigs> {
+    let path = Path::new("config.json");
+    Some(CheckpointConfigs {
+        text_encoder: TextEncoderConfig::parse(TEXT_ENCODER[1], path).ok()?,
+        transformer: TransformerConfig::parse(TRANSFORMER[1], path).ok()?,
+        vae: VaeConfig::parse(VAE[1], path).ok()?,
+        scheduler: SchedulerConfig::parse(SCHEDULER[1], path).ok()?,
+    })
+}
+
+/// The library's generation options, as a program sets them (`GenerateOptions`'s public fields): counts, sides
+/// and numbers from a mutated JSON document, checked by `check_counts` and against Z-Image-Turbo's configs by
+/// `validate`; every accepted option set then derives its latent size and, for a small image, its schedule.
+pub fn options(input: &[u8]) {
+    let Some(configs) = turbo_configs() else { return };
+    let document = structured(OPTIONS[input.len() % OPTIONS.len()], input);
+    let Ok(value) = serde_json::from_str::<serde_json::Value>(&document) else { return };
+    let count = |key: &str| value.get(key).and_then(serde_json::Value::as_u64).and_then(|n| usize::try_from(n).ok());
+    let number = |key: &str| value.get(key).and_then(serde_json::Value::as_f64);
+    let shape = |key: &str| -> Option<[usize; 4]> {
+        let dims: Vec<usize> =
+            value.get(key)?.as_array()?.iter().filter_map(|d| usize::try_from(d.as_u64()?).ok()).collect();
+        dims.try_into().ok()
+    };
+    let mut opts = GenerateOptions::turbo("a fox");
+    opts.steps = count("steps").unwrap_or(opts.steps);
+    opts.height = count("height").unwrap_or(opts.height);
+    opts.width = count("width").unwrap_or(opts.width);
+    opts.max_sequence_length = count("max_sequence_length").unwrap_or(opts.max_sequence_length);
+    opts.guidance = number("guidance").map_or(opts.guidance, |g| g as f32);
+    opts.strength = number("strength").unwrap_or(opts.strength);
+    opts.seed = value.get("seed").and_then(serde_json::Value::as_u64).unwrap_or(0);
+    let device = Device::flex();
+    // Only small tensors are made: a shape the fuzzer made huge is a refusal the shape check gives anyway.
+    let small = |dims: [usize; 4]| dims.iter().try_fold(1usize, |n, d| n.checked_mul(*d)).is_some_and(|n| n <= 1 << 20);
+    opts.latents = shape("latents").filter(|d| small(*d)).map(|d| Tensor::zeros(d, &device));
+    opts.image = shape("image").filter(|d| small(*d)).map(|d| Tensor::zeros(d, &device));
+    if let Err(error) = opts.check_counts() {
+        typed(&error, "");
+        return;
+    }
+    match opts.validate(&configs) {
+        Err(error) => typed(&error, ""),
+        Ok(()) => {
+            accept(7);
+            let [h, w] = opts.latent_size(configs.vae.scale_factor());
+            if opts.steps <= 64 {
+                let _ = configs.scheduler.schedule(opts.steps, (h / 2) * (w / 2));
+            }
         }
     }
 }
