@@ -18,6 +18,17 @@ What it writes:
   and its output as `out`. diffusers converts it on load (`_convert_non_diffusers_z_image_lora_to_diffusers`).
 * `lora/with-text-encoder.safetensors`: a LoRA in the PEFT layout with both a `transformer.` and a
   `text_encoder.` part (the Qwen3 text encoder's attention and MLP linears, `r=2`, `lora_alpha=2`).
+* `lora/comfyui.safetensors`: the factors of `kohya.safetensors`, keyed the way ComfyUI's own trainer saves a
+  Z-Image LoRA (`TrainLoraNode` then `SaveLoRA`, with `lora_dtype` fp32): the model's own module names under
+  `diffusion_model.` (`layers.0.attention.qkv`, `layers.0.attention.out`, `layers.0.feed_forward.w1`),
+  `.lora_up.weight`, `.lora_down.weight` and a scalar `.alpha` per module. Same update, so its expected image is
+  the `kohya` golden (diffusers 0.42.1 drops a dotted `qkv` and reads no `out.lora_A`, so it cannot be the
+  oracle for this layout).
+* `lora/original-tree.safetensors`: the factors of `peft.safetensors` on the original module tree without a
+  prefix (`layers.0.attention.qkv.lora_A.weight`, `.lora_B.weight`, `.alpha`): `to_out.0` as `out`, and the
+  query, key and value as one `qkv` module of rank 3r whose down factor stacks theirs and whose up factor is
+  block diagonal (exactly their three updates), alpha scaled so alpha / rank is unchanged. Expected image: the
+  `peft` golden.
 
 Goldens (`golden/lora.safetensors`: `latents`, and one image per case; `golden/lora.json`: each case's files and
 scales): diffusers' `load_lora_weights` plus `set_adapters` for the transformer parts; diffusers' Z-Image loader
@@ -99,6 +110,65 @@ def to_kohya(state: dict, alpha: float) -> dict:
     return out
 
 
+
+def to_comfyui(state: dict, alpha: float) -> dict:
+    """The Kohya-layout state dict `to_kohya` makes, with ComfyUI's trainer's key names: dotted module names of the
+    original tree under `diffusion_model.` instead of `lora_unet_` and underscores; the factors and alphas are
+    the same tensors."""
+    out = {}
+    for key, value in to_kohya(state, alpha).items():
+        module, role = key.split(".", 1)
+        dotted = original_tree_name(module.removeprefix("lora_unet_"))
+        out[f"diffusion_model.{dotted}.{role}"] = value
+    return out
+
+
+def original_tree_name(underscored: str) -> str:
+    """`layers_0_attention_qkv` -> `layers.0.attention.qkv`: the dots of a Kohya module name back, for the modules
+    the fixtures target (each name part of the original tree with an underscore is listed)."""
+    joined = {"feed_forward", "noise_refiner", "context_refiner"}
+    parts = underscored.split("_")
+    names = []
+    i = 0
+    while i < len(parts):
+        pair = "_".join(parts[i : i + 2])
+        if pair in joined:
+            names.append(pair)
+            i += 2
+        else:
+            names.append(parts[i])
+            i += 1
+    return ".".join(names)
+
+
+def to_original_tree(state: dict, alpha: float) -> dict:
+    """A PEFT-layout transformer state dict on the original module tree, no prefix, diffusers' `lora_A`/`lora_B`
+    names and an `.alpha` per module: `to_out.0` as `out`; `to_q`, `to_k` and `to_v` as one `qkv` module whose
+    down factor stacks their three (rank 3r) and whose up factor is block diagonal, which is exactly the sum of
+    their updates; its alpha is 3 alpha so that alpha / rank stays alpha / r."""
+    out = {}
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+    for module in modules:
+        a, b = state[f"{module}.lora_A.weight"], state[f"{module}.lora_B.weight"]
+        module_alpha = alpha
+        if module.endswith(".to_k") or module.endswith(".to_v"):
+            continue
+        if module.endswith(".to_q"):
+            block = module[: -len(".to_q")]
+            downs = [state[f"{block}.{p}.lora_A.weight"] for p in ("to_q", "to_k", "to_v")]
+            ups = [state[f"{block}.{p}.lora_B.weight"] for p in ("to_q", "to_k", "to_v")]
+            a, b = torch.cat(downs, 0), torch.block_diag(*ups)
+            module_alpha = alpha * len(downs)
+            name = f"{block}.qkv"
+        elif module.endswith(".to_out.0"):
+            name = module[: -len(".to_out.0")] + ".out"
+        else:
+            name = module
+        out[f"{name}.lora_A.weight"] = a.contiguous()
+        out[f"{name}.lora_B.weight"] = b.contiguous()
+        out[f"{name}.alpha"] = torch.tensor(float(module_alpha))
+    return out
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fixtures", required=True, type=Path)
@@ -151,6 +221,10 @@ def main() -> None:
                 kohya_peft[key] = kohya_peft[key.replace(f".{proj}.", ".to_q.")].clone()
     kohya_alpha = 3.0
     save_file(to_kohya(kohya_peft, kohya_alpha), str(lora_dir / "kohya.safetensors"))
+    # The same two LoRAs in the layouts of ComfyUI and of the original module tree (no new golden: the same
+    # updates give the `kohya` and `peft` images).
+    save_file(to_comfyui(kohya_peft, kohya_alpha), str(lora_dir / "comfyui.safetensors"))
+    save_file(to_original_tree(peft_state, peft_config.lora_alpha), str(lora_dir / "original-tree.safetensors"))
 
     pipe = fresh()
     te_transformer = random_lora(pipe.transformer, LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "w2"],

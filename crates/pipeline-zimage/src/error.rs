@@ -262,6 +262,36 @@ pub enum Error {
         reason: String,
     },
 
+    /// A LoRA file holds a value that cannot be applied (a factor or an alpha that is infinite or NaN), or a
+    /// LoRA's scale is not finite or lies past [`crate::lora::MAX_SCALE`]. Nothing was applied.
+    #[error("lora {}: {what} {reason}; nothing was applied", path.display())]
+    LoraValue {
+        /// The file.
+        path: PathBuf,
+        /// What holds the value: `key <key>`, or `the scale <scale>`.
+        what: String,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+
+    /// Fusing LoRAs into a layer would make some of its weights infinite or NaN (finite factors whose sum leaves
+    /// the weights' range, at an absurd scale): the fuse was undone bit for bit, and the model holds what it held
+    /// before.
+    #[error(
+        "lora: fusing {files} into the {component}'s {layer} {reason}; the fuse was undone bit for bit and nothing \
+         was applied: lower the scale, or check the file's factors"
+    )]
+    LoraNotFinite {
+        /// The files and scales that update the layer.
+        files: String,
+        /// The component.
+        component: &'static str,
+        /// The layer's path.
+        layer: String,
+        /// How many weights, and how far the update reaches.
+        reason: String,
+    },
+
     /// The offload machinery refused or failed: a component that does not fit, a failed move, a strategy error.
     #[error(transparent)]
     Offload(#[from] offload_core::Error),

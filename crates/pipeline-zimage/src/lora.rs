@@ -1,15 +1,16 @@
 //! LoRA adapters for the transformer and the text encoder, under every offload route.
 //!
 //! A LoRA file adds `scale · alpha / rank · up · down` to the weight of some linear layers. This module reads the
-//! two layouts Z-Image LoRAs are published in, checks every factor against the model before anything changes,
-//! and applies them in one of two [`LoraMode`]s:
+//! layouts Z-Image LoRAs are published in, checks every factor against the model before anything changes, and
+//! applies them in one of two [`LoraMode`]s:
 //!
 //! - [`LoraMode::Fused`]: the update is added to the host copy of each weight, so every route (resident, auto
 //!   offload, block and leaf group offload, the disk store) moves exactly the bytes it moves without a LoRA,
-//!   and a content-keyed disk store re-keys by itself. Removing it restores the base weights **bit for bit**
-//!   without keeping a second copy of them: the factors are kept, the update is recomputed in the same fixed
-//!   order and subtracted, and the few elements where rounding made `(w + d) - d` differ from `w` are kept as
-//!   `(index, original bits)` corrections, found when the update was added.
+//!   and a content-keyed disk store re-keys by itself. Removing it restores the base weights **bit for bit**.
+//!   Per layer, the removal keeps the smaller of two records, and so never more than a plain copy of the layer's
+//!   original weights: the elements where rounding made `(w + d) - d` differ from `w` (a list, or one signed
+//!   byte or 16-bit word per element, with a list for the few that do not fit), or that plain copy. The
+//!   factors are kept too: the update is recomputed in the same fixed order and subtracted.
 //! - [`LoraMode::Runtime`]: each update stays two small matrices, [`LowRank`] parameters of the layer
 //!   ([`PtLinear::lora`]), so group offload moves them with the layer's group and the base weights are never
 //!   touched; removing them is dropping them.
@@ -18,18 +19,29 @@
 //!
 //! - diffusers / PEFT (what `save_lora_weights` writes and what most Z-Image-Turbo LoRAs on the Hub use):
 //!   `transformer.<module>.lora_A.weight` `[rank, in]` and `.lora_B.weight` `[out, rank]` (also with the prefix
-//!   `diffusion_model.`, or with PEFT's adapter name `lora_A.default.weight`), `text_encoder.<module>...` for the
-//!   Qwen3 text encoder; alpha from a `.alpha` scalar, else the file's `lora_adapter_metadata` (`lora_alpha`,
-//!   `alpha_pattern`, `use_rslora`), else the rank (a scaling of 1, as diffusers assumes).
-//! - Kohya / sd-scripts, on the original Z-Image module tree: `lora_unet_<module, dots as underscores>`
-//!   `.lora_down.weight`, `.lora_up.weight` and `.alpha`, the attention's query, key and value as one fused
-//!   `attention_qkv` module (its up matrix split by rows among `to_q`, `to_k`, `to_v`) and its output as
-//!   `attention_out`; `lora_te_` for the text encoder. Underscored names are resolved against the model's own
-//!   layer paths (an exact table, never a guess from splitting on `_`).
+//!   `diffusion_model.`, with no prefix, or with PEFT's adapter name `lora_A.default.weight`),
+//!   `text_encoder.<module>...` for the Qwen3 text encoder; alpha from a `.alpha` scalar, else the file's
+//!   `lora_adapter_metadata` (`lora_alpha`, `alpha_pattern`, `use_rslora`), else the rank (a scaling of 1, as
+//!   diffusers assumes).
+//! - ComfyUI's, on the original Z-Image module tree: what its trainer saves, `diffusion_model.<module>`
+//!   `.lora_up.weight`, `.lora_down.weight` and `.alpha` (or `lora_A` / `lora_B`), with the original names
+//!   `attention.qkv` (the query, key and value as one module: its up factor split by rows among `to_q`, `to_k`,
+//!   `to_v`) and `attention.out` (our `attention.to_out.0`); the other original names (`feed_forward.w1`,
+//!   `adaLN_modulation.0`, `x_embedder`, `final_layer.linear`, `t_embedder.mlp.0`, `cap_embedder.1`, the
+//!   refiners) are ours already.
+//! - Kohya / sd-scripts, on the original module tree: `lora_unet_<module, dots as underscores>`
+//!   `.lora_down.weight`, `.lora_up.weight` and `.alpha`, with `attention_qkv` and `attention_out` as above;
+//!   `lora_te_` for the text encoder. Underscored names are resolved against the model's own layer paths (an
+//!   exact table, never a guess from splitting on `_`), with the checkpoint's renames (`all_x_embedder_2-1`).
 //!
-//! Every problem is found before any weight changes: a key that names no layer, a factor whose shape does not
-//! fit its layer, a down and an up of different ranks, a rank the metadata contradicts, DoRA files. Each error
-//! names the file and the key ([`Error::LoraKey`], [`Error::LoraShape`], [`Error::LoraFile`]).
+//! Every problem is found before any weight changes, and each error names the file and the key: a key that
+//! names no layer, a factor whose shape does not fit its layer, a down and an up of different ranks, a rank the
+//! metadata contradicts, DoRA files ([`Error::LoraKey`], [`Error::LoraShape`], [`Error::LoraFile`]); a factor or
+//! an alpha that is not finite, a scale that is not finite or lies past [`MAX_SCALE`] ([`Error::LoraValue`]);
+//! a module given a factor or an alpha twice, one layer updated by two modules of one file ([`Error::LoraKey`]).
+//! What cannot be known before fusing, finite factors whose sum leaves the weights' range, is checked on every
+//! fused weight: [`swap`] then undoes the fuse bit for bit and names the layer and the scale
+//! ([`Error::LoraNotFinite`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -43,13 +55,44 @@ use crate::nn::{LowRank, PtLinear};
 use crate::text_encoder::TextEncoder;
 use crate::transformer::{KEY_REMAP, ZImageTransformer2DModel};
 
+/// The largest strength a LoRA is applied at, either sign: `|scale| <= 100`.
+///
+/// ComfyUI's LoRA loaders offer strengths in `[-100, 100]` (`strength_model`), the widest range a published tool
+/// gives; diffusers sets no bound. At 100 a trained LoRA, whose update is a thousandth to a tenth of the weights'
+/// size, already moves them by 0.1 to 10 times that size; past it the image is the update's noise, and at 1e30
+/// the fused weights leave even f32's range.
+pub const MAX_SCALE: f32 = 100.0;
+
+/// A number as the messages print it: plainly at everyday sizes, with an exponent when very large or small.
+fn number(value: f32) -> String {
+    if value != 0.0 && value.is_finite() && !(1e-4..1e6).contains(&value.abs()) {
+        format!("{value:e}")
+    } else {
+        format!("{value}")
+    }
+}
+
+/// What is wrong with a scale, if anything: not finite, or past [`MAX_SCALE`].
+fn scale_problem(scale: f32) -> Option<String> {
+    if !scale.is_finite() {
+        return Some("is not a finite number; give FILE or FILE:SCALE (0.8, say)".into());
+    }
+    (scale.abs() > MAX_SCALE).then(|| {
+        format!(
+            "is outside [-{MAX_SCALE}, {MAX_SCALE}], the strengths ComfyUI's LoRA loaders offer: at {MAX_SCALE} a \
+             trained LoRA's update (a thousandth to a tenth of the weights) already moves them by 0.1 to 10 times \
+             their size, and past it the image is the update's noise; give a scale in that range (0.8, say)"
+        )
+    })
+}
+
 /// One LoRA file and the scale to apply it at: the CLI's `--lora FILE[:SCALE]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraSpec {
     /// The `.safetensors` file.
     pub path: PathBuf,
     /// The user's strength (diffusers' `adapter_weights`, ComfyUI's `strength_model`); 1 applies the LoRA as
-    /// trained, 0 not at all.
+    /// trained, 0 not at all. [`resolve`] refuses one that is not finite or lies past [`MAX_SCALE`].
     pub scale: f32,
 }
 
@@ -60,7 +103,7 @@ impl LoraSpec {
     }
 
     /// Parses `FILE` (scale 1) or `FILE:SCALE`. A suffix after the last `:` that is not a number is part of the
-    /// file name; a scale that is not finite is refused.
+    /// file name; a scale that is not finite, or lies past [`MAX_SCALE`], is refused.
     pub fn parse(text: &str) -> Result<Self> {
         let (path, scale) = match text.rsplit_once(':') {
             Some((path, scale)) if !path.is_empty() => match scale.trim().parse::<f32>() {
@@ -69,10 +112,10 @@ impl LoraSpec {
             },
             _ => (text, 1.0),
         };
-        if !scale.is_finite() {
+        if let Some(reason) = scale_problem(scale) {
             return Err(Error::InvalidArgument {
                 name: "lora",
-                reason: format!("{text}: the scale {scale} is not a finite number; give FILE or FILE:SCALE (0.8, say)"),
+                reason: format!("{text}: the scale {} {reason}", number(scale)),
             });
         }
         if path.is_empty() {
@@ -115,9 +158,9 @@ impl std::fmt::Display for LoraMode {
 /// The layout a LoRA file was written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoraLayout {
-    /// diffusers / PEFT: `<component>.<module>.lora_A.weight`, `lora_B.weight`.
+    /// diffusers / PEFT factor names: `<module>.lora_A.weight`, `lora_B.weight` (under any prefix).
     Peft,
-    /// Kohya / sd-scripts: `lora_unet_<module>.lora_down.weight`, `lora_up.weight`, `alpha`.
+    /// Kohya / sd-scripts and ComfyUI factor names: `<module>.lora_down.weight`, `lora_up.weight`, `alpha`.
     Kohya,
 }
 
@@ -149,16 +192,38 @@ enum ModuleName {
     Underscored(String),
 }
 
-/// One module's factors as the file stores them.
+impl ModuleName {
+    fn as_str(&self) -> &str {
+        match self {
+            Self::Dotted(name) | Self::Underscored(name) => name,
+        }
+    }
+}
+
+/// A down or up factor as read: `[rows, cols]`, its values in f32 (all finite: the reader refuses others).
+#[derive(Debug, Clone)]
+struct Factor {
+    rows: usize,
+    cols: usize,
+    values: Arc<Vec<f32>>,
+}
+
+/// One module's factors as the file stores them, each with its key.
 #[derive(Debug, Clone)]
 struct FileModule {
     target: LoraTarget,
     name: ModuleName,
-    /// The key of the down factor, for errors.
-    down_key: String,
-    down: Option<TensorData>,
-    up: Option<TensorData>,
-    alpha: Option<f32>,
+    down: Option<(String, Factor)>,
+    up: Option<(String, Factor)>,
+    alpha: Option<(String, f32)>,
+}
+
+impl FileModule {
+    /// The key an error about the module names: its down factor's, else its up factor's, else its alpha's.
+    fn key(&self) -> &str {
+        let keys = [self.down.as_ref().map(|(k, _)| k), self.up.as_ref().map(|(k, _)| k)];
+        keys.into_iter().flatten().next().or(self.alpha.as_ref().map(|(k, _)| k)).map_or("", String::as_str)
+    }
 }
 
 /// The adapter configuration diffusers stores in `lora_adapter_metadata`, for one component.
@@ -178,8 +243,8 @@ impl AdapterMetadata {
     }
 }
 
-/// A LoRA file, read and checked for its own consistency (pairs complete, ranks equal); not yet checked against
-/// a model.
+/// A LoRA file, read and checked for its own consistency (pairs complete, ranks equal, every value finite, no
+/// factor given twice); not yet checked against a model.
 #[derive(Debug, Clone)]
 pub struct LoraFile {
     path: PathBuf,
@@ -199,7 +264,8 @@ impl LoraFile {
         Self::from_bytes(&path, &bytes)
     }
 
-    /// Reads a LoRA file held in memory; `path` names it in errors.
+    /// Reads a LoRA file held in memory; `path` names it in errors. This is the reader's one entry point: it
+    /// returns an error for any bytes that are not a LoRA file it can use, and never panics (a fuzzer drives it).
     pub fn from_bytes(path: &Path, bytes: &[u8]) -> Result<Self> {
         let file_error = |reason: String| Error::LoraFile { path: path.to_path_buf(), reason };
         let (_, header) = safetensors::SafeTensors::read_metadata(bytes)
@@ -218,67 +284,80 @@ impl LoraFile {
             return Err(file_error("it holds no tensors".into()));
         }
         for key in names {
-            let parsed = parse_key(key).ok_or_else(|| Error::LoraKey {
-                path: path.to_path_buf(),
-                key: key.to_string(),
-                reason: "is not a LoRA factor in a layout this crate reads: diffusers/PEFT \
-                         `transformer.<module>.lora_A.weight` / `lora_B.weight`, or Kohya \
-                         `lora_unet_<module>.lora_down.weight` / `lora_up.weight` / `alpha`"
-                    .into(),
+            let key_error = |reason: String| Error::LoraKey { path: path.to_path_buf(), key: key.to_string(), reason };
+            let shape_error =
+                |reason: String| Error::LoraShape { path: path.to_path_buf(), key: key.to_string(), reason };
+            let parsed = parse_key(key).ok_or_else(|| {
+                key_error(
+                    "is not a LoRA factor in a layout this crate reads: diffusers/PEFT \
+                     `transformer.<module>.lora_A.weight` / `lora_B.weight`, ComfyUI \
+                     `diffusion_model.<module>.lora_down.weight` / `lora_up.weight` / `alpha`, or Kohya \
+                     `lora_unet_<module>.lora_down.weight` / `lora_up.weight` / `alpha`"
+                        .into(),
+                )
             })?;
             if parsed.role == Role::Dora {
                 return Err(file_error(format!(
                     "{key} is a DoRA magnitude vector; DoRA is not supported, use a plain LoRA of the model"
                 )));
             }
-            if *layout.get_or_insert(parsed.layout) != parsed.layout {
-                return Err(Error::LoraKey {
-                    path: path.to_path_buf(),
-                    key: key.to_string(),
-                    reason: "mixes the Kohya and the diffusers/PEFT layouts in one file; save it in one layout".into(),
-                });
+            if parsed.layout.is_some_and(|this| *layout.get_or_insert(this) != this) {
+                return Err(key_error(
+                    "mixes the Kohya and the diffusers/PEFT layouts in one file; save it in one layout".into(),
+                ));
             }
             let view = tensors.tensor(key).map_err(|e| file_error(format!("{key} cannot be read ({e})")))?;
-            let data = tensor_data(&view).map_err(|reason| Error::LoraShape {
-                path: path.to_path_buf(),
-                key: key.to_string(),
-                reason,
-            })?;
+            let values = f32_values(&view).map_err(shape_error)?;
+            if let Some(reason) = not_finite(&view, &values) {
+                return Err(Error::LoraValue { path: path.to_path_buf(), what: format!("key {key}"), reason });
+            }
             let entry = modules.entry((parsed.target, parsed.name.clone())).or_insert_with(|| FileModule {
                 target: parsed.target,
                 name: parsed.name.clone(),
-                down_key: key.to_string(),
                 down: None,
                 up: None,
                 alpha: None,
             });
-            let shape_error = |reason: &str| Error::LoraShape {
-                path: path.to_path_buf(),
-                key: key.to_string(),
-                reason: reason.into(),
+            // A module given a factor twice (PEFT's `lora_A.weight` beside `lora_A.default.weight`, or two
+            // prefixes) holds two adapters: which one applies would be a guess, so the file is refused.
+            let twice = |what: &str, first: &str| {
+                key_error(format!(
+                    "gives the {what} of {} a second time (the first is {first}); the file holds two adapters \
+                     for one module, and which one applies would be a guess: keep one of them",
+                    parsed.name.as_str()
+                ))
             };
             match parsed.role {
-                Role::Down => {
-                    if data.shape().len() != 2 {
-                        return Err(shape_error("a down factor must be a matrix [rank, in]"));
+                Role::Down | Role::Up => {
+                    let &[rows, cols] = view.shape() else {
+                        return Err(shape_error(
+                            if parsed.role == Role::Down {
+                                "a down factor must be a matrix [rank, in]"
+                            } else {
+                                "an up factor must be a matrix [out, rank]"
+                            }
+                            .into(),
+                        ));
+                    };
+                    let (slot, what) = match parsed.role {
+                        Role::Down => (&mut entry.down, "down factor"),
+                        _ => (&mut entry.up, "up factor"),
+                    };
+                    if let Some((first, _)) = slot {
+                        return Err(twice(what, first));
                     }
-                    entry.down_key = key.to_string();
-                    entry.down = Some(data);
-                }
-                Role::Up => {
-                    if data.shape().len() != 2 {
-                        return Err(shape_error("an up factor must be a matrix [out, rank]"));
-                    }
-                    entry.up = Some(data);
+                    *slot = Some((key.to_string(), Factor { rows, cols, values: Arc::new(values) }));
                 }
                 Role::Alpha => {
-                    let values = f32_values(&data);
-                    if values.len() != 1 || !values[0].is_finite() {
-                        return Err(shape_error("an alpha must be one finite number"));
+                    if values.len() != 1 {
+                        return Err(shape_error("an alpha must be one number".into()));
                     }
-                    entry.alpha = Some(values[0]);
+                    if let Some((first, _)) = &entry.alpha {
+                        return Err(twice("alpha", first));
+                    }
+                    entry.alpha = Some((key.to_string(), values[0]));
                 }
-                Role::Dora => unreachable!("refused above"),
+                Role::Dora => return Err(file_error(format!("{key} is a DoRA magnitude vector"))),
             }
         }
         let file = Self {
@@ -303,25 +382,24 @@ impl LoraFile {
         self.layout
     }
 
-    /// How many modules it updates (a Kohya fused `qkv` counts once).
+    /// How many modules it updates (a fused `qkv` counts once).
     pub fn modules(&self) -> usize {
         self.modules.len()
     }
 
     /// A module's down and up factors, checked: both present, ranks equal, the rank the metadata gives.
-    fn factors<'a>(&self, module: &'a FileModule) -> Result<(&'a TensorData, &'a TensorData, usize)> {
+    fn factors<'a>(&self, module: &'a FileModule) -> Result<(&'a Factor, &'a Factor, usize)> {
         let shape_error =
-            |reason: String| Error::LoraShape { path: self.path.clone(), key: module.down_key.clone(), reason };
-        let (Some(down), Some(up)) = (&module.down, &module.up) else {
+            |reason: String| Error::LoraShape { path: self.path.clone(), key: module.key().to_string(), reason };
+        let (Some((_, down)), Some((_, up))) = (&module.down, &module.up) else {
             let missing = if module.down.is_none() { "down (lora_A)" } else { "up (lora_B)" };
             return Err(shape_error(format!("its module has no {missing} factor; the file is incomplete")));
         };
-        let rank = down.shape()[0];
-        if up.shape()[1] != rank || rank == 0 {
+        let rank = down.rows;
+        if up.cols != rank || rank == 0 {
             return Err(shape_error(format!(
-                "the down factor has rank {rank} and the up factor {:?} has rank {}; the pair does not match",
-                up.shape().as_slice(),
-                up.shape()[1]
+                "the down factor has rank {rank} and the up factor [{}, {}] has rank {}; the pair does not match",
+                up.rows, up.cols, up.cols
             )));
         }
         if let (Some(metadata), ModuleName::Dotted(name)) = (self.metadata.get(&module.target), &module.name) {
@@ -339,11 +417,11 @@ impl LoraFile {
     /// `alpha / rank` (or `alpha / sqrt(rank)` under rsLoRA) for a module of rank `rank`.
     fn scaling(&self, module: &FileModule, rank: usize) -> f32 {
         let metadata = self.metadata.get(&module.target);
-        let name = match &module.name {
-            ModuleName::Dotted(name) | ModuleName::Underscored(name) => name.as_str(),
-        };
+        let name = module.name.as_str();
         let alpha = module
             .alpha
+            .as_ref()
+            .map(|(_, alpha)| *alpha)
             .or_else(|| metadata.and_then(|m| AdapterMetadata::pattern(&m.alpha_pattern, name).copied()))
             .or_else(|| metadata.and_then(|m| m.alpha))
             .unwrap_or(rank as f32);
@@ -364,7 +442,8 @@ struct ParsedKey {
     target: LoraTarget,
     name: ModuleName,
     role: Role,
-    layout: LoraLayout,
+    /// `None` for a dotted alpha, which both layouts name alike.
+    layout: Option<LoraLayout>,
 }
 
 /// Splits a key into its component, module and role; `None` for a key in no layout this module reads.
@@ -390,13 +469,21 @@ fn parse_key(key: &str) -> Option<ParsedKey> {
         ("lora_te_", LoraTarget::TextEncoder, true),
         ("lora_te1_", LoraTarget::TextEncoder, true),
     ];
-    let (name, target, underscored) =
-        PREFIXES.iter().find_map(|(prefix, target, u)| module.strip_prefix(prefix).map(|n| (n, *target, *u)))?;
+    // A dotted name without a prefix is the transformer's (the original model's own names, as diffusers and
+    // ComfyUI read them); one that names no layer of it is refused when it is resolved.
+    let (name, target, underscored) = PREFIXES
+        .iter()
+        .find_map(|(prefix, target, u)| module.strip_prefix(prefix).map(|n| (n, *target, *u)))
+        .unwrap_or((module, LoraTarget::Transformer, false));
     if name.is_empty() {
         return None;
     }
     let kohya_roles = matches!(key.rsplit_once(".lora_").map(|(_, r)| r), Some("down.weight" | "up.weight"));
-    let layout = if underscored || kohya_roles { LoraLayout::Kohya } else { LoraLayout::Peft };
+    let layout = if underscored || kohya_roles {
+        Some(LoraLayout::Kohya)
+    } else {
+        (role != Role::Alpha).then_some(LoraLayout::Peft)
+    };
     let name = if underscored { ModuleName::Underscored(name.into()) } else { ModuleName::Dotted(name.into()) };
     Some(ParsedKey { target, name, role, layout })
 }
@@ -415,9 +502,16 @@ fn parse_metadata(text: &str) -> std::result::Result<BTreeMap<LoraTarget, Adapte
         };
         let entry = out.entry(target).or_default();
         let number = |what: &str| value.as_f64().ok_or(format!("gives {key} = {value}, not a number ({what})"));
+        // An alpha is applied in f32: one past its range would make every update of the module infinite.
+        let alpha = |name: &str, alpha: f64| {
+            let narrowed = alpha as f32;
+            narrowed.is_finite().then_some(narrowed).ok_or(format!(
+                "gives {name} = {alpha:e}, not a finite number in f32, in which alphas are applied; fix the metadata"
+            ))
+        };
         match field {
             "r" => entry.rank = Some(number("the rank")? as usize),
-            "lora_alpha" => entry.alpha = Some(number("the alpha")? as f32),
+            "lora_alpha" => entry.alpha = Some(alpha(key, number("the alpha")?)?),
             "use_rslora" => entry.rslora = value.as_bool().unwrap_or(false),
             "use_dora" if value.as_bool() == Some(true) => return Err("says use_dora; DoRA is not supported".into()),
             "rank_pattern" | "alpha_pattern" => {
@@ -426,7 +520,7 @@ fn parse_metadata(text: &str) -> std::result::Result<BTreeMap<LoraTarget, Adapte
                     if field == "rank_pattern" {
                         entry.rank_pattern.insert(pattern.clone(), v as usize);
                     } else {
-                        entry.alpha_pattern.insert(pattern.clone(), v as f32);
+                        entry.alpha_pattern.insert(pattern.clone(), alpha(&format!("{key}.{pattern}"), v)?);
                     }
                 }
             }
@@ -436,30 +530,49 @@ fn parse_metadata(text: &str) -> std::result::Result<BTreeMap<LoraTarget, Adapte
     Ok(out)
 }
 
-/// A safetensors tensor as burn data, for the float dtypes LoRA files use.
-fn tensor_data(view: &safetensors::tensor::TensorView<'_>) -> std::result::Result<TensorData, String> {
-    let dtype = match view.dtype() {
-        safetensors::Dtype::F32 => DType::F32,
-        safetensors::Dtype::F16 => DType::F16,
-        safetensors::Dtype::BF16 => DType::BF16,
-        safetensors::Dtype::F64 => DType::F64,
+/// Every value of a safetensors tensor as f32, decoded from its little-endian bytes (a safetensors buffer need
+/// not be aligned for a typed view); an error for a dtype LoRA factors do not use.
+fn f32_values(view: &safetensors::tensor::TensorView<'_>) -> std::result::Result<Vec<f32>, String> {
+    let bytes = view.data();
+    Ok(match view.dtype() {
+        safetensors::Dtype::F32 => {
+            bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        }
+        safetensors::Dtype::F16 => bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        safetensors::Dtype::BF16 => bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        safetensors::Dtype::F64 => bytes.chunks_exact(8).map(|c| f64_at(c) as f32).collect(),
         other => return Err(format!("has dtype {other:?}; LoRA factors are f32, f16 or bf16")),
-    };
-    Ok(TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype))
+    })
 }
 
-/// Every value of `data` as f32, decoded from its little-endian bytes (a safetensors buffer need not be aligned
-/// for a typed view). Only the float dtypes [`tensor_data`] admits reach here.
-fn f32_values(data: &TensorData) -> Vec<f32> {
-    let bytes = data.as_bytes();
-    match data.dtype() {
-        DType::F64 => {
-            bytes.chunks_exact(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32).collect()
-        }
-        DType::BF16 => bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        DType::F16 => bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        _ => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-    }
+/// The f64 in the first 8 bytes of `bytes` (little-endian); 0 for fewer, which a safetensors buffer never has.
+fn f64_at(bytes: &[u8]) -> f64 {
+    bytes.get(..8).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0.0, f64::from_le_bytes)
+}
+
+/// Why `values` (the tensor `view` decoded to f32) cannot be applied, if any is not finite: how many, the first
+/// with its index, and what to do.
+fn not_finite(view: &safetensors::tensor::TensorView<'_>, values: &[f32]) -> Option<String> {
+    let first = values.iter().position(|v| !v.is_finite())?;
+    let count = values.iter().filter(|v| !v.is_finite()).count();
+    let shape = view.shape();
+    let how_many = if count == 1 { "1 value".to_string() } else { format!("{count} values") };
+    // An f64 value past f32's range is finite in the file and infinite once read.
+    let in_file = (view.dtype() == safetensors::Dtype::F64)
+        .then(|| f64_at(view.data().get(first * 8..).unwrap_or_default()))
+        .filter(|v| v.is_finite());
+    Some(match in_file {
+        Some(value) => format!(
+            "holds {how_many} past f32's range, in which factors are applied ({value:e} at index {first} of \
+             {shape:?}); save the LoRA in f32, f16 or bf16 with its values in range"
+        ),
+        None => format!(
+            "holds {how_many} that {} not finite ({} at index {first} of {shape:?}); the file is damaged or comes \
+             from a training that diverged: export it again, or use another",
+            if count == 1 { "is" } else { "are" },
+            values[first]
+        ),
+    })
 }
 
 /// A linear layer of a model as LoRA sees it: its path, `[out, in]` and its weight's dtype.
@@ -595,6 +708,10 @@ pub struct ResolvedUpdate {
     pub rank: usize,
     /// The user's scale times `alpha / rank`.
     pub coefficient: f32,
+    /// The file it comes from, for errors.
+    file: Arc<PathBuf>,
+    /// The user's scale, for errors.
+    scale: f32,
 }
 
 /// The updates of a set of LoRA files resolved against the pipeline's two models, by component and layer, in
@@ -632,6 +749,8 @@ pub struct ComponentLayers {
     skipped: Vec<String>,
     /// The checkpoint's renames, applied to a file's dotted names as the loader applies them to tensor names.
     remap: burn::store::KeyRemapper,
+    /// The same renames with underscores for dots, for Kohya's names (`all_x_embedder_2-1` -> `x_embedder`).
+    underscored_remap: burn::store::KeyRemapper,
 }
 
 impl ComponentLayers {
@@ -644,10 +763,19 @@ impl ComponentLayers {
             let key = path.replace('.', "_");
             underscored.entry(key).and_modify(|seen| *seen = None).or_insert_with(|| Some(path.clone()));
         }
-        // The renames are this crate's own constants, which the loader compiles too (its tests load with them).
+        // The renames are this crate's own constants, which the loader compiles too (its tests load with them);
+        // their underscored forms only replace escaped dots (`\.`) and dots, which keeps a regex a regex.
         let remap =
             burn::store::KeyRemapper::from_patterns(remap.to_vec()).expect("the crate's own key renames compile");
-        Self { places, underscored, skipped: model.skipped_prefixes(), remap }
+        let underscored_remap = burn::store::KeyRemapper::from_patterns(
+            remap
+                .to_regex_pairs()
+                .iter()
+                .map(|(re, to)| (re.as_str().replace(r"\.", "_"), to.replace('.', "_")))
+                .collect(),
+        )
+        .expect("the crate's own key renames compile with underscores");
+        Self { places, underscored, skipped: model.skipped_prefixes(), remap, underscored_remap }
     }
 
     /// No layers: for resolving LoRAs of one component only (every key of the other is then refused).
@@ -657,6 +785,7 @@ impl ComponentLayers {
             underscored: BTreeMap::new(),
             skipped: Vec::new(),
             remap: burn::store::KeyRemapper::default(),
+            underscored_remap: burn::store::KeyRemapper::default(),
         }
     }
 
@@ -670,7 +799,8 @@ impl ComponentLayers {
         Self::of(model, &[])
     }
 
-    /// The dotted path a file's module name stands for, in this model (renames applied).
+    /// The dotted path a file's module name stands for, in this model (renames applied; a fused `qkv` keeps its
+    /// name, which [`resolve`] splits).
     fn dotted(&self, name: &ModuleName) -> std::result::Result<String, &'static str> {
         match name {
             ModuleName::Dotted(name) => {
@@ -678,9 +808,20 @@ impl ComponentLayers {
                 for (re, to) in self.remap.to_regex_pairs() {
                     key = re.replace(&key, to.as_str()).into_owned();
                 }
-                Ok(key.trim_end_matches('.').to_string())
+                let path = key.trim_end_matches('.');
+                // The original module tree's attention output (ComfyUI's and Kohya's `attention.out`) is ours
+                // `attention.to_out.0`.
+                Ok(match path.strip_suffix(".attention.out") {
+                    Some(block) => format!("{block}.attention.to_out.0"),
+                    None => path.to_string(),
+                })
             }
             ModuleName::Underscored(name) => {
+                let mut key = format!("{name}_");
+                for (re, to) in self.underscored_remap.to_regex_pairs() {
+                    key = re.replace(&key, to.as_str()).into_owned();
+                }
+                let name = key.trim_end_matches('_');
                 // The original module tree's names for the attention (`qkv`, `out`) map onto ours.
                 if let Some(block) = name.strip_suffix("_attention_qkv") {
                     return self
@@ -709,9 +850,10 @@ impl ComponentLayers {
     }
 }
 
-/// Resolves `files` (with their scales) against the pipeline's two models: every module must name a linear
-/// layer (or one the model leaves out by design: skipped and reported) and its factors must fit it. Nothing is
-/// changed; the first problem is returned, naming its file and key.
+/// Resolves `files` (with their scales) against the pipeline's two models: every scale must be finite and within
+/// [`MAX_SCALE`], every module must name a linear layer (or one the model leaves out by design: skipped and
+/// reported), no layer may be named by two modules of one file, and the factors must fit. Nothing is changed;
+/// the first problem is returned, naming its file and key.
 pub fn resolve(
     files: &[(LoraFile, f32)],
     transformer: &ComponentLayers,
@@ -719,15 +861,25 @@ pub fn resolve(
 ) -> Result<ResolvedLoras> {
     let mut resolved = ResolvedLoras::default();
     for (file, scale) in files {
+        if let Some(reason) = scale_problem(*scale) {
+            return Err(Error::LoraValue {
+                path: file.path.clone(),
+                what: format!("the scale {}", number(*scale)),
+                reason,
+            });
+        }
+        let source = Arc::new(file.path.clone());
+        // The module of this file that updates each layer: a second one is refused.
+        let mut claimed: BTreeMap<(LoraTarget, String), &str> = BTreeMap::new();
         for module in &file.modules {
             let layers = match module.target {
                 LoraTarget::Transformer => transformer,
                 LoraTarget::TextEncoder => text_encoder,
             };
             let key_error =
-                |reason: String| Error::LoraKey { path: file.path.clone(), key: module.down_key.clone(), reason };
+                |reason: String| Error::LoraKey { path: file.path.clone(), key: module.key().to_string(), reason };
             let shape_error =
-                |reason: String| Error::LoraShape { path: file.path.clone(), key: module.down_key.clone(), reason };
+                |reason: String| Error::LoraShape { path: file.path.clone(), key: module.key().to_string(), reason };
             let component = module.target.component();
             let path = layers.dotted(&module.name).map_err(|why| {
                 key_error(format!("{why} of the {component}; the file is for another model, or misnamed"))
@@ -739,7 +891,7 @@ pub fn resolve(
                 None => vec![path.clone()],
             };
             if targets.iter().all(|t| layers.is_skipped(t)) {
-                resolved.skipped.push(module.down_key.clone());
+                resolved.skipped.push(module.key().to_string());
                 continue;
             }
             let places = targets
@@ -751,25 +903,53 @@ pub fn resolve(
                         .ok_or_else(|| key_error(format!("names {t}, which is no linear layer of the {component}")))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let d_in = down.shape()[1];
+            for place in &places {
+                if let Some(first) = claimed.insert((module.target, place.path.clone()), module.key()) {
+                    return Err(key_error(format!(
+                        "updates the {component}'s {}, which {first} of the same file updates too; two modules of \
+                         one file for one layer (a fused qkv beside its query, say) are two adapters, and which one \
+                         is meant would be a guess: keep one of them",
+                        place.path
+                    )));
+                }
+            }
+            let d_in = down.cols;
             let d_out: usize = places.iter().map(|p| p.d_out).sum();
-            if d_in != places[0].d_in || up.shape()[0] != d_out {
+            if places.iter().any(|p| p.d_in != d_in) || up.rows != d_out {
                 return Err(shape_error(format!(
                     "the factors make a [{}, {d_in}] update and the {component}'s {path} is [{d_out}, {}]; the file \
                      is for another model size",
-                    up.shape()[0],
-                    places[0].d_in
+                    up.rows, places[0].d_in
                 )));
             }
             let coefficient = scale * file.scaling(module, rank);
-            let down = Arc::new(f32_values(down));
-            let up_values = f32_values(up);
+            if !coefficient.is_finite() {
+                let (key, alpha) = module.alpha.as_ref().map_or((module.key(), rank as f32), |(k, a)| (k.as_str(), *a));
+                return Err(Error::LoraValue {
+                    path: file.path.clone(),
+                    what: format!("key {key}"),
+                    reason: format!(
+                        "gives alpha {} at rank {rank}, which at scale {} makes an update coefficient that is not a \
+                         finite number; the file's alpha is damaged: fix or drop it",
+                        number(alpha),
+                        number(*scale)
+                    ),
+                });
+            }
             let mut row = 0;
             for place in places {
-                let up_rows = Arc::new(up_values[row * rank..(row + place.d_out) * rank].to_vec());
+                let up_rows = Arc::new(up.values[row * rank..(row + place.d_out) * rank].to_vec());
                 row += place.d_out;
                 resolved.updates.entry(module.target).or_default().entry(place.path.clone()).or_default().push(
-                    ResolvedUpdate { path: place.path.clone(), down: down.clone(), up: up_rows, rank, coefficient },
+                    ResolvedUpdate {
+                        path: place.path.clone(),
+                        down: down.values.clone(),
+                        up: up_rows,
+                        rank,
+                        coefficient,
+                        file: source.clone(),
+                        scale: *scale,
+                    },
                 );
             }
         }
@@ -805,49 +985,61 @@ fn delta(updates: &[ResolvedUpdate], d_out: usize, d_in: usize) -> Vec<f32> {
     out
 }
 
-/// What `(w + d) - d` gets wrong in a fused weight, for a bit-exact removal: the cheapest of a list of
-/// `(index, original bits)` and one signed byte or one signed 16-bit word per element (the original's bits minus
-/// the subtraction's, in units in the last place). Where the update is small beside the weight (a trained LoRA)
-/// few elements are wrong and the list is short; where it is as large as the weight, the weight's low bits are
-/// what the sum lost, and the record holds about as many bits as were lost.
+/// What a fused layer keeps so that removing its update gives the original weights bit for bit: whichever of
+/// these is smallest, so never more than a plain copy of the original weights.
+///
+/// Subtracting the update again, `(w + d) - d`, gives `w` back for most elements; the others are off by a few
+/// representable values. A code counts that difference in the dtype's ordered values ([`position`]), so a
+/// value that rounding moved across zero is still a small code. Where the update is small beside the weight (a
+/// trained LoRA) few elements are off and the list is short; where it is as large as the weight, most are off,
+/// and one byte per element (with the rare larger code listed apart) or the plain copy is smaller.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Corrections {
-    /// `(index, the original bits)` of each element the subtraction gets wrong.
+enum Record {
+    /// `(index, original bits)` of each element the subtraction gets wrong.
     Sparse(Vec<(u32, u32)>),
-    /// For every element, the original's bits minus the subtraction's, when each fits a byte.
-    Dense(Vec<i8>),
-    /// For every element, the original's bits minus the subtraction's, when each fits 16 bits.
-    Wide(Vec<i16>),
+    /// For every element, the original's position minus the subtraction's when it fits a byte (else 0, and the
+    /// element's `(index, original bits)` is in `escapes`).
+    Dense { codes: Vec<i8>, escapes: Vec<(u32, u32)> },
+    /// The same with 16-bit codes.
+    Wide { codes: Vec<i16>, escapes: Vec<(u32, u32)> },
+    /// The original weights' bytes (little-endian, the dtype's width): nothing is subtracted to remove it.
+    Copy(Vec<u8>),
 }
 
-impl Corrections {
+/// An `(index, original bits)` entry of a record.
+const ENTRY: usize = std::mem::size_of::<(u32, u32)>();
+
+impl Record {
     /// Bytes this record holds.
     fn bytes(&self) -> usize {
         match self {
-            Self::Sparse(list) => list.len() * std::mem::size_of::<(u32, u32)>(),
-            Self::Dense(codes) => codes.len(),
-            Self::Wide(codes) => codes.len() * 2,
-        }
-    }
-
-    /// Elements the subtraction gets wrong.
-    fn count(&self) -> usize {
-        match self {
-            Self::Sparse(list) => list.len(),
-            Self::Dense(codes) => codes.iter().filter(|c| **c != 0).count(),
-            Self::Wide(codes) => codes.iter().filter(|c| **c != 0).count(),
+            Self::Sparse(list) => list.len() * ENTRY,
+            Self::Dense { codes, escapes } => codes.len() + escapes.len() * ENTRY,
+            Self::Wide { codes, escapes } => codes.len() * 2 + escapes.len() * ENTRY,
+            Self::Copy(bytes) => bytes.len(),
         }
     }
 }
 
-/// A weight's element type, for adding an f32 update in place and rounding once.
+/// A weight's element type, for adding an f32 update in place and rounding once, and for reading and writing
+/// its bits.
 trait WeightElement: burn::tensor::Element + Copy {
+    /// Bytes of one element.
+    const BYTES: usize;
+    /// The largest finite value, for messages.
+    const MAX: f32;
     fn to_f32(self) -> f32;
     fn from_f32(value: f32) -> Self;
     fn bits(self) -> u32;
+    fn from_bits(bits: u32) -> Self;
+    fn is_finite(self) -> bool {
+        self.to_f32().is_finite()
+    }
 }
 
 impl WeightElement for f32 {
+    const BYTES: usize = 4;
+    const MAX: f32 = f32::MAX;
     fn to_f32(self) -> f32 {
         self
     }
@@ -857,9 +1049,14 @@ impl WeightElement for f32 {
     fn bits(self) -> u32 {
         self.to_bits()
     }
+    fn from_bits(bits: u32) -> Self {
+        f32::from_bits(bits)
+    }
 }
 
 impl WeightElement for bf16 {
+    const BYTES: usize = 2;
+    const MAX: f32 = 3.389_531_4e38;
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
@@ -869,9 +1066,15 @@ impl WeightElement for bf16 {
     fn bits(self) -> u32 {
         u32::from(self.to_bits())
     }
+    fn from_bits(bits: u32) -> Self {
+        // Only the low 16 bits are a bf16's; records keep exactly those.
+        bf16::from_bits(bits as u16)
+    }
 }
 
 impl WeightElement for f16 {
+    const BYTES: usize = 2;
+    const MAX: f32 = 65504.0;
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
     }
@@ -881,81 +1084,302 @@ impl WeightElement for f16 {
     fn bits(self) -> u32 {
         u32::from(self.to_bits())
     }
+    fn from_bits(bits: u32) -> Self {
+        // Only the low 16 bits are an f16's; records keep exactly those.
+        f16::from_bits(bits as u16)
+    }
 }
 
-/// Adds `delta` to `weights` in place, each element rounded once, and returns what subtracting it again would
-/// get wrong.
-fn add_in_place<E: WeightElement>(weights: &mut [E], delta: &[f32]) -> Corrections {
-    // Only the elements that need a correction are kept while adding (index, original bits, code), so the
-    // record never costs a pass over a full-size buffer; the dense forms are built from them at the end.
-    let mut wrong: Vec<(u32, u32, i32)> = Vec::new();
-    for (i, (w, d)) in weights.iter_mut().zip(delta).enumerate() {
-        let fused = E::from_f32(w.to_f32() + d);
-        let back = E::from_f32(fused.to_f32() - d).bits();
-        if back != w.bits() {
-            // Bits are at most 32 wide, so their difference fits an i64; an i32 holds every code a dense form
-            // can take, and a wider one only ever goes to the sparse list.
-            let code = i32::try_from(i64::from(w.bits()) - i64::from(back)).unwrap_or(i32::MAX);
-            wrong.push((i as u32, w.bits(), code));
+/// The position of the value with these bits among all values of `E`, in order: `-0` just below `+0`, each
+/// negative value below its smaller magnitudes. Two positions' difference counts the representable values between
+/// them, small for two nearby values even across zero.
+fn position<E: WeightElement>(bits: u32) -> i64 {
+    let sign = 1u32 << (8 * E::BYTES - 1);
+    if bits & sign == 0 { i64::from(bits) } else { -i64::from(bits & !sign) - 1 }
+}
+
+/// The bits at `position` ([`position`]'s inverse).
+fn bits_at<E: WeightElement>(position: i64) -> u32 {
+    let sign = 1u32 << (8 * E::BYTES - 1);
+    // A position of `E` lies within `E`'s width, so its magnitude fits the bits below the sign.
+    if position >= 0 { position as u32 } else { (-(position + 1)) as u32 | sign }
+}
+
+/// What a first pass over a layer finds before anything is written: how large each record would be, and how
+/// many of the fused weights would not be finite.
+#[derive(Debug, Clone, Copy, Default)]
+struct Survey {
+    /// Elements `(w + d) - d` gets wrong.
+    wrong: usize,
+    /// Of those, codes that need more than a byte.
+    beyond_byte: usize,
+    /// And more than 16 bits.
+    beyond_word: usize,
+    /// Elements finite before and infinite or NaN once fused.
+    not_finite: usize,
+    /// The update's largest magnitude (infinite where it overflowed f32).
+    largest_update: f32,
+}
+
+/// `w + d` rounded once to `E`, and what subtracting `d` again gets wrong: the original's position minus the
+/// subtraction's.
+fn fused_and_code<E: WeightElement>(w: E, d: f32) -> (E, i64) {
+    let fused = E::from_f32(w.to_f32() + d);
+    let back = E::from_f32(fused.to_f32() - d);
+    (fused, position::<E>(w.bits()) - position::<E>(back.bits()))
+}
+
+fn survey<E: WeightElement>(weights: &[E], delta: &[f32]) -> Survey {
+    let mut survey = Survey::default();
+    for (w, d) in weights.iter().zip(delta) {
+        survey.largest_update = survey.largest_update.max(d.abs());
+        let (fused, code) = fused_and_code(*w, *d);
+        if w.is_finite() && !fused.is_finite() {
+            survey.not_finite += 1;
         }
-        *w = fused;
+        if code != 0 {
+            survey.wrong += 1;
+            survey.beyond_byte += usize::from(i8::try_from(code).is_err());
+            survey.beyond_word += usize::from(i16::try_from(code).is_err());
+        }
     }
-    let n = weights.len();
-    let sparse_bytes = wrong.len() * std::mem::size_of::<(u32, u32)>();
-    let fits = |bits: u32| wrong.iter().all(|(_, _, c)| *c != i32::MAX && c.unsigned_abs() < (1 << (bits - 1)));
-    if n < sparse_bytes && fits(8) {
-        let mut codes = vec![0i8; n];
-        wrong.iter().for_each(|(i, _, c)| codes[*i as usize] = *c as i8);
-        Corrections::Dense(codes)
-    } else if 2 * n < sparse_bytes && fits(16) {
-        let mut codes = vec![0i16; n];
-        wrong.iter().for_each(|(i, _, c)| codes[*i as usize] = *c as i16);
-        Corrections::Wide(codes)
-    } else {
-        Corrections::Sparse(wrong.into_iter().map(|(i, bits, _)| (i, bits)).collect())
+    survey
+}
+
+/// Which [`Record`] a layer keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RecordKind {
+    Sparse,
+    Dense,
+    Wide,
+    Copy,
+}
+
+/// The smallest record for what `survey` found over `n` elements, and its bytes (ties go to the first of the
+/// list, byte codes, the plain copy and 16-bit codes).
+fn smallest_record<E: WeightElement>(survey: &Survey, n: usize) -> (RecordKind, usize) {
+    let copy = (RecordKind::Copy, n * E::BYTES);
+    // The other records index elements with a u32; a layer past that (no Z-Image layer: its largest has 39 M
+    // elements) keeps the copy.
+    if u32::try_from(n).is_err() {
+        return copy;
+    }
+    let sizes = [
+        (RecordKind::Sparse, survey.wrong * ENTRY),
+        (RecordKind::Dense, n + survey.beyond_byte * ENTRY),
+        copy,
+        (RecordKind::Wide, 2 * n + survey.beyond_word * ENTRY),
+    ];
+    sizes.into_iter().min_by_key(|(_, bytes)| *bytes).unwrap_or(copy)
+}
+
+/// The second pass: adds `delta` to `weights` in place, each element rounded once, and fills the record of
+/// `kind` (from [`smallest_record`]).
+fn fuse_in_place<E: WeightElement>(weights: &mut [E], delta: &[f32], kind: RecordKind) -> Record {
+    // `smallest_record` chose a copy for a layer whose indices do not fit a u32.
+    let entry = |i: usize, w: E| (i as u32, w.bits());
+    match kind {
+        RecordKind::Copy => {
+            let original = weights.iter().flat_map(|w| w.bits().to_le_bytes().into_iter().take(E::BYTES)).collect();
+            for (w, d) in weights.iter_mut().zip(delta) {
+                *w = E::from_f32(w.to_f32() + d);
+            }
+            Record::Copy(original)
+        }
+        RecordKind::Sparse => {
+            let mut list = Vec::new();
+            for (i, (w, d)) in weights.iter_mut().zip(delta).enumerate() {
+                let (fused, code) = fused_and_code(*w, *d);
+                if code != 0 {
+                    list.push(entry(i, *w));
+                }
+                *w = fused;
+            }
+            Record::Sparse(list)
+        }
+        RecordKind::Dense => {
+            let (mut codes, mut escapes) = (vec![0i8; weights.len()], Vec::new());
+            for (i, (w, d)) in weights.iter_mut().zip(delta).enumerate() {
+                let (fused, code) = fused_and_code(*w, *d);
+                match i8::try_from(code) {
+                    Ok(code) => codes[i] = code,
+                    Err(_) => escapes.push(entry(i, *w)),
+                }
+                *w = fused;
+            }
+            Record::Dense { codes, escapes }
+        }
+        RecordKind::Wide => {
+            let (mut codes, mut escapes) = (vec![0i16; weights.len()], Vec::new());
+            for (i, (w, d)) in weights.iter_mut().zip(delta).enumerate() {
+                let (fused, code) = fused_and_code(*w, *d);
+                match i16::try_from(code) {
+                    Ok(code) => codes[i] = code,
+                    Err(_) => escapes.push(entry(i, *w)),
+                }
+                *w = fused;
+            }
+            Record::Wide { codes, escapes }
+        }
     }
 }
 
-/// Subtracts `delta` from `weights` in place and applies `corrections`, which gives the original bits back.
-fn subtract_in_place<E: WeightElement>(
-    weights: &mut [E],
-    delta: &[f32],
-    corrections: &Corrections,
-    from_bits: fn(u32) -> E,
-) {
+/// Adds `delta` to `weights` with no record: what [`fuse_in_place`] writes, for putting back a fuse that was
+/// removed (the same base and the same update give the same bits).
+fn add_in_place<E: WeightElement>(weights: &mut [E], delta: &[f32]) {
     for (w, d) in weights.iter_mut().zip(delta) {
+        *w = E::from_f32(w.to_f32() + d);
+    }
+}
+
+/// Gives the original weights back from the fused ones: subtracts `delta` and applies `record`'s corrections, or
+/// copies the original bytes (`delta` is then not needed, and `None`).
+fn unfuse_in_place<E: WeightElement>(weights: &mut [E], delta: Option<&[f32]>, record: &Record) {
+    if let Record::Copy(bytes) = record {
+        for (w, original) in weights.iter_mut().zip(bytes.chunks_exact(E::BYTES)) {
+            let mut le = [0u8; 4];
+            le[..E::BYTES].copy_from_slice(original);
+            *w = E::from_bits(u32::from_le_bytes(le));
+        }
+        return;
+    }
+    for (w, d) in weights.iter_mut().zip(delta.unwrap_or_default()) {
         *w = E::from_f32(w.to_f32() - d);
     }
-    match corrections {
-        Corrections::Sparse(list) => {
-            for (i, bits) in list {
-                weights[*i as usize] = from_bits(*bits);
-            }
+    let put = |weights: &mut [E], list: &[(u32, u32)]| {
+        for (i, bits) in list {
+            weights[*i as usize] = E::from_bits(*bits);
         }
-        Corrections::Dense(codes) => apply_codes(weights, codes, from_bits),
-        Corrections::Wide(codes) => apply_codes(weights, codes, from_bits),
+    };
+    match record {
+        Record::Sparse(list) => put(weights, list),
+        Record::Dense { codes, escapes } => {
+            apply_codes(weights, codes);
+            put(weights, escapes);
+        }
+        Record::Wide { codes, escapes } => {
+            apply_codes(weights, codes);
+            put(weights, escapes);
+        }
+        Record::Copy(_) => {}
     }
 }
 
-/// Adds each element's code (the original's bits minus the subtraction's) back to its bits.
-fn apply_codes<E: WeightElement, C: Copy + Into<i64>>(weights: &mut [E], codes: &[C], from_bits: fn(u32) -> E) {
+/// Moves each element by its code (the original's position minus the subtraction's).
+fn apply_codes<E: WeightElement, C: Copy + Into<i64>>(weights: &mut [E], codes: &[C]) {
     for (w, code) in weights.iter_mut().zip(codes) {
         let code: i64 = (*code).into();
         if code != 0 {
-            *w = from_bits((i64::from(w.bits()) + code) as u32);
+            *w = E::from_bits(bits_at::<E>(position::<E>(w.bits()) + code));
         }
     }
 }
 
-/// A layer with a fused update: what removing it needs (the factors and the corrections, never the weight).
+/// A layer's weight as its element type, for the three float dtypes a fused update takes; anything else was
+/// refused by [`check_mode`] before a weight was touched.
+macro_rules! with_weights {
+    ($data:expr, |$weights:ident: $elem:ident| $body:expr) => {
+        match $data.dtype() {
+            DType::F32 => {
+                type $elem = f32;
+                let $weights = $data.as_mut_slice::<f32>().expect("an f32 weight is a slice of f32");
+                $body
+            }
+            DType::BF16 => {
+                type $elem = bf16;
+                let $weights = $data.as_mut_slice::<bf16>().expect("a bf16 weight is a slice of bf16");
+                $body
+            }
+            DType::F16 => {
+                type $elem = f16;
+                let $weights = $data.as_mut_slice::<f16>().expect("an f16 weight is a slice of f16");
+                $body
+            }
+            other => unreachable!("check_mode refuses a fused update of a {other:?} weight"),
+        }
+    };
+}
+
+/// A layer with a fused update: what removing it needs (the factors and a record, never more than a plain copy
+/// of the original weights).
 #[derive(Debug, Clone)]
 struct FusedLayer {
     target: LoraTarget,
     path: String,
     updates: Vec<ResolvedUpdate>,
-    corrections: Corrections,
+    record: Record,
     /// The weight's elements.
     elements: usize,
+    /// Bytes of one element of the weight.
+    element_bytes: usize,
+    /// Elements the subtraction alone gets wrong.
+    corrected: usize,
+}
+
+/// One fused layer's removal record, as [`AppliedLoras::records`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemovalRecord {
+    /// The component.
+    pub target: LoraTarget,
+    /// The layer's path.
+    pub layer: String,
+    /// The weight's elements.
+    pub elements: usize,
+    /// Bytes the record keeps.
+    pub bytes: usize,
+    /// Bytes of a plain copy of the layer's original weights, which `bytes` never exceeds.
+    pub copy_bytes: usize,
+    /// Whether the record is that plain copy (else it is corrections to the subtraction).
+    pub plain_copy: bool,
+}
+
+/// A fuse [`apply`] refused: the first layer whose fused weights would not all be finite. Nothing of it was
+/// written, and the layers fused before it in the same call were removed again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraRefusal {
+    component: &'static str,
+    layer: String,
+    /// The files and scales that update the layer.
+    files: String,
+    not_finite: usize,
+    elements: usize,
+    dtype: DType,
+    largest_update: f32,
+    dtype_max: f32,
+}
+
+impl LoraRefusal {
+    /// The typed error it is ([`Error::LoraNotFinite`]).
+    pub fn to_error(&self) -> Error {
+        let dtype = format!("{:?}", self.dtype).to_lowercase();
+        Error::LoraNotFinite {
+            files: self.files.clone(),
+            component: self.component,
+            layer: self.layer.clone(),
+            reason: format!(
+                "makes {} of its {} {dtype} weights infinite or NaN (the update reaches {}, and {dtype} holds up to \
+                 {})",
+                self.not_finite,
+                self.elements,
+                number(self.largest_update),
+                number(self.dtype_max)
+            ),
+        }
+    }
+}
+
+/// The files and scales of `updates`, for messages: `a.safetensors at scale 0.8 and b.safetensors at scale 1`.
+fn sources(updates: &[ResolvedUpdate]) -> String {
+    let mut seen: Vec<(&Path, f32)> = Vec::new();
+    for update in updates {
+        let source = (update.file.as_path(), update.scale);
+        if !seen.contains(&source) {
+            seen.push(source);
+        }
+    }
+    let each: Vec<String> =
+        seen.iter().map(|(file, scale)| format!("{} at scale {}", file.display(), number(*scale))).collect();
+    each.join(" and ")
 }
 
 /// What a pipeline has applied: the files, the mode and what undoing it needs.
@@ -964,11 +1388,18 @@ pub struct AppliedLoras {
     specs: Vec<LoraSpec>,
     mode: LoraMode,
     fused: Vec<FusedLayer>,
-    runtime_layers: BTreeMap<LoraTarget, Vec<String>>,
+    /// Run-time updates by component and layer, kept so that a refused change can put them back.
+    runtime: BTreeMap<LoraTarget, BTreeMap<String, Vec<ResolvedUpdate>>>,
     skipped: Vec<String>,
+    refused: Option<LoraRefusal>,
 }
 
 impl AppliedLoras {
+    /// A record for `specs` applied in `mode`, nothing applied yet.
+    pub fn new(specs: Vec<LoraSpec>, mode: LoraMode, skipped: Vec<String>) -> Self {
+        Self { specs, mode, skipped, ..Self::default() }
+    }
+
     /// The files applied, with their scales (empty: none).
     pub fn specs(&self) -> &[LoraSpec] {
         &self.specs
@@ -983,19 +1414,35 @@ impl AppliedLoras {
     pub fn layers(&self, target: LoraTarget) -> usize {
         match self.mode {
             LoraMode::Fused => self.fused.iter().filter(|l| l.target == target).count(),
-            LoraMode::Runtime => self.runtime_layers.get(&target).map_or(0, Vec::len),
+            LoraMode::Runtime => self.runtime.get(&target).map_or(0, BTreeMap::len),
         }
     }
 
     /// Weight elements whose fused value minus the update is not the original (fused mode), in all: each is
-    /// corrected from a record when the LoRA is removed.
+    /// put right from a record when the LoRA is removed.
     pub fn corrections(&self) -> usize {
-        self.fused.iter().map(|l| l.corrections.count()).sum()
+        self.fused.iter().map(|l| l.corrected).sum()
     }
 
-    /// Bytes kept for a bit-exact removal beside the factors (fused mode): the corrections' records.
+    /// Bytes kept for a bit-exact removal beside the factors (fused mode): each layer's record, corrections or a
+    /// plain copy of its original weights, whichever is smaller.
     pub fn correction_bytes(&self) -> usize {
-        self.fused.iter().map(|l| l.corrections.bytes()).sum()
+        self.fused.iter().map(|l| l.record.bytes()).sum()
+    }
+
+    /// Each fused layer's removal record.
+    pub fn records(&self) -> Vec<RemovalRecord> {
+        self.fused
+            .iter()
+            .map(|l| RemovalRecord {
+                target: l.target,
+                layer: l.path.clone(),
+                elements: l.elements,
+                bytes: l.record.bytes(),
+                copy_bytes: l.elements * l.element_bytes,
+                plain_copy: matches!(l.record, Record::Copy(_)),
+            })
+            .collect()
     }
 
     /// Elements of the weights the fused updates changed, in all (fused mode).
@@ -1008,61 +1455,105 @@ impl AppliedLoras {
         &self.skipped
     }
 
+    /// A fuse [`apply`] refused because a fused weight would not be finite: then none of these LoRAs is applied
+    /// to the model it refused in, and no further [`apply`] with this record changes anything. [`swap`] turns it
+    /// into an error and puts the LoRAs before back.
+    pub fn refused(&self) -> Option<&LoraRefusal> {
+        self.refused.as_ref()
+    }
+
     /// Whether anything is applied.
     pub fn is_empty(&self) -> bool {
         self.specs.is_empty()
     }
 }
 
-/// Applies the updates of `target` in `resolved` to `model` in `mode`; returns the fused layers' undo records
-/// (fused) or the updated paths (runtime). The model's weights are rewritten in place (no second copy).
-fn apply_to<M: LinearLayers>(
+/// Fuses the updates of one component into `model`, each layer surveyed before it is written. At the first layer
+/// whose fused weights would not all be finite, that layer is left as it is, the layers fused before it in this
+/// call are removed again (bit for bit), and the refusal is returned.
+fn fuse_layers<M: LinearLayers>(
     model: &mut M,
     target: LoraTarget,
-    resolved: &ResolvedLoras,
-    mode: LoraMode,
-) -> (Vec<FusedLayer>, Vec<String>) {
-    let Some(updates) = resolved.updates.get(&target) else { return (Vec::new(), Vec::new()) };
-    let mut fused = Vec::new();
-    let mut paths = Vec::new();
-    for (path, linear) in model.linears_mut() {
-        let Some(updates) = updates.get(&path) else { continue };
-        match mode {
-            LoraMode::Fused => {
-                let corrections = rewrite_weight(linear, |data, d_out, d_in| {
-                    let delta = delta(updates, d_out, d_in);
-                    match data.dtype() {
-                        DType::F32 => add_in_place(data.as_mut_slice::<f32>().expect("an f32 weight"), &delta),
-                        DType::BF16 => add_in_place(data.as_mut_slice::<bf16>().expect("a bf16 weight"), &delta),
-                        DType::F16 => add_in_place(data.as_mut_slice::<f16>().expect("an f16 weight"), &delta),
-                        other => unreachable!("resolution refuses a fused update of a {other:?} weight"),
-                    }
-                });
-                let elements = linear.d_out() * linear.d_in();
-                fused.push(FusedLayer { target, path, updates: updates.clone(), corrections, elements });
-            }
-            LoraMode::Runtime => {
-                let device = linear.weight.val().device();
-                let dtype = linear.dtype();
-                let (d_out, d_in) = (linear.d_out(), linear.d_in());
-                for update in updates {
-                    let factor = |values: &Vec<f32>, shape: [usize; 2]| {
-                        Param::from_tensor(
-                            Tensor::<2>::from_data(TensorData::new(values.clone(), shape), (&device, DType::F32))
-                                .cast(dtype),
-                        )
-                    };
-                    linear.lora.push(LowRank {
-                        down: factor(&update.down, [update.rank, d_in]),
-                        up: factor(&update.up, [d_out, update.rank]),
-                        coefficient: f64::from(update.coefficient),
-                    });
+    updates: &BTreeMap<String, Vec<ResolvedUpdate>>,
+) -> std::result::Result<Vec<FusedLayer>, LoraRefusal> {
+    let mut linears = model.linears_mut();
+    let mut fused: Vec<(usize, FusedLayer)> = Vec::new();
+    for index in 0..linears.len() {
+        let (path, linear) = &mut linears[index];
+        let Some(updates) = updates.get(path.as_str()) else { continue };
+        let outcome = rewrite_weight(linear, |data, d_out, d_in| {
+            let delta = delta(updates, d_out, d_in);
+            let dtype = data.dtype();
+            with_weights!(data, |weights: E| {
+                let survey = survey(weights, &delta);
+                if survey.not_finite > 0 {
+                    return Err((survey, dtype, <E as WeightElement>::MAX));
                 }
-                paths.push(path);
+                let (kind, _) = smallest_record::<E>(&survey, weights.len());
+                Ok((fuse_in_place(weights, &delta, kind), survey.wrong, <E as WeightElement>::BYTES))
+            })
+        });
+        match outcome {
+            Ok((record, corrected, element_bytes)) => {
+                let elements = linear.d_out() * linear.d_in();
+                let layer = FusedLayer {
+                    target,
+                    path: path.clone(),
+                    updates: updates.clone(),
+                    record,
+                    elements,
+                    element_bytes,
+                    corrected,
+                };
+                fused.push((index, layer));
+            }
+            Err((survey, dtype, dtype_max)) => {
+                let refusal = LoraRefusal {
+                    component: target.component(),
+                    layer: path.clone(),
+                    files: sources(updates),
+                    not_finite: survey.not_finite,
+                    elements: linear.d_out() * linear.d_in(),
+                    dtype,
+                    largest_update: survey.largest_update,
+                    dtype_max,
+                };
+                for (index, layer) in fused.iter().rev() {
+                    unfuse(linears[*index].1, layer);
+                }
+                return Err(refusal);
             }
         }
     }
-    (fused, paths)
+    Ok(fused.into_iter().map(|(_, layer)| layer).collect())
+}
+
+/// Removes one layer's fused update: the original weights, bit for bit.
+fn unfuse(linear: &mut PtLinear, layer: &FusedLayer) {
+    rewrite_weight(linear, |data, d_out, d_in| {
+        // A plain copy needs no update to be removed.
+        let delta = (!matches!(layer.record, Record::Copy(_))).then(|| delta(&layer.updates, d_out, d_in));
+        with_weights!(data, |weights: E| unfuse_in_place::<E>(weights, delta.as_deref(), &layer.record))
+    });
+}
+
+/// Adds run-time low-rank terms for `updates` to `linear`.
+fn push_terms(linear: &mut PtLinear, updates: &[ResolvedUpdate]) {
+    let device = linear.weight.val().device();
+    let dtype = linear.dtype();
+    let (d_out, d_in) = (linear.d_out(), linear.d_in());
+    for update in updates {
+        let factor = |values: &Vec<f32>, shape: [usize; 2]| {
+            Param::from_tensor(
+                Tensor::<2>::from_data(TensorData::new(values.clone(), shape), (&device, DType::F32)).cast(dtype),
+            )
+        };
+        linear.lora.push(LowRank {
+            down: factor(&update.down, [update.rank, d_in]),
+            up: factor(&update.up, [d_out, update.rank]),
+            coefficient: f64::from(update.coefficient),
+        });
+    }
 }
 
 /// Reads `linear`'s weight to the host, lets `f` rewrite it in place, and puts it back on its device under the
@@ -1080,60 +1571,138 @@ fn rewrite_weight<T>(linear: &mut PtLinear, f: impl FnOnce(&mut TensorData, usiz
     value
 }
 
-/// Removes from one model what `applied` holds for `target`: fused updates subtracted and corrected bit for bit,
-/// run-time terms dropped.
-pub fn remove<M: LinearLayers>(model: &mut M, target: LoraTarget, applied: &AppliedLoras) {
+/// Applies the updates of `target` in `resolved` to `model` in `applied`'s mode, recording into `applied`: fused
+/// into the weights in place (no second copy), or added as run-time terms.
+///
+/// Prefer [`swap`], which returns a refused fuse as an error. This one cannot fail: when a fused weight would not
+/// be finite, it leaves `model` as it found it and records the refusal ([`AppliedLoras::refused`]); a record
+/// that holds a refusal applies nothing more.
+pub fn apply<M: LinearLayers>(model: &mut M, target: LoraTarget, resolved: &ResolvedLoras, applied: &mut AppliedLoras) {
+    if applied.refused.is_some() {
+        return;
+    }
+    let Some(updates) = resolved.updates.get(&target) else { return };
+    match applied.mode {
+        LoraMode::Fused => match fuse_layers(model, target, updates) {
+            Ok(layers) => applied.fused.extend(layers),
+            Err(refusal) => applied.refused = Some(refusal),
+        },
+        LoraMode::Runtime => {
+            for (path, linear) in model.linears_mut() {
+                if let Some(updates) = updates.get(&path) {
+                    push_terms(linear, updates);
+                }
+            }
+            applied.runtime.insert(target, updates.clone());
+        }
+    }
+}
+
+/// Replaces what `old` applied to one model by `resolved`, in `applied`'s mode, recording into `applied`.
+///
+/// Every fused layer is checked: when one would hold a weight that is not finite (finite factors whose sum
+/// leaves the dtype's range, at an absurd scale), nothing of it is written, the layers fused before it are
+/// removed again and `old` is put back, so the model holds, bit for bit, what it held before the call; the error
+/// names the layer, the files and their scales ([`Error::LoraNotFinite`]).
+pub fn swap<M: LinearLayers>(
+    model: &mut M,
+    target: LoraTarget,
+    old: &AppliedLoras,
+    resolved: &ResolvedLoras,
+    applied: &mut AppliedLoras,
+) -> Result<()> {
+    remove(model, target, old);
+    apply(model, target, resolved, applied);
+    match applied.refused.take() {
+        None => Ok(()),
+        Some(refusal) => {
+            restore(model, target, old);
+            Err(refusal.to_error())
+        }
+    }
+}
+
+/// Puts `old` back into one model after [`swap`] replaced it by `applied`: for a pipeline whose other model
+/// refused its swap. Bit for bit: the same base and the same updates give the same fused weights.
+pub fn revert<M: LinearLayers>(model: &mut M, target: LoraTarget, applied: &AppliedLoras, old: &AppliedLoras) {
+    remove(model, target, applied);
+    restore(model, target, old);
+}
+
+/// Applies again to one model what `applied` held for `target`, after it was removed.
+fn restore<M: LinearLayers>(model: &mut M, target: LoraTarget, applied: &AppliedLoras) {
     let fused: BTreeMap<&str, &FusedLayer> =
         applied.fused.iter().filter(|l| l.target == target).map(|l| (l.path.as_str(), l)).collect();
-    let runtime: Vec<&String> = applied.runtime_layers.get(&target).into_iter().flatten().collect();
+    let runtime = applied.runtime.get(&target);
     for (path, linear) in model.linears_mut() {
         if let Some(layer) = fused.get(path.as_str()) {
             rewrite_weight(linear, |data, d_out, d_in| {
                 let delta = delta(&layer.updates, d_out, d_in);
-                let corrections = &layer.corrections;
-                match data.dtype() {
-                    DType::F32 => {
-                        subtract_in_place(
-                            data.as_mut_slice::<f32>().expect("f32"),
-                            &delta,
-                            corrections,
-                            f32::from_bits,
-                        );
-                    }
-                    DType::BF16 => {
-                        subtract_in_place(data.as_mut_slice::<bf16>().expect("bf16"), &delta, corrections, |bits| {
-                            bf16::from_bits(bits as u16)
-                        })
-                    }
-                    DType::F16 => {
-                        subtract_in_place(data.as_mut_slice::<f16>().expect("f16"), &delta, corrections, |bits| {
-                            f16::from_bits(bits as u16)
-                        })
-                    }
-                    other => unreachable!("a fused update was applied to a {other:?} weight"),
-                }
+                with_weights!(data, |weights: E| add_in_place::<E>(weights, &delta))
             });
         }
-        if runtime.iter().any(|p| **p == path) {
+        if let Some(updates) = runtime.and_then(|r| r.get(&path)) {
+            push_terms(linear, updates);
+        }
+    }
+}
+
+/// Removes from one model what `applied` holds for `target`: fused updates taken out bit for bit, run-time terms
+/// dropped.
+pub fn remove<M: LinearLayers>(model: &mut M, target: LoraTarget, applied: &AppliedLoras) {
+    let fused: BTreeMap<&str, &FusedLayer> =
+        applied.fused.iter().filter(|l| l.target == target).map(|l| (l.path.as_str(), l)).collect();
+    let runtime = applied.runtime.get(&target);
+    for (path, linear) in model.linears_mut() {
+        if let Some(layer) = fused.get(path.as_str()) {
+            unfuse(linear, layer);
+        }
+        if runtime.is_some_and(|r| r.contains_key(&path)) {
             linear.lora.clear();
         }
     }
 }
 
-/// Checks that `resolved` can be applied in `mode`: a fused update needs a float weight.
-pub fn check_mode(resolved: &ResolvedLoras, mode: LoraMode, layers: &[(LoraTarget, &ComponentLayers)]) -> Result<()> {
-    if mode != LoraMode::Fused {
-        return Ok(());
+/// Whether `value` stays finite once cast to `dtype` (f16 holds up to 65504; other dtypes are not checked here).
+fn finite_in(dtype: DType, value: f32) -> bool {
+    match dtype {
+        DType::F16 => f16::from_f32(value).is_finite(),
+        DType::BF16 => bf16::from_f32(value).is_finite(),
+        _ => value.is_finite(),
     }
+}
+
+/// Checks that `resolved` can be applied in `mode`: a fused update needs a float weight; a run-time term is cast
+/// to its layer's dtype, which must hold its factors.
+pub fn check_mode(resolved: &ResolvedLoras, mode: LoraMode, layers: &[(LoraTarget, &ComponentLayers)]) -> Result<()> {
     for (target, component) in layers {
-        for path in resolved.updates.get(target).into_iter().flat_map(BTreeMap::keys) {
+        for (path, updates) in resolved.updates.get(target).into_iter().flatten() {
             let Some(place) = component.places.get(path) else { continue };
-            if !matches!(place.dtype, DType::F32 | DType::BF16 | DType::F16) {
+            if mode == LoraMode::Fused && !matches!(place.dtype, DType::F32 | DType::BF16 | DType::F16) {
                 return Err(Error::LoraUnsupported {
                     reason: format!(
                         "the {}'s {path} is {:?}, and a fused update needs a float weight; apply the LoRA before \
                          quantizing, or apply it at run time (--lora-mode runtime)",
                         target.component(),
+                        place.dtype
+                    ),
+                });
+            }
+            if mode != LoraMode::Runtime {
+                continue;
+            }
+            for update in updates {
+                let Some(value) = update.down.iter().chain(update.up.iter()).find(|v| !finite_in(place.dtype, **v))
+                else {
+                    continue;
+                };
+                return Err(Error::LoraValue {
+                    path: update.file.as_ref().clone(),
+                    what: format!("the factors of the {}'s {path}", target.component()),
+                    reason: format!(
+                        "hold {}, which the layer's {:?} weights cannot hold, and run-time terms are cast to them; \
+                         apply the LoRA fused (--lora-mode fused), or load the model in a wider dtype",
+                        number(*value),
                         place.dtype
                     ),
                 });
@@ -1163,22 +1732,6 @@ pub fn check_removal(applied: &AppliedLoras, layers: &[(LoraTarget, &ComponentLa
     Ok(())
 }
 
-/// Applies `resolved` to one model in `mode`, recording into `applied`.
-pub fn apply<M: LinearLayers>(model: &mut M, target: LoraTarget, resolved: &ResolvedLoras, applied: &mut AppliedLoras) {
-    let (fused, paths) = apply_to(model, target, resolved, applied.mode);
-    applied.fused.extend(fused);
-    if !paths.is_empty() {
-        applied.runtime_layers.insert(target, paths);
-    }
-}
-
-impl AppliedLoras {
-    /// A record for `specs` applied in `mode`, nothing applied yet.
-    pub fn new(specs: Vec<LoraSpec>, mode: LoraMode, skipped: Vec<String>) -> Self {
-        Self { specs, mode, skipped, ..Self::default() }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1189,76 +1742,205 @@ mod tests {
         assert_eq!(LoraSpec::parse("a.safetensors:0.5").unwrap(), LoraSpec::new("a.safetensors", 0.5));
         assert_eq!(LoraSpec::parse("dir:x/a.safetensors").unwrap(), LoraSpec::new("dir:x/a.safetensors", 1.0));
         assert_eq!(LoraSpec::parse("a:-1").unwrap(), LoraSpec::new("a", -1.0));
-        assert!(LoraSpec::parse("a:inf").is_err());
-        assert!(LoraSpec::parse("").is_err());
+        assert_eq!(LoraSpec::parse("a:100").unwrap(), LoraSpec::new("a", 100.0));
+        assert_eq!(LoraSpec::parse("a:-100").unwrap(), LoraSpec::new("a", -100.0));
+        for bad in ["a:inf", "a:NaN", "a:1e30", "a:100.5", "a:-1e4", ""] {
+            let error = LoraSpec::parse(bad).expect_err(bad).to_string();
+            println!("{bad:?}: {error}");
+            assert!(error.starts_with("invalid lora: "), "{error}");
+        }
+        assert!(LoraSpec::parse("a:1e30").unwrap_err().to_string().contains("the scale 1e30 is outside [-100, 100]"));
     }
 
     #[test]
-    fn keys_of_both_layouts_parse_and_others_do_not() {
+    fn keys_of_every_layout_parse_and_others_do_not() {
         let peft = parse_key("transformer.layers.0.attention.to_q.lora_A.weight").unwrap();
-        assert_eq!((peft.target, peft.role, peft.layout), (LoraTarget::Transformer, Role::Down, LoraLayout::Peft));
+        assert_eq!(
+            (peft.target, peft.role, peft.layout),
+            (LoraTarget::Transformer, Role::Down, Some(LoraLayout::Peft))
+        );
         assert_eq!(peft.name, ModuleName::Dotted("layers.0.attention.to_q".into()));
         let kohya = parse_key("lora_unet_layers_0_attention_qkv.lora_up.weight").unwrap();
-        assert_eq!((kohya.role, kohya.layout), (Role::Up, LoraLayout::Kohya));
+        assert_eq!((kohya.role, kohya.layout), (Role::Up, Some(LoraLayout::Kohya)));
         assert_eq!(kohya.name, ModuleName::Underscored("layers_0_attention_qkv".into()));
         let te = parse_key("text_encoder.layers.1.mlp.up_proj.lora_B.weight").unwrap();
         assert_eq!(te.target, LoraTarget::TextEncoder);
-        assert!(parse_key("transformer.layers.0.attention.to_q.weight").is_none());
-        assert!(parse_key("unet.down.lora_A.weight").is_none());
+        // ComfyUI's trainer: the original tree's dotted names under `diffusion_model.`, Kohya's factor names.
+        let comfy = parse_key("diffusion_model.layers.0.attention.out.lora_down.weight").unwrap();
+        let expected = (LoraTarget::Transformer, Role::Down, Some(LoraLayout::Kohya));
+        assert_eq!((comfy.target, comfy.role, comfy.layout), expected);
+        assert_eq!(comfy.name, ModuleName::Dotted("layers.0.attention.out".into()));
+        // No prefix: the transformer's own names.
+        let bare = parse_key("layers.1.attention.qkv.alpha").unwrap();
+        assert_eq!((bare.target, bare.role, bare.layout), (LoraTarget::Transformer, Role::Alpha, None));
+        assert_eq!(bare.name, ModuleName::Dotted("layers.1.attention.qkv".into()));
+        assert!(parse_key("transformer.layers.0.attention.to_q.weight").is_none(), "a base weight, no factor");
+        assert!(parse_key(".lora_A.weight").is_none(), "no module");
+        // A name of another model parses, and resolution refuses it (it names no layer).
+        assert_eq!(parse_key("unet.down.lora_A.weight").unwrap().name, ModuleName::Dotted("unet.down".into()));
+    }
+
+    /// A transformer of the tiny checkpoint's shape; its parameters are lazy, so nothing is allocated.
+    fn tiny_transformer() -> ZImageTransformer2DModel {
+        let config = crate::config::TransformerConfig {
+            dim: 64,
+            n_heads: 2,
+            n_kv_heads: 2,
+            n_layers: 2,
+            n_refiner_layers: 1,
+            cap_feat_dim: 32,
+            ..crate::config::TransformerConfig::z_image_turbo()
+        };
+        ZImageTransformer2DModel::new(&config, &burn::tensor::Device::flex())
     }
 
     #[test]
-    fn a_fused_update_is_removed_bit_for_bit_in_every_float_dtype() {
+    fn original_tree_and_checkpoint_names_resolve_to_our_layers() {
+        let layers = ComponentLayers::transformer(&tiny_transformer());
+        let dotted = |name: &str| layers.dotted(&ModuleName::Dotted(name.into()));
+        let underscored = |name: &str| layers.dotted(&ModuleName::Underscored(name.into()));
+        for (name, path) in [
+            ("layers.1.attention.out", "layers.1.attention.to_out.0"),
+            ("noise_refiner.0.attention.out", "noise_refiner.0.attention.to_out.0"),
+            ("context_refiner.0.attention.to_out.0", "context_refiner.0.attention.to_out.0"),
+            ("layers.0.attention.qkv", "layers.0.attention.qkv"),
+            ("layers.0.feed_forward.w2", "layers.0.feed_forward.w2"),
+            ("layers.0.adaLN_modulation.0", "layers.0.adaLN_modulation.0"),
+            ("all_x_embedder.2-1", "x_embedder"),
+            ("all_final_layer.2-1.adaLN_modulation.1", "final_layer.adaLN_modulation.1"),
+            ("final_layer.linear", "final_layer.linear"),
+            ("t_embedder.mlp.2", "t_embedder.mlp.2"),
+            ("cap_embedder.1", "cap_embedder.1"),
+        ] {
+            assert_eq!(dotted(name).as_deref(), Ok(path), "{name}");
+        }
+        for (name, path) in [
+            ("layers_1_attention_out", "layers.1.attention.to_out.0"),
+            ("layers_1_attention_qkv", "layers.1.attention.qkv"),
+            ("all_x_embedder_2-1", "x_embedder"),
+            ("all_final_layer_2-1_linear", "final_layer.linear"),
+            ("x_embedder", "x_embedder"),
+            ("context_refiner_0_feed_forward_w3", "context_refiner.0.feed_forward.w3"),
+        ] {
+            assert_eq!(underscored(name).as_deref(), Ok(path), "{name}");
+        }
+        assert!(underscored("layers_9_attention_to_q").is_err());
+    }
+
+    /// A seeded generator of numbers spread like a normal distribution of deviation 1 (the sum of three uniform
+    /// numbers, scaled).
+    fn normal(seed: u64) -> impl FnMut() -> f32 {
+        let mut state = seed;
+        move || {
+            let mut uniform = || {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((state >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+            };
+            uniform() + uniform() + uniform()
+        }
+    }
+
+    /// Fuses `delta` into a copy of `base` through the two passes, removes it again, checks the bits came back,
+    /// and returns the record.
+    fn fuse_and_remove<E: WeightElement + PartialEq + std::fmt::Debug>(base: &[E], delta: &[f32]) -> Record {
+        let survey = survey(base, delta);
+        assert_eq!(survey.not_finite, 0);
+        let (kind, bytes) = smallest_record::<E>(&survey, base.len());
+        let mut weights = base.to_vec();
+        let record = fuse_in_place(&mut weights, delta, kind);
+        assert_eq!(record.bytes(), bytes, "the survey sized the record it chose");
+        assert_ne!(weights, base, "the update changed the weights");
+        unfuse_in_place(&mut weights, Some(delta), &record);
+        assert!(weights.iter().zip(base).all(|(a, b)| a.bits() == b.bits()), "restored bit for bit");
+        record
+    }
+
+    #[test]
+    fn the_record_never_exceeds_a_plain_copy_and_restores_bit_for_bit_at_every_update_size() {
+        // Weights of deviation 0.02 (as the model's), updates of deviation `ratio` times that: from a trained
+        // LoRA's (a thousandth) to updates that drown the weights, where only the plain copy is small enough.
+        let n = 64 * 1024;
+        let mut next = normal(11);
+        let base: Vec<f32> = (0..n).map(|_| 0.02 * next() / 3f32.sqrt()).collect();
+        let noise: Vec<f32> = (0..n).map(|_| next() / 3f32.sqrt()).collect();
+        let mut kinds = std::collections::BTreeSet::new();
+        for ratio in [1e-3, 1e-2, 1e-1, 0.5, 1.0, 10.0, 1e3] {
+            let delta: Vec<f32> = noise.iter().map(|d| d * 0.02 * ratio).collect();
+            let f32_record = fuse_and_remove(&base, &delta);
+            let bf16_base: Vec<bf16> = base.iter().map(|v| bf16::from_f32(*v)).collect();
+            let bf16_record = fuse_and_remove(&bf16_base, &delta);
+            let f16_base: Vec<f16> = base.iter().map(|v| f16::from_f32(*v)).collect();
+            let f16_record = fuse_and_remove(&f16_base, &delta);
+            for (dtype, record, width) in [("f32", &f32_record, 4), ("bf16", &bf16_record, 2), ("f16", &f16_record, 2)]
+            {
+                let per_element = record.bytes() as f64 / n as f64;
+                let kind = match record {
+                    Record::Sparse(_) => "list",
+                    Record::Dense { .. } => "bytes",
+                    Record::Wide { .. } => "words",
+                    Record::Copy(_) => "copy",
+                };
+                println!("update/weight {ratio}: {dtype} keeps {per_element:.3} bytes an element ({kind})");
+                assert!(record.bytes() <= width * n, "{dtype} at {ratio}: never more than a plain copy");
+                kinds.insert(kind);
+            }
+        }
+        assert!(kinds.contains("copy") && kinds.len() > 1, "both representations are exercised: {kinds:?}");
+    }
+
+    #[test]
+    fn a_large_update_beside_small_weights_is_removed_bit_for_bit_in_every_float_dtype() {
         // Values and updates of very different sizes, so rounding loses bits of the sum.
-        let d_out = 64;
-        let d_in = 48;
-        let rank = 3;
-        let mut seed = 7u64;
-        let mut next = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
-        };
+        let (d_out, d_in, rank) = (64, 48, 3);
+        let mut next = normal(7);
         let down: Vec<f32> = (0..rank * d_in).map(|_| next()).collect();
         let up: Vec<f32> = (0..d_out * rank).map(|_| next() * 3.0).collect();
-        let update =
-            ResolvedUpdate { path: "x".into(), down: Arc::new(down), up: Arc::new(up), rank, coefficient: 0.37 };
+        let update = ResolvedUpdate {
+            path: "x".into(),
+            down: Arc::new(down),
+            up: Arc::new(up),
+            rank,
+            coefficient: 0.37,
+            file: Arc::new(PathBuf::from("x.safetensors")),
+            scale: 1.0,
+        };
         let delta = delta(std::slice::from_ref(&update), d_out, d_in);
         let base: Vec<f32> = (0..d_out * d_in).map(|i| next() * 10f32.powi((i % 7) as i32 - 3)).collect();
-
-        let mut w = base.clone();
-        let corrections = add_in_place(&mut w, &delta);
-        assert_ne!(w, base, "the update changed the weight");
-        subtract_in_place(&mut w, &delta, &corrections, f32::from_bits);
-        assert!(w.iter().zip(&base).all(|(a, b)| a.to_bits() == b.to_bits()), "f32 restored bit for bit");
-        assert!(corrections.count() > 0, "some f32 elements needed a correction (else this checks nothing)");
-        println!(
-            "large f32 update: {} of {} corrected in {} bytes",
-            corrections.count(),
-            base.len(),
-            corrections.bytes()
-        );
-        assert!(corrections.bytes() < 4 * base.len(), "less than a copy of the weight");
-
-        let base16: Vec<bf16> = base.iter().map(|v| bf16::from_f32(*v)).collect();
-        let mut w = base16.clone();
-        let corrections = add_in_place(&mut w, &delta);
-        subtract_in_place(&mut w, &delta, &corrections, |b| bf16::from_bits(b as u16));
-        assert!(w.iter().zip(&base16).all(|(a, b)| a.to_bits() == b.to_bits()), "bf16 restored bit for bit");
-        println!(
-            "large bf16 update: {} of {} corrected in {} bytes",
-            corrections.count(),
-            base16.len(),
-            corrections.bytes()
-        );
-        // A small update beside the weight, as a trained LoRA's: next to nothing to keep.
+        fuse_and_remove(&base, &delta);
+        fuse_and_remove(&base.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>(), &delta);
+        fuse_and_remove(&base.iter().map(|v| f16::from_f32(*v)).collect::<Vec<_>>(), &delta);
+        // A small update beside the weight, as a trained LoRA's: a short list.
         let small: Vec<f32> = delta.iter().map(|d| d * 1e-3).collect();
-        let mut w = base16.clone();
-        let corrections = add_in_place(&mut w, &small);
-        assert_ne!(w, base16);
-        subtract_in_place(&mut w, &small, &corrections, |b| bf16::from_bits(b as u16));
-        assert!(w.iter().zip(&base16).all(|(a, b)| a.to_bits() == b.to_bits()), "small bf16 update restored");
-        println!("small bf16 update: {} of {} elements corrected", corrections.count(), base16.len());
-        assert!(corrections.bytes() < base16.len(), "a small update keeps under half a copy (2 bytes an element)");
+        let record = fuse_and_remove(&base.iter().map(|v| bf16::from_f32(*v)).collect::<Vec<_>>(), &small);
+        assert!(record.bytes() < base.len(), "a small update keeps under half a copy: {}", record.bytes());
+    }
+
+    #[test]
+    fn a_fuse_that_would_leave_the_range_is_found_before_anything_is_written() {
+        let base = [1.0f32, -2.0, 3.0];
+        let survey = survey(&base, &[1.0, f32::INFINITY, 3e38]);
+        assert_eq!(survey.not_finite, 1, "the infinite update; 3e38 + 3 is still an f32");
+        let halves = [f16::from_f32(1.0), f16::from_f32(60000.0)];
+        let survey = super::survey(&halves, &[1.0, 10000.0]);
+        assert_eq!((survey.not_finite, survey.largest_update), (1, 10000.0), "past f16's 65504");
+        // A weight that was not finite before is not the update's doing.
+        assert_eq!(super::survey(&[f32::NAN], &[1.0]).not_finite, 0);
+    }
+
+    #[test]
+    fn positions_order_the_values_and_neighbour_across_zero() {
+        let values = [-3.0f32, -1.0, -1e-30, -0.0, 0.0, 1e-30, 2.0];
+        let positions: Vec<i64> = values.iter().map(|v| position::<f32>(v.to_bits())).collect();
+        assert!(positions.windows(2).all(|w| w[0] < w[1]), "{positions:?}");
+        assert_eq!(position::<f32>(0f32.to_bits()) - position::<f32>((-0f32).to_bits()), 1);
+        for v in values {
+            assert_eq!(bits_at::<f32>(position::<f32>(v.to_bits())), v.to_bits());
+            let h = bf16::from_f32(v);
+            assert_eq!(bits_at::<bf16>(position::<bf16>(h.bits())), h.bits());
+        }
+        let tiny = bf16::from_bits(1);
+        let minus_tiny = bf16::from_bits(0x8001);
+        assert_eq!(position::<bf16>(tiny.bits()) - position::<bf16>(minus_tiny.bits()), 3, "-t, -0, +0, +t");
     }
 
     #[test]
@@ -1269,6 +1951,8 @@ mod tests {
             up: Arc::new(vec![1.0, 0.0, 0.5, 1.0, 0.0, 2.0]),
             rank: 2,
             coefficient: 2.0,
+            file: Arc::new(PathBuf::from("x.safetensors")),
+            scale: 1.0,
         };
         // up [3, 2] · down [2, 2] times 2.
         assert_eq!(delta(std::slice::from_ref(&update), 3, 2), vec![2.0, 4.0, 7.0, 10.0, 12.0, 16.0]);
