@@ -1392,6 +1392,8 @@ pub struct AppliedLoras {
     runtime: BTreeMap<LoraTarget, BTreeMap<String, Vec<ResolvedUpdate>>>,
     skipped: Vec<String>,
     refused: Option<LoraRefusal>,
+    /// Whether [`drop_removal`](Self::drop_removal) gave back what removal needs: the fused LoRAs then stay.
+    removal_dropped: bool,
 }
 
 impl AppliedLoras {
@@ -1428,6 +1430,21 @@ impl AppliedLoras {
     /// plain copy of its original weights, whichever is smaller.
     pub fn correction_bytes(&self) -> usize {
         self.fused.iter().map(|l| l.record.bytes()).sum()
+    }
+
+    /// Gives back what removing the fused LoRAs needs (each layer's removal record and its factors), for a caller
+    /// that never changes them again, such as a run that applies its LoRAs once; returns the records' bytes.
+    /// Afterwards [`check_removal`] refuses any change of LoRAs, with the fix (load the checkpoint again).
+    pub fn drop_removal(&mut self) -> usize {
+        let mut freed = 0;
+        for layer in &mut self.fused {
+            // The factors are shared between the layers a fused `qkv` updates, so only the records are counted.
+            freed += layer.record.bytes();
+            layer.record = Record::Sparse(Vec::new());
+            layer.updates = Vec::new();
+        }
+        self.removal_dropped = !self.fused.is_empty();
+        freed
     }
 
     /// Each fused layer's removal record.
@@ -1715,6 +1732,13 @@ pub fn check_mode(resolved: &ResolvedLoras, mode: LoraMode, layers: &[(LoraTarge
 /// Checks that what `applied` fused can be removed: each of its layers still has a float weight (a model
 /// quantized after a LoRA was fused into it keeps that LoRA).
 pub fn check_removal(applied: &AppliedLoras, layers: &[(LoraTarget, &ComponentLayers)]) -> Result<()> {
+    if applied.removal_dropped {
+        return Err(Error::LoraUnsupported {
+            reason: "the LoRAs applied cannot be removed or changed: their removal record was given back to save \
+                     host memory (AppliedLoras::drop_removal); load the checkpoint again to change its LoRAs"
+                .into(),
+        });
+    }
     for layer in &applied.fused {
         let place = layers.iter().find(|(t, _)| *t == layer.target).and_then(|(_, c)| c.places.get(&layer.path));
         if let Some(place) = place.filter(|p| !matches!(p.dtype, DType::F32 | DType::BF16 | DType::F16)) {

@@ -823,14 +823,17 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             if applied.fused_elements() == 0 {
                 String::new()
             } else {
-                format!(
-                    "; removable bit for bit with {} of corrections for {} of {} elements",
-                    format_size(applied.correction_bytes() as u64),
-                    applied.corrections(),
-                    applied.fused_elements()
-                )
+                format!("; {} elements fused", applied.fused_elements())
             }
         );
+        // A run applies its LoRAs once and never removes them: what removal would need is given back.
+        let freed = pipeline.keep_loras();
+        if freed > 0 {
+            eprintln!(
+                "lora: {} of removal records given back (this run never removes its LoRAs)",
+                format_size(freed as u64)
+            );
+        }
     }
     if let Some(anonymous) = &anonymous {
         report_loaded(&pipeline, anonymous);

@@ -438,19 +438,37 @@ impl ZImagePipeline {
         lora::check_removal(&self.loras, &layers)?;
         let old = std::mem::take(&mut self.loras);
         let mut applied = AppliedLoras::new(specs, mode, resolved.skipped.clone());
-        // Checked above: the rewrites below cannot fail, and each works in place on the host copy.
-        self.transformer.rebuild(|mut model| {
-            lora::remove(&mut model, LoraTarget::Transformer, &old);
-            lora::apply(&mut model, LoraTarget::Transformer, &resolved, &mut applied);
-            (model, ())
+        // Checked above; each rewrite works in place on the host copy. What can still fail is a fused weight that
+        // would not be finite: `swap` then leaves that model as it was, and a transformer already swapped is put
+        // back here, so both hold the LoRAs before, bit for bit.
+        let transformer = self.transformer.rebuild(|mut model| {
+            let swapped = lora::swap(&mut model, LoraTarget::Transformer, &old, &resolved, &mut applied);
+            (model, swapped)
         })?;
-        self.text_encoder.rebuild(|mut model| {
-            lora::remove(&mut model, LoraTarget::TextEncoder, &old);
-            lora::apply(&mut model, LoraTarget::TextEncoder, &resolved, &mut applied);
-            (model, ())
+        if let Err(error) = transformer {
+            self.loras = old;
+            return Err(error);
+        }
+        let text_encoder = self.text_encoder.rebuild(|mut model| {
+            let swapped = lora::swap(&mut model, LoraTarget::TextEncoder, &old, &resolved, &mut applied);
+            (model, swapped)
         })?;
+        if let Err(error) = text_encoder {
+            self.transformer.rebuild(|mut model| {
+                lora::revert(&mut model, LoraTarget::Transformer, &applied, &old);
+                (model, ())
+            })?;
+            self.loras = old;
+            return Err(error);
+        }
         self.loras = applied;
         Ok(&self.loras)
+    }
+
+    /// Gives back the fused LoRAs' removal records ([`AppliedLoras::drop_removal`]) for a run that never changes
+    /// its LoRAs again; returns their bytes. [`set_loras`](Self::set_loras) then refuses any change.
+    pub fn keep_loras(&mut self) -> usize {
+        self.loras.drop_removal()
     }
 
     /// The LoRAs applied ([`set_loras`](Self::set_loras)); empty when none.

@@ -602,10 +602,9 @@ fn a_fused_update_that_overflows_is_undone_bit_for_bit_and_named() {
     }
 }
 
-/// Needs `set_loras` to call `lora::swap` (the diff in the lora helper's report); until then the pipeline keeps
-/// what the interim `lora::apply` leaves: the overflow refused, but reported only through `AppliedLoras::refused`.
+/// A LoRA whose fuse overflows is refused by `set_loras` (`lora::swap`), and the pipeline keeps the LoRAs it had
+/// before, bit for bit.
 #[test]
-#[ignore = "needs set_loras to use lora::swap (pipeline.rs, owned by the lead)"]
 fn set_loras_refuses_an_overflowing_fuse_and_keeps_the_loras_before() {
     let mut pipeline = load_tiny(Placement::host_only());
     let good = [LoraSpec::new(lora_file("peft.safetensors"), 0.75)];
@@ -770,4 +769,20 @@ fn the_lora_reader_never_panics_on_mutated_files() {
     });
     println!("{report}; {} accepted", accepted.into_inner());
     assert!(report.crashes.is_empty(), "inputs that panic the reader: {:?}", report.crashes.len());
+}
+
+#[test]
+fn a_run_that_keeps_its_loras_gives_back_the_removal_records_and_then_refuses_a_change() {
+    let mut pipeline = load_tiny(Placement::host_only());
+    let specs = [LoraSpec::new(lora_file("peft.safetensors"), 0.75)];
+    pipeline.set_loras(&specs, LoraMode::Fused).expect("applied");
+    let fused = pipeline_bits(&pipeline);
+    let records = pipeline.loras().correction_bytes();
+    assert!(records > 0, "the fuse keeps a removal record");
+    assert_eq!(pipeline.keep_loras(), records, "every record's bytes are given back");
+    assert_eq!(pipeline.loras().correction_bytes(), 0);
+    assert!(pipeline_bits(&pipeline) == fused, "the fused weights stay as they are");
+    let error = pipeline.set_loras(&[], LoraMode::Fused).expect_err("no removal without its record");
+    assert!(error.to_string().contains("load the checkpoint again"), "{error}");
+    assert!(pipeline_bits(&pipeline) == fused, "a refused change changes nothing");
 }

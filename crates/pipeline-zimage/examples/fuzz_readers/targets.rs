@@ -14,6 +14,7 @@ use burn::tensor::{DType, Device, Tensor};
 use pipeline_zimage::Error;
 use pipeline_zimage::config::{EXPECTED_COMPONENTS, ModelIndex, TransformerConfig};
 use pipeline_zimage::loading::{LoadOptions, load_bytes, parse_weight_map};
+use pipeline_zimage::lora::{ComponentLayers, LoraFile};
 use pipeline_zimage::nn::{PtLinear, RmsNorm};
 use pipeline_zimage::pipeline::{
     CheckpointConfigs, GenerateOptions, text_encoder_activation_bytes, vae_activation_bytes,
@@ -36,6 +37,7 @@ pub fn targets() -> Vec<Target> {
         ("scheduler_config", scheduler_config),
         ("safetensors", safetensors_file),
         ("options", options),
+        ("lora_file", lora_file),
     ]
 }
 
@@ -46,7 +48,7 @@ pub fn accepted(target: &str) -> u64 {
     index.map_or(0, |i| ACCEPTED[i].load(Ordering::Relaxed))
 }
 
-static ACCEPTED: [AtomicU64; 8] = [const { AtomicU64::new(0) }; 8];
+static ACCEPTED: [AtomicU64; 9] = [const { AtomicU64::new(0) }; 9];
 
 fn accept(index: usize) {
     ACCEPTED[index].fetch_add(1, Ordering::Relaxed);
@@ -69,6 +71,10 @@ fn typed(error: &Error, names: &str) {
             | Error::InvalidSize { .. }
             | Error::InvalidStrength { .. }
             | Error::ZeroSteps
+            | Error::LoraFile { .. }
+            | Error::LoraKey { .. }
+            | Error::LoraShape { .. }
+            | Error::LoraValue { .. }
     );
     assert!(expected, "a reader failed with an unexpected error: {error:?}");
     assert!(error.to_string().contains(names), "the error does not name {names}: {error}");
@@ -516,6 +522,26 @@ pub fn options(input: &[u8]) {
             if opts.steps <= 64 {
                 let _ = configs.scheduler.schedule(opts.steps, (h / 2) * (w / 2));
             }
+        }
+    }
+}
+
+/// A LoRA file as a user downloads it: the reader (`LoraFile::from_bytes`: safetensors' bounded header, the layout,
+/// every key, factor shape, alpha and value) on the raw input and on a structured edit of a small seed; an accepted
+/// file then resolves against no layers, which refuses it by name.
+pub fn lora_file(input: &[u8]) {
+    const SEED: &[u8] = include_bytes!("../../../../fuzz/corpus/lora_file/seed-kohya.safetensors");
+    let edited = structured_safetensors(SEED, input);
+    for bytes in [input, edited.as_slice()] {
+        match LoraFile::from_bytes(Path::new("fuzz.safetensors"), bytes) {
+            Ok(file) => {
+                accept(8);
+                let none = ComponentLayers::none();
+                if let Err(error) = pipeline_zimage::lora::resolve(&[(file, 1.0)], &none, &none) {
+                    typed(&error, "fuzz.safetensors");
+                }
+            }
+            Err(error) => typed(&error, "fuzz.safetensors"),
         }
     }
 }
