@@ -490,11 +490,19 @@ fn layout_of<M: OffloadModel>(model: &M, mut census: Census) -> Option<BlockLayo
 }
 
 /// What [`check_streaming`] ran and found.
+///
+/// Both levels count groups by one rule: a group is counted when it holds weights, and the model's shell (the
+/// layers outside the declared parts, which stay resident by default) is not. A nested sub-model's rest counts
+/// when it holds weights, at both levels; a rest that holds none (a stage with only its blocks) counts at
+/// neither. The census ([`OffloadModel::census`], [`measure_layout`]) counts by the same rule, and the check
+/// fails when the two disagree.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StreamingCheck {
-    /// Groups at block level (one block per group), the layers outside the declared parts not counted.
+    /// Groups at block level, one block per group: each block, each single block, and each nested sub-model's
+    /// rest that holds weights (the planner's `block_bytes`, one per group).
     pub block_groups: usize,
-    /// Groups at leaf level.
+    /// Groups at leaf level: each leaf, each block's own group (its norms), and each nested sub-model's rest that
+    /// holds weights (the planner's `leaf_count`).
     pub leaf_groups: usize,
     /// The largest difference of a streamed output from the resident one, relative to the largest resident value.
     pub max_relative_difference: f32,
@@ -579,21 +587,26 @@ where
                 ),
             ));
         }
-        match options.level {
+        // One rule at both levels (see `StreamingCheck`): groups that hold weights, the shell left out.
+        let shell = format!("{}/shell", M::CLASS);
+        let made = groups.iter().filter(|(id, bytes)| *bytes > 0 && *id != shell).count();
+        let (named, unit) = match options.level {
             GroupLevel::Block { .. } => {
-                check.block_groups = groups.iter().filter(|(id, bytes)| !id.ends_with("/shell") && *bytes > 0).count();
-                let named = census.blocks.iter().filter(|block| block.bytes > 0).count();
-                if named != check.block_groups {
-                    return Err(failed(
-                        name,
-                        format!(
-                            "the census names {named} blocks but the split made {} block groups; name the same parts in census and split",
-                            check.block_groups
-                        ),
-                    ));
-                }
+                check.block_groups = made;
+                (census.blocks.iter().filter(|block| block.bytes > 0).count(), "block")
             }
-            GroupLevel::Leaf => check.leaf_groups = groups.len(),
+            GroupLevel::Leaf => {
+                check.leaf_groups = made;
+                (census.blocks.iter().flat_map(|block| &block.leaves).filter(|(_, bytes)| *bytes > 0).count(), "leaf")
+            }
+        };
+        if named != made {
+            return Err(failed(
+                name,
+                format!(
+                    "the census names {named} {unit} groups but the split made {made}; name the same parts in census and split"
+                ),
+            ));
         }
     }
     Ok(check)

@@ -18,7 +18,7 @@ use std::rc::Rc;
 
 use burn::module::Module;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::{OffloadModel, Streamed, StreamedOne};
 use crate::parts::{BlockOffload, GroupGuard, LeafOffload, ModuleOffload};
 
@@ -111,7 +111,46 @@ trait LeafSource<M> {
 
 impl<M: Module> LeafSource<M> for &LeafOffload<M> {
     fn part(&self, path: &str) -> Result<Part<'_, M>> {
-        Ok(Part::Guard(self.group(path)?))
+        if self.has(path) {
+            return Ok(Part::Guard(self.group(path)?));
+        }
+        if path.is_empty() {
+            // The layer has no parameters of its own: `own()`'s case.
+            return Ok(self.bare());
+        }
+        let groups = self.group_paths();
+        let inside: Vec<&str> = groups.iter().copied().filter(|group| under(group, path)).collect();
+        let found = Found::at(self.skeleton(), path);
+        let problem = if !inside.is_empty() {
+            let listed = inside.iter().map(|g| format!("{g:?}")).collect::<Vec<_>>().join(", ");
+            format!(
+                "it is a module of the leaf groups {listed}, not one leaf; narrow!(block, {}) and take each leaf \
+                 of it with leaf! (its own parameters, a norm, with own())",
+                field_syntax(path)
+            )
+        } else if found.weights {
+            // Parameters under no leaf of their own (a norm's) travel with the deepest enclosing group: hand that
+            // group out, as `own()` would on the struct that holds them.
+            let holder =
+                groups.iter().copied().filter(|group| group.is_empty() || under(path, group)).max_by_key(|g| g.len());
+            match holder {
+                Some(holder) => return Ok(Part::Guard(self.group(holder)?)),
+                None => "its parameters are in no group of the block; report this as a bug".to_string(),
+            }
+        } else if found.module {
+            // A field that holds no weights (an optional layer that is `None` here, a layer without parameters):
+            // nothing to take, and reading it through the bare layer gives what the block holds.
+            return Ok(self.bare());
+        } else {
+            let listed = groups.iter().map(|g| format!("{g:?}")).collect::<Vec<_>>().join(", ");
+            format!(
+                "no module field of the block has this path; take a leaf by its field with leaf!(block, field), \
+                 which the compiler checks, read a non-weight field with structure(), or name one of its leaf \
+                 groups: {listed}"
+            )
+        };
+        let (model, block) = self.names();
+        Err(Error::NoLeaf { model: model.to_string(), block: block.to_string(), path: path.to_string(), problem })
     }
 
     fn has(&self, path: &str) -> bool {
@@ -124,6 +163,66 @@ impl<M: Module> LeafSource<M> for &LeafOffload<M> {
 
     fn structure(&self) -> &M {
         self.skeleton()
+    }
+}
+
+/// Whether the dotted path `path` lies strictly inside the module at `prefix`.
+fn under(path: &str, prefix: &str) -> bool {
+    path.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('.'))
+}
+
+/// A dotted path as the field path `leaf!` and `narrow!` take (`resnets.0.conv1` as `resnets[0].conv1`).
+fn field_syntax(path: &str) -> String {
+    let mut out = String::new();
+    for segment in path.split('.') {
+        if segment.parse::<usize>().is_ok() {
+            out.push_str(&format!("[{segment}]"));
+        } else {
+            if !out.is_empty() {
+                out.push('.');
+            }
+            out.push_str(segment);
+        }
+    }
+    out
+}
+
+/// What a module holds at a dotted path, read from its structure without touching a weight.
+#[derive(Default)]
+struct Found<'p> {
+    path: &'p str,
+    stack: Vec<String>,
+    /// A module (a field burn visits: an optional layer, `None` or not, a list, a layer) is at the path.
+    module: bool,
+    /// A float parameter is at or under the path.
+    weights: bool,
+}
+
+impl<'p> Found<'p> {
+    fn at<M: Module>(module: &M, path: &'p str) -> Self {
+        let mut found = Found { path, ..Found::default() };
+        module.visit(&mut found);
+        found
+    }
+}
+
+impl burn::module::ModuleVisitor for Found<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.stack.push(name.to_string());
+        if self.stack.join(".") == self.path {
+            self.module = true;
+        }
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, _param: &burn::module::Param<burn::tensor::Tensor<D>>) {
+        let here = self.stack.join(".");
+        if here == self.path || under(&here, self.path) {
+            self.weights = true;
+        }
     }
 }
 
@@ -208,7 +307,9 @@ impl<'a, M: Module + 'a> Layer<'a, M> {
 
     /// The part at a path of segments (what [`leaf!`](crate::leaf) writes): the whole layer, or at leaf level a
     /// guard holding the leaf group at that path on the device while it lives. The path is joined into a
-    /// string only at leaf level, so the resident forward builds none.
+    /// string only at leaf level, so the resident forward builds none. At leaf level a path that holds no weights
+    /// (an optional layer that is `None` in this block) takes no group, and a path whose weights are under no
+    /// leaf of their own (a norm) takes the group they travel with, so the part is the same at every level.
     #[doc(hidden)]
     pub fn part_at(&self, path: &[Seg<'_>]) -> Result<Part<'_, M>> {
         match &self.source {
@@ -218,11 +319,10 @@ impl<'a, M: Module + 'a> Layer<'a, M> {
         }
     }
 
-    /// The part at a dotted path written by hand (`"attention.to_q"`): [`leaf!`](crate::leaf) writes the same
-    /// from the field path, checked by the compiler; a path written here is checked only by
-    /// [`check_streaming`](crate::check_streaming) (a path that names no group is [`Error::UnknownGroup`]).
-    ///
-    /// [`Error::UnknownGroup`]: crate::Error::UnknownGroup
+    /// The part at a dotted path written by hand (`"attention.to_q"`), as [`part_at`](Self::part_at) takes it:
+    /// [`leaf!`](crate::leaf) writes the same from the field path, checked by the compiler; a path written here is
+    /// checked only at leaf level, so by [`check_streaming`](crate::check_streaming): a path that names no field
+    /// of the block, or a module of several leaves, is [`Error::NoLeaf`] naming the block, the path and the fix.
     pub fn part(&self, path: &str) -> Result<Part<'_, M>> {
         match &self.source {
             Source::Whole(module) => Ok(Part::Whole(module)),
@@ -544,8 +644,12 @@ impl<'a, M: Module> Shell<'a, M> {
 /// # Ok::<(), group_offload::Error>(())
 /// ```
 ///
-/// Parameters under no leaf (a norm's weight) travel with the struct that holds them: take them with
-/// [`Layer::own`].
+/// The part is the same at every level. A field that holds no weights in this block (an optional layer that is
+/// `None`) takes no group, so `match &leaf!(block, skip) { Some(skip) => .., None => .. }` works at leaf level
+/// too; a field whose weights are under no leaf of their own (a norm) takes the group they travel with, the one
+/// [`Layer::own`] takes on the struct that holds them. A module of several leaves (`leaf!(block, attention)`)
+/// is no one leaf: at leaf level it is [`Error::NoLeaf`](crate::Error::NoLeaf); narrow to it with
+/// [`narrow!`](crate::narrow) and take each of its leaves.
 #[macro_export]
 macro_rules! leaf {
     ($layer:expr, $first:ident $($rest:tt)*) => {
