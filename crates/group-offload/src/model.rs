@@ -196,23 +196,28 @@ impl GroupOptions {
         Self { level: GroupLevel::Leaf, ..Self::default() }
     }
 
-    /// Checks what a caller can get wrong, before anything is taken apart.
+    /// Checks what a caller can get wrong, before anything is taken apart: `blocks_per_group` of 1 or more (any
+    /// count past the number of blocks is one group of every block, and nothing is allocated or looped by it),
+    /// and the prefetch depth by the rule [`GroupOffloadConfig::validate`] applies (1 to
+    /// [`MAX_PREFETCH_DEPTH`](offload_core::plan::MAX_PREFETCH_DEPTH) with prefetch on, never past the bound).
+    /// Each refusal is [`Error::InvalidConfig`] naming the value, the bound and the fix.
     pub fn validate(&self, model: &str) -> Result<()> {
-        let invalid = |problem: &str| Err(Error::InvalidConfig { model: model.into(), problem: problem.into() });
         if self.level == (GroupLevel::Block { blocks_per_group: 0 }) {
-            return invalid("blocks_per_group is 0; group at least 1 block");
+            let problem = "blocks_per_group is 0; use 1 or more (one group of that many consecutive blocks)".into();
+            return Err(Error::InvalidConfig { model: model.into(), problem });
         }
-        if self.prefetch && self.prefetch_depth == 0 {
-            return invalid("prefetch_depth is 0 with prefetch on; use 1 or more, or turn prefetch off");
-        }
-        Ok(())
+        // The prefetch rule is the offloader's own (one function, one message): these options are checked by it
+        // here, early, so that a handle refuses them before it touches the model; `configure` then trusts them.
+        crate::config::check_prefetch(model, self.prefetch, self.prefetch_depth)
     }
 
-    /// `config` (device, ledger, readings, record) with these options' prefetch, budgets and disk store.
+    /// `config` (device, ledger, readings, record) with these options' prefetch, budgets and disk store. It
+    /// passes the values on as they are: [`validate`](Self::validate) checks them, and the offloader that the
+    /// configuration starts checks them again with [`GroupOffloadConfig::validate`], so nothing is clamped here.
     pub fn configure(&self, config: GroupOffloadConfig) -> GroupOffloadConfig {
         let config = config
             .with_prefetch(self.prefetch)
-            .with_prefetch_depth(self.prefetch_depth.max(1))
+            .with_prefetch_depth(self.prefetch_depth)
             .with_resident_budget(self.resident_budget)
             .with_pinned_budget(self.pinned_budget)
             .with_upload_checks(self.check_uploads);
