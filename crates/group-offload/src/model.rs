@@ -390,8 +390,9 @@ struct CensusBlock {
     bytes: u64,
     /// Its leaf groups at leaf level.
     leaves: Vec<(String, u64)>,
-    /// The leaf its forward takes first (`""`: its own parameters).
-    first: String,
+    /// The leaf group its forward takes first (`""`: its own parameters), by `leaf!`'s rules; `None` where the
+    /// block holds no weights at the path it was given (an optional layer that is `None` in this block).
+    first: Option<String>,
 }
 
 /// The parts a model names for the planner ([`OffloadModel::census`]), in the order the forward runs them.
@@ -422,10 +423,11 @@ impl Census {
     pub fn blocks_from<B: Module>(&mut self, blocks: &[B], first: Option<&str>) {
         let leaves = self.leaves.clone().unwrap_or_default();
         self.lists.push(blocks.len());
-        self.blocks.extend(blocks.iter().map(|block| CensusBlock {
-            bytes: module_bytes_on(block, self.exec.as_ref()),
-            leaves: leaf_groups_on(block, &leaves, self.exec.as_ref()),
-            first: first.unwrap_or_default().to_string(),
+        self.blocks.extend(blocks.iter().map(|block| {
+            let groups = leaf_groups_on(block, &leaves, self.exec.as_ref());
+            // The path resolves as `leaf!` resolves it: a norm's path to the group its weights travel with.
+            let first = crate::view::leaf_group_of(block, &groups, first.unwrap_or_default()).map(str::to_string);
+            CensusBlock { bytes: module_bytes_on(block, self.exec.as_ref()), leaves: groups, first }
         }));
     }
 
@@ -442,7 +444,11 @@ impl Census {
         let rest = module_bytes_on(element, self.exec.as_ref()).saturating_sub(declared);
         if rest > 0 {
             self.lists.push(1);
-            self.blocks.push(CensusBlock { bytes: rest, leaves: vec![(String::new(), rest)], first: String::new() });
+            self.blocks.push(CensusBlock {
+                bytes: rest,
+                leaves: vec![(String::new(), rest)],
+                first: Some(String::new()),
+            });
         }
     }
 
@@ -483,7 +489,7 @@ fn layout_of<M: OffloadModel>(model: &M, mut census: Census) -> Option<BlockLayo
     let first_leaf_bytes = census
         .blocks
         .iter()
-        .find_map(|block| block.leaves.iter().find(|(path, _)| *path == block.first).map(|(_, b)| *b))
+        .find_map(|block| block.leaves.iter().find(|(path, _)| Some(path) == block.first.as_ref()).map(|(_, b)| *b))
         .unwrap_or(0);
     Some(BlockLayout {
         outside_bytes: module_bytes_on(model, exec.as_ref()).saturating_sub(block_bytes.iter().sum()),
@@ -565,7 +571,7 @@ where
             return Err(failed(
                 name,
                 format!(
-                    "{} parameter(s) were loaded outside their group (first: {}); the forward used a weight through a part that does not hold it: take the leaf by its own field path (leaf!)",
+                    "{} parameter(s) were loaded outside their group (first: {}); the forward used a weight through a part that does not hold it: take each leaf by its own field path with leaf!, narrowing to a module of several leaves with narrow! (to an optional one with narrow!(block, field).some()), never through Layer::whole or another leaf's part",
                     stats.stray_loads,
                     offload.stray_parameters().first().cloned().unwrap_or_default()
                 ),

@@ -99,10 +99,10 @@ impl<B> Hold<B> for HeldOne<'_, B> {
 
 /// Where a leaf-level layer takes its parts.
 trait LeafSource<M> {
-    /// The part at `path` inside the layer (`""`: the layer's own parameters).
-    fn part(&self, path: &str) -> Result<Part<'_, M>>;
-    /// Whether the layer has a group at `path`.
-    fn has(&self, path: &str) -> bool;
+    /// The leaf at `path` inside the layer, by [`leaf!`](crate::leaf)'s rules ([`Layer::part_at`]).
+    fn leaf(&self, path: &str) -> Result<Part<'_, M>>;
+    /// The group at exactly `path` (`""`: the layer's own parameters), `None` when the layer has none there.
+    fn group_at(&self, path: &str) -> Option<Result<Part<'_, M>>>;
     /// The layer with no group taken: its structure, every weight a placeholder that loads itself when read.
     fn bare(&self) -> Part<'_, M>;
     /// The layer's skeleton, for its non-weight fields.
@@ -110,27 +110,32 @@ trait LeafSource<M> {
 }
 
 impl<M: Module> LeafSource<M> for &LeafOffload<M> {
-    fn part(&self, path: &str) -> Result<Part<'_, M>> {
-        if self.has(path) {
-            return Ok(Part::Guard(self.group(path)?));
+    fn leaf(&self, path: &str) -> Result<Part<'_, M>> {
+        let groups = self.group_paths();
+        let inside: Vec<&str> = groups.iter().copied().filter(|group| under(group, path)).collect();
+        if path.is_empty() || inside.is_empty() {
+            if let Some(part) = self.group_at(path) {
+                return part;
+            }
         }
         if path.is_empty() {
             // The layer has no parameters of its own: `own()`'s case.
             return Ok(self.bare());
         }
-        let groups = self.group_paths();
-        let inside: Vec<&str> = groups.iter().copied().filter(|group| under(group, path)).collect();
         let found = Found::at(self.skeleton(), path);
         let problem = if !inside.is_empty() {
+            // A module of several leaves, whether or not it has a group of its own (its norm): taking only that
+            // group would leave its leaves to load as strays.
             let listed = inside.iter().map(|g| format!("{g:?}")).collect::<Vec<_>>().join(", ");
+            let field = field_syntax(path);
             format!(
-                "it is a module of the leaf groups {listed}, not one leaf; narrow!(block, {}) and take each leaf \
-                 of it with leaf! (its own parameters, a norm, with own())",
-                field_syntax(path)
+                "it is a module of the leaf groups {listed}, not one leaf; narrow to it with narrow!(block, {field}) \
+                 (an optional one with narrow!(block, {field}).some()) and take each of its leaves with leaf! and \
+                 its own parameters (a norm) with own()"
             )
         } else if found.weights {
             // Parameters under no leaf of their own (a norm's) travel with the deepest enclosing group: hand that
-            // group out, as `own()` would on the struct that holds them.
+            // group out, the one `own()` takes on the struct that holds them.
             let holder =
                 groups.iter().copied().filter(|group| group.is_empty() || under(path, group)).max_by_key(|g| g.len());
             match holder {
@@ -153,8 +158,9 @@ impl<M: Module> LeafSource<M> for &LeafOffload<M> {
         Err(Error::NoLeaf { model: model.to_string(), block: block.to_string(), path: path.to_string(), problem })
     }
 
-    fn has(&self, path: &str) -> bool {
-        self.group_paths().contains(&path)
+    fn group_at(&self, path: &str) -> Option<Result<Part<'_, M>>> {
+        let exists = self.group_paths().contains(&path);
+        exists.then(|| self.group(path).map(Part::Guard))
     }
 
     fn bare(&self) -> Part<'_, M> {
@@ -167,7 +173,7 @@ impl<M: Module> LeafSource<M> for &LeafOffload<M> {
 }
 
 /// Whether the dotted path `path` lies strictly inside the module at `prefix`.
-fn under(path: &str, prefix: &str) -> bool {
+pub(crate) fn under(path: &str, prefix: &str) -> bool {
     path.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('.'))
 }
 
@@ -204,6 +210,24 @@ impl<'p> Found<'p> {
         module.visit(&mut found);
         found
     }
+}
+
+/// The leaf group of `leaves` (a module's, as leaf level cuts it) that [`leaf!`](crate::leaf) takes for the field
+/// path `path`: the group at the path, or the group its weights travel with (a norm's, under no leaf of its own);
+/// `None` where the module holds no weights at the path (an optional layer that is `None`), or where the path is a
+/// module of several leaves (which `leaf!` refuses).
+pub(crate) fn leaf_group_of<'g, M: Module>(module: &M, leaves: &'g [(String, u64)], path: &str) -> Option<&'g str> {
+    let groups = leaves.iter().map(|(group, _)| group.as_str());
+    if !path.is_empty() && groups.clone().any(|group| under(group, path)) {
+        return None;
+    }
+    if let Some(exact) = groups.clone().find(|group| *group == path) {
+        return Some(exact);
+    }
+    if !Found::at(module, path).weights {
+        return None;
+    }
+    groups.filter(|group| group.is_empty() || under(path, group)).max_by_key(|group| group.len())
 }
 
 impl burn::module::ModuleVisitor for Found<'_> {
@@ -248,20 +272,32 @@ impl<P, N, F: Fn(&P) -> &N> Deref for Projected<'_, P, F> {
     }
 }
 
-impl<'a, P: 'a, N: 'a, F: Fn(&P) -> &N + 'a> LeafSource<N> for NarrowedLeaves<'a, P, N, F> {
-    fn part(&self, path: &str) -> Result<Part<'_, N>> {
-        let full = if path.is_empty() { self.prefix.clone() } else { format!("{}.{path}", self.prefix) };
-        let part = self.parent.part(&full)?;
-        Ok(Part::Narrowed(Box::new(Projected { part, select: &self.select })))
+impl<'a, P: 'a, N: 'a, F: Fn(&P) -> &N + 'a> NarrowedLeaves<'a, P, N, F> {
+    /// `path` inside the narrowed module as a path inside the parent.
+    fn full(&self, path: &str) -> String {
+        match (self.prefix.is_empty(), path.is_empty()) {
+            (true, _) => path.to_string(),
+            (false, true) => self.prefix.clone(),
+            (false, false) => format!("{}.{path}", self.prefix),
+        }
     }
 
-    fn has(&self, path: &str) -> bool {
-        let full = if path.is_empty() { self.prefix.clone() } else { format!("{}.{path}", self.prefix) };
-        self.parent.has(&full)
+    fn project<'s>(&'s self, part: Part<'s, P>) -> Part<'s, N> {
+        Part::Narrowed(Box::new(Projected { part, select: &self.select }))
+    }
+}
+
+impl<'a, P: 'a, N: 'a, F: Fn(&P) -> &N + 'a> LeafSource<N> for NarrowedLeaves<'a, P, N, F> {
+    fn leaf(&self, path: &str) -> Result<Part<'_, N>> {
+        Ok(self.project(self.parent.leaf(&self.full(path))?))
+    }
+
+    fn group_at(&self, path: &str) -> Option<Result<Part<'_, N>>> {
+        Some(self.parent.group_at(&self.full(path))?.map(|part| self.project(part)))
     }
 
     fn bare(&self) -> Part<'_, N> {
-        Part::Narrowed(Box::new(Projected { part: self.parent.bare(), select: &self.select }))
+        self.project(self.parent.bare())
     }
 
     fn structure(&self) -> &N {
@@ -315,7 +351,7 @@ impl<'a, M: Module + 'a> Layer<'a, M> {
         match &self.source {
             Source::Whole(module) => Ok(Part::Whole(module)),
             Source::Held(held) => Ok(Part::Whole(held.module())),
-            Source::Leaves(leaves) => leaves.part(&dotted(path)),
+            Source::Leaves(leaves) => leaves.leaf(&dotted(path)),
         }
     }
 
@@ -327,7 +363,7 @@ impl<'a, M: Module + 'a> Layer<'a, M> {
         match &self.source {
             Source::Whole(module) => Ok(Part::Whole(module)),
             Source::Held(held) => Ok(Part::Whole(held.module())),
-            Source::Leaves(leaves) => leaves.part(path),
+            Source::Leaves(leaves) => leaves.leaf(path),
         }
     }
 
@@ -339,8 +375,7 @@ impl<'a, M: Module + 'a> Layer<'a, M> {
         match &self.source {
             Source::Whole(module) => Ok(Part::Whole(module)),
             Source::Held(held) => Ok(Part::Whole(held.module())),
-            Source::Leaves(leaves) if leaves.has("") => leaves.part(""),
-            Source::Leaves(leaves) => Ok(leaves.bare()),
+            Source::Leaves(leaves) => leaves.group_at("").unwrap_or_else(|| Ok(leaves.bare())),
         }
     }
 
@@ -380,6 +415,81 @@ impl<'a, M: Module + 'a> Layer<'a, M> {
     /// Whether the layer's weights are taken leaf by leaf (leaf level).
     pub fn is_leaf_level(&self) -> bool {
         matches!(self.source, Source::Leaves(_))
+    }
+}
+
+impl<'a, N: Module + 'a> Layer<'a, Option<N>> {
+    /// The optional module as a layer of its own: `None` where this block has none, the module's layer where
+    /// it has one, at every level (read from the structure, taking no group). It is how a forward reaches an
+    /// optional module of several leaves, a cross-attention present in some blocks only:
+    ///
+    /// ```
+    /// use burn::module::Module;
+    /// use burn::nn::{Linear, LinearConfig};
+    /// use burn::tensor::{Device, Tensor};
+    /// use group_offload::prelude::*;
+    ///
+    /// #[derive(Module, Debug)]
+    /// struct Cross { q: Linear, o: Linear }
+    /// #[derive(Module, Debug)]
+    /// struct Block { fc: Linear, cross: Option<Cross> }
+    ///
+    /// fn block(block: &Layer<'_, Block>, x: Tensor<2>) -> Result<Tensor<2>> {
+    ///     let mut x = leaf!(block, fc).forward(x);
+    ///     if let Some(cross) = narrow!(block, cross).some() {
+    ///         x = leaf!(cross, o).forward(leaf!(cross, q).forward(x));
+    ///     }
+    ///     Ok(x)
+    /// }
+    ///
+    /// let device = Device::flex();
+    /// let linear = || LinearConfig::new(4, 4).init(&device);
+    /// let with = Block { fc: linear(), cross: Some(Cross { q: linear(), o: linear() }) };
+    /// let without = Block { fc: linear(), cross: None };
+    /// for b in [with, without] {
+    ///     assert_eq!(block(&Layer::whole(&b), Tensor::<2>::ones([1, 4], &device))?.dims(), [1, 4]);
+    /// }
+    /// # Ok::<(), group_offload::Error>(())
+    /// ```
+    pub fn some(self) -> Option<Layer<'a, N>> {
+        let source = match self.source {
+            Source::Whole(module) => Source::Whole(module.as_ref()?),
+            Source::Held(held) => {
+                held.module().as_ref()?;
+                Source::Held(Rc::new(HeldSome(held)))
+            }
+            Source::Leaves(leaves) => {
+                leaves.structure().as_ref()?;
+                // `Option` adds no segment to burn's parameter paths: the module's leaves are at the same paths.
+                let narrowed = NarrowedLeaves {
+                    parent: leaves,
+                    prefix: String::new(),
+                    select: present::<N>,
+                    narrowed: std::marker::PhantomData::<fn() -> N>,
+                };
+                Source::Leaves(Rc::new(narrowed))
+            }
+        };
+        Some(Layer { source })
+    }
+}
+
+/// The module inside an optional module that [`Layer::some`] found present.
+fn present<N>(module: &Option<N>) -> &N {
+    match module {
+        Some(module) => module,
+        // Every part of a layer is installed from one structure, whose option `some` checked before it made the
+        // layer; no part of it can be `None`.
+        None => unreachable!("an optional module found present in a layer's structure is absent in one of its parts"),
+    }
+}
+
+/// A held optional module that [`Layer::some`] found present.
+struct HeldSome<'a, N>(Rc<dyn Hold<Option<N>> + 'a>);
+
+impl<N> Hold<N> for HeldSome<'_, N> {
+    fn module(&self) -> &N {
+        present(self.0.module())
     }
 }
 

@@ -14,12 +14,21 @@ struct Mlp {
     down: Linear,
 }
 
-/// A block whose skip projection exists in some blocks only.
+/// A block whose skip projection (one leaf) and cross-attention (several leaves and a norm) exist in some
+/// blocks only.
 #[derive(Module, Debug)]
 struct SkipBlock {
     mlp: Mlp,
     skip: Option<Linear>,
+    cross: Option<Cross>,
     norm: LayerNorm,
+}
+
+#[derive(Module, Debug)]
+struct Cross {
+    norm: LayerNorm,
+    q: Linear,
+    o: Linear,
 }
 
 #[derive(Module, Debug, OffloadModel)]
@@ -38,6 +47,8 @@ enum Reach {
     NormByField,
     /// The whole MLP by its field, as if it were one leaf: `leaf!(block, mlp)`.
     MlpByField,
+    /// The optional cross-attention by its field, as if it were one leaf: `leaf!(block, cross)`.
+    CrossByField,
 }
 
 impl SkipsWeights<'_> {
@@ -53,30 +64,44 @@ fn skip_block(block: &Layer<'_, SkipBlock>, x: Tensor<2>, reach: Reach) -> Resul
         Some(skip) => x.clone() + skip.forward(x),
         None => x,
     };
+    let x = match reach {
+        Reach::CrossByField => match &leaf!(block, cross) {
+            Some(cross) => cross.o.forward(cross.q.forward(cross.norm.forward(x.clone()))) + x,
+            None => x,
+        },
+        // An optional module of several leaves: narrowed, then `some()`, `None` in a block without one.
+        _ => match narrow!(block, cross).some() {
+            Some(cross) => leaf!(cross, o).forward(leaf!(cross, q).forward(cross.own()?.norm.forward(x.clone()))) + x,
+            None => x,
+        },
+    };
     let h = match reach {
         Reach::MlpByField => {
             let mlp = &leaf!(block, mlp);
             mlp.down.forward(mlp.up.forward(x.clone()))
         }
-        Reach::Guide | Reach::NormByField => {
+        Reach::Guide | Reach::NormByField | Reach::CrossByField => {
             let mlp = narrow!(block, mlp);
             leaf!(mlp, down).forward(leaf!(mlp, up).forward(x.clone()))
         }
     };
     Ok(match reach {
         Reach::NormByField => leaf!(block, norm).forward(x + h),
-        Reach::Guide | Reach::MlpByField => block.own()?.norm.forward(x + h),
+        Reach::Guide | Reach::MlpByField | Reach::CrossByField => block.own()?.norm.forward(x + h),
     })
 }
 
 fn skips(device: &Device) -> Skips {
     let linear = || LinearConfig::new(8, 8).init(device);
-    let block = |skip: bool| SkipBlock {
+    let norm = || LayerNormConfig::new(8).init(device);
+    let block = |skip: bool, cross: bool| SkipBlock {
         mlp: Mlp { up: linear(), down: linear() },
         skip: skip.then(linear),
-        norm: LayerNormConfig::new(8).init(device),
+        cross: cross.then(|| Cross { norm: norm(), q: linear(), o: linear() }),
+        norm: norm(),
     };
-    Skips { embed: linear(), blocks: vec![block(true), block(false), block(true), block(false)] }
+    let blocks = vec![block(true, false), block(false, true), block(true, true), block(false, false)];
+    Skips { embed: linear(), blocks }
 }
 
 fn input(device: &Device) -> Tensor<2> {
@@ -90,8 +115,23 @@ fn an_optional_layer_that_is_none_in_some_blocks_streams_at_both_levels() {
     let check = check_streaming(model, &device, |weights| weights.forward(x.clone(), Reach::Guide))
         .expect("the guide's pattern for an optional layer streams at both levels");
     assert_eq!(check.block_groups, 4, "{check:?}");
-    // Per block: mlp.up, mlp.down, the norm's group, and the skip where there is one.
-    assert_eq!(check.leaf_groups, 4 * 3 + 2, "{check:?}");
+    // Per block: mlp.up, mlp.down, the norm's group, the skip where there is one (2 blocks), and the
+    // cross-attention's q, o and norm where there is one (2 blocks).
+    assert_eq!(check.leaf_groups, 4 * 3 + 2 + 2 * 3, "{check:?}");
+}
+
+#[test]
+fn an_optional_module_of_several_leaves_taken_as_one_leaf_names_the_fix() {
+    let device = Device::flex();
+    let (model, x) = (skips(&device), input(&device));
+    // Its own group (the norm) exists: taking only that one used to leave q and o to load as strays.
+    let error = check_streaming(model, &device, |weights| weights.forward(x.clone(), Reach::CrossByField))
+        .expect_err("cross holds several leaf groups");
+    let message = error.to_string();
+    assert!(matches!(error, Error::Streaming { ref level, .. } if level == "leaf level"), "{message}");
+    for wanted in ["block blocks.1", "\"cross\"", "\"cross.q\"", "narrow!(block, cross).some()"] {
+        assert!(message.contains(wanted), "the message names {wanted}: {message}");
+    }
 }
 
 #[test]
@@ -152,6 +192,32 @@ fn groups_are_counted_by_one_rule_at_both_levels() {
     // stages' rests hold none, so they count at neither level; the census counts the same groups.
     assert_eq!(check.block_groups, 4, "{check:?}");
     assert_eq!(check.block_groups, layout.block_bytes.len(), "{check:?} against {layout:?}");
-    assert_eq!(check.leaf_groups, 4 * 3 + 2, "{check:?}");
+    assert_eq!(check.leaf_groups, 4 * 3 + 2 + 2 * 3, "{check:?}");
     assert_eq!(check.leaf_groups, layout.leaf_count, "{check:?} against {layout:?}");
+}
+
+/// The block list of `Skips`, whose blocks' forwards take their norm first (a path under no leaf of its own).
+#[derive(Module, Debug, OffloadModel)]
+struct NormFirst {
+    #[offload(blocks, first = norm)]
+    blocks: Vec<SkipBlock>,
+}
+
+/// The same, naming a module of several leaves first (which `leaf!` refuses: no one leaf).
+#[derive(Module, Debug, OffloadModel)]
+struct MlpFirst {
+    #[offload(blocks, first = mlp)]
+    blocks: Vec<SkipBlock>,
+}
+
+#[test]
+fn the_first_leaf_resolves_as_leaf_does() {
+    let device = Device::flex();
+    let norm = (2 * 8 * 4) as u64;
+    // The block's norm travels with the block's own group: what `leaf!(block, norm)` takes.
+    let layout = measure_layout(&NormFirst { blocks: skips(&device).blocks }).expect("blocks");
+    assert_eq!(layout.first_leaf_bytes, norm, "{layout:?}");
+    // A module of several leaves is no first leaf: nothing is named, rather than its block's own group.
+    let layout = measure_layout(&MlpFirst { blocks: skips(&device).blocks }).expect("blocks");
+    assert_eq!(layout.first_leaf_bytes, 0, "{layout:?}");
 }
