@@ -4,7 +4,7 @@
 //! This is the layer that validates user input ([`GroupOffloadConfig::validate`], called once by the engine's one
 //! entrance, [`GroupOffload::new`](crate::parts::GroupOffload::new)); everything below trusts it: the engine sizes
 //! its prefetch window by `prefetch_depth` unchecked. [`GroupOptions::validate`](crate::GroupOptions::validate)
-//! applies the same prefetch rule ([`check_prefetch`]) earlier, so a handle refuses bad options before it touches
+//! applies the same prefetch rule (one function, `check_prefetch`) earlier, so a handle refuses bad options before it touches
 //! the model; nothing between the two clamps or corrects a value.
 
 use std::fmt;
@@ -178,8 +178,9 @@ impl GroupOffloadConfig {
     }
 
     /// Checks the values a user can get wrong; called once by [`GroupOffload::new`](crate::parts::GroupOffload::new),
-    /// before its engine starts: the model's name, and the prefetch depth ([`check_prefetch`]). Each refusal is
-    /// [`Error::InvalidConfig`] naming the value, the bound and the fix.
+    /// before its engine starts: the model's name, and the prefetch depth (1 to [`MAX_PREFETCH_DEPTH`] with prefetch
+    /// on; with it off, 0 too, but never past the bound). Each refusal is [`Error::InvalidConfig`] naming the
+    /// value, the bound and the fix.
     pub fn validate(&self) -> Result<()> {
         if self.model.is_empty() || self.model.contains('/') {
             let problem = format!("the model name {:?} must be non-empty and contain no '/'", self.model);

@@ -113,10 +113,12 @@ impl<M: Module> LeafSource<M> for &LeafOffload<M> {
     fn leaf(&self, path: &str) -> Result<Part<'_, M>> {
         let groups = self.group_paths();
         let inside: Vec<&str> = groups.iter().copied().filter(|group| under(group, path)).collect();
-        if path.is_empty() || inside.is_empty() {
-            if let Some(part) = self.group_at(path) {
-                return part;
-            }
+        // A module of several leaves is refused below even when it has a group of its own (its norm): handing out
+        // only that group would leave its leaves to load as strays.
+        if inside.is_empty()
+            && let Some(part) = self.group_at(path)
+        {
+            return part;
         }
         if path.is_empty() {
             // The layer has no parameters of its own: `own()`'s case.
@@ -124,8 +126,6 @@ impl<M: Module> LeafSource<M> for &LeafOffload<M> {
         }
         let found = Found::at(self.skeleton(), path);
         let problem = if !inside.is_empty() {
-            // A module of several leaves, whether or not it has a group of its own (its norm): taking only that
-            // group would leave its leaves to load as strays.
             let listed = inside.iter().map(|g| format!("{g:?}")).collect::<Vec<_>>().join(", ");
             let field = field_syntax(path);
             format!(
