@@ -147,7 +147,11 @@ impl<M: Module> LeafSource<M> for &LeafOffload<M> {
             // nothing to take, and reading it through the bare layer gives what the block holds.
             return Ok(self.bare());
         } else {
-            let listed = groups.iter().map(|g| format!("{g:?}")).collect::<Vec<_>>().join(", ");
+            let listed = groups
+                .iter()
+                .map(|g| if g.is_empty() { "\"\" (its own parameters)".to_string() } else { format!("{g:?}") })
+                .collect::<Vec<_>>()
+                .join(", ");
             format!(
                 "no module field of the block has this path; take a leaf by its field with leaf!(block, field), \
                  which the compiler checks, read a non-weight field with structure(), or name one of its leaf \
