@@ -510,10 +510,10 @@ fn layout_of<M: OffloadModel>(model: &M, mut census: Census) -> Option<BlockLayo
 #[derive(Debug, Clone, PartialEq)]
 pub struct StreamingCheck {
     /// Groups at block level, one block per group: each block, each single block, and each nested sub-model's
-    /// rest that holds weights (the planner's `block_bytes`, one per group).
+    /// rest that holds weights (the census's blocks that hold weights: [`BlockLayout::block_bytes`]).
     pub block_groups: usize,
     /// Groups at leaf level: each leaf, each block's own group (its norms), and each nested sub-model's rest that
-    /// holds weights (the planner's `leaf_count`).
+    /// holds weights (the census's leaves that hold weights: [`BlockLayout::leaf_count`]).
     pub leaf_groups: usize,
     /// The largest difference of a streamed output from the resident one, relative to the largest resident value.
     pub max_relative_difference: f32,
