@@ -19,6 +19,9 @@
 //! | `#[offload(nested)]` | `Vec<S>`, `S: OffloadModel` | `Nested<'a, S>` | each element's own parts, and its rest |
 //! | `#[offload(nested)]` | `S: OffloadModel` | `S::Weights<'a>` | its own parts, and its rest |
 //!
+//! A declared part is never an `Option` (it is split into groups, so it exists in every model): an optional layer
+//! lives inside a block, where its `Option` field streams at both levels.
+//!
 //! `blocks` and `block` take `first = path` (the leaf the block's forward takes first: `adaLN_modulation[0]`,
 //! checked against the block's fields at compile time). Struct attributes: `#[offload(class = "Name")]` (the
 //! class the record shows; the struct's name by default), `#[offload(leaves = path::to_fn)]` (a function
@@ -132,6 +135,17 @@ fn expand(input: &DeriveInput) -> syn::Result<Tokens> {
                 Some(element) => (true, element.clone()),
                 None => (false, field.ty.clone()),
             };
+            if is_option(&ty) {
+                // A declared part is split into groups when the model is taken apart, so it exists in every
+                // model; an optional layer belongs inside a block, where it streams at both levels.
+                return Err(syn::Error::new_spanned(
+                    &field.ty,
+                    "a declared part cannot be an `Option`: declare the list or module that holds the optional \
+                     layer (its `Option` field streams at both levels: `match &leaf!(block, skip) { .. }` for one \
+                     leaf, `narrow!(block, cross).some()` for a module of several), or leave the field unmarked, \
+                     in the shell",
+                ));
+            }
             let kind = match (nested, list) {
                 (false, true) => Kind::Blocks,
                 (false, false) => Kind::Block,
@@ -287,6 +301,12 @@ fn vec_element(ty: &Type) -> Option<&Type> {
     }
 }
 
+/// Whether `ty` is `Option<..>`.
+fn is_option(ty: &Type) -> bool {
+    let Type::Path(path) = ty else { return false };
+    path.path.segments.last().is_some_and(|last| last.ident == "Option")
+}
+
 /// A field path inside a block, `attention.to_out[0]`: its dotted form (`attention.to_out.0`, the group's
 /// path) and the access tokens (`.attention.to_out[0]`) that make the compiler check it.
 fn parse_field_path(input: ParseStream<'_>) -> syn::Result<(String, Tokens)> {
@@ -310,5 +330,53 @@ fn parse_field_path(input: ParseStream<'_>) -> syn::Result<(String, Tokens)> {
         } else {
             return Ok((dotted, access));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::expand;
+
+    /// The message of the derive's refusal of `input`.
+    fn refused(input: syn::DeriveInput) -> String {
+        match expand(&input) {
+            Ok(tokens) => panic!("accepted: {tokens}"),
+            Err(error) => error.to_string(),
+        }
+    }
+
+    #[test]
+    fn an_optional_declared_part_is_refused_with_the_pattern_that_streams_it() {
+        for input in [
+            syn::parse_quote! { struct Model { #[offload(nested)] refiner: Option<Refiner> } },
+            syn::parse_quote! { struct Model { #[offload(block)] cross: Option<Attention> } },
+            syn::parse_quote! { struct Model { #[offload(blocks)] blocks: Vec<Option<Block>> } },
+        ] {
+            let message = refused(input);
+            assert!(message.contains("cannot be an `Option`") && message.contains(".some()"), "{message}");
+        }
+    }
+
+    #[test]
+    fn a_field_attribute_that_says_nothing_is_refused() {
+        let message = refused(syn::parse_quote! { struct Model { #[offload(first = fc)] blocks: Vec<Block> } });
+        assert!(message.contains("`blocks`, `block` or `nested`"), "{message}");
+    }
+
+    #[test]
+    fn the_declared_parts_are_accepted_in_the_shape_the_struct_has() {
+        let input: syn::DeriveInput = syn::parse_quote! {
+            #[offload(class = "Seq2Seq")]
+            struct Model {
+                embed: Embedding,
+                #[offload(nested)] encoder: Side,
+                #[offload(nested)] stages: Vec<Stage>,
+                #[offload(blocks, first = attn.norm)] blocks: Vec<Block>,
+                #[offload(block)] last: Block,
+                skip: Option<Linear>,
+            }
+        };
+        let tokens = expand(&input).expect("accepted").to_string();
+        assert!(tokens.contains("ModelWeights") && tokens.contains("\"Seq2Seq\""), "{tokens}");
     }
 }

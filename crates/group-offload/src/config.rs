@@ -1,8 +1,11 @@
 //! Configuration of a group offloader: where it uploads, how far it prefetches, what it keeps resident, and the
 //! ledger, memory readings and record it reports to.
 //!
-//! This is the layer that validates user input ([`GroupOffloadConfig::validate`], called once by
-//! [`GroupOffload::new`](crate::parts::GroupOffload::new)); everything below trusts it.
+//! This is the layer that validates user input ([`GroupOffloadConfig::validate`], called once by the engine's one
+//! entrance, [`GroupOffload::new`](crate::parts::GroupOffload::new)); everything below trusts it: the engine sizes
+//! its prefetch window by `prefetch_depth` unchecked. [`GroupOptions::validate`](crate::GroupOptions::validate)
+//! applies the same prefetch rule (one function, `check_prefetch`) earlier, so a handle refuses bad options before it touches
+//! the model; nothing between the two clamps or corrects a value.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -10,6 +13,7 @@ use std::sync::Arc;
 
 use burn::tensor::Device;
 use offload_core::link::LinkMeter;
+use offload_core::plan::MAX_PREFETCH_DEPTH;
 use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, OffloadRecord, Timeline};
 
 use crate::error::{Error, Result};
@@ -125,7 +129,7 @@ impl GroupOffloadConfig {
         self
     }
 
-    /// Sets how many groups ahead are prefetched (at least 1).
+    /// Sets how many groups ahead are prefetched (1 to [`MAX_PREFETCH_DEPTH`] with prefetch on).
     pub fn with_prefetch_depth(mut self, depth: usize) -> Self {
         self.prefetch_depth = depth;
         self
@@ -173,17 +177,37 @@ impl GroupOffloadConfig {
         self
     }
 
-    /// Checks the values a user can get wrong; called once by [`GroupOffload::new`](crate::parts::GroupOffload::new).
+    /// Checks the values a user can get wrong; called once by [`GroupOffload::new`](crate::parts::GroupOffload::new),
+    /// before its engine starts: the model's name, and the prefetch depth (1 to [`MAX_PREFETCH_DEPTH`] with prefetch
+    /// on; with it off, 0 too, but never past the bound). Each refusal is [`Error::InvalidConfig`] naming the
+    /// value, the bound and the fix.
     pub fn validate(&self) -> Result<()> {
-        let invalid = |problem: &str| Error::InvalidConfig { model: self.model.clone(), problem: problem.to_string() };
         if self.model.is_empty() || self.model.contains('/') {
-            return Err(invalid("the model name must be non-empty and contain no '/'"));
+            let problem = format!("the model name {:?} must be non-empty and contain no '/'", self.model);
+            return Err(Error::InvalidConfig { model: self.model.clone(), problem });
         }
-        if self.prefetch && self.prefetch_depth == 0 {
-            return Err(invalid("prefetch_depth is 0; use 1 or more, or turn prefetch off with with_prefetch(false)"));
-        }
-        Ok(())
+        check_prefetch(&self.model, self.prefetch, self.prefetch_depth)
     }
+}
+
+/// The prefetch rule, the one every layer of this crate that takes a depth applies: a depth of 1 to
+/// [`MAX_PREFETCH_DEPTH`] with prefetch on; with prefetch off the depth is unused and may be 0, but never past the
+/// bound (a value past it is a mistake, not a plan). offload-core's settings refuse past the same bound.
+pub(crate) fn check_prefetch(model: &str, prefetch: bool, depth: usize) -> Result<()> {
+    let problem = if depth > MAX_PREFETCH_DEPTH {
+        format!(
+            "prefetch_depth is {depth}, past the bound of {MAX_PREFETCH_DEPTH} (offload_core::plan::MAX_PREFETCH_DEPTH): \
+             each group ahead is held on the device, and depth 1 already overlaps each upload with a group's \
+             compute; use 1 to {MAX_PREFETCH_DEPTH}"
+        )
+    } else if prefetch && depth == 0 {
+        format!(
+            "prefetch_depth is 0 with prefetch on; use 1 or more (at most {MAX_PREFETCH_DEPTH}), or turn prefetch off"
+        )
+    } else {
+        return Ok(());
+    };
+    Err(Error::InvalidConfig { model: model.to_string(), problem })
 }
 
 /// Decides which modules are leaves at leaf level, from the container type burn reports for them

@@ -49,6 +49,20 @@ pub enum Error {
         known: String,
     },
 
+    /// A leaf-level block was asked for a field path that is no leaf of its own and that no one group holds: a
+    /// module of several leaves, or a path that names no field of the block (a path written by hand).
+    #[error("{model}: block {block} has no leaf at {path:?}: {problem}")]
+    NoLeaf {
+        /// The model's name.
+        model: String,
+        /// The block's part name (`blocks.3`, `down.0.blocks.1`), as the record's group ids show it.
+        block: String,
+        /// The field path inside the block (`attention.to_q`).
+        path: String,
+        /// What the path is instead, and what to write.
+        problem: String,
+    },
+
     /// A configuration value is out of range.
     #[error("invalid group offload configuration for {model}: {problem}")]
     InvalidConfig {

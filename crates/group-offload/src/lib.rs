@@ -12,8 +12,8 @@
 //!    checkpoint keys do not change.
 //! 2. Write each model's forward once, over its weights view: [`Blocks`] (by index, iteration or fold),
 //!    [`Single`], [`Nested`], [`Shell`]; inside a block, a [`Layer`], whose leaves [`leaf!`] takes by their field
-//!    paths and which [`narrow!`] narrows to a sub-module. The resident forward is the same function.
-//!    [`check_streaming`] is its free test.
+//!    paths and which [`narrow!`] narrows to a sub-module ([`Layer::some`] to an optional one). The resident
+//!    forward is the same function. [`check_streaming`] is its free test.
 //! 3. Register each model with a `ComponentsManager` as a [`ModelHandle`] on a [`Placement`] (the device's one
 //!    account), and call it with [`ModelHandle::run`]: auto offload, the OOM retry and the record apply.
 //! 4. Stream a model with [`ModelHandle::enable_group_offload`] and [`GroupOptions`], or plan every component
@@ -120,6 +120,12 @@
 //! every size is the quantized one; [`quant`] says which schemes the backend in use computes.
 
 #![forbid(unsafe_code)]
+
+/// The model author's guide, `docs/model-guide.md`: its Rust examples are compiled and run as this crate's
+/// doctests (`cargo test -p group-offload --doc`), so the guide cannot show a name that no longer exists.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/model-guide.md")]
+struct ModelGuide;
 
 // The mechanism's names the page above links to, which the root does not export.
 #[cfg(doc)]

@@ -196,23 +196,28 @@ impl GroupOptions {
         Self { level: GroupLevel::Leaf, ..Self::default() }
     }
 
-    /// Checks what a caller can get wrong, before anything is taken apart.
+    /// Checks what a caller can get wrong, before anything is taken apart: `blocks_per_group` of 1 or more (any
+    /// count past the number of blocks is one group of every block, and nothing is allocated or looped by it),
+    /// and the prefetch depth by the rule [`GroupOffloadConfig::validate`] applies (1 to
+    /// [`MAX_PREFETCH_DEPTH`](offload_core::plan::MAX_PREFETCH_DEPTH) with prefetch on, never past the bound).
+    /// Each refusal is [`Error::InvalidConfig`] naming the value, the bound and the fix.
     pub fn validate(&self, model: &str) -> Result<()> {
-        let invalid = |problem: &str| Err(Error::InvalidConfig { model: model.into(), problem: problem.into() });
         if self.level == (GroupLevel::Block { blocks_per_group: 0 }) {
-            return invalid("blocks_per_group is 0; group at least 1 block");
+            let problem = "blocks_per_group is 0; use 1 or more (one group of that many consecutive blocks)".into();
+            return Err(Error::InvalidConfig { model: model.into(), problem });
         }
-        if self.prefetch && self.prefetch_depth == 0 {
-            return invalid("prefetch_depth is 0 with prefetch on; use 1 or more, or turn prefetch off");
-        }
-        Ok(())
+        // The prefetch rule is the offloader's own (one function, one message): these options are checked by it
+        // here, early, so that a handle refuses them before it touches the model; `configure` then trusts them.
+        crate::config::check_prefetch(model, self.prefetch, self.prefetch_depth)
     }
 
-    /// `config` (device, ledger, readings, record) with these options' prefetch, budgets and disk store.
+    /// `config` (device, ledger, readings, record) with these options' prefetch, budgets and disk store. It
+    /// passes the values on as they are: [`validate`](Self::validate) checks them, and the offloader that the
+    /// configuration starts checks them again with [`GroupOffloadConfig::validate`], so nothing is clamped here.
     pub fn configure(&self, config: GroupOffloadConfig) -> GroupOffloadConfig {
         let config = config
             .with_prefetch(self.prefetch)
-            .with_prefetch_depth(self.prefetch_depth.max(1))
+            .with_prefetch_depth(self.prefetch_depth)
             .with_resident_budget(self.resident_budget)
             .with_pinned_budget(self.pinned_budget)
             .with_upload_checks(self.check_uploads);
@@ -385,8 +390,9 @@ struct CensusBlock {
     bytes: u64,
     /// Its leaf groups at leaf level.
     leaves: Vec<(String, u64)>,
-    /// The leaf its forward takes first (`""`: its own parameters).
-    first: String,
+    /// The leaf group its forward takes first (`""`: its own parameters), by `leaf!`'s rules; `None` where the
+    /// block holds no weights at the path it was given (an optional layer that is `None` in this block).
+    first: Option<String>,
 }
 
 /// The parts a model names for the planner ([`OffloadModel::census`]), in the order the forward runs them.
@@ -417,10 +423,11 @@ impl Census {
     pub fn blocks_from<B: Module>(&mut self, blocks: &[B], first: Option<&str>) {
         let leaves = self.leaves.clone().unwrap_or_default();
         self.lists.push(blocks.len());
-        self.blocks.extend(blocks.iter().map(|block| CensusBlock {
-            bytes: module_bytes_on(block, self.exec.as_ref()),
-            leaves: leaf_groups_on(block, &leaves, self.exec.as_ref()),
-            first: first.unwrap_or_default().to_string(),
+        self.blocks.extend(blocks.iter().map(|block| {
+            let groups = leaf_groups_on(block, &leaves, self.exec.as_ref());
+            // The path resolves as `leaf!` resolves it: a norm's path to the group its weights travel with.
+            let first = crate::view::leaf_group_of(block, &groups, first.unwrap_or_default()).map(str::to_string);
+            CensusBlock { bytes: module_bytes_on(block, self.exec.as_ref()), leaves: groups, first }
         }));
     }
 
@@ -437,7 +444,11 @@ impl Census {
         let rest = module_bytes_on(element, self.exec.as_ref()).saturating_sub(declared);
         if rest > 0 {
             self.lists.push(1);
-            self.blocks.push(CensusBlock { bytes: rest, leaves: vec![(String::new(), rest)], first: String::new() });
+            self.blocks.push(CensusBlock {
+                bytes: rest,
+                leaves: vec![(String::new(), rest)],
+                first: Some(String::new()),
+            });
         }
     }
 
@@ -478,7 +489,7 @@ fn layout_of<M: OffloadModel>(model: &M, mut census: Census) -> Option<BlockLayo
     let first_leaf_bytes = census
         .blocks
         .iter()
-        .find_map(|block| block.leaves.iter().find(|(path, _)| *path == block.first).map(|(_, b)| *b))
+        .find_map(|block| block.leaves.iter().find(|(path, _)| Some(path) == block.first.as_ref()).map(|(_, b)| *b))
         .unwrap_or(0);
     Some(BlockLayout {
         outside_bytes: module_bytes_on(model, exec.as_ref()).saturating_sub(block_bytes.iter().sum()),
@@ -490,11 +501,19 @@ fn layout_of<M: OffloadModel>(model: &M, mut census: Census) -> Option<BlockLayo
 }
 
 /// What [`check_streaming`] ran and found.
+///
+/// Both levels count groups by one rule: a group is counted when it holds weights, and the model's shell (the
+/// layers outside the declared parts, which stay resident by default) is not. A nested sub-model's rest counts
+/// when it holds weights, at both levels; a rest that holds none (a stage with only its blocks) counts at
+/// neither. The census ([`OffloadModel::census`], [`measure_layout`]) counts by the same rule, and the check
+/// fails when the two disagree.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StreamingCheck {
-    /// Groups at block level (one block per group), the layers outside the declared parts not counted.
+    /// Groups at block level, one block per group: each block, each single block, and each nested sub-model's
+    /// rest that holds weights (the census's blocks that hold weights: [`BlockLayout::block_bytes`]).
     pub block_groups: usize,
-    /// Groups at leaf level.
+    /// Groups at leaf level: each leaf, each block's own group (its norms), and each nested sub-model's rest that
+    /// holds weights (the census's leaves that hold weights: [`BlockLayout::leaf_count`]).
     pub leaf_groups: usize,
     /// The largest difference of a streamed output from the resident one, relative to the largest resident value.
     pub max_relative_difference: f32,
@@ -552,7 +571,7 @@ where
             return Err(failed(
                 name,
                 format!(
-                    "{} parameter(s) were loaded outside their group (first: {}); the forward used a weight through a part that does not hold it: take the leaf by its own field path (leaf!)",
+                    "{} parameter(s) were loaded outside their group (first: {}); the forward used a weight through a part that does not hold it: take each leaf by its own field path with leaf!, narrowing to a module of several leaves with narrow! (to an optional one with narrow!(block, field).some()), never through Layer::whole or another leaf's part",
                     stats.stray_loads,
                     offload.stray_parameters().first().cloned().unwrap_or_default()
                 ),
@@ -579,21 +598,26 @@ where
                 ),
             ));
         }
-        match options.level {
+        // One rule at both levels (see `StreamingCheck`): groups that hold weights, the shell left out.
+        let shell = format!("{}/shell", M::CLASS);
+        let made = groups.iter().filter(|(id, bytes)| *bytes > 0 && *id != shell).count();
+        let (named, unit) = match options.level {
             GroupLevel::Block { .. } => {
-                check.block_groups = groups.iter().filter(|(id, bytes)| !id.ends_with("/shell") && *bytes > 0).count();
-                let named = census.blocks.iter().filter(|block| block.bytes > 0).count();
-                if named != check.block_groups {
-                    return Err(failed(
-                        name,
-                        format!(
-                            "the census names {named} blocks but the split made {} block groups; name the same parts in census and split",
-                            check.block_groups
-                        ),
-                    ));
-                }
+                check.block_groups = made;
+                (census.blocks.iter().filter(|block| block.bytes > 0).count(), "block")
             }
-            GroupLevel::Leaf => check.leaf_groups = groups.len(),
+            GroupLevel::Leaf => {
+                check.leaf_groups = made;
+                (census.blocks.iter().flat_map(|block| &block.leaves).filter(|(_, bytes)| *bytes > 0).count(), "leaf")
+            }
+        };
+        if named != made {
+            return Err(failed(
+                name,
+                format!(
+                    "the census names {named} {unit} groups but the split made {made}; name the same parts in census and split"
+                ),
+            ));
         }
     }
     Ok(check)

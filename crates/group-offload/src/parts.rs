@@ -583,6 +583,12 @@ impl<M> std::fmt::Debug for LeafOffload<M> {
 }
 
 impl<M: Module> LeafOffload<M> {
+    /// The part's name (`blocks.3`, `down.0.blocks.1`: its groups' ids are `{model}/{name}.{path}`) and its
+    /// model's, for errors that name the block.
+    pub fn names(&self) -> (&str, &str) {
+        (self.core.engine.model(), &self.core.name)
+    }
+
     /// The groups' paths inside the module (`""` is the root group), in visit order.
     pub fn group_paths(&self) -> Vec<&str> {
         self.groups.iter().map(|(p, _)| p.as_str()).collect()

@@ -18,7 +18,7 @@ use std::rc::Rc;
 
 use burn::module::Module;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::{OffloadModel, Streamed, StreamedOne};
 use crate::parts::{BlockOffload, GroupGuard, LeafOffload, ModuleOffload};
 
@@ -99,10 +99,10 @@ impl<B> Hold<B> for HeldOne<'_, B> {
 
 /// Where a leaf-level layer takes its parts.
 trait LeafSource<M> {
-    /// The part at `path` inside the layer (`""`: the layer's own parameters).
-    fn part(&self, path: &str) -> Result<Part<'_, M>>;
-    /// Whether the layer has a group at `path`.
-    fn has(&self, path: &str) -> bool;
+    /// The leaf at `path` inside the layer, by [`leaf!`](crate::leaf)'s rules ([`Layer::part_at`]).
+    fn leaf(&self, path: &str) -> Result<Part<'_, M>>;
+    /// The group at exactly `path` (`""`: the layer's own parameters), `None` when the layer has none there.
+    fn group_at(&self, path: &str) -> Option<Result<Part<'_, M>>>;
     /// The layer with no group taken: its structure, every weight a placeholder that loads itself when read.
     fn bare(&self) -> Part<'_, M>;
     /// The layer's skeleton, for its non-weight fields.
@@ -110,12 +110,61 @@ trait LeafSource<M> {
 }
 
 impl<M: Module> LeafSource<M> for &LeafOffload<M> {
-    fn part(&self, path: &str) -> Result<Part<'_, M>> {
-        Ok(Part::Guard(self.group(path)?))
+    fn leaf(&self, path: &str) -> Result<Part<'_, M>> {
+        let groups = self.group_paths();
+        let inside: Vec<&str> = groups.iter().copied().filter(|group| under(group, path)).collect();
+        // A module of several leaves is refused below even when it has a group of its own (its norm): handing out
+        // only that group would leave its leaves to load as strays.
+        if inside.is_empty()
+            && let Some(part) = self.group_at(path)
+        {
+            return part;
+        }
+        if path.is_empty() {
+            // The layer has no parameters of its own: `own()`'s case.
+            return Ok(self.bare());
+        }
+        let found = Found::at(self.skeleton(), path);
+        let problem = if !inside.is_empty() {
+            let listed = inside.iter().map(|g| format!("{g:?}")).collect::<Vec<_>>().join(", ");
+            let field = field_syntax(path);
+            format!(
+                "it is a module of the leaf groups {listed}, not one leaf; narrow to it with narrow!(block, {field}) \
+                 (an optional one with narrow!(block, {field}).some()) and take each of its leaves with leaf! and \
+                 its own parameters (a norm) with own()"
+            )
+        } else if found.weights {
+            // Parameters under no leaf of their own (a norm's) travel with the deepest enclosing group: hand that
+            // group out, the one `own()` takes on the struct that holds them.
+            let holder =
+                groups.iter().copied().filter(|group| group.is_empty() || under(path, group)).max_by_key(|g| g.len());
+            match holder {
+                Some(holder) => return Ok(Part::Guard(self.group(holder)?)),
+                None => "its parameters are in no group of the block; report this as a bug".to_string(),
+            }
+        } else if found.module {
+            // A field that holds no weights (an optional layer that is `None` here, a layer without parameters):
+            // nothing to take, and reading it through the bare layer gives what the block holds.
+            return Ok(self.bare());
+        } else {
+            let listed = groups
+                .iter()
+                .map(|g| if g.is_empty() { "\"\" (its own parameters)".to_string() } else { format!("{g:?}") })
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!(
+                "no module field of the block has this path; take a leaf by its field with leaf!(block, field), \
+                 which the compiler checks, read a non-weight field with structure(), or name one of its leaf \
+                 groups: {listed}"
+            )
+        };
+        let (model, block) = self.names();
+        Err(Error::NoLeaf { model: model.to_string(), block: block.to_string(), path: path.to_string(), problem })
     }
 
-    fn has(&self, path: &str) -> bool {
-        self.group_paths().contains(&path)
+    fn group_at(&self, path: &str) -> Option<Result<Part<'_, M>>> {
+        let exists = self.group_paths().contains(&path);
+        exists.then(|| self.group(path).map(Part::Guard))
     }
 
     fn bare(&self) -> Part<'_, M> {
@@ -124,6 +173,84 @@ impl<M: Module> LeafSource<M> for &LeafOffload<M> {
 
     fn structure(&self) -> &M {
         self.skeleton()
+    }
+}
+
+/// Whether the dotted path `path` lies strictly inside the module at `prefix`.
+pub(crate) fn under(path: &str, prefix: &str) -> bool {
+    path.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('.'))
+}
+
+/// A dotted path as the field path `leaf!` and `narrow!` take (`resnets.0.conv1` as `resnets[0].conv1`).
+fn field_syntax(path: &str) -> String {
+    let mut out = String::new();
+    for segment in path.split('.') {
+        if segment.parse::<usize>().is_ok() {
+            out.push_str(&format!("[{segment}]"));
+        } else {
+            if !out.is_empty() {
+                out.push('.');
+            }
+            out.push_str(segment);
+        }
+    }
+    out
+}
+
+/// What a module holds at a dotted path, read from its structure without touching a weight.
+#[derive(Default)]
+struct Found<'p> {
+    path: &'p str,
+    stack: Vec<String>,
+    /// A module (a field burn visits: an optional layer, `None` or not, a list, a layer) is at the path.
+    module: bool,
+    /// A float parameter is at or under the path.
+    weights: bool,
+}
+
+impl<'p> Found<'p> {
+    fn at<M: Module>(module: &M, path: &'p str) -> Self {
+        let mut found = Found { path, ..Found::default() };
+        module.visit(&mut found);
+        found
+    }
+}
+
+/// The leaf group of `leaves` (a module's, as leaf level cuts it) that [`leaf!`](crate::leaf) takes for the field
+/// path `path`: the group at the path, or the group its weights travel with (a norm's, under no leaf of its own);
+/// `None` where the module holds no weights at the path (an optional layer that is `None`), or where the path is a
+/// module of several leaves (which `leaf!` refuses).
+pub(crate) fn leaf_group_of<'g, M: Module>(module: &M, leaves: &'g [(String, u64)], path: &str) -> Option<&'g str> {
+    let groups = leaves.iter().map(|(group, _)| group.as_str());
+    if !path.is_empty() && groups.clone().any(|group| under(group, path)) {
+        return None;
+    }
+    if let Some(exact) = groups.clone().find(|group| *group == path) {
+        return Some(exact);
+    }
+    if !Found::at(module, path).weights {
+        return None;
+    }
+    groups.filter(|group| group.is_empty() || under(path, group)).max_by_key(|group| group.len())
+}
+
+impl burn::module::ModuleVisitor for Found<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.stack.push(name.to_string());
+        if self.stack.join(".") == self.path {
+            self.module = true;
+        }
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.stack.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, _param: &burn::module::Param<burn::tensor::Tensor<D>>) {
+        let here = self.stack.join(".");
+        if here == self.path || under(&here, self.path) {
+            self.weights = true;
+        }
     }
 }
 
@@ -149,20 +276,32 @@ impl<P, N, F: Fn(&P) -> &N> Deref for Projected<'_, P, F> {
     }
 }
 
-impl<'a, P: 'a, N: 'a, F: Fn(&P) -> &N + 'a> LeafSource<N> for NarrowedLeaves<'a, P, N, F> {
-    fn part(&self, path: &str) -> Result<Part<'_, N>> {
-        let full = if path.is_empty() { self.prefix.clone() } else { format!("{}.{path}", self.prefix) };
-        let part = self.parent.part(&full)?;
-        Ok(Part::Narrowed(Box::new(Projected { part, select: &self.select })))
+impl<'a, P: 'a, N: 'a, F: Fn(&P) -> &N + 'a> NarrowedLeaves<'a, P, N, F> {
+    /// `path` inside the narrowed module as a path inside the parent.
+    fn full(&self, path: &str) -> String {
+        match (self.prefix.is_empty(), path.is_empty()) {
+            (true, _) => path.to_string(),
+            (false, true) => self.prefix.clone(),
+            (false, false) => format!("{}.{path}", self.prefix),
+        }
     }
 
-    fn has(&self, path: &str) -> bool {
-        let full = if path.is_empty() { self.prefix.clone() } else { format!("{}.{path}", self.prefix) };
-        self.parent.has(&full)
+    fn project<'s>(&'s self, part: Part<'s, P>) -> Part<'s, N> {
+        Part::Narrowed(Box::new(Projected { part, select: &self.select }))
+    }
+}
+
+impl<'a, P: 'a, N: 'a, F: Fn(&P) -> &N + 'a> LeafSource<N> for NarrowedLeaves<'a, P, N, F> {
+    fn leaf(&self, path: &str) -> Result<Part<'_, N>> {
+        Ok(self.project(self.parent.leaf(&self.full(path))?))
+    }
+
+    fn group_at(&self, path: &str) -> Option<Result<Part<'_, N>>> {
+        Some(self.parent.group_at(&self.full(path))?.map(|part| self.project(part)))
     }
 
     fn bare(&self) -> Part<'_, N> {
-        Part::Narrowed(Box::new(Projected { part: self.parent.bare(), select: &self.select }))
+        self.project(self.parent.bare())
     }
 
     fn structure(&self) -> &N {
@@ -208,26 +347,27 @@ impl<'a, M: Module + 'a> Layer<'a, M> {
 
     /// The part at a path of segments (what [`leaf!`](crate::leaf) writes): the whole layer, or at leaf level a
     /// guard holding the leaf group at that path on the device while it lives. The path is joined into a
-    /// string only at leaf level, so the resident forward builds none.
+    /// string only at leaf level, so the resident forward builds none. At leaf level a path that holds no weights
+    /// (an optional layer that is `None` in this block) takes no group, and a path whose weights are under no
+    /// leaf of their own (a norm) takes the group they travel with, so the part is the same at every level.
     #[doc(hidden)]
     pub fn part_at(&self, path: &[Seg<'_>]) -> Result<Part<'_, M>> {
         match &self.source {
             Source::Whole(module) => Ok(Part::Whole(module)),
             Source::Held(held) => Ok(Part::Whole(held.module())),
-            Source::Leaves(leaves) => leaves.part(&dotted(path)),
+            Source::Leaves(leaves) => leaves.leaf(&dotted(path)),
         }
     }
 
-    /// The part at a dotted path written by hand (`"attention.to_q"`): [`leaf!`](crate::leaf) writes the same
-    /// from the field path, checked by the compiler; a path written here is checked only by
-    /// [`check_streaming`](crate::check_streaming) (a path that names no group is [`Error::UnknownGroup`]).
-    ///
-    /// [`Error::UnknownGroup`]: crate::Error::UnknownGroup
+    /// The part at a dotted path written by hand (`"attention.to_q"`), as [`part_at`](Self::part_at) takes it:
+    /// [`leaf!`](crate::leaf) writes the same from the field path, checked by the compiler; a path written here is
+    /// checked only at leaf level, so by [`check_streaming`](crate::check_streaming): a path that names no field
+    /// of the block, or a module of several leaves, is [`Error::NoLeaf`] naming the block, the path and the fix.
     pub fn part(&self, path: &str) -> Result<Part<'_, M>> {
         match &self.source {
             Source::Whole(module) => Ok(Part::Whole(module)),
             Source::Held(held) => Ok(Part::Whole(held.module())),
-            Source::Leaves(leaves) => leaves.part(path),
+            Source::Leaves(leaves) => leaves.leaf(path),
         }
     }
 
@@ -239,8 +379,7 @@ impl<'a, M: Module + 'a> Layer<'a, M> {
         match &self.source {
             Source::Whole(module) => Ok(Part::Whole(module)),
             Source::Held(held) => Ok(Part::Whole(held.module())),
-            Source::Leaves(leaves) if leaves.has("") => leaves.part(""),
-            Source::Leaves(leaves) => Ok(leaves.bare()),
+            Source::Leaves(leaves) => leaves.group_at("").unwrap_or_else(|| Ok(leaves.bare())),
         }
     }
 
@@ -280,6 +419,81 @@ impl<'a, M: Module + 'a> Layer<'a, M> {
     /// Whether the layer's weights are taken leaf by leaf (leaf level).
     pub fn is_leaf_level(&self) -> bool {
         matches!(self.source, Source::Leaves(_))
+    }
+}
+
+impl<'a, N: Module + 'a> Layer<'a, Option<N>> {
+    /// The optional module as a layer of its own: `None` where this block has none, the module's layer where
+    /// it has one, at every level (read from the structure, taking no group). It is how a forward reaches an
+    /// optional module of several leaves, a cross-attention present in some blocks only:
+    ///
+    /// ```
+    /// use burn::module::Module;
+    /// use burn::nn::{Linear, LinearConfig};
+    /// use burn::tensor::{Device, Tensor};
+    /// use group_offload::prelude::*;
+    ///
+    /// #[derive(Module, Debug)]
+    /// struct Cross { q: Linear, o: Linear }
+    /// #[derive(Module, Debug)]
+    /// struct Block { fc: Linear, cross: Option<Cross> }
+    ///
+    /// fn block(block: &Layer<'_, Block>, x: Tensor<2>) -> Result<Tensor<2>> {
+    ///     let mut x = leaf!(block, fc).forward(x);
+    ///     if let Some(cross) = narrow!(block, cross).some() {
+    ///         x = leaf!(cross, o).forward(leaf!(cross, q).forward(x));
+    ///     }
+    ///     Ok(x)
+    /// }
+    ///
+    /// let device = Device::flex();
+    /// let linear = || LinearConfig::new(4, 4).init(&device);
+    /// let with = Block { fc: linear(), cross: Some(Cross { q: linear(), o: linear() }) };
+    /// let without = Block { fc: linear(), cross: None };
+    /// for b in [with, without] {
+    ///     assert_eq!(block(&Layer::whole(&b), Tensor::<2>::ones([1, 4], &device))?.dims(), [1, 4]);
+    /// }
+    /// # Ok::<(), group_offload::Error>(())
+    /// ```
+    pub fn some(self) -> Option<Layer<'a, N>> {
+        let source = match self.source {
+            Source::Whole(module) => Source::Whole(module.as_ref()?),
+            Source::Held(held) => {
+                held.module().as_ref()?;
+                Source::Held(Rc::new(HeldSome(held)))
+            }
+            Source::Leaves(leaves) => {
+                leaves.structure().as_ref()?;
+                // `Option` adds no segment to burn's parameter paths: the module's leaves are at the same paths.
+                let narrowed = NarrowedLeaves {
+                    parent: leaves,
+                    prefix: String::new(),
+                    select: present::<N>,
+                    narrowed: std::marker::PhantomData::<fn() -> N>,
+                };
+                Source::Leaves(Rc::new(narrowed))
+            }
+        };
+        Some(Layer { source })
+    }
+}
+
+/// The module inside an optional module that [`Layer::some`] found present.
+fn present<N>(module: &Option<N>) -> &N {
+    match module {
+        Some(module) => module,
+        // Every part of a layer is installed from one structure, whose option `some` checked before it made the
+        // layer; no part of it can be `None`.
+        None => unreachable!("an optional module found present in a layer's structure is absent in one of its parts"),
+    }
+}
+
+/// A held optional module that [`Layer::some`] found present.
+struct HeldSome<'a, N>(Rc<dyn Hold<Option<N>> + 'a>);
+
+impl<N> Hold<N> for HeldSome<'_, N> {
+    fn module(&self) -> &N {
+        present(self.0.module())
     }
 }
 
@@ -544,8 +758,12 @@ impl<'a, M: Module> Shell<'a, M> {
 /// # Ok::<(), group_offload::Error>(())
 /// ```
 ///
-/// Parameters under no leaf (a norm's weight) travel with the struct that holds them: take them with
-/// [`Layer::own`].
+/// The part is the same at every level. A field that holds no weights in this block (an optional layer that is
+/// `None`) takes no group, so `match &leaf!(block, skip) { Some(skip) => .., None => .. }` works at leaf level
+/// too; a field whose weights are under no leaf of their own (a norm) takes the group they travel with, the one
+/// [`Layer::own`] takes on the struct that holds them. A module of several leaves (`leaf!(block, attention)`)
+/// is no one leaf: at leaf level it is [`Error::NoLeaf`](crate::Error::NoLeaf); narrow to it with
+/// [`narrow!`](crate::narrow) and take each of its leaves.
 #[macro_export]
 macro_rules! leaf {
     ($layer:expr, $first:ident $($rest:tt)*) => {
