@@ -50,13 +50,11 @@ pub mod validate;
 pub use error::{Error, Result};
 
 /// The Rust examples of the README and `docs/`, compiled and run as doctests (`cargo test -p pipeline-zimage
-/// --doc`): what a user is shown, CI runs.
+/// --doc`): what a user is shown, CI runs. `docs/model-guide.md` is group-offload's own doctest.
 #[cfg(doctest)]
 mod shown {
     #[doc = include_str!("../../../README.md")]
     struct Readme;
-    #[doc = include_str!("../../../docs/model-guide.md")]
-    struct ModelGuide;
     #[doc = include_str!("../../../docs/presets.md")]
     struct Presets;
     #[doc = include_str!("../../../docs/trace.md")]
