@@ -25,17 +25,6 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use group_offload::prelude::*;
 use offload_core::ComponentsManager;
 
-/// Everything the pipeline can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The manager refused a call or a registration (an out-of-memory the retry could not recover, say).
-    #[error(transparent)]
-    Offload(#[from] offload_core::Error),
-    /// Group offload failed (options, an upload).
-    #[error(transparent)]
-    GroupOffload(#[from] group_offload::Error),
-}
-
 /// Latent channels.
 pub const LATENT: usize = 4;
 /// Latent height and width.
@@ -318,7 +307,7 @@ pub struct TinyUnetPipeline {
 
 impl TinyUnetPipeline {
     /// Registers `encoder` and `unet` (on `placement.host`) with a new manager.
-    pub fn new(encoder: Encoder, unet: UNet, placement: Placement) -> Result<Self, Error> {
+    pub fn new(encoder: Encoder, unet: UNet, placement: Placement) -> Result<Self> {
         let manager = Arc::new(ComponentsManager::new());
         let host = placement.host.clone();
         // offload: begin
@@ -343,7 +332,7 @@ impl TinyUnetPipeline {
 
     /// Samples latents `[1, LATENT, SIZE, SIZE]` for class `class` with `steps` Euler steps from deterministic
     /// noise.
-    pub fn generate(&self, class: i64, steps: usize) -> Result<Tensor<4>, Error> {
+    pub fn generate(&self, class: i64, steps: usize) -> Result<Tensor<4>> {
         let ids = Tensor::<2, Int>::from_data(TensorData::new(vec![class], [1, 1]), &self.host);
         // offload: begin
         let cond = self.encoder.run(0, |encoder, device| Ok(encoder.forward(ids.clone().to_device(device))))?;
