@@ -1216,6 +1216,6 @@ fn a_refused_prefetch_is_a_row_of_the_record_with_its_reading() {
     assert!(refusal.available.is_some() && refusal.peak.is_some(), "{refusal:?}");
     let summary = record.refusals_since(mark).expect("one refusal since the mark");
     assert_eq!((summary.count, summary.failed, summary.bytes), (1, 0, group_bytes));
-    assert!(summary.to_string().starts_with("1 prefetch(es) refused (m 1;"), "{summary}");
+    assert!(summary.to_string().starts_with("1 prefetch refused (m 1;"), "{summary}");
     assert!(record.refusals_since(record.total_added()).is_none());
 }

@@ -347,7 +347,8 @@ impl Refusals {
 impl fmt::Display for Refusals {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let models: Vec<String> = self.models.iter().map(|(model, count)| format!("{model} {count}")).collect();
-        write!(f, "{} prefetch(es) refused ({}; {} in all", self.count, models.join(", "), format_size(self.bytes))?;
+        let prefetches = if self.count == 1 { "prefetch" } else { "prefetches" };
+        write!(f, "{} {prefetches} refused ({}; {} in all", self.count, models.join(", "), format_size(self.bytes))?;
         if self.failed > 0 {
             write!(f, "; {} of them failed for another reason than memory, see the log", self.failed)?;
         }
@@ -356,9 +357,10 @@ impl fmt::Display for Refusals {
         }
         write!(
             f,
-            "): each group was loaded when its forward took it, so the output is right but its copies were not \
-             hidden; the record's prefetch_refused rows show the readings: make room for the model's window (a \
-             larger reserve or card, fewer components resident beside it, a smaller prefetch depth or leaf level)"
+            "): each group was loaded when its forward took it, so the output is right but those copies were not \
+             hidden; the record's prefetch_refused rows hold each reading; make room for the model's window: a \
+             reserve that covers its call's activations, fewer components resident beside it, a smaller prefetch \
+             depth or leaf level, or a larger card"
         )
     }
 }
@@ -645,11 +647,11 @@ mod tests {
         );
         assert_eq!(
             refusals.to_string(),
-            "3 prefetch(es) refused (unet 2, dit 1; 2.93 KB in all; 1 of them failed for another reason than \
-             memory, see the log; as little as 200 B available): each group was loaded when its forward took it, so \
-             the output is right but its copies were not hidden; the record's prefetch_refused rows show the \
-             readings: make room for the model's window (a larger reserve or card, fewer components resident beside \
-             it, a smaller prefetch depth or leaf level)"
+            "3 prefetches refused (unet 2, dit 1; 2.93 KB in all; 1 of them failed for another reason than memory, \
+             see the log; as little as 200 B available): each group was loaded when its forward took it, so the \
+             output is right but those copies were not hidden; the record's prefetch_refused rows hold each \
+             reading; make room for the model's window: a reserve that covers its call's activations, fewer \
+             components resident beside it, a smaller prefetch depth or leaf level, or a larger card"
         );
         assert_eq!(record.total_refused(), 4);
         record.clear();
