@@ -1,7 +1,7 @@
 //! A Stable-Diffusion-style UNet on the offload library: a time MLP and `conv_in`, two down stages of two ResNet
 //! blocks (the first with a downsample), a mid block with self-attention between two ResNets, two up stages of
 //! three ResNets fed by skip connections (the first with an upsample), then `norm_out` and `conv_out`; beside it
-//! a small condition encoder. Random weights; about 2.4 MB in f32.
+//! a small condition encoder. Random weights; the UNet 0.92 MB in f32, the encoder 0.27 MB.
 //!
 //! The UNet's lists are nested (`down_blocks[i].resnets[j]`), so it is declared in the shape it has:
 //! `#[offload(nested)]` on the stage lists and the mid block, `#[offload(blocks)]` on each stage's `resnets` and
@@ -357,3 +357,8 @@ impl TinyUnetPipeline {
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 struct Readme;
+
+/// The offload record's page, whose program that prints each image's refused prefetches runs on this pipeline.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/offload-record.md")]
+struct OffloadRecordPage;

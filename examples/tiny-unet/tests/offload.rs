@@ -234,7 +234,55 @@ fn block_level_beside_the_encoder_refuses_no_prefetch_after_the_first_image() {
             .filter(|row| row.onload.is_none() && row.reason == format!("release_memory_for:{unet_id}"))
             .count();
         assert!(for_the_window >= 2, "{percent}%: the encoder left for images 2 and 3:\n{decisions}");
+        if percent == 75 {
+            // The table docs/offload-record.md shows.
+            let expected = "\
+# | Onload                | Offloaded             | Available | Peak      | Reason
+----------------------------------------------------------------------------------
+1 | encoder_1 (266.25 KB) | -                     | 676.79 KB | 0 B       |
+2 | unet_3 (21.45 KB)     | encoder_1 (266.25 KB) | 410.54 KB | 266.25 KB |
+3 | encoder_1 (266.25 KB) | -                     | 632.90 KB | 543.95 KB |
+4 | -                     | encoder_1 (266.25 KB) | 366.65 KB | 543.95 KB | release_memory_for:unet_3
+5 | encoder_1 (266.25 KB) | -                     | 632.90 KB | 543.95 KB |
+6 | -                     | encoder_1 (266.25 KB) | 366.65 KB | 543.95 KB | release_memory_for:unet_3";
+            assert_eq!(decisions.to_string(), expected);
+        }
     }
+}
+
+/// On a card too small for the UNet's window beside its activations (55% of it: the shell, the two largest ResNets
+/// and the activations take 60.3%), prefetches are refused on every image, the first included, whatever the
+/// manager evicts. They are not silent: each is a `prefetch_refused` row of the record, and the record sums an
+/// image's refusals in the one line a program prints after it (the line docs/offload-record.md shows).
+#[test]
+fn refusals_the_card_cannot_avoid_are_rows_and_one_line_per_image() {
+    let card = hard_card(unet_bytes() * 55 / 100);
+    let mut pipeline = pipeline(Placement::simulated(card.clone()));
+    let options = GroupOptions { level: GroupLevel::Block { blocks_per_group: 1 }, ..GroupOptions::default() };
+    pipeline.unet.enable_group_offload(&options).expect("the UNet streams");
+    pipeline.manager().enable_auto_offload(card.clone(), TinyUnetPipeline::unet_activations(), true).expect("auto");
+    let record = pipeline.manager().offload_record();
+    let mut lines = Vec::new();
+    for image in 1..=3 {
+        let mark = record.total_added();
+        pipeline.generate(CLASS, STEPS).unwrap_or_else(|e| panic!("image {image}: {e}"));
+        lines.push(record.refusals_since(mark).map(|refusals| refusals.to_string()));
+    }
+    let stats = pipeline.unet.group_stats().expect("grouped");
+    assert_eq!(record.total_refused(), stats.failed_prefetches, "every refusal is a row: {stats:?}");
+    let refused = record.refusals();
+    assert!(refused.iter().all(|e| e.reason == Some(Reason::PrefetchRefused) && e.available.is_some()));
+    // One forward prefetches on the first image (the other is the capture), two on each later one.
+    let line = |count: u64, bytes: &str| {
+        format!(
+            "{count} prefetches refused (unet {count}; {bytes} in all; as little as 77.61 KB available): each group \
+             was loaded when its forward took it, so the output is right but those copies were not hidden; the \
+             record's prefetch_refused rows hold each reading; make room for the model's window: a reserve that \
+             covers its call's activations, fewer components resident beside it, a smaller prefetch depth or leaf \
+             level, or a larger card"
+        )
+    };
+    assert_eq!(lines, [Some(line(3, "355.62 KB")), Some(line(6, "711.25 KB")), Some(line(6, "711.25 KB"))]);
 }
 
 /// One error type serves the handle (issue 37, item 8): registering, running and switching to group offload all
