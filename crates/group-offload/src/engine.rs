@@ -335,7 +335,8 @@ pub(crate) fn on_upload_thread<R: Send + 'static>(
     name: &DeviceName,
     f: impl FnOnce() -> R + Send + 'static,
 ) -> Result<R> {
-    let unserved = |problem: String| Error::UploadThread { what: "a task".into(), device: name.to_string(), problem };
+    let what = "a task on the upload thread";
+    let unserved = |problem: String| Error::UploadThread { what: what.into(), device: name.to_string(), problem };
     // On the upload thread itself (a task that uploads again) the work runs here: sending it to this thread's own
     // queue and waiting would wait for ever. Its panic is the outer task's, reported to that task's waiter.
     if std::thread::current().name() == Some(upload_thread_name(name).as_str()) {
@@ -354,7 +355,7 @@ pub(crate) fn on_upload_thread<R: Send + 'static>(
         Ok(Err(payload)) => {
             let message = crate::device::panic_text(payload.as_ref());
             tracing::error!(device = %name, "a task panicked on the upload thread ({message}); the thread goes on");
-            Err(Error::UploadPanicked { what: "a task".into(), device: name.to_string(), message })
+            Err(Error::UploadPanicked { what: what.into(), device: name.to_string(), message })
         }
         Err(_) => Err(unserved("it ended before the task ran".into())),
     }
@@ -1279,9 +1280,9 @@ mod tests {
         let error = on_upload_thread(&device, &name, || -> u32 { panic!("again") }).expect_err("typed");
         assert_eq!(
             error.to_string(),
-            "a task panicked on the upload thread of cuda:7: again; nothing of it stays reserved on the device and \
-             the host copy is intact, so the run can go on, but this is a bug outside the device: report it with \
-             this message"
+            "a task on the upload thread for cuda:7 panicked: again; nothing of it stays reserved on the device and \
+             the host copy is intact, so running again is safe, but this is a bug outside the device: report it \
+             with this message"
         );
     }
 }

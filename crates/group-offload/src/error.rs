@@ -234,12 +234,11 @@ pub enum Error {
     /// read, in the task itself). The thread caught it and goes on serving every other model on the device; the
     /// upload's reservation on the ledger was given back and its host copy is intact.
     #[error(
-        "{what} panicked on the upload thread of {device}: {message}; nothing of it stays reserved on the device and \
-         the host copy is intact, so the run can go on, but this is a bug outside the device: report it with this \
-         message"
+        "{what} for {device} panicked: {message}; nothing of it stays reserved on the device and the host copy is \
+         intact, so running again is safe, but this is a bug outside the device: report it with this message"
     )]
     UploadPanicked {
-        /// What panicked: `the prefetch of group unet/blocks_0_0`, `a task`.
+        /// What panicked: `the prefetch of group unet/blocks_0_0`, `a task on the upload thread`.
         what: String,
         /// The execution device.
         device: String,
@@ -250,7 +249,7 @@ pub enum Error {
     /// A device's upload thread could not take a task: it could not be started, or it ended.
     #[error("the upload thread of {device} cannot take {what}: {problem}; restart the process")]
     UploadThread {
-        /// What it was given: `the upload of group unet/blocks_0_0`, `a task`.
+        /// What it was given: `the upload of group unet/blocks_0_0`, `a task on the upload thread`.
         what: String,
         /// The execution device.
         device: String,
