@@ -7,8 +7,9 @@ use crate::error::Error;
 use crate::parts::GroupOffload;
 
 /// A group-offloaded model as an [`Offloadable`] component: it reports
-/// [`evictable`](Offloadable::evictable) `= false` and its resident bytes (resident parts plus the
-/// resident budget), so the manager counts it but its strategy never picks it; the model streams its own groups.
+/// [`evictable`](Offloadable::evictable) `= false`, its resident bytes (resident parts plus the
+/// resident budget) and its window ([`window_bytes`](Offloadable::window_bytes)), so the manager counts it and
+/// makes room for what it streams, but its strategy never picks it; the model streams its own groups.
 ///
 /// `onload` uploads the resident parts (and fails for any device other than the prepared one); `offload`
 /// drops every group from the device.
@@ -70,6 +71,12 @@ impl Offloadable for GroupOffloadedModel {
 
     fn evictable(&self) -> bool {
         false
+    }
+
+    /// The streamed groups its next forward will hold at once, less those on the device now: what the manager
+    /// makes room for before it runs.
+    fn window_bytes(&self) -> u64 {
+        self.offload.window_bytes()
     }
 
     /// The groups the prefetch worker uploaded that no call borrows (recorded as `oom_retry:<model>`).

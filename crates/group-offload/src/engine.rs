@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use burn::tensor::Device;
 use offload_core::link::LinkSample;
 use offload_core::timeline::category;
-use offload_core::{Action, ComponentError, DeviceName, Direction, OffloadEvent, Reason};
+use offload_core::{Action, ComponentError, DeviceName, Direction, OffloadEvent, Reason, Refusals};
 use parking_lot::{Condvar, Mutex};
 
 use crate::config::GroupOffloadConfig;
@@ -46,7 +46,8 @@ pub struct GroupStats {
     pub prefetch_waits: u64,
     /// Synchronous uploads after the capture with prefetch on: the order diverged or the group was new.
     pub misses: u64,
-    /// Prefetches that failed (the ledger refused them); the group was then loaded synchronously when taken.
+    /// Prefetches refused for lack of device memory or failed otherwise (an upload that panicked); each is a
+    /// `prefetch_refused` or `prefetch_failed` row in the record, and the group was loaded when taken.
     pub failed_prefetches: u64,
     /// Prefetched groups dropped before anyone took them (the order diverged).
     pub unused_prefetches: u64,
@@ -104,6 +105,8 @@ struct State {
     stray_failure: Option<StrayFailure>,
     /// Whether the warning of a capture past [`CAPTURE_LIMIT`] was given.
     capture_warned: bool,
+    /// The prefetches refused or failed since the last forward reported them ([`Engine::take_refusals`]).
+    refusals: Refusals,
 }
 
 /// A stray load whose host copy could not be read: what the call that made it fails with.
@@ -214,9 +217,10 @@ pub(crate) struct Shared {
 
 /// One prefetch, from the moment its group is marked `Loading` until it is published. Whatever happens to it, its
 /// group leaves `Loading`: [`run_job`] publishes it, and a job dropped unpublished (left in a channel whose thread
-/// ended, refused by a closed channel, or unwound by a panic in its upload) puts the group back to offloaded and
-/// wakes its waiters, so that no caller waits for ever on a group that will not arrive. A job is never dropped
-/// under the state lock: [`Engine::schedule`] returns the jobs, and they are sent after the lock is released.
+/// ended, refused by a closed channel, or unwound by a panic outside its upload, whose own panics are its failure)
+/// puts the group back to offloaded, records a failed prefetch and wakes its waiters, so that no caller waits for
+/// ever on a group that will not arrive. A job is never dropped under the state lock: [`Engine::schedule`] returns
+/// the jobs, and they are sent after the lock is released.
 struct Job {
     shared: Arc<Shared>,
     group: usize,
@@ -289,15 +293,16 @@ fn device_uploads(device: &Device, name: &DeviceName) -> std::io::Result<mpsc::S
     type Worker = (Device, mpsc::Sender<Task>, JoinHandle<()>);
     static UPLOADS: Mutex<Vec<Worker>> = Mutex::new(Vec::new());
     let mut uploads = UPLOADS.lock();
-    // A thread that a panicking upload ended is replaced, not handed out.
+    // A thread that ended is replaced, not handed out (it catches its tasks' panics, so none should end).
     uploads.retain(|(_, _, thread)| !thread.is_finished());
     if let Some((_, sender, _)) = uploads.iter().find(|(d, _, _)| d == device) {
         return Ok(sender.clone());
     }
     let (sender, tasks) = mpsc::channel::<Task>();
-    let thread = std::thread::Builder::new().name(upload_thread_name(name)).spawn(move || {
+    let thread_name = upload_thread_name(name);
+    let thread = std::thread::Builder::new().name(thread_name.clone()).spawn(move || {
         while let Ok(task) = tasks.recv() {
-            task();
+            serve(&thread_name, task);
         }
     })?;
     uploads.push((device.clone(), sender.clone(), thread));
@@ -309,17 +314,31 @@ fn upload_thread_name(name: &DeviceName) -> String {
     format!("group-offload-uploads-{name}")
 }
 
+/// Runs one task on a worker thread (a device's upload thread, or an engine's own), so that a panic in it ends the
+/// task and not the thread: the thread goes on serving every other engine on the device, whose prefetches would
+/// otherwise all fail from then on. The tasks report their own panics to their waiters, typed (a prefetch as its
+/// failure, [`on_upload_thread`] as [`Error::UploadPanicked`]); one that still unwinds this far is logged here.
+fn serve(thread: &str, task: impl FnOnce()) {
+    if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)) {
+        let message = crate::device::panic_text(payload.as_ref());
+        tracing::error!(thread, "a task on the upload thread panicked ({message}); the thread goes on");
+    }
+}
+
 /// Runs `f` on `device`'s upload thread ([`device_uploads`]) and waits for what it returns: how a whole component's
 /// onload puts its weights in the same stream's pools as the groups streamed on that device, so that the footprint
-/// it measures is what those pools take for the weights. A panic in `f` goes on in the caller (the thread lives).
-/// Fails only when the thread cannot be started.
+/// it measures is what those pools take for the weights. A panic in `f` is caught on the thread, which goes on
+/// serving the other engines, and comes back to the caller as [`Error::UploadPanicked`] (`f` gives back what it
+/// reserved as it unwinds); [`Error::UploadThread`] when the thread cannot be started or ended.
 pub(crate) fn on_upload_thread<R: Send + 'static>(
     device: &Device,
     name: &DeviceName,
     f: impl FnOnce() -> R + Send + 'static,
-) -> std::io::Result<R> {
+) -> Result<R> {
+    let what = "a task on the upload thread";
+    let unserved = |problem: String| Error::UploadThread { what: what.into(), device: name.to_string(), problem };
     // On the upload thread itself (a task that uploads again) the work runs here: sending it to this thread's own
-    // queue and waiting would wait for ever.
+    // queue and waiting would wait for ever. Its panic is the outer task's, reported to that task's waiter.
     if std::thread::current().name() == Some(upload_thread_name(name).as_str()) {
         return Ok(f());
     }
@@ -327,13 +346,41 @@ pub(crate) fn on_upload_thread<R: Send + 'static>(
     let task: Task = Box::new(move || {
         let _ = sender.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
     });
-    device_uploads(device, name)?
+    device_uploads(device, name)
+        .map_err(|e| unserved(format!("it cannot be started: {e}")))?
         .send(task)
-        .map_err(|_| std::io::Error::other(format!("the upload thread of {name} has ended")))?;
+        .map_err(|_| unserved("it has ended".into()))?;
     match result.recv() {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => Err(std::io::Error::other(format!("the upload thread of {name} ended before the upload ran"))),
+        Ok(Err(payload)) => {
+            let message = crate::device::panic_text(payload.as_ref());
+            tracing::error!(device = %name, "a task panicked on the upload thread ({message}); the thread goes on");
+            Err(Error::UploadPanicked { what: what.into(), device: name.to_string(), message })
+        }
+        Err(_) => Err(unserved("it ended before the task ran".into())),
+    }
+}
+
+/// What an upload reserved on the ledger ([`Shared::upload_bytes`]): freed when dropped, unless the upload
+/// succeeded and [`keep`](Self::keep)s it for the group now on the device.
+struct Reservation<'a> {
+    ledger: &'a dyn offload_core::DeviceLedger,
+    sizes: &'a [u64],
+    kept: bool,
+}
+
+impl Reservation<'_> {
+    /// The group holds what was reserved; it is freed when the group leaves the device.
+    fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.ledger.free_tensors(self.sizes);
+        }
     }
 }
 
@@ -352,7 +399,16 @@ impl Shared {
         }
         if prefetch {
             slot.prefetched = false;
+            let host = slot.host.clone();
             state.stats.failed_prefetches += 1;
+            // A prefetch that never ran (its worker gone) is a failed one, shown as those that ran and failed.
+            let refusal = self.refusal(&host, Reason::PrefetchFailed, None);
+            state.refusals.add(&refusal);
+            self.record_event(refusal);
+            tracing::error!(
+                group = %host.id,
+                "a prefetch was dropped before it ran (its worker is gone); the group will be loaded when it is taken"
+            );
         }
         self.changed.notify_all();
     }
@@ -365,6 +421,29 @@ impl Shared {
             *placed = true;
         }
         self.changed.notify_all();
+    }
+
+    /// The record's event for a prefetch of `host` that was refused or failed (`why`), on `reading`.
+    fn refusal(
+        &self,
+        host: &GroupHost,
+        why: Reason,
+        reading: Option<offload_core::offload_strategy::MemoryReading>,
+    ) -> OffloadEvent {
+        OffloadEvent {
+            action: Action::Refused,
+            id: host.id.clone(),
+            bytes: host.bytes,
+            reason: Some(why),
+            available: reading.map(|r| r.available),
+            peak: reading.map(|r| r.peak),
+        }
+    }
+
+    fn record_event(&self, event: OffloadEvent) {
+        if let Some(record) = &self.config.record {
+            record.add(event);
+        }
     }
 
     fn record(&self, action: Action, id: &str, bytes: u64, reason: Reason) {
@@ -412,9 +491,34 @@ impl Shared {
             .span(category::UPLOAD, &host.id)
             .arg("bytes", host.bytes)
             .arg("reason", reason.to_string());
-        let result = self.upload_bytes(host, reason, reading, placed);
+        let prefetch = reason == Reason::Prefetch;
+        let result = if prefetch {
+            // A prefetch runs on a worker thread that serves every engine on the device: a panic in it (past the
+            // device's own guards: a ledger's, a host read's) is this prefetch's failure, typed, and the thread goes
+            // on. What it reserved was given back as it unwound ([`Reservation`]).
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.upload_bytes(host, reason.clone(), reading, placed)
+            }))
+            .unwrap_or_else(|payload| {
+                Err(Error::UploadPanicked {
+                    what: format!("the prefetch of group {}", host.id),
+                    device: self.config.device_name.to_string(),
+                    message: crate::device::panic_text(payload.as_ref()),
+                })
+            })
+        } else {
+            self.upload_bytes(host, reason, reading, placed)
+        };
         if let Err(error) = &result {
             span.set_arg("error", error.to_string());
+            if prefetch {
+                // A refused prefetch is a row of the record with the reading it was refused on, never only a
+                // counter: the group will be loaded when its forward takes it, its copy no longer hidden.
+                let why = if error.is_out_of_memory() { Reason::PrefetchRefused } else { Reason::PrefetchFailed };
+                let refusal = self.refusal(host, why, reading);
+                self.state.lock().refusals.add(&refusal);
+                self.record_event(refusal);
+            }
         }
         drop(span);
         if let Some(memory) = &self.config.memory {
@@ -431,11 +535,15 @@ impl Shared {
         reading: Option<offload_core::offload_strategy::MemoryReading>,
         placed: &dyn Fn(),
     ) -> Result<Arc<[DeviceTensor]>> {
-        let ledger = &self.config.ledger;
+        let ledger = self.config.ledger.as_ref();
         let pages = crate::device::defers_failures(&self.config.device);
         // One allocation per tensor, as the runtime makes them: a paging ledger rounds each one, all or none.
         let sizes = host.tensor_sizes();
         ledger.allocate_tensors(&sizes).map_err(|e| self.onload_error(host, e))?;
+        // From here every way out but success gives the reservation back: each failure below, and a panic past the
+        // device's own guards (a ledger's, a host read's), which would otherwise leave the account inflated and
+        // every later request refused for room nobody holds.
+        let reservation = Reservation { ledger, sizes: &sizes, kept: false };
         if !pages {
             placed();
         }
@@ -444,18 +552,10 @@ impl Shared {
         } else {
             ledger.transfer(host.bytes, Direction::HostToDevice)
         };
-        if let Err(e) = copied {
-            ledger.free_tensors(&sizes);
-            return Err(self.onload_error(host, e));
-        }
-        let data = match host.load_upload() {
-            Ok(data) => data,
-            Err(message) => {
-                ledger.free_tensors(&sizes);
-                let source = ComponentError::Transfer { what: host.id.clone(), message };
-                return Err(self.onload_error(host, source));
-            }
-        };
+        copied.map_err(|e| self.onload_error(host, e))?;
+        let data = host
+            .load_upload()
+            .map_err(|message| self.onload_error(host, ComponentError::Transfer { what: host.id.clone(), message }))?;
         let device = &self.config.device;
         let memory = self.config.memory.as_deref();
         if self.config.check_uploads {
@@ -466,8 +566,7 @@ impl Shared {
             // `1 + depth` (measured on wgpu: the tiny transformer's block phase at 0.911 to 0.993 of the plan,
             // and 0.950 to 1.010 with it; docs/devices.md). On the upload thread, off the compute thread.
             check_device(device, &self.config.device_name, "upload", memory)
-                .map_err(|error| self.onload_error(host, error))
-                .inspect_err(|_| ledger.free_tensors(&sizes))?;
+                .map_err(|error| self.onload_error(host, error))?;
         }
         let copy_started = std::time::Instant::now();
         let built = catch_device_panic(|| {
@@ -476,7 +575,6 @@ impl Shared {
         let built = match built {
             Ok(Ok(tensors)) => Ok(tensors),
             Ok(Err(message)) => {
-                ledger.free_tensors(&sizes);
                 let source = ComponentError::Transfer { what: host.id.clone(), message };
                 return Err(self.onload_error(host, source));
             }
@@ -495,13 +593,8 @@ impl Shared {
                 .map(|()| tensors),
             Err(panic) => Err(panic.with_device(&self.config.device_name, "upload", memory)),
         };
-        let tensors = match checked {
-            Ok(tensors) => tensors,
-            Err(error) => {
-                ledger.free_tensors(&sizes);
-                return Err(self.onload_error(host, error));
-            }
-        };
+        let tensors = checked.map_err(|error| self.onload_error(host, error))?;
+        reservation.keep();
         if self.config.check_uploads {
             // Unchecked, the copies were only queued: their time is not the link's, and is not noted.
             let seconds = copy_started.elapsed().as_secs_f64();
@@ -592,6 +685,7 @@ impl Engine {
                 strays: Vec::new(),
                 stray_failure: None,
                 capture_warned: false,
+                refusals: Refusals::default(),
             }),
             changed: Condvar::new(),
             closed: AtomicBool::new(false),
@@ -602,11 +696,12 @@ impl Engine {
         };
         let worker = if shared.config.device == Device::flex() {
             let (jobs, receiver) = mpsc::channel::<Job>();
+            let name = format!("group-offload-{model}");
             let thread = std::thread::Builder::new()
-                .name(format!("group-offload-{model}"))
+                .name(name.clone())
                 .spawn(move || {
                     while let Ok(job) = receiver.recv() {
-                        run_job(job);
+                        serve(&name, || run_job(job));
                     }
                 })
                 .map_err(unstarted)?;
@@ -996,6 +1091,34 @@ impl Engine {
             + self.shared.config.resident_budget
     }
 
+    /// What the next forward will still bring onto the device beyond [`resident_bytes`](Self::resident_bytes):
+    /// its window, the `1 + depth` largest streamed groups (the one it computes with and the ones prefetched behind
+    /// it; one without prefetch), less the streamed groups it holds now (the first groups of its next forward,
+    /// prefetched as its last ended, or placed and still copying), which the device's reading counts already.
+    /// Groups kept (resident parts, the resident budget's) are in the resident bytes and never in the window.
+    pub fn window_bytes(&self) -> u64 {
+        let config = &self.shared.config;
+        let in_flight = if config.prefetch { 1 + config.prefetch_depth } else { 1 };
+        let state = self.shared.state.lock();
+        let mut streamed: Vec<u64> = state.groups.iter().filter(|g| !g.kept).map(|g| g.host.bytes).collect();
+        streamed.sort_unstable_by(|a, b| b.cmp(a));
+        let window: u64 = streamed.iter().take(in_flight).sum();
+        let held: u64 = state
+            .groups
+            .iter()
+            .filter(|g| !g.kept)
+            .filter(|g| matches!(g.residency, Residency::OnDevice(_) | Residency::Loading { placed: true }))
+            .map(|g| g.host.bytes)
+            .sum();
+        window.saturating_sub(held)
+    }
+
+    /// The prefetches refused or failed since the last call, cleared: what the forward that just returned reports
+    /// in one warning ([`GroupOffload::run`](crate::parts::GroupOffload::run)).
+    pub fn take_refusals(&self) -> Refusals {
+        std::mem::take(&mut self.shared.state.lock().refusals)
+    }
+
     /// Bytes of host copies pinned within the pinned budget, and of those the page-locked ones.
     pub fn pinned_bytes(&self) -> (u64, u64) {
         let state = self.shared.state.lock();
@@ -1061,10 +1184,17 @@ fn upload_now(shared: &Arc<Shared>, host: &Arc<GroupHost>, reason: Reason) -> Re
         return shared.upload(host, reason, &|| {});
     }
     let (task_shared, task_host) = (shared.clone(), host.clone());
-    on_upload_thread(&shared.config.device, &shared.config.device_name, move || {
+    let what = || format!("the upload of group {}", host.id);
+    match on_upload_thread(&shared.config.device, &shared.config.device_name, move || {
         task_shared.upload(&task_host, reason, &|| {})
-    })
-    .unwrap_or_else(|error| Err(shared.onload_error(host, ComponentError::other(error.to_string()))))
+    }) {
+        Ok(uploaded) => uploaded,
+        Err(Error::UploadPanicked { device, message, .. }) => {
+            Err(Error::UploadPanicked { what: what(), device, message })
+        }
+        Err(Error::UploadThread { device, problem, .. }) => Err(Error::UploadThread { what: what(), device, problem }),
+        Err(other) => Err(other),
+    }
 }
 
 /// Armed around a synchronous upload that set its group `Loading` (and, for a take, counted its caller as a user):
@@ -1085,10 +1215,11 @@ impl Drop for GivesBackOnUnwind<'_> {
 }
 
 /// One prefetch, on the worker: uploads the job's group and publishes it, or leaves it offloaded (to be loaded
-/// when taken) when the upload fails or the engine is gone. A panic in the upload (past the device's own guards,
-/// in a ledger or a host read) goes on: it is not turned into an error, the job's drop puts the group back, and
-/// the worker thread ends with it (a device's upload thread is then started again for the next engine,
-/// [`device_uploads`]; the jobs left in its channel are dropped, so their groups load when taken).
+/// when taken) when the upload fails or the engine is gone. A refused or failed upload is a `prefetch_refused` or
+/// `prefetch_failed` row of the record ([`Shared::upload`]) and counts toward the forward's one warning
+/// ([`Engine::take_refusals`]). A panic in the upload (past the device's own guards, in a ledger or a host read) is
+/// the upload's failure, typed ([`Error::UploadPanicked`]): its reservation was given back as it unwound, and the
+/// worker thread goes on with the next job, of this engine or another.
 fn run_job(mut job: Job) {
     let shared = job.shared.clone();
     let placed = || shared.mark_placed(job.group);
@@ -1108,7 +1239,12 @@ fn run_job(mut job: Job) {
             slot.residency = Residency::Offloaded;
             slot.prefetched = false;
             state.stats.failed_prefetches += 1;
-            tracing::warn!(error = %e, "prefetch failed; the group will be loaded when it is taken");
+            // One line per forward says it ([`GroupOffload::run`](crate::parts::GroupOffload::run)); each
+            // refusal is a row of the record.
+            tracing::debug!(error = %e, "prefetch refused; the group will be loaded when it is taken");
+            if !e.is_out_of_memory() {
+                tracing::error!(error = %e, "prefetch failed for another reason than memory");
+            }
         }
         None => {
             slot.residency = Residency::Offloaded;
@@ -1117,4 +1253,36 @@ fn run_job(mut job: Job) {
     }
     job.published = true;
     shared.changed.notify_all();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 37, item 7: the device's upload thread survives a task that panics. The panic comes back to the task's
+    /// waiter as a typed error, and the next task runs on the same thread (before, the panic went on in the caller
+    /// and ended the thread, and every engine on the device lost its prefetches).
+    #[test]
+    fn the_upload_thread_survives_a_panicking_task_and_reports_it_typed() {
+        let device = Device::flex();
+        let name = DeviceName::parse("cuda:7").expect("a device name");
+        let thread = || std::thread::current().id();
+        let before = on_upload_thread(&device, &name, thread).expect("runs");
+        let panicked = on_upload_thread(&device, &name, || -> u32 { panic!("a ledger bug") });
+        match panicked {
+            Err(Error::UploadPanicked { message, device, .. }) => {
+                assert_eq!((message.as_str(), device.as_str()), ("a ledger bug", "cuda:7"));
+            }
+            other => panic!("expected a typed panic, got {other:?}"),
+        }
+        let after = on_upload_thread(&device, &name, thread).expect("the thread goes on");
+        assert_eq!(before, after, "the same thread served the task after the panic");
+        let error = on_upload_thread(&device, &name, || -> u32 { panic!("again") }).expect_err("typed");
+        assert_eq!(
+            error.to_string(),
+            "a task on the upload thread for cuda:7 panicked: again; nothing of it stays reserved on the device and \
+             the host copy is intact, so running again is safe, but this is a bug outside the device: report it \
+             with this message"
+        );
+    }
 }

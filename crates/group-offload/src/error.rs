@@ -243,6 +243,33 @@ pub enum Error {
         /// The model's name.
         model: String,
     },
+
+    /// A task on a device's upload thread panicked for a reason other than the device (a bug in a ledger, in a host
+    /// read, in the task itself). The thread caught it and goes on serving every other model on the device; the
+    /// upload's reservation on the ledger was given back and its host copy is intact.
+    #[error(
+        "{what} for {device} panicked: {message}; nothing of it stays reserved on the device and the host copy is \
+         intact, so running again is safe, but this is a bug outside the device: report it with this message"
+    )]
+    UploadPanicked {
+        /// What panicked: `the prefetch of group unet/blocks_0_0`, `a task on the upload thread`.
+        what: String,
+        /// The execution device.
+        device: String,
+        /// The panic's message.
+        message: String,
+    },
+
+    /// A device's upload thread could not take a task: it could not be started, or it ended.
+    #[error("the upload thread of {device} cannot take {what}: {problem}; restart the process")]
+    UploadThread {
+        /// What it was given: `the upload of group unet/blocks_0_0`, `a task on the upload thread`.
+        what: String,
+        /// The execution device.
+        device: String,
+        /// What went wrong.
+        problem: String,
+    },
 }
 
 impl Error {

@@ -135,6 +135,10 @@ impl<M: OffloadModel> Offloadable for GroupedModel<M> {
         self.model.resident_bytes()
     }
 
+    fn window_bytes(&self) -> u64 {
+        self.model.window_bytes()
+    }
+
     fn evictable(&self) -> bool {
         self.releasable
     }
@@ -170,13 +174,10 @@ impl<M: OffloadModel> std::fmt::Debug for ModelHandle<M> {
 }
 
 impl<M: OffloadModel + Clone> ModelHandle<M> {
-    /// Registers `model` (on `placement.host`) with `manager` as `name`, moved whole ([`BurnComponent`]).
-    pub fn register(
-        manager: &Arc<ComponentsManager>,
-        name: &str,
-        model: M,
-        placement: Placement,
-    ) -> offload_core::Result<Self> {
+    /// Registers `model` (on `placement.host`) with `manager` as `name`, moved whole ([`BurnComponent`]). The
+    /// manager's refusal (an invalid name, say) is [`Error::Manager`]: every method of the handle returns this
+    /// crate's [`Result`], so a model crate needs no error type of its own over the two crates'.
+    pub fn register(manager: &Arc<ComponentsManager>, name: &str, model: M, placement: Placement) -> Result<Self> {
         let id = manager.add(name, BurnComponent::new(model, M::CLASS, placement.clone()), None)?;
         Ok(Self { manager: manager.clone(), name: name.to_string(), id, placement, grouped: None, model: PhantomData })
     }
@@ -222,12 +223,13 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     /// capture of the order the forward takes its groups in.
     ///
     /// `f` returns this crate's [`Result`], so a closure that cannot fail is `|vae, device| Ok(vae.decode(z))`;
-    /// [`try_run`](Self::try_run) takes a closure with an error type of its own.
+    /// [`try_run`](Self::try_run) takes a closure with an error type of its own. The manager's errors (an
+    /// out-of-memory the retry could not recover, [`offload_core::Error::DoesNotFit`]) come as [`Error::Manager`].
     pub fn run<R: DeviceOutput>(
         &self,
         activation_bytes: u64,
         f: impl FnMut(M::Weights<'_>, &Device) -> Result<R>,
-    ) -> offload_core::Result<R> {
+    ) -> Result<R> {
         self.try_run(activation_bytes, f)
     }
 
@@ -237,13 +239,15 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         &self,
         activation_bytes: u64,
         mut f: impl FnMut(M::Weights<'_>, &Device) -> std::result::Result<R, E>,
-    ) -> offload_core::Result<R> {
-        if self.grouped.is_some() {
-            return self.manager.run(&self.id, |c: &mut GroupedModel<M>| c.run(activation_bytes, &mut f));
-        }
-        self.manager.run(&self.id, |c: &mut BurnComponent<M>| {
-            c.run(activation_bytes, |model, device| f(model.weights(), device))
-        })
+    ) -> Result<R> {
+        let ran = if self.grouped.is_some() {
+            self.manager.run(&self.id, |c: &mut GroupedModel<M>| c.run(activation_bytes, &mut f))
+        } else {
+            self.manager.run(&self.id, |c: &mut BurnComponent<M>| {
+                c.run(activation_bytes, |model, device| f(model.weights(), device))
+            })
+        };
+        Ok(ran?)
     }
 
     /// Reads the model while it is whole (not under group offload, whose store holds its weights: then

@@ -230,6 +230,13 @@ impl GroupOffload {
         self.engine.shared.link_rate()
     }
 
+    /// What the next forward will still bring onto the device beyond [`resident_bytes`](Self::resident_bytes):
+    /// the `1 + prefetch depth` largest streamed groups, less the streamed groups on the device now. What the
+    /// manager makes room for before the model runs ([`Offloadable::window_bytes`](offload_core::Offloadable::window_bytes)).
+    pub fn window_bytes(&self) -> u64 {
+        self.engine.window_bytes()
+    }
+
     /// Counters since the offloader was built.
     pub fn stats(&self) -> GroupStats {
         self.engine.stats()
@@ -261,6 +268,11 @@ impl GroupOffload {
     /// [`end_capture`](Self::end_capture)) stay capturing and never prefetch: after 64 takes per group the
     /// offloader warns once (`tracing`) and its order stops growing.
     ///
+    /// The prefetches the device refused (or that failed) during the forward, or since the last one returned, are
+    /// logged once as it returns, in one warning (`tracing`); each is a `prefetch_refused` or `prefetch_failed` row
+    /// of the record, which a program reads with
+    /// [`OffloadRecord::refusals_since`](offload_core::OffloadRecord::refusals_since).
+    ///
     /// A stray load during the forward that could not read its host copy (a disk-stored group's file removed
     /// while the model runs) makes the run fail with [`Error::Disk`] naming the file, whatever the forward
     /// returned (what it computed read zeros for that parameter); the host copies of the other groups, and the
@@ -275,6 +287,12 @@ impl GroupOffload {
         let mut out = forward();
         if let Some(failure) = self.engine.take_stray_failure() {
             out = Err(E::from(failure.into()));
+        }
+        // A refused prefetch costs a forward its overlap and is never silent: each is a row of the record, and the
+        // forward says so once, here.
+        let refusals = self.engine.take_refusals();
+        if !refusals.is_empty() {
+            tracing::warn!(model = self.engine.model(), "group offload: {refusals}");
         }
         if capturing {
             match &out {

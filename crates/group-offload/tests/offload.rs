@@ -979,9 +979,9 @@ fn within_deadline<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send +
     finished.recv_timeout(std::time::Duration::from_secs(60)).expect(what)
 }
 
-/// A prefetch whose upload panics outside the device's own operations (here in a ledger) is not turned into an
-/// error and leaves no group loading for ever: the group goes back offloaded, the forward that takes it loads it
-/// itself, and every output is the resident model's.
+/// A prefetch whose upload panics outside the device's own operations (here in a ledger, at every request the
+/// worker makes) fails typed, as a `prefetch_failed` row, and leaves no group loading for ever: the group goes back
+/// offloaded, the forward that takes it loads it itself, and every output is the resident model's.
 #[test]
 fn a_panicking_prefetch_leaves_its_group_offloaded_and_the_forward_loads_it() {
     let (diffs, stats) = forwards_with_a_panicking_worker(1);
@@ -991,17 +991,16 @@ fn a_panicking_prefetch_leaves_its_group_offloaded_and_the_forward_loads_it() {
     assert!(stats.misses > 0, "the groups were loaded when taken: {stats:?}");
 }
 
-/// Prefetches queued behind one whose upload panics never run: the worker's thread ends with the panic and drops
-/// its channel. Each of them gives its group back as it is dropped, so the forward that takes the group loads it
-/// itself instead of waiting for ever. With depth 2 the capture's end queues two prefetches at once, so the second
-/// is almost always still in the channel when the first panics (before each job gave its group back, this hung
-/// every time it ran here, and so, now and then, did the depth-1 test above: a miss's own prefetch could be queued
-/// while the worker unwound).
+/// Prefetches queued behind one whose upload panics still run: the worker catches the panic and goes on, and each
+/// of them (here panicking in turn) gives its group back, so the forward that takes the group loads it itself
+/// instead of waiting for ever. With depth 2 the capture's end queues two prefetches at once, so the second is
+/// almost always still in the channel when the first panics (when the panic ended the worker's thread, this hung
+/// every time it ran here until each dropped job gave its group back).
 #[test]
 fn prefetches_queued_behind_a_panicking_one_give_their_groups_back() {
     let (diffs, stats) = forwards_with_a_panicking_worker(2);
     assert!(diffs.iter().all(|d| *d <= 1e-6), "{diffs:?}");
-    // Both queued prefetches failed: the one that panicked and the one dropped behind it.
+    // Both queued prefetches failed: the one that panicked first and the one behind it.
     assert!(stats.failed_prefetches >= 2, "{stats:?}");
     assert_eq!(stats.prefetch_hits, 0, "{stats:?}");
 }
@@ -1094,4 +1093,129 @@ fn a_synchronous_upload_that_panics_leaves_its_group_offloaded() {
     assert!(panicked, "the ledger's panic went on to the caller");
     assert!(diffs.iter().all(|d| *d <= 1e-6), "{diffs:?}");
     assert!(!on_device.is_empty(), "the resident top is on the device again");
+}
+
+/// A ledger over the card whose transfer panics once, on the thread `panics_on` says, after the upload reserved its
+/// room (`allocate_tensors` went through): a ledger bug past the device's own guards.
+struct PanicsInATransfer<F> {
+    card: Arc<SimCard>,
+    panics_on: F,
+    panicked: std::sync::atomic::AtomicBool,
+}
+
+impl<F: Fn() -> bool + Send + Sync> offload_core::DeviceLedger for PanicsInATransfer<F> {
+    fn allocate(&self, bytes: u64) -> Result<(), offload_core::ComponentError> {
+        self.card.allocate(bytes)
+    }
+
+    fn free(&self, bytes: u64) {
+        self.card.free(bytes)
+    }
+
+    fn allocate_tensors(&self, sizes: &[u64]) -> Result<(), offload_core::ComponentError> {
+        self.card.allocate_tensors(sizes)
+    }
+
+    fn free_tensors(&self, sizes: &[u64]) {
+        self.card.free_tensors(sizes)
+    }
+
+    fn transfer(&self, bytes: u64, direction: offload_core::Direction) -> Result<(), offload_core::ComponentError> {
+        if (self.panics_on)() && !self.panicked.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            panic!("a ledger bug in a transfer");
+        }
+        self.card.transfer(bytes, direction)
+    }
+}
+
+/// Issue 37, item 7: a prefetch whose upload panics after it reserved its room (here in the ledger's transfer, on
+/// the worker) gives the reservation back as it unwinds, so the account is what it was; the worker thread catches
+/// the panic and goes on, so the next prefetches work; and the failure is reported, as a `prefetch_failed` row of
+/// the record and a failed prefetch. Before, the reservation stayed on the card (every later refusal a false
+/// out-of-memory) and the worker's thread ended, so every later prefetch failed, silently.
+#[test]
+fn a_prefetch_that_panics_after_reserving_gives_the_room_back_and_the_worker_goes_on() {
+    let (stats, record, leaked, diffs) = within_deadline("a forward waited for a prefetch", move || {
+        let device = Device::flex();
+        let model = Model::new(&device);
+        let x = input(&device);
+        let expected = model.forward(x.clone());
+        let card = hard_card(GIB);
+        let record = OffloadRecord::new();
+        let ledger = PanicsInATransfer { card: card.clone(), panics_on: on_the_worker, panicked: Default::default() };
+        let config = config(&card, true).with_ledger(Arc::new(ledger)).with_record(record.clone());
+        let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
+        let diffs: Vec<f32> = (0..4).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
+        offloaded.offload.wait_idle();
+        offloaded.offload.offload_all().unwrap();
+        (offloaded.offload.stats(), record, card.allocated(), diffs)
+    });
+    assert!(diffs.iter().all(|d| *d <= 1e-6), "{diffs:?}");
+    assert_eq!(leaked, 0, "every reservation was given back once the model left the card");
+    assert_eq!(stats.failed_prefetches, 1, "{stats:?}");
+    // Every group of the three forwards after the capture came from the worker but the one it failed (a hit, or a
+    // wait for a prefetch still in flight when the forward took it).
+    let prefetched = stats.prefetch_hits + stats.prefetch_waits;
+    assert!(prefetched >= 3 * BLOCKS as u64 - 1, "the worker went on prefetching: {stats:?}");
+    let refusals = record.refusals();
+    assert_eq!(refusals.len(), 1, "{record}");
+    let refusal = &refusals[0];
+    assert_eq!((refusal.id.as_str(), &refusal.reason), ("m/blocks_0_0", &Some(Reason::PrefetchFailed)), "{record}");
+    assert!(refusal.available.is_some(), "the row has its reading");
+}
+
+/// A synchronous upload that panics after it reserved its room (here in the ledger's transfer, on the calling
+/// thread, during the capture's loads) stays a panic on that thread, and gives its reservation back as it unwinds:
+/// the account is what it was before the forward.
+#[test]
+fn a_synchronous_upload_that_panics_after_reserving_gives_the_room_back() {
+    let device = Device::flex();
+    let model = Model::new(&device);
+    let x = input(&device);
+    let expected = model.forward(x.clone());
+    let card = hard_card(GIB);
+    let ledger = PanicsInATransfer { card: card.clone(), panics_on: || true, panicked: Default::default() };
+    let offloaded = BlockModel::new(model, config(&card, false).with_ledger(Arc::new(ledger)), 1, Residency::Resident);
+    let before = card.allocated();
+    let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| offloaded.forward(x.clone())));
+    assert!(first.is_err(), "the ledger's panic went on to the caller");
+    assert_eq!(card.allocated(), before, "the panicked upload holds nothing on the card");
+    let out = offloaded.forward(x.clone()).unwrap();
+    assert!(max_abs_diff(&out, &expected) <= 1e-6);
+}
+
+/// A prefetch the device refuses for lack of memory is a `prefetch_refused` row of the record, with its group, its
+/// bytes and the reading it was refused on, and the record sums the refusals of a stretch of a run
+/// (`refusals_since`) in the one line a program prints after each image.
+#[test]
+fn a_refused_prefetch_is_a_row_of_the_record_with_its_reading() {
+    let (x, expected, card, _) = prefetched_blocks();
+    let record = OffloadRecord::new();
+    let offloaded = BlockModel::new(
+        Model::new(&Device::flex()),
+        config(&card, true).with_record(record.clone()),
+        1,
+        Residency::Resident,
+    );
+    let model_out = offloaded.forward(x.clone()).unwrap();
+    let _ = (model_out, expected);
+    let mark = record.total_added();
+    common::fail_allocation(&card, card.stats().allocations + 2);
+    offloaded.forward(x.clone()).unwrap();
+    offloaded.forward(x.clone()).unwrap();
+    offloaded.offload.wait_idle();
+    assert_eq!(offloaded.offload.stats().failed_prefetches, 1);
+    let refusals = record.refusals();
+    assert_eq!(refusals.len(), 1, "{record}");
+    let refusal = &refusals[0];
+    assert_eq!(refusal.action, Action::Refused);
+    assert_eq!(refusal.reason, Some(Reason::PrefetchRefused));
+    assert!(refusal.id.starts_with("m/blocks_"), "{refusal:?}");
+    let group_bytes = offloaded.offload.groups().into_iter().find(|(id, _)| *id == refusal.id).unwrap().1;
+    assert_eq!(refusal.bytes, group_bytes);
+    assert!(refusal.available.is_some() && refusal.peak.is_some(), "{refusal:?}");
+    let summary = record.refusals_since(mark).expect("one refusal since the mark");
+    assert_eq!((summary.count, summary.failed, summary.bytes), (1, 0, group_bytes));
+    assert!(summary.to_string().starts_with("1 prefetch refused (m 1;"), "{summary}");
+    assert!(record.refusals_since(record.total_added()).is_none());
 }

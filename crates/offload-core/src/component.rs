@@ -72,6 +72,15 @@ impl ComponentError {
 ///   its whole size for a plain model, its resident budget for a model under group offload.
 /// - A component under group offload ([`evictable`](Offloadable::evictable) is false) moves its own
 ///   groups; the manager never chooses it for eviction, but counts its resident bytes.
+/// - [`window_bytes`](Offloadable::window_bytes) is what the component's next call will bring onto the device
+///   beyond its resident bytes and beyond what it already holds there: a streamed model's window (the groups it
+///   holds at once while it computes), 0 for a plain model (the default). The manager asks for it, with the
+///   component's slot held and no call running, before every run while auto offload is on: on an onload the
+///   strategy sees `resident_bytes + window_bytes` as the incoming component's size; for a component already on
+///   the device, when the window does not fit beside the reserve in the reading, the strategy is asked the same
+///   question with the window as the incoming size, and the components it chooses leave, recorded as
+///   `release_memory_for:<id>`. So a model that streams never finds its prefetches refused because another
+///   component was onloaded while it held its next call's first groups.
 /// - The manager calls `onload` and `offload` with its registry lock held, so they must not call back into the
 ///   manager (its timeline and record are reached through the handles it gave out before).
 ///
@@ -110,6 +119,16 @@ pub trait Offloadable: Any + Send {
     /// Bytes held on the execution device while the component is resident.
     fn resident_bytes(&self) -> u64 {
         self.bytes()
+    }
+
+    /// Bytes the component's next call will still bring onto the execution device beyond
+    /// [`resident_bytes`](Offloadable::resident_bytes), less what it already holds there beyond them (they are in
+    /// the device's reading already): for a model under group offload, its window (the `1 + prefetch depth`
+    /// largest groups it streams) less the streamed groups it holds now (the first groups of its next forward,
+    /// prefetched at the end of its last). 0 by default: a plain model holds all it needs once onloaded. Read by
+    /// the manager before each run (see the trait's contract); it must be cheap and must not move anything.
+    fn window_bytes(&self) -> u64 {
+        0
     }
 
     /// What the weights took on the execution device at the component's first whole onload there, as the device's

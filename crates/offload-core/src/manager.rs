@@ -18,7 +18,9 @@
 //!
 //! A run of a component that is already on the execution device takes `state` once (find the component, check
 //! its type, claim it, count the use, see that it is resident, clone the timeline's handle), then its slot for
-//! the call: no allocation, no second look-up, and nothing more while the timeline is disabled.
+//! the call: no allocation, no second look-up, and nothing more while the timeline is disabled. A resident component
+//! that streams ([`Offloadable::window_bytes`] above 0: a model under group offload) takes `state` a second time,
+//! to check that its window still fits beside the reserve and make room for it when it does not.
 
 use std::any::{TypeId, type_name};
 use std::fmt;
@@ -625,6 +627,11 @@ impl ComponentsManager {
         let Started { claim, timeline, use_index, mut ready } = self.start_run(id, requested)?;
         // The claim is released last: after the slot's guard, and after the run's span is recorded.
         let mut component = claim.lock();
+        // A resident component that streams (a model under group offload) goes through the decision all the same:
+        // what its call brings onto the device may no longer fit beside what was onloaded since its last call.
+        if ready && use_index.is_some() && component.window_bytes() > 0 {
+            ready = false;
+        }
         // The run's span covers its onload (and the offloads that made room for it), its call and any retry.
         let _run = timeline.into_span(category::RUN, id);
         let mut offloaded_for_retry: Vec<String> = Vec::new();
@@ -704,20 +711,33 @@ impl ComponentsManager {
     }
 
     /// Makes the claimed component resident on the execution device for its use `use_index` (counted when the
-    /// run started), asking the strategy what to offload.
+    /// run started), asking the strategy what to offload; for a component already there, makes room for what its
+    /// call streams ([`Offloadable::window_bytes`]) when that does not fit beside the reserve.
+    ///
+    /// Both are one decision path: the strategy sees the incoming component at what its call needs on the device
+    /// (its resident bytes and its window on an onload, its window alone once resident, the groups it holds
+    /// already being in the reading), and each component it chooses leaves recorded as
+    /// `release_memory_for:<id>`.
     fn prepare(&self, id: &str, component: &mut dyn Offloadable, use_index: u64) -> Result<(), PrepareFailure> {
         let mut state = self.state.lock();
         let index = state.index(id)?;
         let Some(auto) = state.auto.as_ref() else { return Ok(()) };
         let device = auto.device.clone();
-        if state.entries[index].device == device {
+        let onloaded = state.entries[index].device == device;
+        // A streamed model holds only part of what its call needs: the groups it will hold at once as it runs are
+        // counted, so that another component onloaded beside it since its last call leaves instead of refusing
+        // its prefetches.
+        let window = component.window_bytes();
+        if onloaded && window == 0 {
             return Ok(());
         }
         let (memory, strategy, reserve) = (auto.memory.clone(), auto.strategy.clone(), auto.reserve);
         let timeline = state.timeline.clone();
+        let resident_bytes = state.entries[index].resident_bytes;
         let incoming = {
             let entry = &state.entries[index];
-            ComponentView::new(entry.id.clone(), entry.name.to_string(), entry.resident_bytes)
+            let needs = if onloaded { window } else { resident_bytes.saturating_add(window) };
+            ComponentView::new(entry.id.clone(), entry.name.to_string(), needs)
         };
         let resident: Vec<ResidentComponent> = state
             .entries
@@ -747,6 +767,9 @@ impl ComponentsManager {
             device: device.as_str(),
             use_index,
         };
+        if onloaded && view.fits() {
+            return Ok(());
+        }
         // With nothing resident there is nothing to choose from, so the strategy is not asked.
         let chosen = if resident.is_empty() { Vec::new() } else { strategy.decide(&view) };
         for choice in &chosen {
@@ -771,11 +794,21 @@ impl ComponentsManager {
             let reason = Reason::ReleaseMemoryFor(id.to_string());
             self.offload_entry(&mut state.entries[victim], memory.as_ref(), &timeline, reason)?;
         }
+        if onloaded {
+            tracing::debug!(
+                component = id,
+                window = %format_size(window),
+                evicted = chosen.len(),
+                "made room for the window of a streamed component: {}",
+                view.describe()
+            );
+            return Ok(());
+        }
         // The reading is taken just before the move; the event is recorded only once the move succeeded, so
         // the record's moves always add up to the placement.
         let reading = memory.reading();
         timeline.sample_memory(memory.as_ref());
-        let mut span = timeline.span(category::ONLOAD, id).arg("bytes", incoming.bytes).arg("device", device.as_str());
+        let mut span = timeline.span(category::ONLOAD, id).arg("bytes", resident_bytes).arg("device", device.as_str());
         let onloaded = component.onload(&device);
         if let Err(error) = &onloaded {
             span.set_arg("error", error.to_string());
@@ -787,12 +820,12 @@ impl ComponentsManager {
                 self.record.add(OffloadEvent {
                     action: Action::Onload,
                     id: id.to_string(),
-                    bytes: incoming.bytes,
+                    bytes: resident_bytes,
                     reason: None,
                     available: Some(reading.available),
                     peak: Some(reading.peak),
                 });
-                tracing::info!(component = id, device = %device, bytes = %format_size(incoming.bytes), "onload");
+                tracing::info!(component = id, device = %device, bytes = %format_size(resident_bytes), "onload");
                 let entry = &mut state.entries[index];
                 entry.device = device;
                 entry.resident_bytes = component.resident_bytes();

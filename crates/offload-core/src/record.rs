@@ -1,10 +1,19 @@
-//! The offload record: every move the manager (or a group offloader) made, with the reading it was made on.
+//! The offload record: every move the manager and the group offloaders made, and every move they were refused,
+//! with the reading each was made on.
 //!
-//! The record is a bounded list of [`OffloadEvent`]s. Its [`Display`](fmt::Display) is byte-identical to the
-//! anchor's `OffloadRecord.__repr__` (diffusers PR #14304): one row per decision, the offloads that made room for
-//! an onload folded into its row. Programs walk the same rows as data with [`OffloadRecord::rows`].
+//! The record is a bounded list of [`OffloadEvent`]s of two kinds. The manager's decisions move whole components
+//! (an onload, the offloads that made room for it, an `oom_retry`, `offloading_disabled`); the group offloaders'
+//! moves stream the groups of a model under group offload (`group_onload`, `prefetch`, `group_offload`, and a
+//! prefetch the device refused, `prefetch_refused` or `prefetch_failed`), their ids `model/group`. Its
+//! [`Display`](fmt::Display) prints both, one row per event or decision; on a record of the manager's decisions
+//! alone it is byte-identical to the anchor's `OffloadRecord.__repr__` (diffusers PR #14304): one row per
+//! decision, the offloads that made room for an onload folded into its row. [`OffloadRecord::decisions`] and
+//! [`OffloadRecord::group_moves`] print each kind apart (a streamed model makes thousands of group moves an image,
+//! the manager a handful of decisions), and [`OffloadRecord::refusals_since`] sums the refusals of a stretch of a
+//! run in the one line a program prints after each image. Programs walk the same rows as data with
+//! [`OffloadRecord::rows`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::sync::Arc;
 
@@ -15,13 +24,17 @@ use crate::size::format_size;
 /// The most events a record keeps; the oldest are dropped past this.
 pub const MAX_EVENTS: usize = 10_000;
 
-/// Which way a component (or a group of one) moved.
+/// Which way a component (or a group of one) moved, or that a move was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Action {
     /// Moved from the host onto the execution device.
     Onload,
     /// Moved from the execution device to the host.
     Offload,
+    /// A move onto the device that was asked for and did not happen (a prefetch the device refused or that
+    /// failed): nothing moved, and the group stayed on the host to be loaded when its forward takes it. Never
+    /// counted as a move; its reason says why ([`Reason::PrefetchRefused`], [`Reason::PrefetchFailed`]).
+    Refused,
 }
 
 impl fmt::Display for Action {
@@ -29,6 +42,7 @@ impl fmt::Display for Action {
         f.write_str(match self {
             Action::Onload => "onload",
             Action::Offload => "offload",
+            Action::Refused => "refused",
         })
     }
 }
@@ -48,6 +62,13 @@ pub enum Reason {
     Prefetch,
     /// A group released from the device after its use (`group_offload`).
     GroupOffload,
+    /// A prefetch the device refused for lack of memory (`prefetch_refused`, an [`Action::Refused`] event with the
+    /// group, its bytes and the reading the refusal was made on): the group was loaded when taken instead.
+    PrefetchRefused,
+    /// A prefetch that failed for another reason than memory (`prefetch_failed`, an [`Action::Refused`] event:
+    /// a transfer that failed, an upload that panicked); the group was loaded when taken instead, and the error
+    /// was logged.
+    PrefetchFailed,
     /// A move made by a mechanism outside the workspace, printed as given.
     Other(String),
 }
@@ -61,15 +82,17 @@ impl fmt::Display for Reason {
             Reason::GroupOnload => f.write_str("group_onload"),
             Reason::Prefetch => f.write_str("prefetch"),
             Reason::GroupOffload => f.write_str("group_offload"),
+            Reason::PrefetchRefused => f.write_str("prefetch_refused"),
+            Reason::PrefetchFailed => f.write_str("prefetch_failed"),
             Reason::Other(text) => f.write_str(text),
         }
     }
 }
 
-/// One move, with the device reading taken just before it.
+/// One move (or one refused move), with the device reading taken just before it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OffloadEvent {
-    /// Onload or offload.
+    /// Onload, offload, or a refused onload.
     pub action: Action,
     /// The component (or `component/group`) that moved.
     pub id: String,
@@ -83,11 +106,27 @@ pub struct OffloadEvent {
     pub peak: Option<u64>,
 }
 
-/// One row of the record's table: one decision.
+impl OffloadEvent {
+    /// Whether the event is a group offloader's (its id is `model/group`; a component's id never holds a `/`),
+    /// not a manager's decision.
+    pub fn is_group_move(&self) -> bool {
+        self.id.contains('/')
+    }
+
+    /// Whether the event is a move that was refused ([`Action::Refused`]).
+    pub fn is_refusal(&self) -> bool {
+        self.action == Action::Refused
+    }
+}
+
+/// One row of the record's table: one decision, or one group move.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecordRow {
     /// The component onloaded by this decision, with its size; `None` for a row that only offloads.
     pub onload: Option<(String, u64)>,
+    /// The group whose prefetch was refused, with its size ([`Action::Refused`]); printed in the Onload column,
+    /// whose reason (`prefetch_refused`, `prefetch_failed`) says that the onload did not happen.
+    pub refused: Option<(String, u64)>,
     /// The components offloaded by this decision, with their sizes, in the order they moved.
     pub offloaded: Vec<(String, u64)>,
     /// Available bytes before the decision's first move.
@@ -111,6 +150,8 @@ struct Events {
     kept: VecDeque<OffloadEvent>,
     /// Events added since the last clear, dropped ones included.
     added: u64,
+    /// Refused moves added since the last clear, dropped ones included.
+    refused: u64,
 }
 
 impl std::ops::Deref for Events {
@@ -139,8 +180,20 @@ impl OffloadRecord {
         if events.kept.len() == MAX_EVENTS {
             events.kept.pop_front();
         }
+        events.refused += u64::from(event.is_refusal());
         events.kept.push_back(event);
         events.added += 1;
+    }
+
+    /// A record holding `events`, oldest first (past [`MAX_EVENTS`], the newest): what
+    /// [`decisions`](Self::decisions) and [`group_moves`](Self::group_moves) return, detached from the record
+    /// they were taken from.
+    pub fn from_events(events: impl IntoIterator<Item = OffloadEvent>) -> Self {
+        let record = Self::new();
+        for event in events {
+            record.add(event);
+        }
+        record
     }
 
     /// Forgets every event.
@@ -148,6 +201,7 @@ impl OffloadRecord {
         let mut events = self.events.lock();
         events.kept.clear();
         events.added = 0;
+        events.refused = 0;
     }
 
     /// Events added since the last clear, including those dropped past [`MAX_EVENTS`].
@@ -170,9 +224,63 @@ impl OffloadRecord {
         self.events.lock().iter().cloned().collect()
     }
 
-    /// The table's rows as data: one per decision, exactly as [`Display`](fmt::Display) prints them.
+    /// The table's rows as data: one per decision or group move, exactly as [`Display`](fmt::Display) prints them.
     pub fn rows(&self) -> Vec<RecordRow> {
         rows_of(&self.events())
+    }
+
+    /// The manager's decisions alone (whole components onloaded, offloaded to make room, retried, disabled), as a
+    /// copy detached from this record: its table is the anchor's, one row per decision, whatever streamed beside
+    /// them. A model under group offload makes a few moves per forward and thousands per image; they are left out
+    /// here and kept in [`group_moves`](Self::group_moves).
+    pub fn decisions(&self) -> OffloadRecord {
+        Self::from_events(self.events.lock().iter().filter(|e| !e.is_group_move()).cloned())
+    }
+
+    /// The group offloaders' moves alone (`group_onload`, `prefetch`, `group_offload`, the groups given back for an
+    /// `oom_retry`, and the refused prefetches), as a copy detached from this record.
+    pub fn group_moves(&self) -> OffloadRecord {
+        Self::from_events(self.events.lock().iter().filter(|e| e.is_group_move()).cloned())
+    }
+
+    /// The refused moves kept (`prefetch_refused`, `prefetch_failed`), oldest first.
+    pub fn refusals(&self) -> Vec<OffloadEvent> {
+        self.events.lock().iter().filter(|e| e.is_refusal()).cloned().collect()
+    }
+
+    /// Refused moves added since the last clear, including those dropped past [`MAX_EVENTS`].
+    pub fn total_refused(&self) -> u64 {
+        self.events.lock().refused
+    }
+
+    /// The refusals among the events added after `mark` (a [`total_added`](Self::total_added) read before), or
+    /// `None` when there were none: what a program prints after each image, in one line
+    /// ([`Refusals`]' `Display`), so that a refusal is never seen only in the statistics.
+    ///
+    /// ```
+    /// use offload_core::{Action, OffloadEvent, OffloadRecord, Reason};
+    ///
+    /// let record = OffloadRecord::new();
+    /// let mark = record.total_added();
+    /// // ... one image runs; a group offloader's prefetch is refused:
+    /// record.add(OffloadEvent {
+    ///     action: Action::Refused,
+    ///     id: "unet/up_blocks.0.resnets_0_0".into(),
+    ///     bytes: 130_048,
+    ///     reason: Some(Reason::PrefetchRefused),
+    ///     available: Some(100_000),
+    ///     peak: Some(900_000),
+    /// });
+    /// let refusals = record.refusals_since(mark).expect("one refusal");
+    /// assert_eq!(refusals.count, 1);
+    /// println!("image 1: {refusals}");
+    /// # assert!(record.refusals_since(record.total_added()).is_none());
+    /// ```
+    pub fn refusals_since(&self, mark: u64) -> Option<Refusals> {
+        let events = self.events.lock();
+        let since = usize::try_from(events.added.saturating_sub(mark)).unwrap_or(usize::MAX);
+        let skip = events.kept.len().saturating_sub(since);
+        Refusals::of(events.kept.iter().skip(skip))
     }
 
     /// The number of offload events, by component id.
@@ -185,12 +293,104 @@ impl OffloadRecord {
     }
 }
 
+/// The refused moves of a stretch of a run, summed for the one line a program prints after an image
+/// ([`OffloadRecord::refusals_since`]) and a group offloader logs after a forward.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Refusals {
+    /// How many moves were refused.
+    pub count: u64,
+    /// Of those, how many failed for another reason than memory (`prefetch_failed`).
+    pub failed: u64,
+    /// Their bytes, summed.
+    pub bytes: u64,
+    /// The least available of the readings they were refused on, where readings were taken.
+    pub least_available: Option<u64>,
+    /// The models whose prefetches were refused (the part of each group's id before its `/`), in the order they
+    /// were first refused, each with its count.
+    pub models: Vec<(String, u64)>,
+}
+
+impl Refusals {
+    /// Counts `event` when it is a refusal ([`OffloadEvent::is_refusal`]); any other event is left out.
+    pub fn add(&mut self, event: &OffloadEvent) {
+        if !event.is_refusal() {
+            return;
+        }
+        self.count += 1;
+        self.failed += u64::from(event.reason == Some(Reason::PrefetchFailed));
+        self.bytes += event.bytes;
+        self.least_available = match (self.least_available, event.available) {
+            (Some(least), Some(available)) => Some(least.min(available)),
+            (least, available) => least.or(available),
+        };
+        let model = event.id.split('/').next().unwrap_or(&event.id);
+        match self.models.iter_mut().find(|(m, _)| m == model) {
+            Some((_, count)) => *count += 1,
+            None => self.models.push((model.to_string(), 1)),
+        }
+    }
+
+    /// Whether nothing was refused.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    fn of<'a>(events: impl Iterator<Item = &'a OffloadEvent>) -> Option<Self> {
+        let mut refusals = Refusals::default();
+        for event in events {
+            refusals.add(event);
+        }
+        (!refusals.is_empty()).then_some(refusals)
+    }
+}
+
+impl fmt::Display for Refusals {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let models: Vec<String> = self.models.iter().map(|(model, count)| format!("{model} {count}")).collect();
+        let prefetches = if self.count == 1 { "prefetch" } else { "prefetches" };
+        write!(f, "{} {prefetches} refused ({}; {} in all", self.count, models.join(", "), format_size(self.bytes))?;
+        if self.failed > 0 {
+            write!(f, "; {} of them failed for another reason than memory, see the log", self.failed)?;
+        }
+        if let Some(available) = self.least_available {
+            write!(f, "; as little as {} available", format_size(available))?;
+        }
+        write!(
+            f,
+            "): each group was loaded when its forward took it, so the output is right but those copies were not \
+             hidden; the record's prefetch_refused rows hold each reading; make room for the model's window: a \
+             reserve that covers its call's activations, fewer components resident beside it, a smaller prefetch \
+             depth or leaf level, or a larger card"
+        )
+    }
+}
+
 fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
     let mut rows = Vec::new();
     // Offloads that make room for an onload come before it; they wait here until it arrives.
     let mut pending: Vec<(String, Vec<&OffloadEvent>)> = Vec::new();
+    // The components the events so far leave resident: an offload that made room for one of them made room for
+    // what its call streams (a model under group offload, already onloaded), and no onload of it will come.
+    let mut resident: HashSet<&str> = HashSet::new();
     for event in events {
+        match event.action {
+            Action::Onload => {
+                resident.insert(event.id.as_str());
+            }
+            Action::Offload => {
+                resident.remove(event.id.as_str());
+            }
+            Action::Refused => {}
+        }
         match (&event.action, &event.reason) {
+            (Action::Refused, reason) => rows.push(RecordRow {
+                onload: None,
+                refused: Some((event.id.clone(), event.bytes)),
+                offloaded: Vec::new(),
+                available: event.available,
+                peak: event.peak,
+                reason: reason.as_ref().map(ToString::to_string).unwrap_or_default(),
+            }),
             (Action::Onload, _) => {
                 let caused = match pending.iter().position(|(target, _)| *target == event.id) {
                     Some(index) => pending.remove(index).1,
@@ -199,13 +399,14 @@ fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
                 let first = caused.first().copied().unwrap_or(event);
                 rows.push(RecordRow {
                     onload: Some((event.id.clone(), event.bytes)),
+                    refused: None,
                     offloaded: caused.iter().map(|e| (e.id.clone(), e.bytes)).collect(),
                     available: first.available,
                     peak: first.peak,
                     reason: event.reason.as_ref().map(ToString::to_string).unwrap_or_default(),
                 });
             }
-            (Action::Offload, Some(Reason::ReleaseMemoryFor(target))) => {
+            (Action::Offload, Some(Reason::ReleaseMemoryFor(target))) if !resident.contains(target.as_str()) => {
                 match pending.iter_mut().find(|(t, _)| t == target) {
                     Some((_, list)) => list.push(event),
                     None => pending.push((target.clone(), vec![event])),
@@ -213,6 +414,7 @@ fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
             }
             (Action::Offload, reason) => rows.push(RecordRow {
                 onload: None,
+                refused: None,
                 offloaded: vec![(event.id.clone(), event.bytes)],
                 available: event.available,
                 peak: event.peak,
@@ -224,6 +426,7 @@ fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
         for event in list {
             rows.push(RecordRow {
                 onload: None,
+                refused: None,
                 offloaded: vec![(event.id.clone(), event.bytes)],
                 available: event.available,
                 peak: event.peak,
@@ -281,7 +484,10 @@ impl fmt::Display for OffloadRecord {
                 let offloaded: Vec<String> = row.offloaded.iter().map(|(id, _)| label(id, &sizes)).collect();
                 vec![
                     (i + 1).to_string(),
-                    row.onload.as_ref().map_or_else(|| "-".to_string(), |(id, _)| label(id, &sizes)),
+                    row.onload
+                        .as_ref()
+                        .or(row.refused.as_ref())
+                        .map_or_else(|| "-".to_string(), |(id, _)| label(id, &sizes)),
                     if offloaded.is_empty() { "-".to_string() } else { offloaded.join(", ") },
                     size(row.available),
                     size(row.peak),
@@ -359,6 +565,97 @@ mod tests {
         assert_eq!(rows.len(), 4);
         assert_eq!(rows[1].reason, "oom_retry:a_1");
         assert_eq!(rows[3].offloaded, vec![("c_3".to_string(), 1024)]);
+    }
+
+    /// A streamed model's group moves and refusals are rows of the record beside the manager's decisions;
+    /// `decisions` prints the manager's alone (the anchor's table), `group_moves` the groups', and an offload
+    /// that made room for a component already on the device (a streamed model's window) is a row of its own where
+    /// it happened, not a leftover waiting for an onload that will never come.
+    #[test]
+    fn group_moves_and_refusals_are_rows_and_each_kind_prints_apart() {
+        let record = OffloadRecord::new();
+        let kb = 1024;
+        record.add(event(Action::Onload, "unet_2", 16 * kb, None, 84 * kb, 0));
+        record.add(event(Action::Onload, "unet_2/blocks_0_0", 8 * kb, Some(Reason::GroupOnload), 84 * kb, 16 * kb));
+        record.add(event(Action::Onload, "encoder_1", 60 * kb, None, 76 * kb, 24 * kb));
+        record.add(event(Action::Refused, "unet_2/blocks_1_1", 8 * kb, Some(Reason::PrefetchRefused), 4 * kb, 84 * kb));
+        record.add(event(
+            Action::Offload,
+            "encoder_1",
+            60 * kb,
+            Some(Reason::ReleaseMemoryFor("unet_2".into())),
+            4 * kb,
+            84 * kb,
+        ));
+        record.add(event(Action::Offload, "unet_2/blocks_0_0", 8 * kb, Some(Reason::GroupOffload), 64 * kb, 84 * kb));
+        let expected = "\
+# | Onload                      | Offloaded                   | Available | Peak     | Reason
+---------------------------------------------------------------------------------------------
+1 | unet_2 (16.00 KB)           | -                           | 84.00 KB  | 0 B      |
+2 | unet_2/blocks_0_0 (8.00 KB) | -                           | 84.00 KB  | 16.00 KB | group_onload
+3 | encoder_1 (60.00 KB)        | -                           | 76.00 KB  | 24.00 KB |
+4 | unet_2/blocks_1_1 (8.00 KB) | -                           | 4.00 KB   | 84.00 KB | prefetch_refused
+5 | -                           | encoder_1 (60.00 KB)        | 4.00 KB   | 84.00 KB | release_memory_for:unet_2
+6 | -                           | unet_2/blocks_0_0 (8.00 KB) | 64.00 KB  | 84.00 KB | group_offload";
+        assert_eq!(record.to_string(), expected);
+        let rows = record.rows();
+        assert_eq!(rows.len(), 6);
+        assert_eq!(rows[3].refused, Some(("unet_2/blocks_1_1".to_string(), 8 * kb)));
+        assert_eq!((rows[3].onload.clone(), rows[3].reason.as_str()), (None, "prefetch_refused"));
+        assert_eq!((rows[4].onload.clone(), rows[4].reason.as_str()), (None, "release_memory_for:unet_2"));
+        let decisions = "\
+# | Onload               | Offloaded            | Available | Peak     | Reason
+-------------------------------------------------------------------------------
+1 | unet_2 (16.00 KB)    | -                    | 84.00 KB  | 0 B      |
+2 | encoder_1 (60.00 KB) | -                    | 76.00 KB  | 24.00 KB |
+3 | -                    | encoder_1 (60.00 KB) | 4.00 KB   | 84.00 KB | release_memory_for:unet_2";
+        assert_eq!(record.decisions().to_string(), decisions);
+        assert_eq!(record.group_moves().len(), 3);
+        assert_eq!(record.refusals().len(), 1);
+        assert_eq!(record.total_refused(), 1);
+    }
+
+    /// `refusals_since` sums the refusals added after a mark, whatever else was added, and is `None` without any.
+    #[test]
+    fn refusals_since_a_mark_sum_what_was_refused_after_it() {
+        let record = OffloadRecord::new();
+        let refused = |group: &str, reason: Reason, available: u64| OffloadEvent {
+            action: Action::Refused,
+            id: group.to_string(),
+            bytes: 1000,
+            reason: Some(reason),
+            available: Some(available),
+            peak: Some(0),
+        };
+        record.add(refused("unet/a", Reason::PrefetchRefused, 10));
+        let mark = record.total_added();
+        assert_eq!(record.refusals_since(mark), None);
+        record.add(event(Action::Onload, "unet/b", 1000, Some(Reason::Prefetch), 5000, 0));
+        record.add(refused("unet/c", Reason::PrefetchRefused, 300));
+        record.add(refused("dit/a", Reason::PrefetchFailed, 200));
+        record.add(refused("unet/d", Reason::PrefetchRefused, 400));
+        let refusals = record.refusals_since(mark).expect("three refusals");
+        assert_eq!(
+            refusals,
+            Refusals {
+                count: 3,
+                failed: 1,
+                bytes: 3000,
+                least_available: Some(200),
+                models: vec![("unet".to_string(), 2), ("dit".to_string(), 1)],
+            }
+        );
+        assert_eq!(
+            refusals.to_string(),
+            "3 prefetches refused (unet 2, dit 1; 2.93 KB in all; 1 of them failed for another reason than memory, \
+             see the log; as little as 200 B available): each group was loaded when its forward took it, so the \
+             output is right but those copies were not hidden; the record's prefetch_refused rows hold each \
+             reading; make room for the model's window: a reserve that covers its call's activations, fewer \
+             components resident beside it, a smaller prefetch depth or leaf level, or a larger card"
+        );
+        assert_eq!(record.total_refused(), 4);
+        record.clear();
+        assert_eq!(record.total_refused(), 0);
     }
 
     #[test]

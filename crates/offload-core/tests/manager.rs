@@ -660,3 +660,131 @@ fn the_timeline_holds_each_run_onload_and_offload_with_memory_samples_around_eac
     assert_eq!(allocated, [0, 6 * UNIT, 6 * UNIT, 0, 0, 6 * UNIT], "before and after each of the three moves");
     assert!(timeline.events().iter().all(|e| e.thread == 1), "all on the test's thread");
 }
+
+/// A model under group offload whose call streams a window: 16 units resident, a window of its 24 largest units
+/// streamed, of which it keeps 12 on the card after each call (its next call's first group, prefetched). A call
+/// charges 8 units of activations, then asks the card for the rest of its window; a refusal there is a refused
+/// prefetch (counted, never an error), as group offload's worker sees it.
+struct Windowed {
+    card: Arc<memory_sim::SimCard>,
+    device: DeviceName,
+    /// Window units held now (prefetched at the end of the last call).
+    held: u64,
+    refused: u64,
+}
+
+impl Windowed {
+    const RESIDENT: u64 = 16 * UNIT;
+    const WINDOW: u64 = 24 * UNIT;
+    const KEPT: u64 = 12 * UNIT;
+    const ACTIVATIONS: u64 = 8 * UNIT;
+
+    fn new(card: &Arc<memory_sim::SimCard>) -> Self {
+        Self { card: card.clone(), device: DeviceName::cpu(), held: 0, refused: 0 }
+    }
+
+    fn call(&mut self) -> Result<(), offload_core::ComponentError> {
+        self.card.allocate(Self::ACTIVATIONS)?;
+        let rest = Self::WINDOW - self.held;
+        match self.card.allocate(rest) {
+            Ok(()) => self.held = Self::WINDOW,
+            Err(_) => self.refused += 1,
+        }
+        self.card.free(Self::ACTIVATIONS);
+        // The window goes back but for the next call's first group.
+        let kept = self.held.min(Self::KEPT);
+        self.card.free(self.held - kept);
+        self.held = kept;
+        Ok(())
+    }
+}
+
+impl offload_core::Offloadable for Windowed {
+    fn bytes(&self) -> u64 {
+        64 * UNIT
+    }
+    fn device(&self) -> DeviceName {
+        self.device.clone()
+    }
+    fn onload(&mut self, device: &DeviceName) -> Result<(), offload_core::ComponentError> {
+        self.card.allocate(Self::RESIDENT)?;
+        self.device = device.clone();
+        Ok(())
+    }
+    fn offload(&mut self) -> Result<(), offload_core::ComponentError> {
+        self.card.free(Self::RESIDENT + std::mem::take(&mut self.held));
+        self.device = DeviceName::cpu();
+        Ok(())
+    }
+    fn resident_bytes(&self) -> u64 {
+        Self::RESIDENT
+    }
+    fn window_bytes(&self) -> u64 {
+        Self::WINDOW - self.held
+    }
+    fn evictable(&self) -> bool {
+        false
+    }
+}
+
+/// Issue 37 in the manager's terms: a component onloaded beside a streamed model that holds its next call's first
+/// group (image 2's encoder) used to stay while the streamed model ran, whose window then did not fit: a refused
+/// prefetch per call, seen nowhere but in its counters. Before each run of a streamed model the manager now checks
+/// its window beside the reserve, and asks the strategy to make room when it does not fit, on the same decision
+/// path as an onload: the encoder leaves, recorded as `release_memory_for:<the model>` in a row of its own.
+#[test]
+fn a_streamed_models_window_makes_room_before_it_runs_and_the_record_says_why() {
+    let card = hard_card(100 * UNIT);
+    let manager = ComponentsManager::new();
+    let encoder = manager.add("encoder", Dummy::new(60 * UNIT, &card), None).unwrap();
+    let streamed = manager.add("unet", Windowed::new(&card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), Windowed::ACTIVATIONS, true).unwrap();
+    for _image in 0..3 {
+        run(&manager, &encoder);
+        for _step in 0..2 {
+            manager.run(&streamed, Windowed::call).unwrap();
+        }
+    }
+    assert_eq!(manager.inspect(&streamed, |w: &Windowed| w.refused).unwrap(), 0, "no prefetch refused");
+    assert!(offload_core::DeviceMemory::peak(card.as_ref()) <= 100 * UNIT);
+    // Image 1: the onload counts the window too (16 + 24 units beside the 8 reserved do not fit the 40 left), so
+    // the encoder leaves for the streamed model's onload. Images 2 and 3: the encoder comes back beside the
+    // streamed model and its 12 prefetched units, and leaves again when the window's other 12 do not fit.
+    expect![[r#"
+        # | Onload               | Offloaded            | Available | Peak     | Reason
+        -------------------------------------------------------------------------------
+        1 | encoder_1 (60.00 KB) | -                    | 100.00 KB | 0 B      |
+        2 | unet_2 (16.00 KB)    | encoder_1 (60.00 KB) | 40.00 KB  | 60.00 KB |
+        3 | encoder_1 (60.00 KB) | -                    | 72.00 KB  | 60.00 KB |
+        4 | -                    | encoder_1 (60.00 KB) | 12.00 KB  | 88.00 KB | release_memory_for:unet_2
+        5 | encoder_1 (60.00 KB) | -                    | 72.00 KB  | 88.00 KB |
+        6 | -                    | encoder_1 (60.00 KB) | 12.00 KB  | 88.00 KB | release_memory_for:unet_2"#]]
+    .assert_eq(&manager.offload_record().to_string());
+}
+
+/// A window that fits beside the reserve moves nothing, and the strategy is not asked: a streamed model's check
+/// costs a reading, not a decision.
+#[test]
+fn a_window_that_fits_moves_nothing_and_asks_no_strategy() {
+    let card = hard_card(200 * UNIT);
+    let manager = ComponentsManager::new();
+    let encoder = manager.add("encoder", Dummy::new(60 * UNIT, &card), None).unwrap();
+    let streamed = manager.add("unet", Windowed::new(&card), None).unwrap();
+    manager.enable_auto_offload(card.clone(), Windowed::ACTIVATIONS, true).unwrap();
+    let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = asked.clone();
+    let strategy = move |_: &OffloadView<'_>| {
+        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Vec::new()
+    };
+    manager.set_offload_strategy(Arc::new(strategy)).unwrap();
+    for _image in 0..2 {
+        run(&manager, &encoder);
+        manager.run(&streamed, Windowed::call).unwrap();
+        manager.run(&streamed, Windowed::call).unwrap();
+    }
+    assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 1, "asked once, when the streamed model came");
+    assert_eq!(device_of(&manager, &encoder), "cuda:0", "the encoder stayed");
+    let offloads = manager.offload_record().events().iter().filter(|e| e.action == Action::Offload).count();
+    assert_eq!(offloads, 0);
+}

@@ -626,7 +626,7 @@ fn contention_runs(runs: usize) -> Contention {
                     let diff = max_abs_diff(&values(output.remove(0)), &reference);
                     assert!(diff <= 1e-6, "run {run}, call {call}: the output differs from the resident one by {diff}");
                 }
-                Err(error @ offload_core::Error::DoesNotFit { .. }) => {
+                Err(group_offload::Error::Manager(error @ offload_core::Error::DoesNotFit { .. })) => {
                     println!("run {run}, call {call}: {error}");
                     seen.starved += 1;
                 }

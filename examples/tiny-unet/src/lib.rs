@@ -1,7 +1,7 @@
 //! A Stable-Diffusion-style UNet on the offload library: a time MLP and `conv_in`, two down stages of two ResNet
 //! blocks (the first with a downsample), a mid block with self-attention between two ResNets, two up stages of
 //! three ResNets fed by skip connections (the first with an upsample), then `norm_out` and `conv_out`; beside it
-//! a small condition encoder. Random weights; about 2.4 MB in f32.
+//! a small condition encoder. Random weights; the UNet 0.92 MB in f32, the encoder 0.27 MB.
 //!
 //! The UNet's lists are nested (`down_blocks[i].resnets[j]`), so it is declared in the shape it has:
 //! `#[offload(nested)]` on the stage lists and the mid block, `#[offload(blocks)]` on each stage's `resnets` and
@@ -24,17 +24,6 @@ use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use group_offload::prelude::*;
 use offload_core::ComponentsManager;
-
-/// Everything the pipeline can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The manager refused a call or a registration (an out-of-memory the retry could not recover, say).
-    #[error(transparent)]
-    Offload(#[from] offload_core::Error),
-    /// Group offload failed (options, an upload).
-    #[error(transparent)]
-    GroupOffload(#[from] group_offload::Error),
-}
 
 /// Latent channels.
 pub const LATENT: usize = 4;
@@ -318,7 +307,7 @@ pub struct TinyUnetPipeline {
 
 impl TinyUnetPipeline {
     /// Registers `encoder` and `unet` (on `placement.host`) with a new manager.
-    pub fn new(encoder: Encoder, unet: UNet, placement: Placement) -> Result<Self, Error> {
+    pub fn new(encoder: Encoder, unet: UNet, placement: Placement) -> Result<Self> {
         let manager = Arc::new(ComponentsManager::new());
         let host = placement.host.clone();
         // offload: begin
@@ -343,7 +332,7 @@ impl TinyUnetPipeline {
 
     /// Samples latents `[1, LATENT, SIZE, SIZE]` for class `class` with `steps` Euler steps from deterministic
     /// noise.
-    pub fn generate(&self, class: i64, steps: usize) -> Result<Tensor<4>, Error> {
+    pub fn generate(&self, class: i64, steps: usize) -> Result<Tensor<4>> {
         let ids = Tensor::<2, Int>::from_data(TensorData::new(vec![class], [1, 1]), &self.host);
         // offload: begin
         let cond = self.encoder.run(0, |encoder, device| Ok(encoder.forward(ids.clone().to_device(device))))?;
@@ -368,3 +357,8 @@ impl TinyUnetPipeline {
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 struct Readme;
+
+/// The offload record's page, whose program that prints each image's refused prefetches runs on this pipeline.
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/offload-record.md")]
+struct OffloadRecordPage;
