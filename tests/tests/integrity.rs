@@ -643,9 +643,13 @@ fn a_failed_group_upload_leaves_no_onload_in_the_record() {
     let first = blocks.group(0).unwrap();
     assert!(blocks.group(1).is_err(), "the injected allocation fails the second group's upload");
     let mut balance: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
+    // Refused rows move nothing: only onloads and offloads add up to the placement.
     for event in record.events() {
-        *balance.entry(event.id.clone()).or_default() +=
-            if event.action == offload_core::Action::Onload { 1 } else { -1 };
+        *balance.entry(event.id.clone()).or_default() += match event.action {
+            offload_core::Action::Onload => 1,
+            offload_core::Action::Offload => -1,
+            _ => 0,
+        };
     }
     let on_device = offload.on_device();
     for (group, moves) in &balance {

@@ -960,6 +960,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         // Checked before anything loaded (check_arguments): the last image's seed fits.
         opts.seed = args.seed.saturating_add(index as u64);
         let started = std::time::Instant::now();
+        let mark = pipeline.manager().offload_record().total_added();
         let outcome = match &plan {
             Some(plan) => {
                 if index == 0 {
@@ -985,6 +986,10 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             }
         };
         record = profiled.or(record);
+        // A refused prefetch costs time, never correctness: it is said once per image, never left silent.
+        if let Some(refused) = pipeline.manager().offload_record().refusals_since(mark) {
+            eprintln!("image {}: {refused}", index + 1);
+        }
         let events = pipeline.manager().offload_record().events();
         per_image.push(ImageFigures::of(started.elapsed(), &events[events_seen.min(events.len())..]));
         events_seen = events.len();
@@ -1059,7 +1064,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     write_timeline(args, &timeline, &target)?;
     match &target {
         Target::Host { card: Some(card) } => {
-            println!("\n{}", pipeline.manager().offload_record());
+            print_record(&pipeline);
             println!("\npeak on the simulated {} card: {}", card.spec().label, format_size(card.peak()));
             let stats = card.stats();
             println!(
@@ -1070,7 +1075,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             );
         }
         Target::Real { readings: Some(readings), cap } => {
-            println!("\n{}", pipeline.manager().offload_record());
+            print_record(&pipeline);
             let now = readings.observe().map_err(group_offload::Error::from)?;
             println!(
                 "device memory on {name} (burn's pool{}): peak in use {} (sampled every {} µs), reserved \
@@ -1125,6 +1130,26 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Prints the manager's decisions as the anchor's table, then one line for the group offloaders' moves, which the
+/// trace (`--trace`) shows one by one.
+fn print_record(pipeline: &ZImagePipeline) {
+    let record = pipeline.manager().offload_record();
+    println!("\n{}", record.decisions());
+    let moves = record.group_moves().events();
+    if !moves.is_empty() {
+        let uploads: Vec<_> = moves.iter().filter(|e| e.action == offload_core::Action::Onload).collect();
+        let prefetched = uploads.iter().filter(|e| matches!(e.reason, Some(offload_core::Reason::Prefetch))).count();
+        let refused = moves.iter().filter(|e| e.is_refusal()).count();
+        println!(
+            "group moves: {} uploads ({}), {prefetched} of them prefetched, {} releases, {refused} refused (rows of \
+             the record's group moves; --trace shows each on its thread)",
+            uploads.len(),
+            format_size(uploads.iter().map(|e| e.bytes).sum()),
+            moves.iter().filter(|e| e.action == offload_core::Action::Offload).count()
+        );
+    }
 }
 
 /// The host as the plan sees it, from a reading taken after loading: the `loaded` weight bytes already in host

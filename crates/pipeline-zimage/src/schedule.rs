@@ -133,7 +133,7 @@ pub fn recorded_group_moves(manager: &ComponentsManager) -> (usize, u64) {
         .offload_record()
         .events()
         .iter()
-        .filter(|e| e.id.contains('/'))
+        .filter(|e| e.id.contains('/') && matches!(e.action, Action::Onload | Action::Offload))
         .fold((0, 0), |(count, bytes), e| (count + 1, bytes + e.bytes))
 }
 

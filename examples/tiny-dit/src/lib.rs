@@ -25,20 +25,6 @@ use group_offload::prelude::*;
 use offload_core::ComponentsManager;
 use offload_core::plan::{DeviceFacts, Settings, Workload};
 
-/// Everything the pipeline can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The manager refused a call or a registration (an out-of-memory the retry could not recover, say).
-    #[error(transparent)]
-    Offload(#[from] offload_core::Error),
-    /// Group offload failed (options, an upload).
-    #[error(transparent)]
-    GroupOffload(#[from] group_offload::Error),
-    /// The planner refused the settings or the device.
-    #[error(transparent)]
-    Plan(#[from] offload_core::plan::PlanError),
-}
-
 /// The sizes of the three models.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Config {
@@ -271,7 +257,7 @@ pub struct TinyDitPipeline {
 
 impl TinyDitPipeline {
     /// Registers `models` (on `placement.host`) with a new manager.
-    pub fn new(models: Models, config: Config, placement: Placement) -> Result<Self, Error> {
+    pub fn new(models: Models, config: Config, placement: Placement) -> group_offload::Result<Self> {
         let manager = Arc::new(ComponentsManager::new());
         // offload: begin
         let encoder = ModelHandle::register(&manager, "encoder", models.encoder, placement.clone())?;
@@ -307,7 +293,7 @@ impl TinyDitPipeline {
         settings: Settings,
         device: &DeviceFacts,
         prompt_tokens: usize,
-    ) -> Result<PipelinePlan, Error> {
+    ) -> group_offload::Result<PipelinePlan> {
         let activations = self.activation_estimates(prompt_tokens);
         // offload: begin
         let mut components: [&mut dyn group_offload::handle::Component; 3] =
@@ -323,7 +309,7 @@ impl TinyDitPipeline {
 
     /// Generates an image `[1, T, pixels]` from `prompt` (token ids below the vocabulary size) with `steps`
     /// Euler steps of the flow from deterministic noise.
-    pub fn generate(&self, prompt: &[i64], steps: usize) -> Result<Tensor<3>, Error> {
+    pub fn generate(&self, prompt: &[i64], steps: usize) -> group_offload::Result<Tensor<3>> {
         let c = &self.config;
         let host = &self.placement.host;
         // offload: begin (each call goes through its handle, which the manager onloads, charges and retries)
