@@ -1495,13 +1495,14 @@ pub fn catch_device_panic<R>(f: impl FnOnce() -> R) -> std::result::Result<R, De
 }
 
 /// Whether a panic's message is the device runtime's: burn's read of a tensor whose computation failed (its
-/// `into_data` panics with [`BURN_READ_PANIC`] and the runtime's error) or a runtime error's own text, recognised
-/// by its first line ([`RuntimeFailure::of`]).
+/// `into_data` panics with [`BURN_READ_PANIC`] and the runtime's error), a runtime error's own text, or the panic
+/// cubecl-wgpu raises for wgpu's out-of-memory ([`WGPU_OUT_OF_MEMORY`]), each recognised by its first line
+/// ([`RuntimeFailure::of`]).
 fn is_device_failure(message: &str) -> bool {
     let text = message.strip_prefix(BURN_READ_PANIC).unwrap_or(message);
     let first = text.lines().next().unwrap_or("").trim();
     RUNTIME_WRAPPERS.iter().any(|wrapper| wrapper.matches(first))
-        || POISONED.contains(&first)
+        || is_poisoned_line(first)
         || RuntimeFailure::of(text) != RuntimeFailure::Other
 }
 
@@ -1509,6 +1510,21 @@ fn is_device_failure(message: &str) -> bool {
 /// `tensor/api/base.rs`: `expect` adds `": "` and the error).
 pub const BURN_READ_PANIC: &str =
     "Error while reading data: use `try_into_data` instead to catch the error at runtime: ";
+
+/// The panic cubecl-wgpu 0.11.3 raises for wgpu's out-of-memory on the default (WGSL) build, whole.
+///
+/// Without its `spirv` feature, cubecl-wgpu's storage creates buffers through `wgpu::Device::create_buffer`
+/// (`compute/storage.rs`), which returns no error: wgpu reports a failed allocation to the device's
+/// uncaptured-error handler, and the one cubecl installs (`compute/device_poison.rs`, `PoisonWatch::watch`) panics
+/// with `"wgpu error: {error}"` on a device that is not lost, where wgpu 30's `Error::OutOfMemory` displays as
+/// `Out of Memory` (`api/device.rs`). The panic happens on cubecl's device runner thread. For a task the caller
+/// waits for (a read, a sync, a cleanup) cubecl's channel catches it and raises the same payload again in the
+/// caller (`cubecl-common` 0.11.3, `device/handle/channel.rs`, `run_scoped`, then `unwrap_or_resume`), so the
+/// caller sees exactly this line; [`catch_device_panic`] catches it around the library's own device operations.
+/// For a task nobody waits for (a buffer's creation, a launch) the channel only logs the panic, and the memory that
+/// task was for is never written: a later read fails with cubecl's words for that, which do not say why, and is a
+/// device error, not an out-of-memory (`docs/devices.md`).
+pub const WGPU_OUT_OF_MEMORY: &str = "wgpu error: Out of Memory";
 
 /// A first line of the runtime's that wraps another error, whose own text follows a `Caused by:` line.
 enum Wrapper {
@@ -1528,26 +1544,46 @@ impl Wrapper {
 }
 
 /// The runtime's wrappers, in their exact words: burn's `ExecutionError` (`burn-std` 0.22.1,
-/// `device_settings.rs`) and cubecl's `ServerError` (`cubecl-runtime` 0.11.3, `server/base.rs`).
-const RUNTIME_WRAPPERS: [Wrapper; 4] = [
+/// `device_settings.rs`) and cubecl's `ServerError` and `LaunchError` (`cubecl-runtime` 0.11.3, `server/base.rs`).
+/// A compilation error is followed too, because the error it carries can be a poisoned device
+/// (`CompilationError::DevicePoisoned`); any other compiler error is `Other` by its own first line.
+const RUNTIME_WRAPPERS: [Wrapper; 5] = [
     Wrapper::Line("An error happened during execution"),
     Wrapper::Line("An IO error happened"),
     Wrapper::Line("A launch error happened"),
+    Wrapper::Line("A compilation error happened during launch"),
     Wrapper::Prefix("The bytes were never written (failure #"),
 ];
 
-/// cubecl's and burn's first lines for a poisoned device (`ServerError::DevicePoisoned`,
-/// `LaunchError::DevicePoisoned`, `ExecutionError::DevicePoisoned`).
-const POISONED: [&str; 2] = ["The device is poisoned", "The device was poisoned during launch"];
+/// cubecl's and burn's first lines for a poisoned device, whole: `ServerError::DevicePoisoned`,
+/// `LaunchError::DevicePoisoned`, burn's `ExecutionError::DevicePoisoned`, and `CompilationError::DevicePoisoned`
+/// (`cubecl-runtime` 0.11.3, `compiler.rs`: the device was poisoned before a compiled kernel could be loaded).
+const POISONED: [&str; 3] = [
+    "The device is poisoned",
+    "The device was poisoned during launch",
+    "The device is poisoned, the kernel could not be loaded",
+];
+
+/// How `IoError::DevicePoisoned` begins (`"The device is poisoned: {0}"`, `cubecl-runtime` 0.11.3,
+/// `server/base.rs`): the driver's reason follows on the same line.
+const POISONED_IO: &str = "The device is poisoned: ";
+
+/// Whether a first line is one of the runtime's own for a poisoned device.
+fn is_poisoned_line(line: &str) -> bool {
+    POISONED.contains(&line) || line.starts_with(POISONED_IO)
+}
 
 /// What a runtime's error says went wrong, read from the runtime's own first lines, never searched for in the
 /// whole text (a cause chain or a backtrace can say anything).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RuntimeFailure {
     /// The runtime's own out-of-memory, in its exact words: cubecl's `IoError::OutOfMemory` ("out of device memory
-    /// allocating N bytes", what its CUDA storage reports for `CUDA_ERROR_OUT_OF_MEMORY` and its Vulkan storage
-    /// for `VK_ERROR_OUT_OF_DEVICE_MEMORY` / `VK_ERROR_OUT_OF_HOST_MEMORY`), or `LaunchError::OutOfMemory` ("An
-    /// out-of-memory error happened during launch"). The bytes asked for, where the runtime says.
+    /// allocating N bytes", what its CUDA storage reports for `CUDA_ERROR_OUT_OF_MEMORY` and its SPIR-V Vulkan
+    /// storage, the `vulkan` feature, for `VK_ERROR_OUT_OF_DEVICE_MEMORY` / `VK_ERROR_OUT_OF_HOST_MEMORY`),
+    /// `IoError::PageSizesExhausted` ("Can't allocate N bytes: every page size the memory tracks still holds live
+    /// allocations", which cubecl documents as one a cleanup and a retry can resolve), `LaunchError::OutOfMemory`
+    /// ("An out-of-memory error happened during launch"), and the panic the default wgpu build raises for wgpu's
+    /// out-of-memory ([`WGPU_OUT_OF_MEMORY`]). The bytes asked for, where the runtime says.
     OutOfMemory {
         /// The allocation's size, when the runtime names it.
         requested: Option<u64>,
@@ -1567,7 +1603,7 @@ impl RuntimeFailure {
         let mut rest = text.strip_prefix(BURN_READ_PANIC).unwrap_or(text);
         loop {
             let first = rest.lines().next().unwrap_or("").trim();
-            if POISONED.contains(&first) {
+            if is_poisoned_line(first) {
                 return RuntimeFailure::Poisoned;
             }
             if RUNTIME_WRAPPERS.iter().any(|wrapper| wrapper.matches(first)) {
@@ -1594,11 +1630,15 @@ impl RuntimeFailure {
 
     /// The runtime's own out-of-memory lines, whole.
     fn of_line(line: &str) -> RuntimeFailure {
-        if line == "An out-of-memory error happened during launch" {
+        if line == "An out-of-memory error happened during launch" || line == WGPU_OUT_OF_MEMORY {
             return RuntimeFailure::OutOfMemory { requested: None };
         }
-        let size = line.strip_prefix("out of device memory allocating ").and_then(|rest| rest.strip_suffix(" bytes"));
-        match size.map(str::parse::<u64>) {
+        let out_of_memory =
+            line.strip_prefix("out of device memory allocating ").and_then(|rest| rest.strip_suffix(" bytes"));
+        let no_page_size = line.strip_prefix("Can't allocate ").and_then(|rest| {
+            rest.strip_suffix(" bytes: every page size the memory tracks still holds live allocations")
+        });
+        match out_of_memory.or(no_page_size).map(str::parse::<u64>) {
             Some(Ok(bytes)) => RuntimeFailure::OutOfMemory { requested: Some(bytes) },
             _ => RuntimeFailure::Other,
         }
@@ -1709,6 +1749,41 @@ mod tests {
         assert_eq!(sized("oom-unwritten-root.txt"), Some(Some(4_194_304)));
         assert_eq!(sized("oom-read-panic.txt"), Some(Some(1024)));
         assert_eq!(sized("oom-launch.txt"), Some(None));
+        assert_eq!(sized("oom-wgpu-panic.txt"), Some(None));
+        assert_eq!(sized("oom-page-sizes-exhausted.txt"), Some(Some(2_097_152)));
+        assert_eq!(sized("oom-page-sizes-read-panic.txt"), Some(Some(512)));
+    }
+
+    #[test]
+    fn the_default_wgpu_builds_out_of_memory_panic_is_caught_and_retryable_and_other_wgpu_panics_are_not() {
+        // What cubecl raises again in the caller for wgpu's out-of-memory on its runner thread.
+        let caught = catch_device_panic(|| -> u32 { std::panic::panic_any(WGPU_OUT_OF_MEMORY.to_string()) });
+        let error = caught.expect_err("the runtime's panic is caught").with_device(&name(), "upload", None);
+        assert!(matches!(error, ComponentError::OutOfMemory { requested: 0, available: 0, .. }), "{error:?}");
+        // A validation error is a bug in the runtime's use, not a device failure: it goes on unwinding.
+        let unwound = std::panic::catch_unwind(|| {
+            catch_device_panic(|| -> u32 { panic!("wgpu error: Validation Error\n\nCaused by:\n  Out of Memory") })
+        });
+        assert!(unwound.is_err(), "a wgpu validation panic was swallowed");
+    }
+
+    #[test]
+    fn every_poisoned_text_of_cubecl_is_poisoned_on_the_panic_path_too() {
+        for text in [
+            "The device is poisoned: Lost: the GPU went away\nBacktrace:\n   0: x",
+            "A launch error happened\nCaused by:\n  A compilation error happened during launch\nCaused by:\n  \
+             The device is poisoned, the kernel could not be loaded\nCaused by:\n  Lost",
+        ] {
+            // The panic path passes no poisoned flag: the words alone decide.
+            let caught = catch_device_panic(|| -> u32 { std::panic::panic_any(text.to_string()) });
+            let error = caught.expect_err("the runtime's panic is caught").with_device(&name(), "run", None);
+            let inner = match &error {
+                ComponentError::Other(inner) => inner.downcast_ref::<Error>(),
+                _ => None,
+            };
+            assert!(matches!(inner, Some(Error::DevicePoisoned { .. })), "{text}: {error:?}");
+        }
+        assert_eq!(RuntimeFailure::of("The device is poisoned by my model"), RuntimeFailure::Other);
     }
 
     #[test]
