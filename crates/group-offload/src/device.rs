@@ -32,13 +32,19 @@
 //! has none left; it neither defragments nor retries. Before each call the pool's cache is released when its
 //! pages hold the device past the cap, as torch releases its cache before it raises. Pages are sized to the
 //! largest allocation so far (2 MiB and more), so on a tiny workload they are mostly cache: the tiny pipeline's
-//! 4.0 MB of weights sat in 10.8 MB of pages on lavapipe. The pages also make the decision exact where a
-//! sampled in-use high-water is not: the pool's pages only grow during a call, so the reading after it is their
-//! high-water.
+//! 4.0 MB of weights sat in 10.8 MB of pages on lavapipe. Pages are also steadier than bytes in use: an
+//! allocation takes a page and keeps it until the pool's cache is released, so a spike of activations leaves its
+//! pages behind where a sampled in-use reading would miss it. The pages are not monotone during a call, though: a
+//! reservation that finds too little room releases the pool's cache (`memory_cleanup`) in the middle of another
+//! thread's call (and a whole onload or offload releases it too). So a call's page high-water is the highest of
+//! the readings taken over the call (the sampler's and every other), which can miss a peak that came and went
+//! between two readings: a lower bound, exact only where the pages did not shrink in between.
 //!
 //! The hard cap keeps one account of what the library reserved (placements and the estimates of calls in flight,
 //! in the [`PageRule`]'s pages), behind one mutex that is held from the reading to the reservation: the main thread
-//! and a prefetch worker can never both pass on the same free bytes.
+//! and a prefetch worker can never both pass on the same free bytes. A check charges the pool's pages plus the
+//! reservations the pool does not show yet, never less than the reservations (the rule and how "not yet" is read
+//! are on the account's type, `Account`).
 
 //! # Failures
 //!
@@ -276,20 +282,12 @@ fn vulkan_heap(adapter: &burn::tensor::wgpu::wgpu::AdapterInfo) -> std::result::
 /// The budget of the adapter's largest device-local Vulkan heap (`VK_EXT_memory_budget`), read from `vulkaninfo
 /// --text` ([`crate::vulkaninfo`]): what a new process may allocate from the heap now, the heap less what other
 /// processes hold. Read before this process allocates, it is this process's room. Why not, in words, where
-/// `vulkaninfo` is missing (Debian's `vulkan-tools`), fails, or the driver does not offer the extension
-/// (lavapipe does not).
+/// `vulkaninfo` is missing (Debian's `vulkan-tools`), fails, does not answer within
+/// [`crate::vulkaninfo::TIMEOUT`] (a hung driver: it is stopped, and the open goes on with the heap), or the driver
+/// does not offer the extension (lavapipe does not).
 #[cfg(feature = "wgpu")]
 fn vulkan_budget(adapter: &burn::tensor::wgpu::wgpu::AdapterInfo) -> std::result::Result<u64, String> {
-    let output = std::process::Command::new("vulkaninfo")
-        .arg("--text")
-        .stdin(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .output()
-        .map_err(|error| format!("vulkaninfo could not run ({error}; Debian: `apt-get install vulkan-tools`)"))?;
-    if !output.status.success() {
-        return Err(format!("vulkaninfo failed ({})", output.status));
-    }
-    let report = String::from_utf8_lossy(&output.stdout);
+    let report = crate::vulkaninfo::run("vulkaninfo".as_ref(), crate::vulkaninfo::TIMEOUT)?;
     crate::vulkaninfo::device_local_budget(&report, adapter.vendor, adapter.device, &adapter.name)
 }
 
@@ -862,21 +860,115 @@ pub struct CallCharge {
 
 /// The one account of reservations of a [`CappedDevice`], guarded by one mutex: every check against the cap and
 /// the reservation it allows happen in one critical section.
+///
+/// # What counts against the cap
+///
+/// A card of the cap's size has to hold every page the pool holds (whatever part of it the allocations use), and
+/// every reservation the pool does not show yet. So a check charges, besides what is outside the pool:
+///
+/// ```text
+/// charged = max(pool pages + reservations not yet allocated, reservations)
+/// ```
+///
+/// The pool's pages count what is there: reserved weights already uploaded, and what nobody reserved (a call's
+/// inputs and outputs, the pages' own overhead beyond the [`PageRule`]). The reservations not yet allocated
+/// ([`pending`](Self::pending)) count what is promised and not there: a call's activation estimate before the call
+/// allocates, an upload's tensors before the copy makes them. Neither counts the other's bytes, so they add. (The
+/// larger of the two alone, the rule before, let a prefetch pass while a call's estimate was reserved and not yet
+/// allocated: the device then held more than the cap, and only the call's end noticed.)
+///
+/// Which reservations are allocated is read from the pool, since the runtime says nothing when an allocation lands:
+/// a reservation is pending from its grant until the pool's pages have grown by its size since then (the growth
+/// seen at each reading under the lock goes to the oldest pending reservations first), or until the thread that
+/// made it goes on (each thread makes one upload at a time, so its next call on the ledger means its last upload
+/// is on the device or failed; a call's estimate is pending until its call ends). Growth is device-wide, so it can
+/// be credited to the wrong reservation; the floor (never less than the reservations themselves) keeps a
+/// misattribution from charging less than the account holds.
 #[derive(Debug, Default)]
 struct Account {
     /// Pages of what the library placed on the device (component onloads, group uploads), in the page rule.
     placed: u64,
     /// Per thread running a call: the pages of its activation estimate, reserved until the call ends.
     calls: HashMap<ThreadId, u64>,
+    /// The reservations the pool does not show yet, oldest first.
+    pending: Vec<Pending>,
+    /// The pool's pages at the last reading taken under the account's lock.
+    seen: Option<u64>,
     /// The last call's reconciliation.
     last_call: Option<CallCharge>,
     /// The most the account held at once: its own high-water, never over the cap in hard mode.
     high_water: u64,
 }
 
+/// A reservation the pool does not show yet: who made it and what of it is still to come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pending {
+    thread: ThreadId,
+    /// A call's estimate (`true`) or an upload's tensors.
+    call: bool,
+    pages: u64,
+}
+
 impl Account {
+    /// Everything reserved: the placements and the estimates of the calls in flight.
     fn reserved(&self) -> u64 {
         self.calls.values().fold(self.placed, |sum, &bytes| sum.saturating_add(bytes))
+    }
+
+    /// The reservations not yet allocated.
+    fn pending(&self) -> u64 {
+        self.pending.iter().fold(0u64, |sum, p| sum.saturating_add(p.pages))
+    }
+
+    /// Takes a reading of the pool: what its pages grew by since the last one is allocated, and goes to the oldest
+    /// pending reservations first. A pool that shrank (its cache released) allocated nothing.
+    fn settle(&mut self, now: &PoolSnapshot) {
+        let mut grown = self.seen.map_or(0, |seen| now.reserved.saturating_sub(seen));
+        self.seen = Some(now.reserved);
+        for pending in &mut self.pending {
+            let made = pending.pages.min(grown);
+            pending.pages -= made;
+            grown -= made;
+        }
+        self.pending.retain(|p| p.pages > 0);
+    }
+
+    /// What counts against the cap with the pool reading `now` (see the type's docs).
+    fn charged(&self, now: &PoolSnapshot) -> u64 {
+        let in_pool = now.reserved.saturating_add(self.pending()).max(self.reserved());
+        now.outside_pool().saturating_add(in_pool)
+    }
+
+    /// `thread` goes on: its last upload is on the device, or failed and was given back.
+    fn goes_on(&mut self, thread: ThreadId) {
+        self.pending.retain(|p| p.thread != thread || p.call);
+    }
+
+    /// Reserves an upload of `pages` on `thread`, pending until the pool shows it.
+    fn place(&mut self, thread: ThreadId, pages: u64) {
+        self.goes_on(thread);
+        self.placed = self.placed.saturating_add(pages);
+        self.pending.push(Pending { thread, call: false, pages });
+    }
+
+    /// Gives back `pages` of placements, on `thread`.
+    fn unplace(&mut self, thread: ThreadId, pages: u64) {
+        self.goes_on(thread);
+        self.placed = self.placed.saturating_sub(pages);
+    }
+
+    /// Reserves a call's estimate of `pages` on `thread`, pending until the pool shows it or the call ends.
+    fn begin_call(&mut self, thread: ThreadId, pages: u64) {
+        // Its last upload is made, and a thread runs one call at a time.
+        self.pending.retain(|p| p.thread != thread);
+        self.calls.insert(thread, pages);
+        self.pending.push(Pending { thread, call: true, pages });
+    }
+
+    /// Ends `thread`'s call: its estimate is given back, whatever of it was not allocated too. Returns the estimate.
+    fn end_call(&mut self, thread: ThreadId) -> u64 {
+        self.pending.retain(|p| p.thread != thread);
+        self.calls.remove(&thread).unwrap_or(0)
     }
 }
 
@@ -886,8 +978,8 @@ impl Account {
 /// estimates of calls in flight, in the [`PageRule`]'s pages), under one mutex: a check against the cap and the
 /// reservation it allows are one step, so the main thread and a prefetch worker can never both pass on the
 /// same free bytes. What counts against the cap is everything on the device outside the pool (as the driver
-/// shows it), plus the larger of the account and the pool's bytes in use (the pool shows what nobody reserved:
-/// a call's inputs and outputs).
+/// shows it), plus the pool's pages and the reservations the pool does not show yet (never less than the
+/// reservations): the rule is written out on the account's type.
 #[derive(Debug)]
 pub struct CappedDevice {
     readings: Arc<PoolReadings>,
@@ -991,15 +1083,11 @@ enum Refusal {
     Unreadable(ReadingUnavailable),
 }
 
-/// What a cap of `capacity` can still give with `reserved` bytes on the account and the pool reading `now`: the
-/// cap less what is outside the pool and the larger of the account and the pool's pages (a card of the cap's
-/// size has to hold every page the pool holds, whatever part of it the allocations use: cubecl sizes a page to
-/// the running average of its bucket's requests and places a small allocation on any free page large enough, so
-/// the pages are not a function of the bytes asked; the pool shows what nobody reserved, such as a call's inputs
-/// and outputs), and never more than the device itself can give.
-fn free_under(capacity: u64, now: &PoolSnapshot, reserved: u64) -> u64 {
-    let charged = now.outside_pool().saturating_add(now.reserved.max(reserved));
-    capacity.saturating_sub(charged).min(now.available())
+/// What a cap of `capacity` can still give with `account` and the pool reading `now`: the cap less what counts
+/// against it ([`Account::charged`]: what is outside the pool, the pool's pages and the reservations not yet
+/// allocated), and never more than the device itself can give.
+fn free_under(capacity: u64, now: &PoolSnapshot, account: &Account) -> u64 {
+    capacity.saturating_sub(account.charged(now)).min(now.available())
 }
 
 /// The check and the reservation in one critical section: the account's lock is held from the reading to the
@@ -1017,11 +1105,13 @@ fn reserve_in(
 ) -> std::result::Result<(), Refusal> {
     let mut account = account.lock();
     let mut now = read().map_err(Refusal::Unreadable)?;
-    let mut free = free_under(capacity, &now, account.reserved());
+    account.settle(&now);
+    let mut free = free_under(capacity, &now, &account);
     if pages > free && now.cache() > 0 {
         release();
         now = read().map_err(Refusal::Unreadable)?;
-        free = free_under(capacity, &now, account.reserved());
+        account.settle(&now);
+        free = free_under(capacity, &now, &account);
     }
     if pages > free {
         return Err(Refusal::Full { requested: pages, free });
@@ -1077,8 +1167,10 @@ impl DeviceMemory for CappedDevice {
 impl CappedDevice {
     fn try_available(&self) -> std::result::Result<u64, ReadingUnavailable> {
         if self.hard {
-            let account = self.account.lock();
-            Ok(free_under(self.capacity, &self.readings.observe()?, account.reserved()))
+            let mut account = self.account.lock();
+            let now = self.readings.observe()?;
+            account.settle(&now);
+            Ok(free_under(self.capacity, &now, &account))
         } else {
             Ok(self.readings.observe()?.available_under(self.capacity))
         }
@@ -1103,7 +1195,8 @@ impl DeviceLedger for CappedDevice {
             return Ok(());
         }
         let pages = self.pages.pages_of(sizes);
-        self.reserve(pages, |account| account.placed = account.placed.saturating_add(pages))
+        let thread = std::thread::current().id();
+        self.reserve(pages, |account| account.place(thread, pages))
     }
 
     /// Gives back the pages [`allocate_tensors`](DeviceLedger::allocate_tensors) reserved for `sizes`.
@@ -1112,8 +1205,7 @@ impl DeviceLedger for CappedDevice {
             return;
         }
         let pages = self.pages.pages_of(sizes);
-        let mut account = self.account.lock();
-        account.placed = account.placed.saturating_sub(pages);
+        self.account.lock().unplace(std::thread::current().id(), pages);
     }
 
     /// In hard mode, reserves the call's activation estimate (in pages) on this thread before the call runs, or
@@ -1124,12 +1216,10 @@ impl DeviceLedger for CappedDevice {
         if self.hard {
             let pages = self.pages.pages(estimate);
             let thread = std::thread::current().id();
-            self.reserve(pages, |account| {
-                account.calls.insert(thread, pages);
-            })?;
+            self.reserve(pages, |account| account.begin_call(thread, pages))?;
         }
         if let Err(unknown) = self.readings.begin_window() {
-            self.account.lock().calls.remove(&std::thread::current().id());
+            self.account.lock().end_call(std::thread::current().id());
             return Err(self.unreadable(unknown));
         }
         Ok(())
@@ -1142,7 +1232,7 @@ impl DeviceLedger for CappedDevice {
     fn end_call(&self, _estimate: u64) -> std::result::Result<(), ComponentError> {
         let thread = std::thread::current().id();
         let closed = self.readings.end_window();
-        let reserved = self.account.lock().calls.remove(&thread).unwrap_or(0);
+        let reserved = self.account.lock().end_call(thread);
         let window = match closed {
             Ok(Some(window)) => window,
             Ok(None) => return Ok(()),
@@ -1888,15 +1978,93 @@ mod tests {
     }
 
     #[test]
-    fn the_cap_counts_the_larger_of_the_account_and_the_pools_pages_and_what_is_outside_it() {
+    fn the_cap_counts_what_is_outside_the_pool_the_pools_pages_and_what_it_does_not_show_yet() {
         let now = PoolSnapshot { in_use: 600, padding: 40, reserved: 1_000, total: 10_000, driver_free: Some(7_000) };
+        let empty = Account::default();
         // 2,000 outside the pool, 1,000 of pages in it (640 of them allocated: the rest a card must hold too).
-        assert_eq!(free_under(5_000, &now, 0), 2_000);
-        // The account holds more than the pool shows (reserved, not yet allocated): it counts.
-        assert_eq!(free_under(5_000, &now, 1_640), 1_360);
+        assert_eq!(free_under(5_000, &now, &empty), 2_000);
+        // A reservation the pool does not show yet counts on top of its pages.
+        let mut account = Account::default();
+        account.settle(&now);
+        account.place(std::thread::current().id(), 640);
+        assert_eq!(free_under(5_000, &now, &account), 1_360);
+        // The account holds more than the pool and its pending reservations (a misattributed growth): it counts.
+        let held = Account { placed: 2_500, ..Account::default() };
+        assert_eq!(free_under(5_000, &now, &held), 500);
         // Never more than the device itself can give.
-        assert_eq!(free_under(100_000, &now, 0), 7_360);
-        assert_eq!(free_under(1_000, &now, 0), 0);
+        assert_eq!(free_under(100_000, &now, &empty), 7_360);
+        assert_eq!(free_under(1_000, &now, &empty), 0);
+    }
+
+    #[test]
+    fn a_prefetch_cannot_pass_the_cap_while_a_calls_estimate_is_reserved_but_not_yet_allocated() {
+        // 600 B of weights placed and on the pool, beside 400 B of pages nobody reserved (an earlier call's outputs).
+        let account = Mutex::new(Account { placed: 600, ..Account::default() });
+        let pool = PoolSnapshot { in_use: 1_000, padding: 0, reserved: 1_000, total: 1 << 20, driver_free: None };
+        let main = std::thread::current().id();
+        // The main thread's call reserves its 1,000 B estimate under a 2,200 B cap; nothing of it is allocated yet.
+        reserve_in(&account, 2_200, 1_000, || Ok(pool), || (), |a| a.begin_call(main, 1_000))
+            .expect("the call's estimate fits");
+        // A prefetch of 500 B now would put 2,500 B on a 2,200 B card once the call allocates.
+        let worker = std::thread::spawn(|| std::thread::current().id()).join().expect("a thread id");
+        let refused = reserve_in(&account, 2_200, 500, || Ok(pool), || (), |a| a.place(worker, 500));
+        assert!(matches!(refused, Err(Refusal::Full { requested: 500, free: 200 })), "{refused:?}");
+        // The call allocates its activations: the pool shows them, and they are charged once, not twice.
+        let during = PoolSnapshot { in_use: 2_000, reserved: 2_000, ..pool };
+        let refused = reserve_in(&account, 2_200, 500, || Ok(during), || (), |a| a.place(worker, 500));
+        assert!(matches!(refused, Err(Refusal::Full { requested: 500, free: 200 })), "{refused:?}");
+        assert_eq!(account.lock().pending(), 0, "the call's estimate is on the pool");
+        // The call ends and frees its activations (cache now): the prefetch is granted once the cache is released.
+        assert_eq!(account.lock().end_call(main), 1_000);
+        let after = PoolSnapshot { in_use: 1_000, reserved: 2_000, ..pool };
+        let released = std::cell::Cell::new(false);
+        let read = || Ok(if released.get() { pool } else { after });
+        reserve_in(&account, 2_200, 500, read, || released.set(true), |a| a.place(worker, 500)).expect("granted");
+        assert!(released.get());
+        let account = account.lock();
+        assert_eq!((account.reserved(), account.pending()), (1_100, 500), "the upload is pending until the pool grows");
+    }
+
+    #[test]
+    fn reservations_are_pending_until_the_pool_grows_by_them_or_their_thread_goes_on() {
+        let (main, worker) =
+            (std::thread::current().id(), std::thread::spawn(|| std::thread::current().id()).join().expect("an id"));
+        let mut account = Account::default();
+        let at =
+            |reserved: u64| PoolSnapshot { in_use: reserved, padding: 0, reserved, total: 1 << 20, driver_free: None };
+        account.settle(&at(1_000));
+        account.place(worker, 300);
+        account.begin_call(main, 400);
+        assert_eq!((account.reserved(), account.pending()), (700, 700));
+        // Charged: the pool, and what it does not show yet, on top of what is outside it (nothing here).
+        assert_eq!(account.charged(&at(1_000)), 1_700);
+        // The pool grows by 200: the oldest reservation (the upload) is credited first.
+        account.settle(&at(1_200));
+        assert_eq!(
+            account.pending,
+            vec![Pending { thread: worker, call: false, pages: 100 }, Pending { thread: main, call: true, pages: 400 }]
+        );
+        // A shrink (the cache released) allocates nothing; the next growth counts from there.
+        account.settle(&at(900));
+        account.settle(&at(1_000));
+        assert_eq!(account.pending(), 400);
+        // The worker goes on (its next reservation): its last upload is on the device.
+        account.place(worker, 50);
+        assert_eq!(
+            account.pending,
+            vec![Pending { thread: main, call: true, pages: 400 }, Pending { thread: worker, call: false, pages: 50 }]
+        );
+        // The call ends: what it did not allocate is no longer promised.
+        assert_eq!(account.end_call(main), 400);
+        assert_eq!(account.pending(), 50);
+        // Never less than the reservations: growth credited to them that the pool then gave back.
+        account.settle(&at(1_050));
+        assert_eq!((account.reserved(), account.pending()), (350, 0));
+        assert_eq!(account.charged(&at(100)), 350);
+        // A failed upload is given back on its thread: nothing of it stays pending.
+        account.place(worker, 70);
+        account.unplace(worker, 70);
+        assert_eq!((account.reserved(), account.pending()), (350, 0));
     }
 
     #[test]
