@@ -125,7 +125,9 @@ const CUDA_NO_LIBRARY: &str = "Unable to dynamically load the \"cuda\" shared li
 /// Opens a CUDA context on device `index` through cudarc, as burn's runtime will: a machine without NVIDIA's
 /// driver library makes cudarc panic while it loads `libcuda` (there is no safe call that asks first), so that
 /// one panic, recognised by cudarc's own words, becomes [`Error::NoDriver`] naming the driver; any other panic
-/// goes on unwinding. A driver that loads but fails (no device, a wrong index) is its `DriverError`.
+/// goes on unwinding. A driver that loads but fails is named as it is ([`cuda_failure`]): a wrong index is
+/// [`Error::NoSuchDevice`] with the number of devices there are, anything else [`Error::DriverFailed`] with the
+/// driver's words.
 #[cfg(feature = "cuda")]
 fn cuda_context(name: &DeviceName) -> Result<Arc<cudarc::driver::CudaContext>> {
     let no_driver = |message: String| Error::NoDriver {
@@ -154,7 +156,72 @@ fn cuda_context(name: &DeviceName) -> Result<Arc<cudarc::driver::CudaContext>> {
         }
         no_driver(message)
     })?;
-    opened.map_err(|error| no_driver(format!("{error:?}")))
+    opened.map_err(|error| {
+        let (code, words) = driver_words(&error);
+        cuda_failure(name, "open", &code, words.as_deref(), || {
+            cudarc::driver::CudaContext::device_count().map(|count| count.max(0) as u32).map_err(|error| {
+                let (code, words) = driver_words(&error);
+                format!("{code} ({})", words.as_deref().unwrap_or(NO_WORDS))
+            })
+        })
+    })
+}
+
+/// A CUDA driver error's code by name (`CUDA_ERROR_INVALID_DEVICE`, cudarc's `CUresult` as it prints) and the
+/// driver's own words for it (`cuGetErrorString`), where the driver gives them. Only called with an error the
+/// driver returned, so its library is loaded and asking it for the words cannot panic.
+#[cfg(feature = "cuda")]
+fn driver_words(error: &cudarc::driver::DriverError) -> (String, Option<String>) {
+    let words = error.error_string().ok().map(|words| words.to_string_lossy().into_owned());
+    (format!("{:?}", error.0), words)
+}
+
+/// What [`Error::DriverFailed`] says where the driver gave no words for its code.
+const NO_WORDS: &str = "the driver gave no description";
+
+/// The typed error of a CUDA driver call on `name` (`operation`: what was asked) that returned `code` (its name, as
+/// cudarc prints a `CUresult`) with the driver's `words` for it. A wrong index (`CUDA_ERROR_INVALID_DEVICE`) and a
+/// driver that sees no device (`CUDA_ERROR_NO_DEVICE`) are [`Error::NoSuchDevice`], saying how many devices there
+/// are (`count`, asked only then: the driver's count, or its own words where it could not count); anything else is
+/// [`Error::DriverFailed`] with the code and the words. Never [`Error::NoDriver`]: the driver answered.
+pub fn cuda_failure(
+    name: &DeviceName,
+    operation: &'static str,
+    code: &str,
+    words: Option<&str>,
+    count: impl FnOnce() -> std::result::Result<u32, String>,
+) -> Error {
+    let said = |code: &str| match words {
+        Some(words) => format!("{code}: {words}"),
+        None => code.to_string(),
+    };
+    match code {
+        "CUDA_ERROR_INVALID_DEVICE" => {
+            let reason = match count() {
+                Ok(0) => format!("the driver lists no CUDA device ({})", said(code)),
+                Ok(1) => format!("there is no such CUDA device: the driver lists 1, cuda:0 ({})", said(code)),
+                Ok(n) => format!(
+                    "there is no such CUDA device: the driver lists {n}, cuda:0 to cuda:{} ({})",
+                    n - 1,
+                    said(code)
+                ),
+                Err(why) => {
+                    format!("the driver says {}, and could not count its devices ({why})", said(code))
+                }
+            };
+            Error::NoSuchDevice { device: name.to_string(), reason }
+        }
+        "CUDA_ERROR_NO_DEVICE" => Error::NoSuchDevice {
+            device: name.to_string(),
+            reason: format!("the driver sees no CUDA device ({}; CUDA_VISIBLE_DEVICES can hide them)", said(code)),
+        },
+        _ => Error::DriverFailed {
+            device: name.to_string(),
+            operation,
+            code: code.to_string(),
+            words: words.unwrap_or(NO_WORDS).to_string(),
+        },
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -444,23 +511,54 @@ enum Driver {
 }
 
 impl Driver {
-    fn for_device(name: &DeviceName) -> Self {
+    /// The driver of the device `name`: CUDA's for a `cuda` device, whose context must open (a failure is the
+    /// driver's, typed, never read as a device without a driver); none for the others.
+    fn for_device(name: &DeviceName) -> Result<Self> {
         #[cfg(feature = "cuda")]
-        if name.kind() == "cuda"
-            && let Ok(context) = cuda_context(name)
-        {
-            return Driver::Cuda(context);
+        if name.kind() == "cuda" {
+            return Ok(Driver::Cuda(cuda_context(name)?));
         }
         let _ = name;
-        Driver::None
+        Ok(Driver::None)
     }
 
-    /// `(free, total)` from the driver.
-    fn memory(&self) -> Option<(u64, u64)> {
+    /// `(free, total)` from the driver: `Ok(None)` where there is no driver call, the driver's failure in its own
+    /// words where the call failed (what other processes hold is then unknown, never taken as nothing).
+    fn memory(&self) -> std::result::Result<Option<(u64, u64)>, DriverFailure> {
         match self {
-            Driver::None => None,
+            Driver::None => Ok(None),
             #[cfg(feature = "cuda")]
-            Driver::Cuda(context) => context.mem_get_info().ok().map(|(free, total)| (free as u64, total as u64)),
+            Driver::Cuda(context) => match context.mem_get_info() {
+                Ok((free, total)) => Ok(Some((free as u64, total as u64))),
+                Err(error) => {
+                    let (code, words) = driver_words(&error);
+                    Err(DriverFailure { code, words })
+                }
+            },
+        }
+    }
+}
+
+/// A driver call that failed: its code by name and the driver's words for it, where it gave them.
+// Only a CUDA build has a driver call that can fail; the reading's path is written once for every build.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct DriverFailure {
+    code: String,
+    words: Option<String>,
+}
+
+impl DriverFailure {
+    /// What a reading says when the driver's free-memory call failed.
+    fn unread(&self, device: &DeviceName) -> ReadingUnavailable {
+        ReadingUnavailable {
+            device: device.clone(),
+            message: format!(
+                "the CUDA driver's free-memory call (cuMemGetInfo) returned {} ({}), so what other processes hold on \
+                 the device is unknown",
+                self.code,
+                self.words.as_deref().unwrap_or(NO_WORDS)
+            ),
         }
     }
 }
@@ -549,7 +647,7 @@ impl PoolState {
             device: self.name.clone(),
             message: "burn's memory_pool_usage gave no answer for the device's pool".into(),
         })?;
-        let (driver_free, total) = match self.driver.memory() {
+        let (driver_free, total) = match self.driver.memory().map_err(|failure| failure.unread(&self.name))? {
             Some((free, total)) => (Some(free), total),
             None => (None, self.total),
         };
@@ -628,8 +726,14 @@ impl PoolReadings {
         if device.memory_pool_usage().is_none() {
             return Err(Error::NoPoolReadings { device: name.to_string() });
         }
-        let driver = Driver::for_device(&name);
-        let (total, total_source) = match (driver.memory(), total) {
+        let driver = Driver::for_device(&name)?;
+        let memory = driver.memory().map_err(|failure| Error::DriverFailed {
+            device: name.to_string(),
+            operation: "read the free memory (cuMemGetInfo) of",
+            code: failure.code,
+            words: failure.words.unwrap_or_else(|| NO_WORDS.into()),
+        })?;
+        let (total, total_source) = match (memory, total) {
             (Some((_, total)), _) => (total, TotalSource::Driver),
             (None, Some(total)) if total > 0 => (total, TotalSource::Given),
             _ => match runtime_capacity_or_why(&device) {
@@ -2160,6 +2264,66 @@ mod tests {
             assert!(matches!(error, Error::DeviceNotBuilt { feature: "wgpu", .. }), "{error:?}");
             assert!(error.to_string().contains("mesa-vulkan-drivers"), "{error}");
         }
+    }
+
+    #[test]
+    fn a_cuda_drivers_failure_is_named_as_it_is_and_never_as_a_missing_driver() {
+        let seven = DeviceName::parse("cuda:7").expect("a name");
+        let words = Some("invalid device ordinal");
+        // A wrong index: the driver's count and its words.
+        let error = cuda_failure(&seven, "open", "CUDA_ERROR_INVALID_DEVICE", words, || Ok(1));
+        assert_eq!(
+            error.to_string(),
+            "cannot open cuda:7: there is no such CUDA device: the driver lists 1, cuda:0 (CUDA_ERROR_INVALID_DEVICE: \
+             invalid device ordinal); pick one of the devices `nvidia-smi -L` lists (cuda:0 is the first), or another \
+             --device"
+        );
+        let error = cuda_failure(&seven, "open", "CUDA_ERROR_INVALID_DEVICE", words, || Ok(4));
+        assert!(error.to_string().contains("the driver lists 4, cuda:0 to cuda:3"), "{error}");
+        let error = cuda_failure(&seven, "open", "CUDA_ERROR_INVALID_DEVICE", None, || {
+            Err("CUDA_ERROR_NOT_INITIALIZED (initialization error)".into())
+        });
+        assert!(matches!(error, Error::NoSuchDevice { .. }), "{error:?}");
+        assert!(
+            error.to_string().contains(
+                "the driver says CUDA_ERROR_INVALID_DEVICE, and could not count its devices \
+                 (CUDA_ERROR_NOT_INITIALIZED (initialization error))"
+            ),
+            "{error}"
+        );
+        let zero = DeviceName::parse("cuda:0").expect("a name");
+        let error =
+            cuda_failure(&zero, "open", "CUDA_ERROR_NO_DEVICE", Some("no CUDA-capable device is detected"), || {
+                panic!("the count is asked only for a wrong index")
+            });
+        assert!(error.to_string().contains("the driver sees no CUDA device (CUDA_ERROR_NO_DEVICE: no CUDA-capable"));
+        // Anything else is the driver's failure, in its words.
+        let error = cuda_failure(&zero, "open", "CUDA_ERROR_NOT_INITIALIZED", Some("initialization error"), || Ok(1));
+        assert_eq!(
+            error.to_string(),
+            "the CUDA driver failed to open cuda:0: it returned CUDA_ERROR_NOT_INITIALIZED (initialization error); \
+             check that `nvidia-smi` lists the card and the driver's messages (`dmesg`), or pick another --device"
+        );
+        let error = cuda_failure(&zero, "open", "CUDA_ERROR_UNKNOWN", None, || Ok(1));
+        assert!(error.to_string().contains("CUDA_ERROR_UNKNOWN (the driver gave no description)"), "{error}");
+        for error in [
+            cuda_failure(&seven, "open", "CUDA_ERROR_INVALID_DEVICE", words, || Ok(1)),
+            cuda_failure(&zero, "open", "CUDA_ERROR_OPERATING_SYSTEM", None, || Ok(1)),
+        ] {
+            assert!(!matches!(error, Error::NoDriver { .. }) && !error.to_string().contains("install"), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_failed_free_memory_call_is_an_unknown_reading_in_the_drivers_words_never_an_empty_device() {
+        let failure =
+            DriverFailure { code: "CUDA_ERROR_ILLEGAL_ADDRESS".into(), words: Some("an illegal memory access".into()) };
+        let unknown = failure.unread(&DeviceName::parse("cuda:0").expect("a name"));
+        assert_eq!(
+            unknown.message,
+            "the CUDA driver's free-memory call (cuMemGetInfo) returned CUDA_ERROR_ILLEGAL_ADDRESS (an illegal memory \
+             access), so what other processes hold on the device is unknown"
+        );
     }
 
     #[test]
