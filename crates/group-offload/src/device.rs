@@ -291,6 +291,7 @@ fn wgpu_runtime(pages: PagePolicy) -> &'static std::result::Result<WgpuRuntime, 
                 (Err(why.clone()), Err(why))
             }
         };
+        record_wgpu_out_of_memory_panics();
         // A device that cannot run one small kernel is no device: probe it here, where the error is typed.
         catch_device_panic(|| {
             let x = Tensor::<1>::ones([4], &device);
@@ -1785,6 +1786,13 @@ pub enum RuntimeFailure {
     /// The device is poisoned (a faulted kernel, a lost device): every later operation fails, and only a new
     /// process can use it again. Never retried.
     Poisoned,
+    /// The memory a read needed was never allocated: cubecl's `IoError::NotFound` with the reason "Memory location
+    /// was never initialized" (`cubecl-server` 0.11.3, `memory_management/memory_manage.rs`), which a read meets when
+    /// the runner task that was to allocate the memory panicked instead of recording a failure. The text does not
+    /// say why. On the default wgpu build that panic is wgpu's out-of-memory ([`WGPU_OUT_OF_MEMORY`]; measured on
+    /// lavapipe under an address-space limit, `docs/devices.md`), which the runner thread's panic records; the
+    /// typed error decides with that record ([`classify`]), never from these words alone.
+    Unallocated,
     /// Anything else (a buffer larger than the device can ever give, a compilation error, a failure of several
     /// kinds at once): a device error, never an out-of-memory.
     Other,
@@ -1800,32 +1808,33 @@ impl RuntimeFailure {
             if is_poisoned_line(first) {
                 return RuntimeFailure::Poisoned;
             }
+            if first == SEVERAL {
+                // Failures of several kinds are none of them, unless the first is memory never allocated: the one
+                // failure a wgpu out-of-memory leaves, which cubecl reported so with only itself listed (measured).
+                return match Self::of(caused_by(rest).unwrap_or("")) {
+                    RuntimeFailure::Unallocated => RuntimeFailure::Unallocated,
+                    _ => RuntimeFailure::Other,
+                };
+            }
             if RUNTIME_WRAPPERS.iter().any(|wrapper| wrapper.matches(first)) {
                 // The wrapped error is the line after the first `Caused by:` line.
-                let mut lines = rest.split_inclusive('\n');
-                let mut consumed = 0;
-                let mut found = false;
-                for line in lines.by_ref() {
-                    consumed += line.len();
-                    if line.trim() == "Caused by:" {
-                        found = true;
-                        break;
-                    }
+                match caused_by(rest) {
+                    Some(wrapped) => rest = wrapped,
+                    None => return RuntimeFailure::Other,
                 }
-                if !found {
-                    return RuntimeFailure::Other;
-                }
-                rest = &rest[consumed..];
                 continue;
             }
             return Self::of_line(first);
         }
     }
 
-    /// The runtime's own out-of-memory lines, whole.
+    /// The runtime's own out-of-memory lines, whole, and its line for memory never allocated.
     fn of_line(line: &str) -> RuntimeFailure {
         if line == "An out-of-memory error happened during launch" || line == WGPU_OUT_OF_MEMORY {
             return RuntimeFailure::OutOfMemory { requested: None };
+        }
+        if line == NEVER_INITIALIZED {
+            return RuntimeFailure::Unallocated;
         }
         let out_of_memory =
             line.strip_prefix("out of device memory allocating ").and_then(|rest| rest.strip_suffix(" bytes"));
@@ -1837,6 +1846,66 @@ impl RuntimeFailure {
             _ => RuntimeFailure::Other,
         }
     }
+}
+
+/// cubecl's `ServerError::Several` (`cubecl-runtime` 0.11.3, `server/base.rs`): the failures follow its `Caused by:`.
+const SEVERAL: &str = "Several failures at once";
+
+/// cubecl's `IoError::NotFound` for memory whose allocation never happened (`cubecl-runtime` 0.11.3: `"couldn't find
+/// resource for that handle: {reason}"`; `cubecl-server` 0.11.3, `memory_management/memory_manage.rs`: the reason).
+const NEVER_INITIALIZED: &str = "couldn't find resource for that handle: Memory location was never initialized";
+
+/// The text after the first `Caused by:` line of `text`, if it has one.
+fn caused_by(text: &str) -> Option<&str> {
+    let mut consumed = 0;
+    for line in text.split_inclusive('\n') {
+        consumed += line.len();
+        if line.trim() == "Caused by:" {
+            return Some(&text[consumed..]);
+        }
+    }
+    None
+}
+
+/// What the panic hook the wgpu runtime installs counts: the out-of-memory panics cubecl's runner threads raised
+/// ([`WGPU_OUT_OF_MEMORY`]), and how many of them a failed read has been typed by. A read that meets memory never
+/// allocated ([`RuntimeFailure::Unallocated`]) is an out-of-memory when a panic is left unclaimed, and claims it.
+#[cfg(feature = "wgpu")]
+struct WgpuOutOfMemory {
+    raised: AtomicU64,
+    claimed: AtomicU64,
+}
+
+/// The wgpu runtime is one per process (its runner threads are cubecl's), so its panic record is too.
+#[cfg(feature = "wgpu")]
+static WGPU_OUT_OF_MEMORY_PANICS: WgpuOutOfMemory =
+    WgpuOutOfMemory { raised: AtomicU64::new(0), claimed: AtomicU64::new(0) };
+
+/// Installs, on top of the process's panic hook (which still runs, so the runtime's panic is still printed), a hook
+/// that counts cubecl-wgpu's out-of-memory panics: they happen on cubecl's runner thread, where nothing of this
+/// library runs, and a task nobody waits for swallows them, so this record is the only trace of why an allocation
+/// never happened. Called once, when the wgpu runtime opens.
+#[cfg(feature = "wgpu")]
+fn record_wgpu_out_of_memory_panics() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if panic_text(info.payload()) == WGPU_OUT_OF_MEMORY {
+            WGPU_OUT_OF_MEMORY_PANICS.raised.fetch_add(1, Ordering::SeqCst);
+        }
+        previous(info);
+    }));
+}
+
+/// Whether a wgpu out-of-memory panic is recorded that no failed read has been typed by yet; claims every one
+/// recorded so far (a failure read twice, by a sync and a read-back, is one out-of-memory).
+fn claim_wgpu_out_of_memory() -> bool {
+    #[cfg(feature = "wgpu")]
+    {
+        let raised = WGPU_OUT_OF_MEMORY_PANICS.raised.load(Ordering::SeqCst);
+        WGPU_OUT_OF_MEMORY_PANICS.claimed.fetch_max(raised, Ordering::SeqCst) < raised
+    }
+    #[cfg(not(feature = "wgpu"))]
+    false
 }
 
 /// Whether a runtime's error text is the runtime's own out-of-memory, and the bytes it asked for when it says;
@@ -1859,7 +1928,12 @@ fn classify(
 ) -> ComponentError {
     // The runtime's text carries a backtrace after its first lines; the first lines are the message.
     let short: String = message.lines().take(3).collect::<Vec<_>>().join(" ");
-    let failure = if poisoned { RuntimeFailure::Poisoned } else { RuntimeFailure::of(message) };
+    let failure = match RuntimeFailure::of(message) {
+        _ if poisoned => RuntimeFailure::Poisoned,
+        // Memory never allocated is an out-of-memory only where the runtime's runner recorded one (wgpu).
+        RuntimeFailure::Unallocated if claim_wgpu_out_of_memory() => RuntimeFailure::OutOfMemory { requested: None },
+        failure => failure,
+    };
     match failure {
         RuntimeFailure::OutOfMemory { requested } => ComponentError::OutOfMemory {
             device: name.clone(),
@@ -1869,7 +1943,7 @@ fn classify(
         RuntimeFailure::Poisoned => {
             ComponentError::other(Error::DevicePoisoned { device: name.to_string(), operation, message: short })
         }
-        RuntimeFailure::Other => {
+        RuntimeFailure::Other | RuntimeFailure::Unallocated => {
             ComponentError::Device { device: name.clone(), message: format!("during {operation}: {short}") }
         }
     }
@@ -1904,8 +1978,10 @@ mod tests {
 
     /// The runtime's texts as cubecl 0.11.3 and burn 0.22.1 format them (`ServerError`, `IoError`, `LaunchError`,
     /// `ExecutionError`, burn's `into_data` panic), one file each: `oom-*` are out-of-memory, `poisoned-*` a poisoned
-    /// device, `other-*` anything else. They were assembled from the runtimes' format strings; lavapipe never runs out
-    /// of memory, so none could be captured from a failing run here.
+    /// device, `unallocated-*` memory never allocated, `other-*` anything else. Most were assembled from the runtimes'
+    /// format strings. Two were captured from a failing run on lavapipe, made to run out under an address-space
+    /// limit (`docs/devices.md`): the panic of cubecl's runner thread (`oom-wgpu-panic.txt`) and what the read of
+    /// the memory it was allocating returned (`unallocated-wgpu-oom-read.txt`).
     fn fixtures() -> Vec<(String, String)> {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/runtime-errors");
         let mut files: Vec<(String, String)> = std::fs::read_dir(&dir)
@@ -1930,6 +2006,7 @@ mod tests {
             let got = match failure {
                 RuntimeFailure::OutOfMemory { .. } => "oom",
                 RuntimeFailure::Poisoned => "poisoned",
+                RuntimeFailure::Unallocated => "unallocated",
                 RuntimeFailure::Other => "other",
             };
             assert_eq!(got, expected, "{name}: {failure:?}");
@@ -1946,6 +2023,21 @@ mod tests {
         assert_eq!(sized("oom-wgpu-panic.txt"), Some(None));
         assert_eq!(sized("oom-page-sizes-exhausted.txt"), Some(Some(2_097_152)));
         assert_eq!(sized("oom-page-sizes-read-panic.txt"), Some(Some(512)));
+    }
+
+    #[test]
+    fn memory_never_allocated_is_an_out_of_memory_only_where_the_runtime_recorded_one() {
+        let text = "An error happened during execution\nCaused by:\n  Several failures at once\nCaused by:\n  The \
+                    bytes were never written (failure #32, still claiming 1 buffer(s))\nCaused by:\n  An IO error \
+                    happened\nCaused by:\n  couldn't find resource for that handle: Memory location was never \
+                    initialized\nNo backtrace available";
+        assert_eq!(RuntimeFailure::of(text), RuntimeFailure::Unallocated);
+        assert_eq!(out_of_memory_in(text), None, "the words alone are no out-of-memory");
+        // No runtime here recorded an out-of-memory panic (the flex build has no wgpu runner): a device error.
+        if !cfg!(feature = "wgpu") {
+            let error = classify(&name(), "run", text, false, None);
+            assert!(matches!(error, ComponentError::Device { .. }), "{error:?}");
+        }
     }
 
     #[test]
