@@ -54,13 +54,16 @@
 //! allocation; reading the result returned the error). So a move or a call is checked by reading back one value
 //! of each of its outputs ([`DeviceOutput`], [`check_outputs`]) after a sync ([`check_device`]): a failure of
 //! anything the outputs depend on surfaces there, typed, instead of later at `into_data`. cubecl's
-//! out-of-memory (`IoError::OutOfMemory`, `LaunchError::OutOfMemory`, which burn passes on as text) becomes
+//! out-of-memory (`IoError::OutOfMemory`, `IoError::PageSizesExhausted`, `LaunchError::OutOfMemory`, which burn
+//! passes on as text, and the default wgpu build's panic [`WGPU_OUT_OF_MEMORY`]) becomes
 //! [`ComponentError::OutOfMemory`] with the bytes asked for and the bytes available. The runtime's words are
 //! read by their first line only ([`RuntimeFailure::of`]), never searched for in the cause chain or the
 //! backtrace. A poisoned device is [`Error::DevicePoisoned`] (as [`ComponentError::Other`]), never retried;
-//! anything else (a buffer larger than the device can ever give) is [`ComponentError::Device`], never labelled
-//! out-of-memory. [`catch_device_panic`] catches a runtime that panics instead of returning an error, around the
-//! library's own device operations only: a model's forward is never caught.
+//! memory never allocated ([`RuntimeFailure::Unallocated`]) is an out-of-memory only where the wgpu runtime's
+//! runner recorded one; anything else (a buffer larger than the device can ever give) is
+//! [`ComponentError::Device`], never labelled out-of-memory. [`catch_device_panic`] catches a runtime that panics
+//! instead of returning an error, around the library's own device operations only: a model's forward is never
+//! caught.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
