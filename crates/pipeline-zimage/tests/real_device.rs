@@ -3,8 +3,9 @@
 //! auto offload deciding from the device's own pool readings with no simulated card, block and leaf group
 //! offload with prefetch (the pool's high-water within the ring bound, every streamed group's memory returned,
 //! resident groups really on the device, every model's prefetches on the device's one upload thread), the decode
-//! OOM recovered under a hard cap over the device, and a refused allocation typed as a device error with nothing
-//! lost. The hard cap's account under contention between the prefetch worker and the main thread runs in a
+//! OOM recovered under a hard cap over the device, a refused allocation typed as a device error with nothing
+//! lost, a real out-of-memory of the device (in a child process whose address space is limited) typed as one, and a
+//! hung `vulkaninfo` that costs the open its deadline only. The hard cap's account under contention between the prefetch worker and the main thread runs in a
 //! process of its own (`contention_device.rs`).
 //!
 //! Run it with `cargo test -p pipeline-zimage --features wgpu --test real_device` (Debian:
