@@ -2409,6 +2409,19 @@ mod tests {
         }
     }
 
+    /// The names the classification reads are cudarc's codes as they print.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cudarcs_codes_print_as_the_names_the_classification_reads() {
+        use cudarc::driver::{DriverError, sys::CUresult};
+        for (code, name) in [
+            (CUresult::CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE"),
+            (CUresult::CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE"),
+        ] {
+            assert_eq!(format!("{:?}", DriverError(code).0), name);
+        }
+    }
+
     #[test]
     fn a_failed_free_memory_call_is_an_unknown_reading_in_the_drivers_words_never_an_empty_device() {
         let failure =
