@@ -32,13 +32,19 @@
 //! has none left; it neither defragments nor retries. Before each call the pool's cache is released when its
 //! pages hold the device past the cap, as torch releases its cache before it raises. Pages are sized to the
 //! largest allocation so far (2 MiB and more), so on a tiny workload they are mostly cache: the tiny pipeline's
-//! 4.0 MB of weights sat in 10.8 MB of pages on lavapipe. The pages also make the decision exact where a
-//! sampled in-use high-water is not: the pool's pages only grow during a call, so the reading after it is their
-//! high-water.
+//! 4.0 MB of weights sat in 10.8 MB of pages on lavapipe. Pages are also steadier than bytes in use: an
+//! allocation takes a page and keeps it until the pool's cache is released, so a spike of activations leaves its
+//! pages behind where a sampled in-use reading would miss it. The pages are not monotone during a call, though: a
+//! reservation that finds too little room releases the pool's cache (`memory_cleanup`) in the middle of another
+//! thread's call (and a whole onload or offload releases it too). So a call's page high-water is the highest of
+//! the readings taken over the call (the sampler's and every other), which can miss a peak that came and went
+//! between two readings: a lower bound, exact only where the pages did not shrink in between.
 //!
 //! The hard cap keeps one account of what the library reserved (placements and the estimates of calls in flight,
 //! in the [`PageRule`]'s pages), behind one mutex that is held from the reading to the reservation: the main thread
-//! and a prefetch worker can never both pass on the same free bytes.
+//! and a prefetch worker can never both pass on the same free bytes. A check charges the pool's pages plus the
+//! reservations the pool does not show yet, never less than the reservations (the rule and how "not yet" is read
+//! are on the account's type, `Account`).
 
 //! # Failures
 //!
@@ -48,13 +54,16 @@
 //! allocation; reading the result returned the error). So a move or a call is checked by reading back one value
 //! of each of its outputs ([`DeviceOutput`], [`check_outputs`]) after a sync ([`check_device`]): a failure of
 //! anything the outputs depend on surfaces there, typed, instead of later at `into_data`. cubecl's
-//! out-of-memory (`IoError::OutOfMemory`, `LaunchError::OutOfMemory`, which burn passes on as text) becomes
+//! out-of-memory (`IoError::OutOfMemory`, `IoError::PageSizesExhausted`, `LaunchError::OutOfMemory`, which burn
+//! passes on as text, and the default wgpu build's panic [`WGPU_OUT_OF_MEMORY`]) becomes
 //! [`ComponentError::OutOfMemory`] with the bytes asked for and the bytes available. The runtime's words are
 //! read by their first line only ([`RuntimeFailure::of`]), never searched for in the cause chain or the
 //! backtrace. A poisoned device is [`Error::DevicePoisoned`] (as [`ComponentError::Other`]), never retried;
-//! anything else (a buffer larger than the device can ever give) is [`ComponentError::Device`], never labelled
-//! out-of-memory. [`catch_device_panic`] catches a runtime that panics instead of returning an error, around the
-//! library's own device operations only: a model's forward is never caught.
+//! memory never allocated ([`RuntimeFailure::Unallocated`]) is an out-of-memory only where the wgpu runtime's
+//! runner recorded one; anything else (a buffer larger than the device can ever give) is
+//! [`ComponentError::Device`], never labelled out-of-memory. [`catch_device_panic`] catches a runtime that panics
+//! instead of returning an error, around the library's own device operations only: a model's forward is never
+//! caught.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -119,7 +128,9 @@ const CUDA_NO_LIBRARY: &str = "Unable to dynamically load the \"cuda\" shared li
 /// Opens a CUDA context on device `index` through cudarc, as burn's runtime will: a machine without NVIDIA's
 /// driver library makes cudarc panic while it loads `libcuda` (there is no safe call that asks first), so that
 /// one panic, recognised by cudarc's own words, becomes [`Error::NoDriver`] naming the driver; any other panic
-/// goes on unwinding. A driver that loads but fails (no device, a wrong index) is its `DriverError`.
+/// goes on unwinding. A driver that loads but fails is named as it is ([`cuda_failure`]): a wrong index is
+/// [`Error::NoSuchDevice`] with the number of devices there are, anything else [`Error::DriverFailed`] with the
+/// driver's words.
 #[cfg(feature = "cuda")]
 fn cuda_context(name: &DeviceName) -> Result<Arc<cudarc::driver::CudaContext>> {
     let no_driver = |message: String| Error::NoDriver {
@@ -148,7 +159,72 @@ fn cuda_context(name: &DeviceName) -> Result<Arc<cudarc::driver::CudaContext>> {
         }
         no_driver(message)
     })?;
-    opened.map_err(|error| no_driver(format!("{error:?}")))
+    opened.map_err(|error| {
+        let (code, words) = driver_words(&error);
+        cuda_failure(name, "open", &code, words.as_deref(), || {
+            cudarc::driver::CudaContext::device_count().map(|count| count.max(0) as u32).map_err(|error| {
+                let (code, words) = driver_words(&error);
+                format!("{code} ({})", words.as_deref().unwrap_or(NO_WORDS))
+            })
+        })
+    })
+}
+
+/// A CUDA driver error's code by name (`CUDA_ERROR_INVALID_DEVICE`, cudarc's `CUresult` as it prints) and the
+/// driver's own words for it (`cuGetErrorString`), where the driver gives them. Only called with an error the
+/// driver returned, so its library is loaded and asking it for the words cannot panic.
+#[cfg(feature = "cuda")]
+fn driver_words(error: &cudarc::driver::DriverError) -> (String, Option<String>) {
+    let words = error.error_string().ok().map(|words| words.to_string_lossy().into_owned());
+    (format!("{:?}", error.0), words)
+}
+
+/// What [`Error::DriverFailed`] says where the driver gave no words for its code.
+const NO_WORDS: &str = "the driver gave no description";
+
+/// The typed error of a CUDA driver call on `name` (`operation`: what was asked) that returned `code` (its name, as
+/// cudarc prints a `CUresult`) with the driver's `words` for it. A wrong index (`CUDA_ERROR_INVALID_DEVICE`) and a
+/// driver that sees no device (`CUDA_ERROR_NO_DEVICE`) are [`Error::NoSuchDevice`], saying how many devices there
+/// are (`count`, asked only then: the driver's count, or its own words where it could not count); anything else is
+/// [`Error::DriverFailed`] with the code and the words. Never [`Error::NoDriver`]: the driver answered.
+pub fn cuda_failure(
+    name: &DeviceName,
+    operation: &'static str,
+    code: &str,
+    words: Option<&str>,
+    count: impl FnOnce() -> std::result::Result<u32, String>,
+) -> Error {
+    let said = |code: &str| match words {
+        Some(words) => format!("{code}: {words}"),
+        None => code.to_string(),
+    };
+    match code {
+        "CUDA_ERROR_INVALID_DEVICE" => {
+            let reason = match count() {
+                Ok(0) => format!("the driver lists no CUDA device ({})", said(code)),
+                Ok(1) => format!("there is no such CUDA device: the driver lists 1, cuda:0 ({})", said(code)),
+                Ok(n) => format!(
+                    "there is no such CUDA device: the driver lists {n}, cuda:0 to cuda:{} ({})",
+                    n - 1,
+                    said(code)
+                ),
+                Err(why) => {
+                    format!("the driver says {}, and could not count its devices ({why})", said(code))
+                }
+            };
+            Error::NoSuchDevice { device: name.to_string(), reason }
+        }
+        "CUDA_ERROR_NO_DEVICE" => Error::NoSuchDevice {
+            device: name.to_string(),
+            reason: format!("the driver sees no CUDA device ({}; CUDA_VISIBLE_DEVICES can hide them)", said(code)),
+        },
+        _ => Error::DriverFailed {
+            device: name.to_string(),
+            operation,
+            code: code.to_string(),
+            words: words.unwrap_or(NO_WORDS).to_string(),
+        },
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -218,6 +294,7 @@ fn wgpu_runtime(pages: PagePolicy) -> &'static std::result::Result<WgpuRuntime, 
                 (Err(why.clone()), Err(why))
             }
         };
+        record_wgpu_out_of_memory_panics();
         // A device that cannot run one small kernel is no device: probe it here, where the error is typed.
         catch_device_panic(|| {
             let x = Tensor::<1>::ones([4], &device);
@@ -276,20 +353,12 @@ fn vulkan_heap(adapter: &burn::tensor::wgpu::wgpu::AdapterInfo) -> std::result::
 /// The budget of the adapter's largest device-local Vulkan heap (`VK_EXT_memory_budget`), read from `vulkaninfo
 /// --text` ([`crate::vulkaninfo`]): what a new process may allocate from the heap now, the heap less what other
 /// processes hold. Read before this process allocates, it is this process's room. Why not, in words, where
-/// `vulkaninfo` is missing (Debian's `vulkan-tools`), fails, or the driver does not offer the extension
-/// (lavapipe does not).
+/// `vulkaninfo` is missing (Debian's `vulkan-tools`), fails, does not answer within
+/// [`crate::vulkaninfo::TIMEOUT`] (a hung driver: it is stopped, and the open goes on with the heap), or the driver
+/// does not offer the extension (lavapipe does not).
 #[cfg(feature = "wgpu")]
 fn vulkan_budget(adapter: &burn::tensor::wgpu::wgpu::AdapterInfo) -> std::result::Result<u64, String> {
-    let output = std::process::Command::new("vulkaninfo")
-        .arg("--text")
-        .stdin(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .output()
-        .map_err(|error| format!("vulkaninfo could not run ({error}; Debian: `apt-get install vulkan-tools`)"))?;
-    if !output.status.success() {
-        return Err(format!("vulkaninfo failed ({})", output.status));
-    }
-    let report = String::from_utf8_lossy(&output.stdout);
+    let report = crate::vulkaninfo::run("vulkaninfo".as_ref(), crate::vulkaninfo::TIMEOUT)?;
     crate::vulkaninfo::device_local_budget(&report, adapter.vendor, adapter.device, &adapter.name)
 }
 
@@ -446,23 +515,54 @@ enum Driver {
 }
 
 impl Driver {
-    fn for_device(name: &DeviceName) -> Self {
+    /// The driver of the device `name`: CUDA's for a `cuda` device, whose context must open (a failure is the
+    /// driver's, typed, never read as a device without a driver); none for the others.
+    fn for_device(name: &DeviceName) -> Result<Self> {
         #[cfg(feature = "cuda")]
-        if name.kind() == "cuda"
-            && let Ok(context) = cuda_context(name)
-        {
-            return Driver::Cuda(context);
+        if name.kind() == "cuda" {
+            return Ok(Driver::Cuda(cuda_context(name)?));
         }
         let _ = name;
-        Driver::None
+        Ok(Driver::None)
     }
 
-    /// `(free, total)` from the driver.
-    fn memory(&self) -> Option<(u64, u64)> {
+    /// `(free, total)` from the driver: `Ok(None)` where there is no driver call, the driver's failure in its own
+    /// words where the call failed (what other processes hold is then unknown, never taken as nothing).
+    fn memory(&self) -> std::result::Result<Option<(u64, u64)>, DriverFailure> {
         match self {
-            Driver::None => None,
+            Driver::None => Ok(None),
             #[cfg(feature = "cuda")]
-            Driver::Cuda(context) => context.mem_get_info().ok().map(|(free, total)| (free as u64, total as u64)),
+            Driver::Cuda(context) => match context.mem_get_info() {
+                Ok((free, total)) => Ok(Some((free as u64, total as u64))),
+                Err(error) => {
+                    let (code, words) = driver_words(&error);
+                    Err(DriverFailure { code, words })
+                }
+            },
+        }
+    }
+}
+
+/// A driver call that failed: its code by name and the driver's words for it, where it gave them.
+// Only a CUDA build has a driver call that can fail; the reading's path is written once for every build.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct DriverFailure {
+    code: String,
+    words: Option<String>,
+}
+
+impl DriverFailure {
+    /// What a reading says when the driver's free-memory call failed.
+    fn unread(&self, device: &DeviceName) -> ReadingUnavailable {
+        ReadingUnavailable {
+            device: device.clone(),
+            message: format!(
+                "the CUDA driver's free-memory call (cuMemGetInfo) returned {} ({}), so what other processes hold on \
+                 the device is unknown",
+                self.code,
+                self.words.as_deref().unwrap_or(NO_WORDS)
+            ),
         }
     }
 }
@@ -551,7 +651,7 @@ impl PoolState {
             device: self.name.clone(),
             message: "burn's memory_pool_usage gave no answer for the device's pool".into(),
         })?;
-        let (driver_free, total) = match self.driver.memory() {
+        let (driver_free, total) = match self.driver.memory().map_err(|failure| failure.unread(&self.name))? {
             Some((free, total)) => (Some(free), total),
             None => (None, self.total),
         };
@@ -630,8 +730,14 @@ impl PoolReadings {
         if device.memory_pool_usage().is_none() {
             return Err(Error::NoPoolReadings { device: name.to_string() });
         }
-        let driver = Driver::for_device(&name);
-        let (total, total_source) = match (driver.memory(), total) {
+        let driver = Driver::for_device(&name)?;
+        let memory = driver.memory().map_err(|failure| Error::DriverFailed {
+            device: name.to_string(),
+            operation: "read the free memory (cuMemGetInfo) of",
+            code: failure.code,
+            words: failure.words.unwrap_or_else(|| NO_WORDS.into()),
+        })?;
+        let (total, total_source) = match (memory, total) {
             (Some((_, total)), _) => (total, TotalSource::Driver),
             (None, Some(total)) if total > 0 => (total, TotalSource::Given),
             _ => match runtime_capacity_or_why(&device) {
@@ -862,21 +968,115 @@ pub struct CallCharge {
 
 /// The one account of reservations of a [`CappedDevice`], guarded by one mutex: every check against the cap and
 /// the reservation it allows happen in one critical section.
+///
+/// # What counts against the cap
+///
+/// A card of the cap's size has to hold every page the pool holds (whatever part of it the allocations use), and
+/// every reservation the pool does not show yet. So a check charges, besides what is outside the pool:
+///
+/// ```text
+/// charged = max(pool pages + reservations not yet allocated, reservations)
+/// ```
+///
+/// The pool's pages count what is there: reserved weights already uploaded, and what nobody reserved (a call's
+/// inputs and outputs, the pages' own overhead beyond the [`PageRule`]). The reservations not yet allocated
+/// ([`pending`](Self::pending)) count what is promised and not there: a call's activation estimate before the call
+/// allocates, an upload's tensors before the copy makes them. Neither counts the other's bytes, so they add. (The
+/// larger of the two alone, the rule before, let a prefetch pass while a call's estimate was reserved and not yet
+/// allocated: the device then held more than the cap, and only the call's end noticed.)
+///
+/// Which reservations are allocated is read from the pool, since the runtime says nothing when an allocation lands:
+/// a reservation is pending from its grant until the pool's pages have grown by its size since then (the growth
+/// seen at each reading under the lock goes to the oldest pending reservations first), or until the thread that
+/// made it goes on (each thread makes one upload at a time, so its next call on the ledger means its last upload
+/// is on the device or failed; a call's estimate is pending until its call ends). Growth is device-wide, so it can
+/// be credited to the wrong reservation; the floor (never less than the reservations themselves) keeps a
+/// misattribution from charging less than the account holds.
 #[derive(Debug, Default)]
 struct Account {
     /// Pages of what the library placed on the device (component onloads, group uploads), in the page rule.
     placed: u64,
     /// Per thread running a call: the pages of its activation estimate, reserved until the call ends.
     calls: HashMap<ThreadId, u64>,
+    /// The reservations the pool does not show yet, oldest first.
+    pending: Vec<Pending>,
+    /// The pool's pages at the last reading taken under the account's lock.
+    seen: Option<u64>,
     /// The last call's reconciliation.
     last_call: Option<CallCharge>,
     /// The most the account held at once: its own high-water, never over the cap in hard mode.
     high_water: u64,
 }
 
+/// A reservation the pool does not show yet: who made it and what of it is still to come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pending {
+    thread: ThreadId,
+    /// A call's estimate (`true`) or an upload's tensors.
+    call: bool,
+    pages: u64,
+}
+
 impl Account {
+    /// Everything reserved: the placements and the estimates of the calls in flight.
     fn reserved(&self) -> u64 {
         self.calls.values().fold(self.placed, |sum, &bytes| sum.saturating_add(bytes))
+    }
+
+    /// The reservations not yet allocated.
+    fn pending(&self) -> u64 {
+        self.pending.iter().fold(0u64, |sum, p| sum.saturating_add(p.pages))
+    }
+
+    /// Takes a reading of the pool: what its pages grew by since the last one is allocated, and goes to the oldest
+    /// pending reservations first. A pool that shrank (its cache released) allocated nothing.
+    fn settle(&mut self, now: &PoolSnapshot) {
+        let mut grown = self.seen.map_or(0, |seen| now.reserved.saturating_sub(seen));
+        self.seen = Some(now.reserved);
+        for pending in &mut self.pending {
+            let made = pending.pages.min(grown);
+            pending.pages -= made;
+            grown -= made;
+        }
+        self.pending.retain(|p| p.pages > 0);
+    }
+
+    /// What counts against the cap with the pool reading `now` (see the type's docs).
+    fn charged(&self, now: &PoolSnapshot) -> u64 {
+        let in_pool = now.reserved.saturating_add(self.pending()).max(self.reserved());
+        now.outside_pool().saturating_add(in_pool)
+    }
+
+    /// `thread` goes on: its last upload is on the device, or failed and was given back.
+    fn goes_on(&mut self, thread: ThreadId) {
+        self.pending.retain(|p| p.thread != thread || p.call);
+    }
+
+    /// Reserves an upload of `pages` on `thread`, pending until the pool shows it.
+    fn place(&mut self, thread: ThreadId, pages: u64) {
+        self.goes_on(thread);
+        self.placed = self.placed.saturating_add(pages);
+        self.pending.push(Pending { thread, call: false, pages });
+    }
+
+    /// Gives back `pages` of placements, on `thread`.
+    fn unplace(&mut self, thread: ThreadId, pages: u64) {
+        self.goes_on(thread);
+        self.placed = self.placed.saturating_sub(pages);
+    }
+
+    /// Reserves a call's estimate of `pages` on `thread`, pending until the pool shows it or the call ends.
+    fn begin_call(&mut self, thread: ThreadId, pages: u64) {
+        // Its last upload is made, and a thread runs one call at a time.
+        self.pending.retain(|p| p.thread != thread);
+        self.calls.insert(thread, pages);
+        self.pending.push(Pending { thread, call: true, pages });
+    }
+
+    /// Ends `thread`'s call: its estimate is given back, whatever of it was not allocated too. Returns the estimate.
+    fn end_call(&mut self, thread: ThreadId) -> u64 {
+        self.pending.retain(|p| p.thread != thread);
+        self.calls.remove(&thread).unwrap_or(0)
     }
 }
 
@@ -886,8 +1086,8 @@ impl Account {
 /// estimates of calls in flight, in the [`PageRule`]'s pages), under one mutex: a check against the cap and the
 /// reservation it allows are one step, so the main thread and a prefetch worker can never both pass on the
 /// same free bytes. What counts against the cap is everything on the device outside the pool (as the driver
-/// shows it), plus the larger of the account and the pool's bytes in use (the pool shows what nobody reserved:
-/// a call's inputs and outputs).
+/// shows it), plus the pool's pages and the reservations the pool does not show yet (never less than the
+/// reservations): the rule is written out on the account's type.
 #[derive(Debug)]
 pub struct CappedDevice {
     readings: Arc<PoolReadings>,
@@ -991,15 +1191,11 @@ enum Refusal {
     Unreadable(ReadingUnavailable),
 }
 
-/// What a cap of `capacity` can still give with `reserved` bytes on the account and the pool reading `now`: the
-/// cap less what is outside the pool and the larger of the account and the pool's pages (a card of the cap's
-/// size has to hold every page the pool holds, whatever part of it the allocations use: cubecl sizes a page to
-/// the running average of its bucket's requests and places a small allocation on any free page large enough, so
-/// the pages are not a function of the bytes asked; the pool shows what nobody reserved, such as a call's inputs
-/// and outputs), and never more than the device itself can give.
-fn free_under(capacity: u64, now: &PoolSnapshot, reserved: u64) -> u64 {
-    let charged = now.outside_pool().saturating_add(now.reserved.max(reserved));
-    capacity.saturating_sub(charged).min(now.available())
+/// What a cap of `capacity` can still give with `account` and the pool reading `now`: the cap less what counts
+/// against it ([`Account::charged`]: what is outside the pool, the pool's pages and the reservations not yet
+/// allocated), and never more than the device itself can give.
+fn free_under(capacity: u64, now: &PoolSnapshot, account: &Account) -> u64 {
+    capacity.saturating_sub(account.charged(now)).min(now.available())
 }
 
 /// The check and the reservation in one critical section: the account's lock is held from the reading to the
@@ -1017,11 +1213,13 @@ fn reserve_in(
 ) -> std::result::Result<(), Refusal> {
     let mut account = account.lock();
     let mut now = read().map_err(Refusal::Unreadable)?;
-    let mut free = free_under(capacity, &now, account.reserved());
+    account.settle(&now);
+    let mut free = free_under(capacity, &now, &account);
     if pages > free && now.cache() > 0 {
         release();
         now = read().map_err(Refusal::Unreadable)?;
-        free = free_under(capacity, &now, account.reserved());
+        account.settle(&now);
+        free = free_under(capacity, &now, &account);
     }
     if pages > free {
         return Err(Refusal::Full { requested: pages, free });
@@ -1077,8 +1275,10 @@ impl DeviceMemory for CappedDevice {
 impl CappedDevice {
     fn try_available(&self) -> std::result::Result<u64, ReadingUnavailable> {
         if self.hard {
-            let account = self.account.lock();
-            Ok(free_under(self.capacity, &self.readings.observe()?, account.reserved()))
+            let mut account = self.account.lock();
+            let now = self.readings.observe()?;
+            account.settle(&now);
+            Ok(free_under(self.capacity, &now, &account))
         } else {
             Ok(self.readings.observe()?.available_under(self.capacity))
         }
@@ -1103,7 +1303,8 @@ impl DeviceLedger for CappedDevice {
             return Ok(());
         }
         let pages = self.pages.pages_of(sizes);
-        self.reserve(pages, |account| account.placed = account.placed.saturating_add(pages))
+        let thread = std::thread::current().id();
+        self.reserve(pages, |account| account.place(thread, pages))
     }
 
     /// Gives back the pages [`allocate_tensors`](DeviceLedger::allocate_tensors) reserved for `sizes`.
@@ -1112,8 +1313,7 @@ impl DeviceLedger for CappedDevice {
             return;
         }
         let pages = self.pages.pages_of(sizes);
-        let mut account = self.account.lock();
-        account.placed = account.placed.saturating_sub(pages);
+        self.account.lock().unplace(std::thread::current().id(), pages);
     }
 
     /// In hard mode, reserves the call's activation estimate (in pages) on this thread before the call runs, or
@@ -1124,12 +1324,10 @@ impl DeviceLedger for CappedDevice {
         if self.hard {
             let pages = self.pages.pages(estimate);
             let thread = std::thread::current().id();
-            self.reserve(pages, |account| {
-                account.calls.insert(thread, pages);
-            })?;
+            self.reserve(pages, |account| account.begin_call(thread, pages))?;
         }
         if let Err(unknown) = self.readings.begin_window() {
-            self.account.lock().calls.remove(&std::thread::current().id());
+            self.account.lock().end_call(std::thread::current().id());
             return Err(self.unreadable(unknown));
         }
         Ok(())
@@ -1142,7 +1340,7 @@ impl DeviceLedger for CappedDevice {
     fn end_call(&self, _estimate: u64) -> std::result::Result<(), ComponentError> {
         let thread = std::thread::current().id();
         let closed = self.readings.end_window();
-        let reserved = self.account.lock().calls.remove(&thread).unwrap_or(0);
+        let reserved = self.account.lock().end_call(thread);
         let window = match closed {
             Ok(Some(window)) => window,
             Ok(None) => return Ok(()),
@@ -1495,13 +1693,14 @@ pub fn catch_device_panic<R>(f: impl FnOnce() -> R) -> std::result::Result<R, De
 }
 
 /// Whether a panic's message is the device runtime's: burn's read of a tensor whose computation failed (its
-/// `into_data` panics with [`BURN_READ_PANIC`] and the runtime's error) or a runtime error's own text, recognised
-/// by its first line ([`RuntimeFailure::of`]).
+/// `into_data` panics with [`BURN_READ_PANIC`] and the runtime's error), a runtime error's own text, or the panic
+/// cubecl-wgpu raises for wgpu's out-of-memory ([`WGPU_OUT_OF_MEMORY`]), each recognised by its first line
+/// ([`RuntimeFailure::of`]).
 fn is_device_failure(message: &str) -> bool {
     let text = message.strip_prefix(BURN_READ_PANIC).unwrap_or(message);
     let first = text.lines().next().unwrap_or("").trim();
     RUNTIME_WRAPPERS.iter().any(|wrapper| wrapper.matches(first))
-        || POISONED.contains(&first)
+        || is_poisoned_line(first)
         || RuntimeFailure::of(text) != RuntimeFailure::Other
 }
 
@@ -1509,6 +1708,21 @@ fn is_device_failure(message: &str) -> bool {
 /// `tensor/api/base.rs`: `expect` adds `": "` and the error).
 pub const BURN_READ_PANIC: &str =
     "Error while reading data: use `try_into_data` instead to catch the error at runtime: ";
+
+/// The panic cubecl-wgpu 0.11.3 raises for wgpu's out-of-memory on the default (WGSL) build, whole.
+///
+/// Without its `spirv` feature, cubecl-wgpu's storage creates buffers through `wgpu::Device::create_buffer`
+/// (`compute/storage.rs`), which returns no error: wgpu reports a failed allocation to the device's
+/// uncaptured-error handler, and the one cubecl installs (`compute/device_poison.rs`, `PoisonWatch::watch`) panics
+/// with `"wgpu error: {error}"` on a device that is not lost, where wgpu 30's `Error::OutOfMemory` displays as
+/// `Out of Memory` (`api/device.rs`). The panic happens on cubecl's device runner thread. For a task the caller
+/// waits for (a read, a sync, a cleanup) cubecl's channel catches it and raises the same payload again in the
+/// caller (`cubecl-common` 0.11.3, `device/handle/channel.rs`, `run_scoped`, then `unwrap_or_resume`), so the
+/// caller sees exactly this line; [`catch_device_panic`] catches it around the library's own device operations.
+/// For a task nobody waits for (a buffer's creation, a launch) the channel only logs the panic, and the memory that
+/// task was for is never written: a later read fails with cubecl's words for that, which do not say why, and is a
+/// device error, not an out-of-memory (`docs/devices.md`).
+pub const WGPU_OUT_OF_MEMORY: &str = "wgpu error: Out of Memory";
 
 /// A first line of the runtime's that wraps another error, whose own text follows a `Caused by:` line.
 enum Wrapper {
@@ -1528,26 +1742,46 @@ impl Wrapper {
 }
 
 /// The runtime's wrappers, in their exact words: burn's `ExecutionError` (`burn-std` 0.22.1,
-/// `device_settings.rs`) and cubecl's `ServerError` (`cubecl-runtime` 0.11.3, `server/base.rs`).
-const RUNTIME_WRAPPERS: [Wrapper; 4] = [
+/// `device_settings.rs`) and cubecl's `ServerError` and `LaunchError` (`cubecl-runtime` 0.11.3, `server/base.rs`).
+/// A compilation error is followed too, because the error it carries can be a poisoned device
+/// (`CompilationError::DevicePoisoned`); any other compiler error is `Other` by its own first line.
+const RUNTIME_WRAPPERS: [Wrapper; 5] = [
     Wrapper::Line("An error happened during execution"),
     Wrapper::Line("An IO error happened"),
     Wrapper::Line("A launch error happened"),
+    Wrapper::Line("A compilation error happened during launch"),
     Wrapper::Prefix("The bytes were never written (failure #"),
 ];
 
-/// cubecl's and burn's first lines for a poisoned device (`ServerError::DevicePoisoned`,
-/// `LaunchError::DevicePoisoned`, `ExecutionError::DevicePoisoned`).
-const POISONED: [&str; 2] = ["The device is poisoned", "The device was poisoned during launch"];
+/// cubecl's and burn's first lines for a poisoned device, whole: `ServerError::DevicePoisoned`,
+/// `LaunchError::DevicePoisoned`, burn's `ExecutionError::DevicePoisoned`, and `CompilationError::DevicePoisoned`
+/// (`cubecl-runtime` 0.11.3, `compiler.rs`: the device was poisoned before a compiled kernel could be loaded).
+const POISONED: [&str; 3] = [
+    "The device is poisoned",
+    "The device was poisoned during launch",
+    "The device is poisoned, the kernel could not be loaded",
+];
+
+/// How `IoError::DevicePoisoned` begins (`"The device is poisoned: {0}"`, `cubecl-runtime` 0.11.3,
+/// `server/base.rs`): the driver's reason follows on the same line.
+const POISONED_IO: &str = "The device is poisoned: ";
+
+/// Whether a first line is one of the runtime's own for a poisoned device.
+fn is_poisoned_line(line: &str) -> bool {
+    POISONED.contains(&line) || line.starts_with(POISONED_IO)
+}
 
 /// What a runtime's error says went wrong, read from the runtime's own first lines, never searched for in the
 /// whole text (a cause chain or a backtrace can say anything).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RuntimeFailure {
     /// The runtime's own out-of-memory, in its exact words: cubecl's `IoError::OutOfMemory` ("out of device memory
-    /// allocating N bytes", what its CUDA storage reports for `CUDA_ERROR_OUT_OF_MEMORY` and its Vulkan storage
-    /// for `VK_ERROR_OUT_OF_DEVICE_MEMORY` / `VK_ERROR_OUT_OF_HOST_MEMORY`), or `LaunchError::OutOfMemory` ("An
-    /// out-of-memory error happened during launch"). The bytes asked for, where the runtime says.
+    /// allocating N bytes", what its CUDA storage reports for `CUDA_ERROR_OUT_OF_MEMORY` and its SPIR-V Vulkan
+    /// storage, the `vulkan` feature, for `VK_ERROR_OUT_OF_DEVICE_MEMORY` / `VK_ERROR_OUT_OF_HOST_MEMORY`),
+    /// `IoError::PageSizesExhausted` ("Can't allocate N bytes: every page size the memory tracks still holds live
+    /// allocations", which cubecl documents as one a cleanup and a retry can resolve), `LaunchError::OutOfMemory`
+    /// ("An out-of-memory error happened during launch"), and the panic the default wgpu build raises for wgpu's
+    /// out-of-memory ([`WGPU_OUT_OF_MEMORY`]). The bytes asked for, where the runtime says.
     OutOfMemory {
         /// The allocation's size, when the runtime names it.
         requested: Option<u64>,
@@ -1555,6 +1789,13 @@ pub enum RuntimeFailure {
     /// The device is poisoned (a faulted kernel, a lost device): every later operation fails, and only a new
     /// process can use it again. Never retried.
     Poisoned,
+    /// The memory a read needed was never allocated: cubecl's `IoError::NotFound` with the reason "Memory location
+    /// was never initialized" (`cubecl-server` 0.11.3, `memory_management/memory_manage.rs`), which a read meets when
+    /// the runner task that was to allocate the memory panicked instead of recording a failure. The text does not
+    /// say why. On the default wgpu build that panic is wgpu's out-of-memory ([`WGPU_OUT_OF_MEMORY`]; measured on
+    /// lavapipe under an address-space limit, `docs/devices.md`), which the runner thread's panic records; the
+    /// typed error decides with that record ([`classify`]), never from these words alone.
+    Unallocated,
     /// Anything else (a buffer larger than the device can ever give, a compilation error, a failure of several
     /// kinds at once): a device error, never an out-of-memory.
     Other,
@@ -1567,42 +1808,107 @@ impl RuntimeFailure {
         let mut rest = text.strip_prefix(BURN_READ_PANIC).unwrap_or(text);
         loop {
             let first = rest.lines().next().unwrap_or("").trim();
-            if POISONED.contains(&first) {
+            if is_poisoned_line(first) {
                 return RuntimeFailure::Poisoned;
+            }
+            if first == SEVERAL {
+                // Failures of several kinds are none of them, unless the first is memory never allocated: the one
+                // failure a wgpu out-of-memory leaves, which cubecl reported so with only itself listed (measured).
+                return match Self::of(caused_by(rest).unwrap_or("")) {
+                    RuntimeFailure::Unallocated => RuntimeFailure::Unallocated,
+                    _ => RuntimeFailure::Other,
+                };
             }
             if RUNTIME_WRAPPERS.iter().any(|wrapper| wrapper.matches(first)) {
                 // The wrapped error is the line after the first `Caused by:` line.
-                let mut lines = rest.split_inclusive('\n');
-                let mut consumed = 0;
-                let mut found = false;
-                for line in lines.by_ref() {
-                    consumed += line.len();
-                    if line.trim() == "Caused by:" {
-                        found = true;
-                        break;
-                    }
+                match caused_by(rest) {
+                    Some(wrapped) => rest = wrapped,
+                    None => return RuntimeFailure::Other,
                 }
-                if !found {
-                    return RuntimeFailure::Other;
-                }
-                rest = &rest[consumed..];
                 continue;
             }
             return Self::of_line(first);
         }
     }
 
-    /// The runtime's own out-of-memory lines, whole.
+    /// The runtime's own out-of-memory lines, whole, and its line for memory never allocated.
     fn of_line(line: &str) -> RuntimeFailure {
-        if line == "An out-of-memory error happened during launch" {
+        if line == "An out-of-memory error happened during launch" || line == WGPU_OUT_OF_MEMORY {
             return RuntimeFailure::OutOfMemory { requested: None };
         }
-        let size = line.strip_prefix("out of device memory allocating ").and_then(|rest| rest.strip_suffix(" bytes"));
-        match size.map(str::parse::<u64>) {
+        if line == NEVER_INITIALIZED {
+            return RuntimeFailure::Unallocated;
+        }
+        let out_of_memory =
+            line.strip_prefix("out of device memory allocating ").and_then(|rest| rest.strip_suffix(" bytes"));
+        let no_page_size = line.strip_prefix("Can't allocate ").and_then(|rest| {
+            rest.strip_suffix(" bytes: every page size the memory tracks still holds live allocations")
+        });
+        match out_of_memory.or(no_page_size).map(str::parse::<u64>) {
             Some(Ok(bytes)) => RuntimeFailure::OutOfMemory { requested: Some(bytes) },
             _ => RuntimeFailure::Other,
         }
     }
+}
+
+/// cubecl's `ServerError::Several` (`cubecl-runtime` 0.11.3, `server/base.rs`): the failures follow its `Caused by:`.
+const SEVERAL: &str = "Several failures at once";
+
+/// cubecl's `IoError::NotFound` for memory whose allocation never happened (`cubecl-runtime` 0.11.3: `"couldn't find
+/// resource for that handle: {reason}"`; `cubecl-server` 0.11.3, `memory_management/memory_manage.rs`: the reason).
+const NEVER_INITIALIZED: &str = "couldn't find resource for that handle: Memory location was never initialized";
+
+/// The text after the first `Caused by:` line of `text`, if it has one.
+fn caused_by(text: &str) -> Option<&str> {
+    let mut consumed = 0;
+    for line in text.split_inclusive('\n') {
+        consumed += line.len();
+        if line.trim() == "Caused by:" {
+            return Some(&text[consumed..]);
+        }
+    }
+    None
+}
+
+/// What the panic hook the wgpu runtime installs counts: the out-of-memory panics cubecl's runner threads raised
+/// ([`WGPU_OUT_OF_MEMORY`]), and how many of them a failed read has been typed by. A read that meets memory never
+/// allocated ([`RuntimeFailure::Unallocated`]) is an out-of-memory when a panic is left unclaimed, and claims it.
+#[cfg(feature = "wgpu")]
+struct WgpuOutOfMemory {
+    raised: AtomicU64,
+    claimed: AtomicU64,
+}
+
+/// The wgpu runtime is one per process (its runner threads are cubecl's), so its panic record is too.
+#[cfg(feature = "wgpu")]
+static WGPU_OUT_OF_MEMORY_PANICS: WgpuOutOfMemory =
+    WgpuOutOfMemory { raised: AtomicU64::new(0), claimed: AtomicU64::new(0) };
+
+/// Installs, on top of the process's panic hook (which still runs, so the runtime's panic is still printed), a hook
+/// that counts cubecl-wgpu's out-of-memory panics: they happen on cubecl's runner thread, where nothing of this
+/// library runs, and a task nobody waits for swallows them, so this record is the only trace of why an allocation
+/// never happened. Called once, when the wgpu runtime opens.
+#[cfg(feature = "wgpu")]
+fn record_wgpu_out_of_memory_panics() {
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if panic_text(info.payload()) == WGPU_OUT_OF_MEMORY {
+            WGPU_OUT_OF_MEMORY_PANICS.raised.fetch_add(1, Ordering::SeqCst);
+        }
+        previous(info);
+    }));
+}
+
+/// Whether a wgpu out-of-memory panic is recorded that no failed read has been typed by yet; claims every one
+/// recorded so far (a failure read twice, by a sync and a read-back, is one out-of-memory).
+fn claim_wgpu_out_of_memory() -> bool {
+    #[cfg(feature = "wgpu")]
+    {
+        let raised = WGPU_OUT_OF_MEMORY_PANICS.raised.load(Ordering::SeqCst);
+        WGPU_OUT_OF_MEMORY_PANICS.claimed.fetch_max(raised, Ordering::SeqCst) < raised
+    }
+    #[cfg(not(feature = "wgpu"))]
+    false
 }
 
 /// Whether a runtime's error text is the runtime's own out-of-memory, and the bytes it asked for when it says;
@@ -1625,7 +1931,12 @@ fn classify(
 ) -> ComponentError {
     // The runtime's text carries a backtrace after its first lines; the first lines are the message.
     let short: String = message.lines().take(3).collect::<Vec<_>>().join(" ");
-    let failure = if poisoned { RuntimeFailure::Poisoned } else { RuntimeFailure::of(message) };
+    let failure = match RuntimeFailure::of(message) {
+        _ if poisoned => RuntimeFailure::Poisoned,
+        // Memory never allocated is an out-of-memory only where the runtime's runner recorded one (wgpu).
+        RuntimeFailure::Unallocated if claim_wgpu_out_of_memory() => RuntimeFailure::OutOfMemory { requested: None },
+        failure => failure,
+    };
     match failure {
         RuntimeFailure::OutOfMemory { requested } => ComponentError::OutOfMemory {
             device: name.clone(),
@@ -1635,7 +1946,7 @@ fn classify(
         RuntimeFailure::Poisoned => {
             ComponentError::other(Error::DevicePoisoned { device: name.to_string(), operation, message: short })
         }
-        RuntimeFailure::Other => {
+        RuntimeFailure::Other | RuntimeFailure::Unallocated => {
             ComponentError::Device { device: name.clone(), message: format!("during {operation}: {short}") }
         }
     }
@@ -1670,8 +1981,10 @@ mod tests {
 
     /// The runtime's texts as cubecl 0.11.3 and burn 0.22.1 format them (`ServerError`, `IoError`, `LaunchError`,
     /// `ExecutionError`, burn's `into_data` panic), one file each: `oom-*` are out-of-memory, `poisoned-*` a poisoned
-    /// device, `other-*` anything else. They were assembled from the runtimes' format strings; lavapipe never runs out
-    /// of memory, so none could be captured from a failing run here.
+    /// device, `unallocated-*` memory never allocated, `other-*` anything else. Most were assembled from the runtimes'
+    /// format strings. Two were captured from a failing run on lavapipe, made to run out under an address-space
+    /// limit (`docs/devices.md`): the panic of cubecl's runner thread (`oom-wgpu-panic.txt`) and what the read of
+    /// the memory it was allocating returned (`unallocated-wgpu-oom-read.txt`).
     fn fixtures() -> Vec<(String, String)> {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/runtime-errors");
         let mut files: Vec<(String, String)> = std::fs::read_dir(&dir)
@@ -1696,6 +2009,7 @@ mod tests {
             let got = match failure {
                 RuntimeFailure::OutOfMemory { .. } => "oom",
                 RuntimeFailure::Poisoned => "poisoned",
+                RuntimeFailure::Unallocated => "unallocated",
                 RuntimeFailure::Other => "other",
             };
             assert_eq!(got, expected, "{name}: {failure:?}");
@@ -1709,6 +2023,56 @@ mod tests {
         assert_eq!(sized("oom-unwritten-root.txt"), Some(Some(4_194_304)));
         assert_eq!(sized("oom-read-panic.txt"), Some(Some(1024)));
         assert_eq!(sized("oom-launch.txt"), Some(None));
+        assert_eq!(sized("oom-wgpu-panic.txt"), Some(None));
+        assert_eq!(sized("oom-page-sizes-exhausted.txt"), Some(Some(2_097_152)));
+        assert_eq!(sized("oom-page-sizes-read-panic.txt"), Some(Some(512)));
+    }
+
+    #[test]
+    fn memory_never_allocated_is_an_out_of_memory_only_where_the_runtime_recorded_one() {
+        let text = "An error happened during execution\nCaused by:\n  Several failures at once\nCaused by:\n  The \
+                    bytes were never written (failure #32, still claiming 1 buffer(s))\nCaused by:\n  An IO error \
+                    happened\nCaused by:\n  couldn't find resource for that handle: Memory location was never \
+                    initialized\nNo backtrace available";
+        assert_eq!(RuntimeFailure::of(text), RuntimeFailure::Unallocated);
+        assert_eq!(out_of_memory_in(text), None, "the words alone are no out-of-memory");
+        // No runtime here recorded an out-of-memory panic (the flex build has no wgpu runner): a device error.
+        if !cfg!(feature = "wgpu") {
+            let error = classify(&name(), "run", text, false, None);
+            assert!(matches!(error, ComponentError::Device { .. }), "{error:?}");
+        }
+    }
+
+    #[test]
+    fn the_default_wgpu_builds_out_of_memory_panic_is_caught_and_retryable_and_other_wgpu_panics_are_not() {
+        // What cubecl raises again in the caller for wgpu's out-of-memory on its runner thread.
+        let caught = catch_device_panic(|| -> u32 { std::panic::panic_any(WGPU_OUT_OF_MEMORY.to_string()) });
+        let error = caught.expect_err("the runtime's panic is caught").with_device(&name(), "upload", None);
+        assert!(matches!(error, ComponentError::OutOfMemory { requested: 0, available: 0, .. }), "{error:?}");
+        // A validation error is a bug in the runtime's use, not a device failure: it goes on unwinding.
+        let unwound = std::panic::catch_unwind(|| {
+            catch_device_panic(|| -> u32 { panic!("wgpu error: Validation Error\n\nCaused by:\n  Out of Memory") })
+        });
+        assert!(unwound.is_err(), "a wgpu validation panic was swallowed");
+    }
+
+    #[test]
+    fn every_poisoned_text_of_cubecl_is_poisoned_on_the_panic_path_too() {
+        for text in [
+            "The device is poisoned: Lost: the GPU went away\nBacktrace:\n   0: x",
+            "A launch error happened\nCaused by:\n  A compilation error happened during launch\nCaused by:\n  \
+             The device is poisoned, the kernel could not be loaded\nCaused by:\n  Lost",
+        ] {
+            // The panic path passes no poisoned flag: the words alone decide.
+            let caught = catch_device_panic(|| -> u32 { std::panic::panic_any(text.to_string()) });
+            let error = caught.expect_err("the runtime's panic is caught").with_device(&name(), "run", None);
+            let inner = match &error {
+                ComponentError::Other(inner) => inner.downcast_ref::<Error>(),
+                _ => None,
+            };
+            assert!(matches!(inner, Some(Error::DevicePoisoned { .. })), "{text}: {error:?}");
+        }
+        assert_eq!(RuntimeFailure::of("The device is poisoned by my model"), RuntimeFailure::Other);
     }
 
     #[test]
@@ -1813,15 +2177,93 @@ mod tests {
     }
 
     #[test]
-    fn the_cap_counts_the_larger_of_the_account_and_the_pools_pages_and_what_is_outside_it() {
+    fn the_cap_counts_what_is_outside_the_pool_the_pools_pages_and_what_it_does_not_show_yet() {
         let now = PoolSnapshot { in_use: 600, padding: 40, reserved: 1_000, total: 10_000, driver_free: Some(7_000) };
+        let empty = Account::default();
         // 2,000 outside the pool, 1,000 of pages in it (640 of them allocated: the rest a card must hold too).
-        assert_eq!(free_under(5_000, &now, 0), 2_000);
-        // The account holds more than the pool shows (reserved, not yet allocated): it counts.
-        assert_eq!(free_under(5_000, &now, 1_640), 1_360);
+        assert_eq!(free_under(5_000, &now, &empty), 2_000);
+        // A reservation the pool does not show yet counts on top of its pages.
+        let mut account = Account::default();
+        account.settle(&now);
+        account.place(std::thread::current().id(), 640);
+        assert_eq!(free_under(5_000, &now, &account), 1_360);
+        // The account holds more than the pool and its pending reservations (a misattributed growth): it counts.
+        let held = Account { placed: 2_500, ..Account::default() };
+        assert_eq!(free_under(5_000, &now, &held), 500);
         // Never more than the device itself can give.
-        assert_eq!(free_under(100_000, &now, 0), 7_360);
-        assert_eq!(free_under(1_000, &now, 0), 0);
+        assert_eq!(free_under(100_000, &now, &empty), 7_360);
+        assert_eq!(free_under(1_000, &now, &empty), 0);
+    }
+
+    #[test]
+    fn a_prefetch_cannot_pass_the_cap_while_a_calls_estimate_is_reserved_but_not_yet_allocated() {
+        // 600 B of weights placed and on the pool, beside 400 B of pages nobody reserved (an earlier call's outputs).
+        let account = Mutex::new(Account { placed: 600, ..Account::default() });
+        let pool = PoolSnapshot { in_use: 1_000, padding: 0, reserved: 1_000, total: 1 << 20, driver_free: None };
+        let main = std::thread::current().id();
+        // The main thread's call reserves its 1,000 B estimate under a 2,200 B cap; nothing of it is allocated yet.
+        reserve_in(&account, 2_200, 1_000, || Ok(pool), || (), |a| a.begin_call(main, 1_000))
+            .expect("the call's estimate fits");
+        // A prefetch of 500 B now would put 2,500 B on a 2,200 B card once the call allocates.
+        let worker = std::thread::spawn(|| std::thread::current().id()).join().expect("a thread id");
+        let refused = reserve_in(&account, 2_200, 500, || Ok(pool), || (), |a| a.place(worker, 500));
+        assert!(matches!(refused, Err(Refusal::Full { requested: 500, free: 200 })), "{refused:?}");
+        // The call allocates its activations: the pool shows them, and they are charged once, not twice.
+        let during = PoolSnapshot { in_use: 2_000, reserved: 2_000, ..pool };
+        let refused = reserve_in(&account, 2_200, 500, || Ok(during), || (), |a| a.place(worker, 500));
+        assert!(matches!(refused, Err(Refusal::Full { requested: 500, free: 200 })), "{refused:?}");
+        assert_eq!(account.lock().pending(), 0, "the call's estimate is on the pool");
+        // The call ends and frees its activations (cache now): the prefetch is granted once the cache is released.
+        assert_eq!(account.lock().end_call(main), 1_000);
+        let after = PoolSnapshot { in_use: 1_000, reserved: 2_000, ..pool };
+        let released = std::cell::Cell::new(false);
+        let read = || Ok(if released.get() { pool } else { after });
+        reserve_in(&account, 2_200, 500, read, || released.set(true), |a| a.place(worker, 500)).expect("granted");
+        assert!(released.get());
+        let account = account.lock();
+        assert_eq!((account.reserved(), account.pending()), (1_100, 500), "the upload is pending until the pool grows");
+    }
+
+    #[test]
+    fn reservations_are_pending_until_the_pool_grows_by_them_or_their_thread_goes_on() {
+        let (main, worker) =
+            (std::thread::current().id(), std::thread::spawn(|| std::thread::current().id()).join().expect("an id"));
+        let mut account = Account::default();
+        let at =
+            |reserved: u64| PoolSnapshot { in_use: reserved, padding: 0, reserved, total: 1 << 20, driver_free: None };
+        account.settle(&at(1_000));
+        account.place(worker, 300);
+        account.begin_call(main, 400);
+        assert_eq!((account.reserved(), account.pending()), (700, 700));
+        // Charged: the pool, and what it does not show yet, on top of what is outside it (nothing here).
+        assert_eq!(account.charged(&at(1_000)), 1_700);
+        // The pool grows by 200: the oldest reservation (the upload) is credited first.
+        account.settle(&at(1_200));
+        assert_eq!(
+            account.pending,
+            vec![Pending { thread: worker, call: false, pages: 100 }, Pending { thread: main, call: true, pages: 400 }]
+        );
+        // A shrink (the cache released) allocates nothing; the next growth counts from there.
+        account.settle(&at(900));
+        account.settle(&at(1_000));
+        assert_eq!(account.pending(), 400);
+        // The worker goes on (its next reservation): its last upload is on the device.
+        account.place(worker, 50);
+        assert_eq!(
+            account.pending,
+            vec![Pending { thread: main, call: true, pages: 400 }, Pending { thread: worker, call: false, pages: 50 }]
+        );
+        // The call ends: what it did not allocate is no longer promised.
+        assert_eq!(account.end_call(main), 400);
+        assert_eq!(account.pending(), 50);
+        // Never less than the reservations: growth credited to them that the pool then gave back.
+        account.settle(&at(1_050));
+        assert_eq!((account.reserved(), account.pending()), (350, 0));
+        assert_eq!(account.charged(&at(100)), 350);
+        // A failed upload is given back on its thread: nothing of it stays pending.
+        account.place(worker, 70);
+        account.unplace(worker, 70);
+        assert_eq!((account.reserved(), account.pending()), (350, 0));
     }
 
     #[test]
@@ -1917,6 +2359,79 @@ mod tests {
             assert!(matches!(error, Error::DeviceNotBuilt { feature: "wgpu", .. }), "{error:?}");
             assert!(error.to_string().contains("mesa-vulkan-drivers"), "{error}");
         }
+    }
+
+    #[test]
+    fn a_cuda_drivers_failure_is_named_as_it_is_and_never_as_a_missing_driver() {
+        let seven = DeviceName::parse("cuda:7").expect("a name");
+        let words = Some("invalid device ordinal");
+        // A wrong index: the driver's count and its words.
+        let error = cuda_failure(&seven, "open", "CUDA_ERROR_INVALID_DEVICE", words, || Ok(1));
+        assert_eq!(
+            error.to_string(),
+            "cannot open cuda:7: there is no such CUDA device: the driver lists 1, cuda:0 (CUDA_ERROR_INVALID_DEVICE: \
+             invalid device ordinal); pick one of the devices `nvidia-smi -L` lists (cuda:0 is the first), or another \
+             --device"
+        );
+        let error = cuda_failure(&seven, "open", "CUDA_ERROR_INVALID_DEVICE", words, || Ok(4));
+        assert!(error.to_string().contains("the driver lists 4, cuda:0 to cuda:3"), "{error}");
+        let error = cuda_failure(&seven, "open", "CUDA_ERROR_INVALID_DEVICE", None, || {
+            Err("CUDA_ERROR_NOT_INITIALIZED (initialization error)".into())
+        });
+        assert!(matches!(error, Error::NoSuchDevice { .. }), "{error:?}");
+        assert!(
+            error.to_string().contains(
+                "the driver says CUDA_ERROR_INVALID_DEVICE, and could not count its devices \
+                 (CUDA_ERROR_NOT_INITIALIZED (initialization error))"
+            ),
+            "{error}"
+        );
+        let zero = DeviceName::parse("cuda:0").expect("a name");
+        let error =
+            cuda_failure(&zero, "open", "CUDA_ERROR_NO_DEVICE", Some("no CUDA-capable device is detected"), || {
+                panic!("the count is asked only for a wrong index")
+            });
+        assert!(error.to_string().contains("the driver sees no CUDA device (CUDA_ERROR_NO_DEVICE: no CUDA-capable"));
+        // Anything else is the driver's failure, in its words.
+        let error = cuda_failure(&zero, "open", "CUDA_ERROR_NOT_INITIALIZED", Some("initialization error"), || Ok(1));
+        assert_eq!(
+            error.to_string(),
+            "the CUDA driver failed to open cuda:0: it returned CUDA_ERROR_NOT_INITIALIZED (initialization error); \
+             check that `nvidia-smi` lists the card and the driver's messages (`dmesg`), or pick another --device"
+        );
+        let error = cuda_failure(&zero, "open", "CUDA_ERROR_UNKNOWN", None, || Ok(1));
+        assert!(error.to_string().contains("CUDA_ERROR_UNKNOWN (the driver gave no description)"), "{error}");
+        for error in [
+            cuda_failure(&seven, "open", "CUDA_ERROR_INVALID_DEVICE", words, || Ok(1)),
+            cuda_failure(&zero, "open", "CUDA_ERROR_OPERATING_SYSTEM", None, || Ok(1)),
+        ] {
+            assert!(!matches!(error, Error::NoDriver { .. }) && !error.to_string().contains("install"), "{error}");
+        }
+    }
+
+    /// The names the classification reads are cudarc's codes as they print.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cudarcs_codes_print_as_the_names_the_classification_reads() {
+        use cudarc::driver::{DriverError, sys::CUresult};
+        for (code, name) in [
+            (CUresult::CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE"),
+            (CUresult::CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE"),
+        ] {
+            assert_eq!(format!("{:?}", DriverError(code).0), name);
+        }
+    }
+
+    #[test]
+    fn a_failed_free_memory_call_is_an_unknown_reading_in_the_drivers_words_never_an_empty_device() {
+        let failure =
+            DriverFailure { code: "CUDA_ERROR_ILLEGAL_ADDRESS".into(), words: Some("an illegal memory access".into()) };
+        let unknown = failure.unread(&DeviceName::parse("cuda:0").expect("a name"));
+        assert_eq!(
+            unknown.message,
+            "the CUDA driver's free-memory call (cuMemGetInfo) returned CUDA_ERROR_ILLEGAL_ADDRESS (an illegal memory \
+             access), so what other processes hold on the device is unknown"
+        );
     }
 
     #[test]

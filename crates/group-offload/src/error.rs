@@ -114,6 +114,33 @@ pub enum Error {
         fix: String,
     },
 
+    /// A device index the runtime does not have (`cuda:7` on a machine with one card): the driver is there.
+    #[error(
+        "cannot open {device}: {reason}; pick one of the devices `nvidia-smi -L` lists (cuda:0 is the first), or another --device"
+    )]
+    NoSuchDevice {
+        /// The device asked for.
+        device: String,
+        /// How many devices the driver lists, or the driver's own words where it could not count them.
+        reason: String,
+    },
+
+    /// The device's driver is there but one of its calls failed, in the driver's own words: not a missing driver.
+    #[error(
+        "the CUDA driver failed to {operation} {device}: it returned {code} ({words}); check that `nvidia-smi` lists \
+         the card and the driver's messages (`dmesg`), or pick another --device"
+    )]
+    DriverFailed {
+        /// The device.
+        device: String,
+        /// What was asked of the driver, as a verb phrase before the device (`open`, `read the free memory of`).
+        operation: &'static str,
+        /// The driver's error code, by name (`CUDA_ERROR_NOT_INITIALIZED`).
+        code: String,
+        /// The driver's own description of it, or that it gave none.
+        words: String,
+    },
+
     /// A device kind no backend serves.
     #[error("unknown device {kind}: use cpu, cuda:N (feature cuda) or wgpu:0 (feature wgpu)")]
     UnknownDevice {

@@ -13,6 +13,84 @@
 //! extension was absent, and the extension's own rule is that a heap's budget is never zero, so zero is no
 //! budget). Lavapipe does not offer it: its report lists a heap's size and flags only
 //! (`tests/fixtures/vulkaninfo-lavapipe.txt`, saved from this project's CI machine).
+//!
+//! [`parse`] and [`device_local_budget`] are pure functions of the report's text that never panic, whatever the
+//! text (the fuzz target's entry point is [`parse`]); [`run`] is the one place `vulkaninfo` is started, under a
+//! deadline ([`TIMEOUT`]), so a driver that hangs it cannot hang the device's open.
+
+use std::io::Read;
+use std::time::{Duration, Instant};
+
+/// How long `vulkaninfo` may take before it is stopped: a healthy driver answers in well under a second (measured on
+/// lavapipe: 0.04 to 0.26 s for `--text`, 57 KB), and a device's open waits for it, so a hung driver costs the open this long
+/// once, and the budget is then unknown (the heap is the total).
+pub const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs `program --text` (`vulkaninfo`, found on `PATH`) and returns its report, or why there is none, in words for
+/// the budget's explanation: it could not start (with the package that provides it), it did not answer within
+/// `timeout` (it is then killed, and the report is not waited for), it failed, or its report could not be read.
+///
+/// The report is read on a thread of its own while the process runs, so a report larger than the pipe's buffer
+/// cannot stall it. A child that `program` left behind holding the pipe (a shell script's `sleep`) keeps that thread
+/// until it exits, never the caller.
+pub fn run(program: &std::ffi::OsStr, timeout: Duration) -> Result<String, String> {
+    let started = Instant::now();
+    let mut child = std::process::Command::new(program)
+        .arg("--text")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .map_err(|error| format!("vulkaninfo could not run ({error}; Debian: `apt-get install vulkan-tools`)"))?;
+    let stopped = |child: &mut std::process::Child, why: String| {
+        // Killing a process that has just exited fails harmlessly; the wait reaps it either way.
+        let _ = child.kill();
+        let _ = child.wait();
+        why
+    };
+    let Some(mut stdout) = child.stdout.take() else {
+        return Err(stopped(&mut child, "vulkaninfo's output could not be read (no pipe)".into()));
+    };
+    let (sender, report) = std::sync::mpsc::channel();
+    let reader = std::thread::Builder::new().name("vulkaninfo-report".into()).spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = sender.send(stdout.read_to_end(&mut bytes).map(|_| bytes));
+    });
+    if let Err(error) = reader {
+        return Err(stopped(&mut child, format!("cannot start a thread to read vulkaninfo's report ({error})")));
+    }
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if started.elapsed() >= timeout => {
+                return Err(stopped(
+                    &mut child,
+                    format!(
+                        "vulkaninfo did not answer within {} and was stopped (a hung Vulkan driver? `vulkaninfo \
+                         --summary` shows whether it answers)",
+                        seconds(timeout)
+                    ),
+                ));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            Err(error) => return Err(stopped(&mut child, format!("vulkaninfo could not be waited for ({error})"))),
+        }
+    };
+    if !status.success() {
+        return Err(format!("vulkaninfo failed ({status})"));
+    }
+    // The report ends when the pipe closes, at once unless something vulkaninfo started still holds it.
+    match report.recv_timeout(timeout.saturating_sub(started.elapsed())) {
+        Ok(Ok(bytes)) => Ok(String::from_utf8_lossy(&bytes).into_owned()),
+        Ok(Err(error)) => Err(format!("vulkaninfo's report could not be read ({error})")),
+        Err(_) => Err(format!("vulkaninfo exited but its report did not end within {}", seconds(timeout))),
+    }
+}
+
+/// A deadline in words: `5 s`, `0.25 s`.
+fn seconds(duration: Duration) -> String {
+    format!("{} s", duration.as_secs_f64())
+}
 
 /// One memory heap of a device as `vulkaninfo` prints it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -216,6 +294,86 @@ memoryHeaps: count = 1
         assert!(why.contains("2 devices") && why.contains("\"another\""), "{why}");
         let why = device_local_budget(DISCRETE, 0x1002, 0x744c, "").unwrap_err();
         assert!(why.contains("0x1002:0x744c"), "{why}");
+    }
+
+    /// A small deterministic generator (xorshift64*), so a failing mutation can be replayed from its round.
+    struct Mutations(u64);
+
+    impl Mutations {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n.max(1) as u64) as usize
+        }
+    }
+
+    /// Fragments of the report's own grammar, so that mutations reach the parser's branches, not only its skip path.
+    const FRAGMENTS: [&str; 16] = [
+        "GPU0:\n",
+        "GPU18446744073709551616:\n",
+        "\tmemoryHeaps[0]:\n",
+        "memoryTypes: count = 1\n",
+        "\t\tsize   = 18446744073709551616 (0x0) (16 EiB)\n",
+        "\t\tbudget = 0\n",
+        "\t\tbudget = -1\n",
+        "\t\tusage  = \n",
+        "MEMORY_HEAP_DEVICE_LOCAL_BIT\n",
+        "\tvendorID = 0x\n",
+        "\tvendorID = 0xffffffffff\n",
+        "\tdeviceID = 0x10005\n",
+        "\tdeviceName = \u{e9}\u{1f600}\n",
+        "=",
+        "\r\n",
+        "\u{0}",
+    ];
+
+    /// One mutation of `text`: a cut, a deleted or repeated span, a fragment inserted, or a byte's character replaced,
+    /// always at character boundaries (the parser takes text).
+    fn mutate(text: &str, random: &mut Mutations) -> String {
+        let boundaries: Vec<usize> = text.char_indices().map(|(i, _)| i).chain([text.len()]).collect();
+        let at = |random: &mut Mutations| boundaries[random.below(boundaries.len())];
+        let (a, b) = {
+            let (x, y) = (at(random), at(random));
+            (x.min(y), x.max(y))
+        };
+        match random.below(5) {
+            0 => text[..a].to_string(),
+            1 => format!("{}{}", &text[..a], &text[b..]),
+            2 => format!("{}{}{}", &text[..b], &text[a..b], &text[b..]),
+            3 => format!("{}{}{}", &text[..a], FRAGMENTS[random.below(FRAGMENTS.len())], &text[a..]),
+            _ => {
+                let replacement = char::from_u32(random.below(0x3000) as u32).unwrap_or('\u{fffd}');
+                let end = text[a..].chars().next().map_or(a, |c| a + c.len_utf8());
+                format!("{}{replacement}{}", &text[..a], &text[end..])
+            }
+        }
+    }
+
+    /// The parser is a pure function of the text that never panics: 20,000 mutated reports (each built from the
+    /// last, restarting from a real report every 50 rounds), and the same text always reads the same.
+    #[test]
+    fn any_mutation_of_a_report_parses_without_panicking_and_the_same_text_reads_the_same() {
+        let seeds = [LAVAPIPE, DISCRETE];
+        let mut random = Mutations(0x9e37_79b9_7f4a_7c15);
+        let mut text = String::new();
+        for round in 0..20_000 {
+            if round % 50 == 0 {
+                text = seeds[random.below(seeds.len())].to_string();
+            }
+            text = mutate(&text, &mut random);
+            let gpus = parse(&text);
+            assert_eq!(gpus, parse(&text), "round {round}: the same text read differently");
+            for gpu in &gpus {
+                assert!(gpu.vendor != u32::MAX && gpu.device != u32::MAX, "round {round}: a device without ids");
+                let _ = device_local_budget(&text, gpu.vendor, gpu.device, &gpu.name);
+            }
+            let _ = device_local_budget(&text, 0x10005, 0, "llvmpipe (LLVM 15.0.6, 256 bits)");
+        }
     }
 
     #[test]

@@ -286,10 +286,10 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
         let ledger = self.placement.ledger.clone();
         // Each parameter is its own allocation on the device: a ledger in pages rounds each one.
         ledger.allocate_tensors(&self.sizes)?;
-        if let Err(error) = ledger.transfer(self.bytes, Direction::HostToDevice) {
-            ledger.free_tensors(&self.sizes);
-            return Err(error);
-        }
+        // From here every way out but success gives the reservation back: an error, and a panic that is not the
+        // device's (a ledger's, a host read's), which `catch_device_panic` lets unwind through this frame.
+        let reservation = Reservation { ledger: ledger.as_ref(), sizes: &self.sizes, kept: false };
+        ledger.transfer(self.bytes, Direction::HostToDevice)?;
         if !self.same_burn_device() {
             let exec = &self.placement.exec;
             let memory = self.placement.memory.as_deref();
@@ -322,6 +322,7 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
             };
             match checked {
                 Ok(moved) => {
+                    reservation.keep();
                     // From the first copy to the synced read-back: the whole onload's time on the link.
                     let seconds = copy_started.elapsed().as_secs_f64();
                     self.placement.link.note(LinkSample { bytes: self.bytes, seconds, page_locked: false });
@@ -336,7 +337,7 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
                     }
                 }
                 Err(error) => {
-                    ledger.free_tensors(&self.sizes);
+                    drop(reservation);
                     tracing::warn!(device = %device, "onload failed: {error}");
                     // The component's size is what this onload asked for, whatever allocation failed first.
                     return Err(match error {
@@ -347,6 +348,8 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
                     });
                 }
             }
+        } else {
+            reservation.keep();
         }
         self.device = device.clone();
         Ok(())
@@ -374,6 +377,31 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
 
     fn call_footprint(&self) -> Option<CallPages> {
         self.calls.footprint()
+    }
+}
+
+/// A whole onload's reservation on its ledger, given back when it is dropped unless it was kept: the onload's
+/// errors and a panic unwinding through it (a ledger's or a host read's, not the device's, which
+/// [`catch_device_panic`] types) free what `allocate_tensors` took, so the account never keeps a reservation for
+/// weights that are not on the device (later refusals would be false out-of-memories).
+struct Reservation<'a> {
+    ledger: &'a dyn DeviceLedger,
+    sizes: &'a [u64],
+    kept: bool,
+}
+
+impl Reservation<'_> {
+    /// The weights are on the device: the reservation stays until the offload frees it.
+    fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.ledger.free_tensors(self.sizes);
+        }
     }
 }
 

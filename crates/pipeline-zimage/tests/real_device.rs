@@ -3,8 +3,9 @@
 //! auto offload deciding from the device's own pool readings with no simulated card, block and leaf group
 //! offload with prefetch (the pool's high-water within the ring bound, every streamed group's memory returned,
 //! resident groups really on the device, every model's prefetches on the device's one upload thread), the decode
-//! OOM recovered under a hard cap over the device, and a refused allocation typed as a device error with nothing
-//! lost. The hard cap's account under contention between the prefetch worker and the main thread runs in a
+//! OOM recovered under a hard cap over the device, a refused allocation typed as a device error with nothing
+//! lost, a real out-of-memory of the device (in a child process whose address space is limited) typed as one, and a
+//! hung `vulkaninfo` that costs the open its deadline only. The hard cap's account under contention between the prefetch worker and the main thread runs in a
 //! process of its own (`contention_device.rs`).
 //!
 //! Run it with `cargo test -p pipeline-zimage --features wgpu --test real_device` (Debian:
@@ -553,6 +554,36 @@ fn the_heaps_budget_is_the_total_where_the_driver_offers_it() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A `vulkaninfo` that hangs (a wedged driver) cannot hang the device's open: a stand-in first on `PATH` sleeps for a
+/// minute, the open stops it after [`group_offload::vulkaninfo::TIMEOUT`] and goes on with the heap as the total,
+/// and the CLI says why no budget was read.
+#[test]
+fn a_hung_vulkaninfo_costs_the_open_its_deadline_and_is_named() {
+    let dir = std::env::temp_dir().join(format!("real-device-hung-{}", std::process::id()));
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).expect("a temporary directory");
+    let script = bin.join("vulkaninfo");
+    std::fs::write(&script, "#!/bin/sh\nexec sleep 60\n").expect("the stand-in");
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("an executable stand-in");
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let started = std::time::Instant::now();
+    let (ok, stdout, stderr) = generate_cli(&dir, &[], &[("PATH", path.as_str())]);
+    let took = started.elapsed();
+    assert!(ok, "{stdout}\n{stderr}");
+    assert!(took < std::time::Duration::from_secs(50), "the run waited for the hung vulkaninfo: {took:?}");
+    assert!(
+        stdout.contains(
+            "no heap budget read: vulkaninfo did not answer within 5 s and was stopped (a hung Vulkan driver? \
+             `vulkaninfo --summary` shows whether it answers)"
+        ),
+        "{stdout}"
+    );
+    assert!(stdout.contains("(the device's largest device-local Vulkan heap)"), "the heap is the total: {stdout}");
+    println!("the run with a hung vulkaninfo took {took:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Every exit leaves the device cleanly: the typed error of a run that cannot start once the device is open (a
 /// `--reserve` larger than the device) exits with code 1, never a signal, 20 times in a row while another
 /// thread loads the CPU; a successful run exits 0.
@@ -592,4 +623,82 @@ fn the_cli_exits_with_a_code_and_never_a_signal() {
     let (ok, stdout, stderr) = generate_cli(&dir, &[], &[]);
     assert!(ok, "{stdout}\n{stderr}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Set in the child process [`a_real_wgpu_out_of_memory_is_typed_out_of_memory`] starts.
+const OUT_OF_MEMORY_CHILD: &str = "REAL_DEVICE_OUT_OF_MEMORY_CHILD";
+
+/// A real out-of-memory on the default wgpu build is `ComponentError::OutOfMemory`, the one the manager's OOM retry
+/// handles. Lavapipe does not enforce its 2 GiB heap (the host's memory backs the device), so the test runs itself
+/// again as a child process whose address space is limited once the device is open (`prlimit --as`, at what the
+/// child maps then plus 512 MiB), and there allocates 64 MiB tensors through `run_call` until one fails. What the
+/// runtime does (measured): lavapipe fails the allocation, wgpu reports `Out of Memory` to cubecl's handler, which
+/// panics on its runner thread in a task nobody waits for, and the read of the output then says its memory "was
+/// never initialized"; the runner's panic is the one trace of why, recorded by the library's panic hook.
+#[test]
+fn a_real_wgpu_out_of_memory_is_typed_out_of_memory() {
+    if std::env::var_os(OUT_OF_MEMORY_CHILD).is_some() {
+        return out_of_memory_child();
+    }
+    let child = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+        .args(["--exact", "a_real_wgpu_out_of_memory_is_typed_out_of_memory", "--nocapture", "--test-threads=1"])
+        .env(OUT_OF_MEMORY_CHILD, "1")
+        // Fewer malloc arenas: each reserves 64 MiB of address space, which the limit would otherwise go to.
+        .env("MALLOC_ARENA_MAX", "2")
+        .output()
+        .expect("the test binary runs again");
+    let (stdout, stderr) = (String::from_utf8_lossy(&child.stdout), String::from_utf8_lossy(&child.stderr));
+    println!("{stdout}");
+    assert!(child.status.success(), "the child failed: {stdout}\n{stderr}");
+    assert!(stderr.contains("wgpu error: Out of Memory"), "the runner's panic is the runtime's: {stderr}");
+    let typed = stdout.lines().find(|line| line.starts_with("typed: ")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(typed.starts_with("typed: OutOfMemory { device: DeviceName(\"wgpu:0\")"), "{typed}");
+    assert!(stdout.contains("the device computes again once the limit is lifted"), "{stdout}");
+}
+
+/// The child's part: limits its own address space, allocates until the device fails, prints the typed error.
+fn out_of_memory_child() {
+    let (device, name, _turn) = device();
+    let memory = readings(&device, &name, TOTAL);
+    // The runtime's kernels compiled and its threads started before the limit, so that the limit meets the device.
+    let warm = Tensor::<1>::ones([1024], &device) * 2.0;
+    warm.into_data();
+    let status = std::fs::read_to_string("/proc/self/status").expect("the process's status");
+    let mapped_kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmSize:"))
+        .and_then(|value| value.split_whitespace().next()?.parse().ok())
+        .expect("VmSize in /proc/self/status");
+    let limit = mapped_kib * 1024 + (512 << 20);
+    let pid = std::process::id().to_string();
+    let limited = std::process::Command::new("prlimit")
+        .args(["--pid", pid.as_str(), &format!("--as={limit}:")])
+        .status()
+        .expect("prlimit runs (util-linux)");
+    assert!(limited.success(), "prlimit could not limit the address space");
+    let mut kept = Vec::new();
+    let mut typed = None;
+    for _ in 0..32 {
+        let run = group_offload::device::run_call(&device, &name, &NoLedger, Some(&*memory), 0, || {
+            Ok::<_, ComponentError>(Tensor::<1>::zeros([16usize << 20], (&device, DType::F32)) + 1.0)
+        });
+        match run {
+            Ok(tensor) => kept.push(tensor),
+            Err(error) => {
+                typed = Some(error);
+                break;
+            }
+        }
+    }
+    println!("{} allocations of 64 MiB held", kept.len());
+    println!("typed: {:?}", typed.expect("an allocation failed under the limit"));
+    let lifted = std::process::Command::new("prlimit").args(["--pid", pid.as_str(), "--as=unlimited:"]).status();
+    assert!(lifted.is_ok_and(|status| status.success()), "prlimit could not lift the limit");
+    drop(kept);
+    device.memory_cleanup();
+    let again = group_offload::device::run_call(&device, &name, &NoLedger, Some(&*memory), 0, || {
+        Ok::<_, ComponentError>(Tensor::<1>::ones([4], &device) * 2.0)
+    });
+    assert!(again.is_ok(), "{again:?}");
+    println!("the device computes again once the limit is lifted");
 }
