@@ -965,7 +965,8 @@ impl Planner<'_> {
         // Largest copy first, for the largest-first ways past `MAX_PRICED` components.
         let mut movable: Vec<usize> = (0..components.len()).filter(|&i| targets[i].is_some() && ram[i] > 0).collect();
         movable.sort_by_key(|&i| std::cmp::Reverse(ram[i]));
-        // Seconds per image a component adds when its copy reads `tier` with `page_cache` bytes of page cache.
+        // Seconds per image a component adds when its copy reads its target tier beside `page_cache` bytes of page
+        // cache.
         let added = |i: usize, page_cache: u64| -> f64 {
             let (spec, choice) = (&components[i], &choices[i]);
             let moved = Shape { host_tier: targets[i].unwrap_or(HostTier::Ram), page_cache, ..choice.shape.clone() };
@@ -1116,12 +1117,9 @@ impl Planner<'_> {
                 Route::ComponentOffload => "moves whole",
                 _ => "streams",
             };
-            let why = match (spec.file_backed, targets[i]) {
-                (false, None) if route.is_group_offload() => "not file-backed, no disk_store_dir",
-                (false, _) => "not file-backed",
-                // A copy that could leave RAM stays only where the plan chose it to; listed for the total.
-                (true, _) => "file-backed",
-            };
+            // Every copy that could leave RAM has left by now, so what stays is not file-backed, and a streamed one
+            // has no disk store to go to.
+            let why = if route.is_group_offload() { "not file-backed, no disk_store_dir" } else { "not file-backed" };
             in_ram.push(format!("{} {} ({kind}; {why})", spec.name, fs(ram[i])));
         }
         let mut advice = Vec::new();
