@@ -368,7 +368,8 @@ fn a_measured_disk_rate_is_stored_per_disk_and_replaces_the_assumed_one() {
     let newest = store.measured_disk(disk).expect("readable").expect("runs");
     assert_eq!((newest.runs, newest.median), (MAX_DISK_RUNS, 1e9));
     let err = store.record_disk(disk, DiskRun { reads: 0, ..run(1e9) }).expect_err("nothing timed");
-    assert!(err.to_string().contains("store only runs that timed reads"), "{err}");
+    expect![[r#"cannot store the disk run of /models/z-image-turbo: it timed 0 reads at a median of 1000000000 bytes/s; store only runs that timed reads (DiskRun::from_rate gives None for a run that timed none)"#]]
+    .assert_eq(&err.to_string());
     assert_eq!(store.measured_disk(disk).expect("readable"), Some(newest));
     assert_eq!(MeasuredDisk::from_runs(&[]), None);
 

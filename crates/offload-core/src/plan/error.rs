@@ -171,6 +171,20 @@ pub enum PlanError {
         advice: String,
     },
 
+    /// A disk run that timed no read at a positive rate, refused before anything is stored.
+    #[error(
+        "cannot store the disk run of {disk}: it timed {reads} reads at a median of {median} bytes/s; store only runs \
+         that timed reads (DiskRun::from_rate gives None for a run that timed none)"
+    )]
+    InvalidDiskRun {
+        /// The disk's label.
+        disk: String,
+        /// Reads the run timed.
+        reads: u64,
+        /// Their median rate, bytes per second.
+        median: f64,
+    },
+
     /// The platform's data directory is unknown, so profiles have nowhere to live.
     #[error("cannot find the platform's data directory for capacity profiles; set profile_dir (OFFLOAD_PROFILE_DIR)")]
     NoDataDir,

@@ -376,16 +376,10 @@ mod store {
         /// stamped now, and returns what the disk's runs now measure. A run that timed no read is refused before
         /// anything is written.
         pub fn record_disk(&self, disk: &str, mut run: DiskRun) -> Result<MeasuredDisk, PlanError> {
-            let path = self.disk_path(disk);
             if MeasuredDisk::from_runs(&[run]).is_none() {
-                return Err(PlanError::ProfileFormat {
-                    path,
-                    message: format!(
-                        "refusing to store a disk run of {} reads at {} bytes/s; store only runs that timed reads",
-                        run.reads, run.median
-                    ),
-                });
+                return Err(PlanError::InvalidDiskRun { disk: disk.to_string(), reads: run.reads, median: run.median });
             }
+            let path = self.disk_path(disk);
             let mut profile = self.load_disk(disk)?.unwrap_or_else(|| DiskProfile {
                 schema_version: SCHEMA_VERSION,
                 disk: disk.to_string(),
