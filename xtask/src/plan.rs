@@ -2,7 +2,9 @@
 //!
 //! Weights, activations and FLOPs come from `memory_sim::PipelineProfile::z_image_turbo`, the block structure
 //! from `memory_sim::profile::z_image_turbo` (the one place Z-Image's real-size numbers are written, from
-//! `shared/reference/zimage-burn.md` A.2); the link and compute figures from memory-sim's card timing.
+//! `shared/reference/zimage-burn.md` A.2); the link and compute figures from memory-sim's card timing. The
+//! components are file-backed: the real checkpoint is a file of the bf16 weights they upload, so the planner may
+//! read a host copy from it when RAM cannot hold it.
 
 use anyhow::{Context, bail};
 use memory_sim::profile::z_image_turbo as facts;
@@ -80,7 +82,8 @@ fn layout(
     })
 }
 
-/// Z-Image-Turbo's components as plan input: memory-sim's sizes, activations and FLOPs, and the block structure.
+/// Z-Image-Turbo's components as plan input: memory-sim's sizes, activations and FLOPs, the block structure, and
+/// file-backed (the checkpoint's files hold the weights as they are uploaded).
 pub fn z_image_turbo(steps: u32) -> anyhow::Result<Vec<ComponentSpec>> {
     let profile = PipelineProfile::z_image_turbo(steps as usize);
     let mut specs = Vec::new();
@@ -89,7 +92,8 @@ pub fn z_image_turbo(steps: u32) -> anyhow::Result<Vec<ComponentSpec>> {
         let calls = if profile.denoise.contains(&component.name) { steps } else { 1 };
         let spec = ComponentSpec::new(&component.name, component.bytes)
             .with_activation(activation)
-            .with_cost(component.flops, calls);
+            .with_cost(component.flops, calls)
+            .with_file_backed(true);
         let spec = match component.name.as_str() {
             "text_encoder" => spec.with_layout(layout(
                 &component.name,
@@ -119,6 +123,27 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     if args.validate {
         return validate(args);
     }
+    print!("{}", render(args, &Settings::from_process(&explicit(args)?)?)?);
+    Ok(())
+}
+
+/// The explicit settings layer of the arguments: `--preset` and every `--set`.
+fn explicit(args: &Args) -> anyhow::Result<SettingsLayer> {
+    let mut explicit = SettingsLayer::default();
+    if let Some(preset) = &args.preset {
+        explicit.set("preset", preset)?;
+    }
+    for pair in &args.set {
+        let Some((key, value)) = pair.split_once('=') else {
+            bail!("--set {pair:?} is not key=value; write it as --set resident_budget=4GiB");
+        };
+        explicit.set(key.trim(), value.trim())?;
+    }
+    Ok(explicit)
+}
+
+/// The plan's text for the arguments under resolved `settings`: the machine line, then the plan.
+fn render(args: &Args, settings: &Settings) -> anyhow::Result<String> {
     let card = CardSpec::parse(&args.card)?;
     let host = if args.ram.trim().eq_ignore_ascii_case("host") {
         HostMemory::read()?
@@ -137,20 +162,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let time = TimeModel::new(timing.link_bytes_per_second, timing.link_latency.as_secs_f64(), timing.flops_per_second);
     let machine = Machine::new(card.capacity, card.usable(), host).with_time(time);
 
-    let mut explicit = SettingsLayer::default();
-    if let Some(preset) = &args.preset {
-        explicit.set("preset", preset)?;
-    }
-    for pair in &args.set {
-        let Some((key, value)) = pair.split_once('=') else {
-            bail!("--set {pair:?} is not key=value; write it as --set resident_budget=4GiB");
-        };
-        explicit.set(key.trim(), value.trim())?;
-    }
-    let settings = Settings::from_process(&explicit)?;
-
-    println!(
-        "Z-Image-Turbo, {} steps, card {} ({} link, {:.0} µs, {:.1} TFLOP/s; pageable copies at {:.0}% of the link)",
+    let mut out = format!(
+        "Z-Image-Turbo, {} steps, card {} ({} link, {:.0} µs, {:.1} TFLOP/s; pageable copies at {:.0}% of the link)\n",
         args.steps,
         card.label,
         format_rate(timing.link_bytes_per_second),
@@ -158,8 +171,8 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
         timing.flops_per_second / 1e12,
         time.pageable_fraction * 100.0
     );
-    print!("{}", plan_pipeline(&z_image_turbo(args.steps)?, settings, &machine)?);
-    Ok(())
+    out.push_str(&plan_pipeline(&z_image_turbo(args.steps)?, settings.clone(), &machine)?.to_string());
+    Ok(out)
 }
 
 fn format_rate(bytes_per_second: f64) -> String {
@@ -169,6 +182,79 @@ fn format_rate(bytes_per_second: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use expect_test::{Expect, expect};
+
+    /// `cargo xtask plan` with these arguments, settings from the arguments alone (no environment, no file).
+    fn plan(arguments: &[&str]) -> anyhow::Result<String> {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Command {
+            #[command(flatten)]
+            args: Args,
+        }
+        let args = Command::try_parse_from(std::iter::once("plan").chain(arguments.iter().copied()))?.args;
+        let settings = Settings::resolve(&explicit(&args)?, std::iter::empty::<(String, String)>(), None)?;
+        render(&args, &settings)
+    }
+
+    /// The plan's text as the snapshot says, and as docs/presets.md shows it under its command.
+    fn check(arguments: &[&str], expect: Expect) -> anyhow::Result<()> {
+        let text = plan(arguments)?;
+        expect.assert_eq(&text);
+        let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/presets.md"))?;
+        let command = format!("`cargo xtask plan {}`", arguments.join(" "));
+        assert!(docs.contains(&command), "docs/presets.md must show {command}");
+        assert!(docs.contains(&text), "docs/presets.md must show the output of {command} as it is:\n{text}");
+        Ok(())
+    }
+
+    /// 16 GB of RAM holds 11.41 GB of host copies, not Z-Image-Turbo's 19.11 GB: the plan reads the text encoder
+    /// and the transformer from their files instead of warning that the OS will swap.
+    #[test]
+    fn sixteen_gigabytes_of_ram_plan_a_run_from_the_checkpoint_files() -> anyhow::Result<()> {
+        check(
+            &["--card", "8GB", "--ram", "16GB", "--preset", "auto"],
+            expect![[r#"
+            Z-Image-Turbo, 8 steps, card 8GB (31.50 GB/s link, 10 µs, 100.0 TFLOP/s; pageable copies at 50% of the link)
+            plan for preset auto: device 6.84 GB available of 7.45 GB; host 13.41 GB available of 14.90 GB (11.41 GB usable)
+            link: 31.50 GB/s from pinned memory, 15.75 GB/s pageable (given)
+            disk: 2.00 GB/s read (assumed, not measured: a run that reads from the files measures it)
+            component     route                 host   resident  pinned  streamed/step  time/step     peak
+            text_encoder  leaf, prefetch        file  741.88 MB     0 B        7.49 GB    4.537 s  1.25 GB
+            transformer   block x1, prefetch 1  file    5.40 GB     0 B        6.74 GB    1.390 s  6.58 GB
+            vae           component offload     ram   159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+            per image (8 steps): 15.75 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 159.87 MB in RAM of 11.41 GB usable, 0 B pinned, 18.96 GB in checkpoint files
+            why:
+              text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); its one call reads 7.49 GB from the file at 2.00 GB/s (assumed); predicted 4.537 s per call (copies 4.537 s, compute 0.043 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 0.51 s per image before its host tier and pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image
+              transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); the first step reads 11.46 GB from the file at 2.00 GB/s (assumed), each later step 6.07 GB from the page cache, which keeps 11.25 GB beside the copies in RAM; predicted 1.390 s per step (copies 0.414 s, compute 0.597 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 4.96 s per image before its host tier and pinning, over component does not fit (needs 12.22 GB), leaf 6.27 s per image
+              vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); its host copy stays in RAM (159.87 MB): with text_encoder and transformer read from disk, the copies kept in RAM (159.87 MB) fit in the 11.41 GB of usable RAM; predicted 0.099 s per call (copies 0.011 s, compute 0.088 s); nothing pinned: it crosses the link once per image
+        "#]],
+        )
+    }
+
+    /// low_ram_safe on 4 GB of RAM (1.35 GB usable) reads every copy from its file.
+    #[test]
+    fn low_ram_safe_plans_a_run_on_four_gigabytes_of_ram() -> anyhow::Result<()> {
+        check(
+            &["--card", "8GB", "--ram", "4GB", "--preset", "low_ram_safe"],
+            expect![[r#"
+            Z-Image-Turbo, 8 steps, card 8GB (31.50 GB/s link, 10 µs, 100.0 TFLOP/s; pageable copies at 50% of the link)
+            plan for preset low_ram_safe: device 6.84 GB available of 7.45 GB; host 3.35 GB available of 3.73 GB (1.35 GB usable)
+            link: 31.50 GB/s from pinned memory, 15.75 GB/s pageable (given)
+            disk: 2.00 GB/s read (assumed, not measured: a run that reads from the files measures it)
+            component     route                 host   resident  pinned  streamed/step  time/step     peak
+            text_encoder  block x1, prefetch 1  file  741.88 MB     0 B        7.49 GB    4.534 s  1.53 GB
+            transformer   block x1, prefetch 1  file   22.61 MB     0 B       11.45 GB    6.925 s  1.21 GB
+            vae           component offload     file  159.87 MB     0 B      159.87 MB    0.183 s  2.49 GB
+            per image (8 steps): 60.12 s predicted, peak 2.49 GB of 6.84 GB available; host copies: 0 B in RAM of 1.35 GB usable, 0 B pinned, 19.11 GB in checkpoint files
+            why:
+              text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; preset low_ram_safe keeps only the 741.88 MB outside the blocks resident; 7.49 GB stream in its one call; its host copy is the checkpoint file: preset low_ram_safe spares host RAM, keeping no copy there that a file or the disk store can serve; its one call reads 7.49 GB from the file at 2.00 GB/s (assumed); predicted 4.534 s per call (copies 4.534 s, compute 0.043 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned
+              transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; preset low_ram_safe keeps only the 22.61 MB outside the blocks resident; 11.46 GB stream on the first step, 11.44 GB on each later one; its host copy is the checkpoint file: preset low_ram_safe spares host RAM, keeping no copy there that a file or the disk store can serve; the first step reads 11.46 GB from the file at 2.00 GB/s (assumed), each later step 11.44 GB from the file again: the 1.35 GB left to the page cache cannot hold them; predicted 6.925 s per step (copies 6.923 s, compute 0.597 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned
+              vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); its host copy is the checkpoint file: preset low_ram_safe spares host RAM, keeping no copy there that a file or the disk store can serve; each image reads its 159.87 MB from the file at 2.00 GB/s (assumed); predicted 0.183 s per call (copies 0.094 s, compute 0.088 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned
+        "#]],
+        )
+    }
 
     #[test]
     fn the_block_structure_adds_up_to_memory_sims_weights() -> anyhow::Result<()> {

@@ -323,6 +323,64 @@ fn a_measured_link_is_stored_per_device_and_replaces_the_assumed_one() {
     }
 }
 
+/// The disk rate a run measured reading host copies from their files is kept per disk beside the capacity
+/// profiles, and the next plan predicts its reads from it instead of the assumed 2 GB/s, and says so.
+#[test]
+fn a_measured_disk_rate_is_stored_per_disk_and_replaces_the_assumed_one() {
+    use offload_core::plan::{DiskRun, LinkSource, MAX_DISK_RUNS, MeasuredDisk};
+    let scratch = Scratch::new("disk");
+    let store = scratch.store();
+    let disk = "/models/z-image-turbo";
+    assert_eq!(store.measured_disk(disk).expect("readable"), None, "nothing measured yet");
+    let run = |rate: f64| DiskRun { median: rate, p10: rate / 2.0, reads: 34, bytes: 12_309_817_472, at: 0 };
+    for rate in [0.4e9, 0.5e9, 3e9] {
+        store.record_disk(disk, run(rate)).expect("saved");
+    }
+    let measured = store.measured_disk(disk).expect("readable").expect("three runs");
+    assert_eq!((measured.median, measured.p10, measured.runs, measured.reads), (0.5e9, 0.25e9, 3, 102));
+    assert_eq!(measured.to_string(), "reads at 0.50 GB/s, 10th percentile 0.25 GB/s (median of 3 runs, 102 reads)");
+    assert_eq!(store.measured_disk("/other").expect("readable"), None, "one disk's runs are not another's");
+    // The link's figures are another file: they stay unmeasured.
+    assert_eq!(store.measured_link(disk).expect("readable"), None);
+
+    let facts = offload_core::plan::DeviceFacts::new(
+        memory_sim::SimCard::new(memory_sim::CardSpec::parse("8GB").expect("a card")),
+        offload_core::plan::HostMemory::new(16_000_000_000, 14_400_000_000),
+    );
+    let learned = facts.with_measured_disk(Some(measured));
+    assert_eq!(learned.time.disk_bytes_per_second, 0.5e9);
+    assert_eq!(learned.time.disk_source, LinkSource::Measured { runs: 3, uploads: 102 });
+    let assumed = machine(8, 64);
+    let learned = assumed.with_time(measured.apply(assumed.time));
+    let before = plan_pipeline(&z_image_turbo(), Preset::LowRamSafe, &assumed).expect("plans");
+    let after = plan_pipeline(&z_image_turbo(), Preset::LowRamSafe, &learned).expect("plans");
+    assert!(before.to_string().contains("disk: 2.00 GB/s read (assumed, not measured"), "{before}");
+    assert!(
+        after.to_string().contains("disk: 0.50 GB/s read (measured: the median of 3 runs' medians, 102 reads)"),
+        "{after}"
+    );
+    assert!(after.seconds_per_image() > 2.0 * before.seconds_per_image(), "{before}\n{after}");
+
+    // Only the last runs are kept; a run that timed nothing is refused and changes nothing.
+    for _ in 0..MAX_DISK_RUNS {
+        store.record_disk(disk, run(1e9)).expect("saved");
+    }
+    let newest = store.measured_disk(disk).expect("readable").expect("runs");
+    assert_eq!((newest.runs, newest.median), (MAX_DISK_RUNS, 1e9));
+    let err = store.record_disk(disk, DiskRun { reads: 0, ..run(1e9) }).expect_err("nothing timed");
+    expect![[r#"cannot store the disk run of /models/z-image-turbo: it timed 0 reads at a median of 1000000000 bytes/s; store only runs that timed reads (DiskRun::from_rate gives None for a run that timed none)"#]]
+    .assert_eq(&err.to_string());
+    assert_eq!(store.measured_disk(disk).expect("readable"), Some(newest));
+    assert_eq!(MeasuredDisk::from_runs(&[]), None);
+
+    // A broken file is an error that names it, not an assumed rate.
+    std::fs::write(store.disk_path(disk), "runs = 3").expect("written");
+    match store.measured_disk(disk) {
+        Err(PlanError::ProfileFormat { path, .. }) => assert_eq!(path, store.disk_path(disk)),
+        other => panic!("expected a format error, got {other:?}"),
+    }
+}
+
 /// A component's footprint measured in a device's pages is kept per device beside the capacity profiles, and the
 /// next plan counts what stays on the device in those bytes (its peak, whether everything fits), while what
 /// crosses the link stays the weight bytes.
@@ -344,7 +402,7 @@ fn a_measured_footprint_is_stored_per_device_and_the_plan_counts_the_device_in_i
     // 1.0 MB of weights that take 1.5 MB of pages, beside 0.5 MB of activations, on 1.8 MB: they fit in bytes,
     // not in pages.
     let spec = ComponentSpec::new("vae", 1_000_000).with_activation(500_000);
-    let small = Machine::new(1_800_000, 1_800_000, HostMemory::new(1 << 30, 1 << 30));
+    let small = Machine::new(1_800_000, 1_800_000, HostMemory::new(1 << 40, 1 << 40));
     let settings = Settings::resolve(
         &SettingsLayer { preset: Some(Preset::Auto), reserve: Some(500_000), ..SettingsLayer::default() },
         std::iter::empty::<(String, String)>(),

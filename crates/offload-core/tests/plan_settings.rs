@@ -115,6 +115,26 @@ fn the_preset_supplies_defaults_that_every_layer_overrides() {
 }
 
 #[test]
+fn low_ram_safe_spares_host_ram_by_default_and_every_layer_overrides_it() {
+    // The preset's default, wherever the preset came from.
+    let from_env =
+        Settings::resolve(&SettingsLayer::default(), env(&[("OFFLOAD_PRESET", "low_ram_safe")]), None).expect("valid");
+    assert!(from_env.low_host_memory);
+    assert_eq!(from_env.origin("low_host_memory"), Origin::Default);
+    assert!(!Settings::from(Preset::Auto).low_host_memory);
+    // The file beats the default, the environment beats the file, an explicit argument beats both.
+    let file = "preset = \"low_ram_safe\"\nlow_host_memory = false\n";
+    let from_file = Settings::resolve(&SettingsLayer::default(), no_env(), Some(file)).expect("valid");
+    assert_eq!((from_file.low_host_memory, from_file.origin("low_host_memory")), (false, Origin::File));
+    let over_file = Settings::resolve(&SettingsLayer::default(), env(&[("OFFLOAD_LOW_HOST_MEMORY", "1")]), Some(file))
+        .expect("valid");
+    assert!(over_file.low_host_memory);
+    let explicit = SettingsLayer { low_host_memory: Some(false), ..SettingsLayer::default() };
+    let over_all = Settings::resolve(&explicit, env(&[("OFFLOAD_LOW_HOST_MEMORY", "1")]), Some(file)).expect("valid");
+    assert_eq!((over_all.low_host_memory, over_all.origin("low_host_memory")), (false, Origin::Explicit));
+}
+
+#[test]
 fn other_variables_are_ignored_and_the_config_variable_is_not_a_setting() {
     let settings = Settings::resolve(
         &SettingsLayer::default(),

@@ -1,4 +1,5 @@
-//! The plan's input and output vocabulary: a component described as plain data, and the routes it can take.
+//! The plan's input and output vocabulary: a component described as plain data, the routes it can take, and the
+//! host tiers its host copy can live in.
 
 use std::fmt;
 
@@ -92,6 +93,11 @@ pub struct ComponentSpec {
     /// groups move the quantized bytes), so they are routed as float weights of the same sizes are; the plan's
     /// explanation says they are quantized. The sizes (`weight_bytes`, the layout) are the quantized ones.
     pub quantized: bool,
+    /// Whether the weights are in a file exactly as they are uploaded (a checkpoint of the dtype they run in,
+    /// not quantized or LoRA-fused after loading), so the file itself can be their host copy
+    /// ([`HostTier::File`]). `false` by default: a copy that differs from every file must live in RAM or in the
+    /// disk store.
+    pub file_backed: bool,
     /// FLOPs of one call, for the time prediction.
     pub flops_per_call: f64,
     /// Calls in one image: the denoising steps for the denoiser, 1 for an encoder or a decoder.
@@ -109,6 +115,7 @@ impl ComponentSpec {
             activation_bytes: 0,
             call_device_bytes: None,
             quantized: false,
+            file_backed: false,
             flops_per_call: 0.0,
             calls_per_image: 1,
         }
@@ -170,6 +177,13 @@ impl ComponentSpec {
     /// Marks the weights quantized.
     pub fn quantized(mut self, quantized: bool) -> Self {
         self.quantized = quantized;
+        self
+    }
+
+    /// Declares whether the weights are in a file exactly as they are uploaded ([`ComponentSpec::file_backed`]):
+    /// true for a checkpoint loaded as it is, false once its weights are quantized or LoRA-fused after loading.
+    pub fn with_file_backed(mut self, file_backed: bool) -> Self {
+        self.file_backed = file_backed;
         self
     }
 
@@ -301,5 +315,46 @@ impl fmt::Display for Route {
             Route::Off => "off".to_string(),
         };
         f.pad(&text)
+    }
+}
+
+/// Where a component's host copy lives: the tier its uploads read from.
+///
+/// The planner chooses one per component from the host budget ([`crate::plan::Plan`] explains each choice):
+/// RAM where the copies fit (fastest), else the checkpoint file for a file-backed component, else the disk store
+/// for a streamed one whose copy differs from the file. A resident component's tier says where it is loaded
+/// from: one loaded from its file keeps no host copy; one loaded into RAM keeps its copy there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum HostTier {
+    /// Pageable RAM (anonymous memory), of which the plan's `pinned_bytes` are page-locked.
+    #[default]
+    Ram,
+    /// The checkpoint file itself: no anonymous RAM; each upload reads its bytes from the file (through the page
+    /// cache, which is then the RAM tier). Only for a [`ComponentSpec::file_backed`] component.
+    File,
+    /// The disk store (the `disk_store_dir` setting): files the mechanism writes once, for a streamed copy that
+    /// differs from the checkpoint file (quantized or LoRA-fused weights); each upload reads from them.
+    DiskStore,
+}
+
+impl HostTier {
+    /// The tier's name in tables: `ram`, `file`, `disk store`.
+    pub fn name(self) -> &'static str {
+        match self {
+            HostTier::Ram => "ram",
+            HostTier::File => "file",
+            HostTier::DiskStore => "disk store",
+        }
+    }
+
+    /// Whether uploads from this tier read a disk (the checkpoint file or the disk store) rather than RAM.
+    pub fn reads_disk(self) -> bool {
+        matches!(self, HostTier::File | HostTier::DiskStore)
+    }
+}
+
+impl fmt::Display for HostTier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.name())
     }
 }

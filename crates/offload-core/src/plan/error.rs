@@ -146,6 +146,45 @@ pub enum PlanError {
         advice: &'static str,
     },
 
+    /// The host copies the plan must keep in RAM do not fit in the usable host RAM, even with every copy that can
+    /// move out of RAM read from its checkpoint file or kept in the disk store: the run would swap.
+    #[error(
+        "cannot plan the host copies: {in_ram} must stay in RAM and need {}, {} of host RAM usable ({} available \
+         less the {} margin); {advice}",
+        format_size(*needs),
+        format_size(*usable),
+        format_size(*available),
+        format_size(*margin)
+    )]
+    HostDoesNotFit {
+        /// The copies that stay in RAM, each with its bytes and why it cannot leave.
+        in_ram: String,
+        /// Host bytes those copies need.
+        needs: u64,
+        /// Host bytes the plan may fill: available less the margin.
+        usable: u64,
+        /// Host bytes available (the reading, or the `host_available` setting).
+        available: u64,
+        /// Host bytes left to the rest of the machine ([`crate::plan::budget::host_margin`]).
+        margin: u64,
+        /// What would fit: the settings or the RAM that would make the plan fit.
+        advice: String,
+    },
+
+    /// A disk run that timed no read at a positive rate, refused before anything is stored.
+    #[error(
+        "cannot store the disk run of {disk}: it timed {reads} reads at a median of {median} bytes/s; store only runs \
+         that timed reads (DiskRun::from_rate gives None for a run that timed none)"
+    )]
+    InvalidDiskRun {
+        /// The disk's label.
+        disk: String,
+        /// Reads the run timed.
+        reads: u64,
+        /// Their median rate, bytes per second.
+        median: f64,
+    },
+
     /// The platform's data directory is unknown, so profiles have nowhere to live.
     #[error("cannot find the platform's data directory for capacity profiles; set profile_dir (OFFLOAD_PROFILE_DIR)")]
     NoDataDir,

@@ -6,6 +6,11 @@
 //! reads the [`MeasuredLink`] back (`ProfileStore::measured_link`) and hands it to
 //! [`DeviceFacts::with_measured_link`](crate::plan::DeviceFacts::with_measured_link), which replaces the time
 //! model's link figures. The planner itself does no I/O: what it predicts from is what its caller passed in.
+//!
+//! The disk rate is kept the same way: a run that reads host copies from the checkpoint file or the disk store
+//! times each group's read, stores the run's [`DiskRun`] under the disk's label (`ProfileStore::record_disk`), and
+//! the next plan reads the [`MeasuredDisk`] back (`ProfileStore::measured_disk`) and hands it to
+//! [`DeviceFacts::with_measured_disk`](crate::plan::DeviceFacts::with_measured_disk).
 
 use std::fmt;
 
@@ -174,6 +179,104 @@ impl fmt::Display for MeasuredLink {
     }
 }
 
+/// How many runs' disk figures a disk keeps, newest last.
+pub const MAX_DISK_RUNS: usize = 16;
+
+/// One run's disk figures, as stored: the rates of the reads it timed of host copies from the checkpoint file or
+/// the disk store (one per group upload that read the disk).
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "io", derive(Serialize, Deserialize))]
+pub struct DiskRun {
+    /// The median read's rate, bytes per second.
+    pub median: f64,
+    /// The 10th percentile of its reads' rates (nine reads in ten were at least this fast), bytes per second.
+    pub p10: f64,
+    /// Reads it timed.
+    pub reads: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// When it ran, seconds since the Unix epoch.
+    pub at: u64,
+}
+
+impl DiskRun {
+    /// A run's figures from the rates of its timed reads (a [`LinkRate`] of read samples, as
+    /// [`LinkRate::of`](crate::link::LinkRate::of) gives them); `None` when it timed no read.
+    pub fn from_rate(reads: Option<LinkRate>) -> Option<Self> {
+        let rate = reads?;
+        Some(Self { median: rate.median, p10: rate.p10, reads: rate.uploads as u64, bytes: rate.bytes, at: 0 })
+    }
+}
+
+/// The disk read rate measured on one disk: the median of the stored runs' medians.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MeasuredDisk {
+    /// The median of the runs' median read rates, bytes per second.
+    pub median: f64,
+    /// The median of the runs' 10th percentiles, bytes per second.
+    pub p10: f64,
+    /// Runs it is made from.
+    pub runs: usize,
+    /// Reads those runs timed.
+    pub reads: u64,
+}
+
+impl MeasuredDisk {
+    /// The figures of `runs`; `None` when no run timed a read at a positive rate.
+    ///
+    /// ```
+    /// use offload_core::plan::{DiskRun, MeasuredDisk};
+    /// let run = |gb: f64| DiskRun { median: gb * 1e9, p10: gb * 0.5e9, reads: 34, bytes: 1, at: 0 };
+    /// let disk = MeasuredDisk::from_runs(&[run(3.0), run(0.5), run(2.5)]).unwrap();
+    /// assert_eq!((disk.median, disk.runs, disk.reads), (2.5e9, 3, 102));
+    /// ```
+    pub fn from_runs(runs: &[DiskRun]) -> Option<Self> {
+        let timed: Vec<&DiskRun> =
+            runs.iter().filter(|r| r.reads > 0 && r.median.is_finite() && r.median > 0.0).collect();
+        Some(Self {
+            median: median(timed.iter().map(|r| r.median).collect())?,
+            p10: median(timed.iter().map(|r| r.p10).collect())?,
+            runs: timed.len(),
+            reads: timed.iter().map(|r| r.reads).sum(),
+        })
+    }
+
+    /// `time` with its disk rate replaced by the measured median, and its source marked measured.
+    pub fn apply(&self, time: TimeModel) -> TimeModel {
+        TimeModel {
+            disk_bytes_per_second: self.median,
+            disk_source: LinkSource::Measured { runs: self.runs, uploads: self.reads },
+            ..time
+        }
+    }
+}
+
+impl fmt::Display for MeasuredDisk {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let runs = if self.runs == 1 { "one run".to_string() } else { format!("median of {} runs", self.runs) };
+        write!(
+            f,
+            "reads at {:.2} GB/s, 10th percentile {:.2} GB/s ({runs}, {} reads)",
+            self.median / 1e9,
+            self.p10 / 1e9,
+            self.reads
+        )
+    }
+}
+
+/// One disk's stored runs (feature `io`): `<profile dir>/disk-<key>.toml`, beside the capacity profiles.
+#[cfg(feature = "io")]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct DiskProfile {
+    /// [`crate::plan::SCHEMA_VERSION`].
+    schema_version: u32,
+    /// The disk's label.
+    disk: String,
+    /// The last [`MAX_DISK_RUNS`] runs, oldest first.
+    #[serde(default)]
+    runs: Vec<DiskRun>,
+}
+
 /// One device's stored runs (feature `io`): `<profile dir>/link-<key>.toml`, beside the capacity profiles.
 #[cfg(feature = "io")]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -191,13 +294,18 @@ struct LinkProfile {
 mod store {
     use std::path::PathBuf;
 
-    use super::{LinkProfile, LinkRun, MAX_LINK_RUNS, MeasuredLink};
+    use super::{DiskProfile, DiskRun, LinkProfile, LinkRun, MAX_DISK_RUNS, MAX_LINK_RUNS, MeasuredDisk, MeasuredLink};
     use crate::plan::capacity::{ProfileStore, SCHEMA_VERSION, Workload};
     use crate::plan::error::PlanError;
 
     /// The name of a device's link file in the store.
     fn link_file(device: &str) -> String {
         format!("link-{}.toml", Workload::named("link").with("device", device).key())
+    }
+
+    /// The name of a disk's read-rate file in the store.
+    fn disk_file(disk: &str) -> String {
+        format!("disk-{}.toml", Workload::named("disk").with("disk", disk).key())
     }
 
     impl ProfileStore {
@@ -240,6 +348,53 @@ mod store {
             MeasuredLink::from_runs(&profile.runs).ok_or_else(|| PlanError::ProfileFormat {
                 path,
                 message: "a run with no timed copy was stored; store only runs that made copies".into(),
+            })
+        }
+
+        /// The file of a disk's read figures. `disk` labels the disk the host copies are read from, as the caller
+        /// names it (the checkpoint's directory, or the disk store's).
+        pub fn disk_path(&self, disk: &str) -> PathBuf {
+            self.dir().join(disk_file(disk))
+        }
+
+        fn load_disk(&self, disk: &str) -> Result<Option<DiskProfile>, PlanError> {
+            let path = self.disk_path(disk);
+            let Some(profile) = Self::read_toml::<DiskProfile>(&path)? else { return Ok(None) };
+            if profile.schema_version != SCHEMA_VERSION || profile.disk != disk {
+                tracing::warn!(path = %path.display(), "ignoring disk figures of another schema or disk");
+                return Ok(None);
+            }
+            Ok(Some(profile))
+        }
+
+        /// The read rate earlier runs measured on `disk`; `None` before the first.
+        pub fn measured_disk(&self, disk: &str) -> Result<Option<MeasuredDisk>, PlanError> {
+            Ok(self.load_disk(disk)?.and_then(|p| MeasuredDisk::from_runs(&p.runs)))
+        }
+
+        /// Stores a run's read figures for `disk` (the last [`MAX_DISK_RUNS`] are kept, written atomically),
+        /// stamped now, and returns what the disk's runs now measure. A run that timed no read is refused before
+        /// anything is written.
+        pub fn record_disk(&self, disk: &str, mut run: DiskRun) -> Result<MeasuredDisk, PlanError> {
+            if MeasuredDisk::from_runs(&[run]).is_none() {
+                return Err(PlanError::InvalidDiskRun { disk: disk.to_string(), reads: run.reads, median: run.median });
+            }
+            let path = self.disk_path(disk);
+            let mut profile = self.load_disk(disk)?.unwrap_or_else(|| DiskProfile {
+                schema_version: SCHEMA_VERSION,
+                disk: disk.to_string(),
+                runs: Vec::new(),
+            });
+            run.at = crate::plan::capacity::now();
+            profile.runs.push(run);
+            let excess = profile.runs.len().saturating_sub(MAX_DISK_RUNS);
+            profile.runs.drain(..excess);
+            let text = toml::to_string(&profile)
+                .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.to_string() })?;
+            self.write_atomically(&disk_file(disk), &text)?;
+            MeasuredDisk::from_runs(&profile.runs).ok_or_else(|| PlanError::ProfileFormat {
+                path,
+                message: "no stored run timed a read; delete the file to start over".into(),
             })
         }
     }

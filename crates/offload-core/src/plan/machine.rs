@@ -6,15 +6,15 @@ use crate::device::DeviceMemory;
 use crate::plan::error::PlanError;
 use crate::plan::footprint::{CallFootprint, Footprint};
 use crate::plan::host::HostMemory;
-use crate::plan::link::{LinkSource, MeasuredLink};
+use crate::plan::link::{LinkSource, MeasuredDisk, MeasuredLink};
 
 /// What the plan predicts time from: plain numbers, passed in by the caller (`memory-sim`'s card timing, a
 /// measured link, a datasheet).
 ///
 /// A call's compute takes `flops / flops_per_second`; a copy of `b` bytes from pinned host memory takes
 /// `b / link_bytes_per_second + link_latency_seconds`, from pageable memory `pageable_fraction` times slower,
-/// and from a disk store `b / disk_bytes_per_second`. With prefetch, transfers overlap compute (a call takes the
-/// longer of the two); without, they add up.
+/// and from the checkpoint file or the disk store `b / disk_bytes_per_second` more (the read, then a pageable
+/// copy). With prefetch, transfers overlap compute (a call takes the longer of the two); without, they add up.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TimeModel {
     /// Host-to-device bandwidth from pinned memory, bytes per second.
@@ -25,11 +25,16 @@ pub struct TimeModel {
     pub flops_per_second: f64,
     /// The share of the pinned bandwidth a copy from pageable memory reaches (0 to 1).
     pub pageable_fraction: f64,
-    /// Read bandwidth of a disk store, bytes per second.
+    /// Read bandwidth of the disk the host copies read from when they are not in RAM (the checkpoint file or the
+    /// disk store), bytes per second.
     pub disk_bytes_per_second: f64,
     /// Where the link figures came from: [`generic`](Self::generic) is assumed, [`new`](Self::new) given, and
     /// [`MeasuredLink::apply`](crate::plan::MeasuredLink::apply) measured.
     pub link_source: LinkSource,
+    /// Where the disk rate came from: assumed ([`DEFAULT_DISK_BYTES_PER_SECOND`](Self::DEFAULT_DISK_BYTES_PER_SECOND)),
+    /// given ([`with_disk_rate`](Self::with_disk_rate)), or measured
+    /// ([`MeasuredDisk::apply`](crate::plan::MeasuredDisk::apply)).
+    pub disk_source: LinkSource,
 }
 
 impl TimeModel {
@@ -48,7 +53,15 @@ impl TimeModel {
             pageable_fraction: Self::DEFAULT_PAGEABLE_FRACTION,
             disk_bytes_per_second: Self::DEFAULT_DISK_BYTES_PER_SECOND,
             link_source: LinkSource::Given,
+            disk_source: LinkSource::Assumed,
         }
+    }
+
+    /// The same model with the disk read rate given by the caller (a datasheet, a benchmark of the drive).
+    pub fn with_disk_rate(mut self, bytes_per_second: f64) -> Self {
+        self.disk_bytes_per_second = bytes_per_second;
+        self.disk_source = LinkSource::Given;
+        self
     }
 
     /// A PCIe 4.0 x16 link (31.5 GB/s, 10 µs) and 100 TFLOP/s: `memory-sim`'s figures for a card given by size,
@@ -224,6 +237,15 @@ impl DeviceFacts {
     pub fn with_measured_link(mut self, link: Option<MeasuredLink>) -> Self {
         if let Some(link) = link {
             self.time = link.apply(self.time);
+        }
+        self
+    }
+
+    /// The same facts with the disk read rate earlier runs measured reading host copies from the checkpoint file
+    /// or the disk store ([`MeasuredDisk::apply`]); `None` leaves the time model's disk rate as it is.
+    pub fn with_measured_disk(mut self, disk: Option<MeasuredDisk>) -> Self {
+        if let Some(disk) = disk {
+            self.time = disk.apply(self.time);
         }
         self
     }

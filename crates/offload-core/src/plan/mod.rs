@@ -40,11 +40,11 @@ pub use capacity::{
     CapacityProfile, CapacityWarning, Limit, MAX_OBSERVATIONS, Observation, Outcome, Peaks, Recommendation, Recorded,
     SCHEMA_VERSION, WarningKind, Workload, fnv1a_64,
 };
-pub use component::{BlockLayout, ComponentSpec, Route};
+pub use component::{BlockLayout, ComponentSpec, HostTier, Route};
 pub use error::{Origin, PlanError};
 pub use footprint::{CallFootprint, CallPages, Footprint, apply_call_footprints, apply_footprints};
 pub use host::HostMemory;
-pub use link::{LinkRun, LinkSource, MAX_LINK_RUNS, MeasuredLink};
+pub use link::{DiskRun, LinkRun, LinkSource, MAX_DISK_RUNS, MAX_LINK_RUNS, MeasuredDisk, MeasuredLink};
 pub use machine::{DeviceFacts, Machine, TimeModel};
 pub use phases::{PhaseReport, PhaseTiming, Phases};
 pub use planner::{ComponentPlan, Plan, enable_offload, plan_pipeline};

@@ -18,8 +18,9 @@ use crate::plan::budget::{
     activation_headroom, activation_margin, full_pin_zero_resident, pinned_budget, resident_budget, streaming_window,
     usable_host, weight_room,
 };
-use crate::plan::component::{ComponentSpec, Route};
+use crate::plan::component::{ComponentSpec, HostTier, Route};
 use crate::plan::error::PlanError;
+use crate::plan::link::LinkSource;
 use crate::plan::machine::{Machine, TimeModel};
 use crate::plan::preset::{PinPolicy, Preset, PresetDefaults, ResidentPolicy, Routing};
 use crate::plan::settings::Settings;
@@ -43,8 +44,15 @@ pub struct ComponentPlan {
     pub pinned_bytes: u64,
     /// Host bytes its host copy takes in RAM (0 when resident or kept on disk).
     pub host_bytes: u64,
-    /// Whether its streamed host copy is kept as files in `disk_store_dir`.
+    /// Whether its streamed host copy is kept as files in `disk_store_dir` (`host_tier` is
+    /// [`HostTier::DiskStore`]).
     pub on_disk: bool,
+    /// Where its host copy lives: RAM, the checkpoint file or the disk store; for a resident component, where it
+    /// is loaded from (from the file it keeps no host copy).
+    pub host_tier: HostTier,
+    /// The bytes of its host copy in its tier: `host_bytes` in RAM, the weights its uploads read from the
+    /// checkpoint file or the disk store, 0 for a resident component loaded from its file.
+    pub host_copy_bytes: u64,
     /// Device bytes kept free for its activations.
     pub headroom_bytes: u64,
     /// Bytes its calls stream to the device per step: per image, divided by its calls per image, without the
@@ -104,9 +112,20 @@ impl Plan {
         self.components.iter().map(|c| c.seconds_per_image).sum()
     }
 
-    /// Host bytes of all host copies.
+    /// Host RAM bytes of all host copies (the [`HostTier::Ram`] tier).
     pub fn host_bytes(&self) -> u64 {
         self.components.iter().map(|c| c.host_bytes).sum()
+    }
+
+    /// The bytes of the host copies in `tier` ([`ComponentPlan::host_copy_bytes`]): RAM, the checkpoint files the
+    /// uploads read, or the disk store.
+    pub fn host_bytes_in(&self, tier: HostTier) -> u64 {
+        self.components.iter().filter(|c| c.host_tier == tier).map(|c| c.host_copy_bytes).sum()
+    }
+
+    /// Whether any upload reads the disk (a copy in the checkpoint file or the disk store that moves).
+    pub fn reads_disk(&self) -> bool {
+        self.components.iter().any(|c| c.host_tier.reads_disk() && c.host_copy_bytes > 0)
     }
 
     /// Host bytes pinned.
@@ -126,14 +145,15 @@ impl Plan {
 
     /// The table alone, without the header, reasons or warnings.
     pub fn table(&self) -> String {
-        let headers = ["component", "route", "resident", "pinned", "streamed/step", "time/step", "peak"];
-        let rows: Vec<[String; 7]> = self
+        let headers = ["component", "route", "host", "resident", "pinned", "streamed/step", "time/step", "peak"];
+        let rows: Vec<[String; 8]> = self
             .components
             .iter()
             .map(|c| {
                 [
                     c.component.clone(),
                     c.route.to_string(),
+                    c.host_tier.to_string(),
                     format_size(c.resident_bytes),
                     format_size(c.pinned_bytes),
                     format_size(c.streamed_per_step),
@@ -148,11 +168,11 @@ impl Plan {
                 *width = (*width).max(cell.len());
             }
         }
-        let line = |cells: [&str; 7]| {
+        let line = |cells: [&str; 8]| {
             let mut out = String::new();
             for (i, (cell, width)) in cells.iter().zip(widths).enumerate() {
                 match i {
-                    0 | 1 => out.push_str(&format!("{cell:<width$}  ")),
+                    0..=2 => out.push_str(&format!("{cell:<width$}  ")),
                     _ => out.push_str(&format!("{cell:>width$}  ")),
                 }
             }
@@ -189,11 +209,27 @@ impl fmt::Display for Plan {
             m.time.link_bytes_per_second * m.time.pageable_fraction.clamp(0.01, 1.0) / 1e9,
             m.time.link_source
         )?;
+        if self.reads_disk() {
+            writeln!(
+                f,
+                "disk: {:.2} GB/s read ({})",
+                m.time.disk_bytes_per_second / 1e9,
+                disk_source(m.time.disk_source)
+            )?;
+        }
         write!(f, "{}", self.table())?;
         let steps = self.components.iter().map(|c| c.calls_per_image).max().unwrap_or(1);
+        let mut off_ram = String::new();
+        for (tier, place) in [(HostTier::File, "in checkpoint files"), (HostTier::DiskStore, "in the disk store")] {
+            let bytes = self.host_bytes_in(tier);
+            if bytes > 0 {
+                off_ram.push_str(&format!(", {} {place}", format_size(bytes)));
+            }
+        }
         writeln!(
             f,
-            "per image ({steps} steps): {:.2} s predicted, peak {} of {} available, host copies {} of {} usable, {} pinned",
+            "per image ({steps} steps): {:.2} s predicted, peak {} of {} available; host copies: {} in RAM of {} usable, \
+             {} pinned{off_ram}",
             self.seconds_per_image(),
             format_size(self.peak_bytes()),
             format_size(m.device_available),
@@ -306,7 +342,11 @@ struct Shape {
     keep_outside: bool,
     full_pin: bool,
     pinned: u64,
-    on_disk: bool,
+    /// Where the host copy lives.
+    host_tier: HostTier,
+    /// Bytes the page cache can hold for its reads when its tier reads the disk: the usable RAM the copies kept in
+    /// RAM leave (each phase has it to itself, as it has the device).
+    page_cache: u64,
 }
 
 impl Shape {
@@ -318,7 +358,8 @@ impl Shape {
             keep_outside: true,
             full_pin: false,
             pinned: 0,
-            on_disk: false,
+            host_tier: HostTier::Ram,
+            page_cache: 0,
         }
     }
 }
@@ -392,32 +433,40 @@ fn kept_groups(groups: &[u64], budget: u64) -> (u64, usize) {
 fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel) -> Eval {
     let compute = time.compute_seconds(spec.flops_per_call);
     let weight = spec.weight_bytes;
-    // Pinned bytes go to the bytes streamed at every call first; the rest come from pageable memory or disk.
-    let copy = |bytes: u64, transfers: u64| {
+    // Pinned bytes go to the bytes streamed at every call first; the rest come from pageable memory or disk. A
+    // tier on disk reads the first call's bytes from the disk (`cold`); a later call's come from the page cache
+    // when it holds all of them, and from the disk again when it does not: the reads cycle through the same
+    // bytes every call, and a least-recently-used cache smaller than the cycle keeps none of them by the time
+    // they come round.
+    let reads_disk = shape.host_tier.reads_disk();
+    let copy = |bytes: u64, transfers: u64, cold: bool| {
         let pinned = shape.pinned.min(bytes);
         let rest = bytes - pinned;
-        if shape.on_disk {
+        if reads_disk && (cold || rest > shape.page_cache) {
             time.transfer_seconds(pinned, 0, rest, transfers)
         } else {
             time.transfer_seconds(pinned, rest, 0, transfers)
         }
     };
+    let in_ram = if shape.host_tier == HostTier::Ram { weight } else { 0 };
     let overlap = |prefetch: bool, transfer: f64| if prefetch { transfer.max(compute) } else { transfer + compute };
     let mut eval = Eval { compute, ..Eval::default() };
     match shape.route {
         Route::Resident | Route::Off => {
             eval.resident_weight = weight;
             eval.resident = spec.device_weight();
+            // A resident component loaded into RAM keeps its host copy there; one the caller places is not counted.
+            eval.host = if shape.route == Route::Resident { in_ram } else { 0 };
             eval.first_seconds = compute;
             eval.steady_seconds = compute;
         }
         Route::ComponentOffload => {
             eval.resident_weight = weight;
             eval.resident = spec.device_weight();
-            eval.host = weight;
+            eval.host = in_ram;
             eval.first_streamed = weight;
             eval.first_moves = 1;
-            eval.first_transfer = copy(weight, 1);
+            eval.first_transfer = copy(weight, 1, true);
             eval.first_seconds = eval.first_transfer + compute;
             eval.steady_seconds = compute;
         }
@@ -434,7 +483,7 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
             eval.resident_weight = kept + if shape.keep_outside { outside } else { 0 };
             eval.resident = spec.on_device(eval.resident_weight);
             eval.window = spec.on_device(streaming_window(largest, prefetch, depth));
-            eval.host = if shape.on_disk { 0 } else { weight };
+            eval.host = in_ram;
             eval.first_streamed = weight;
             eval.steady_streamed = layout.blocks_total() - kept + streamed_outside;
             let steady_transfers = (groups.len() - kept_count + usize::from(!shape.keep_outside)) as u64;
@@ -458,8 +507,8 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
                 eval.tail_streamed = next.iter().sum();
                 eval.tail_moves = next.len() as u64;
             }
-            eval.steady_transfer = copy(eval.steady_streamed, steady_transfers);
-            eval.first_transfer = copy(weight, eval.first_moves);
+            eval.steady_transfer = copy(eval.steady_streamed, steady_transfers, false);
+            eval.first_transfer = copy(weight, eval.first_moves, true);
             eval.first_seconds = overlap(prefetch, eval.first_transfer);
             eval.steady_seconds = overlap(prefetch, eval.steady_transfer);
         }
@@ -472,7 +521,7 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
             eval.resident_weight = outside;
             eval.resident = spec.on_device(outside);
             eval.window = spec.on_device(streaming_window(largest, prefetch, 1));
-            eval.host = if shape.on_disk { 0 } else { weight };
+            eval.host = in_ram;
             eval.first_streamed = weight;
             eval.steady_streamed = streamed;
             eval.first_moves = leaves + 1;
@@ -481,8 +530,8 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
                 eval.tail_streamed = first;
                 eval.tail_moves = 1;
             }
-            eval.steady_transfer = copy(streamed, leaves);
-            eval.first_transfer = copy(weight, leaves + 1);
+            eval.steady_transfer = copy(streamed, leaves, false);
+            eval.first_transfer = copy(weight, leaves + 1, true);
             eval.first_seconds = overlap(prefetch, eval.first_transfer);
             eval.steady_seconds = overlap(prefetch, eval.steady_transfer);
         }
@@ -508,7 +557,44 @@ struct Choice {
     /// Predicted seconds per image when the route was chosen, before pinning.
     chosen_seconds: f64,
     pin_note: Option<String>,
+    /// Where its host copy lives and why, once the host tiers are placed.
+    host_note: Option<String>,
     warning: Option<String>,
+}
+
+/// How the host tiers were chosen.
+enum HostChoice {
+    /// Every copy fits in RAM.
+    Fits,
+    /// `low_host_memory` (or the preset's default) keeps no copy in RAM that a file or the disk store can serve.
+    Spare,
+    /// The copies do not fit in RAM; these left it at the least predicted cost, `seconds` per image, beside the
+    /// next way to fit.
+    Cheapest { seconds: f64, next: Option<String> },
+}
+
+/// The most components whose every subset of copies leaving RAM is priced; past it, the largest copies leave first.
+const MAX_PRICED: usize = 12;
+
+/// The ways to choose copies that leave RAM: every subset of `movable` (in index order, smallest first) when there
+/// are at most [`MAX_PRICED`]; otherwise the largest-first prefixes, one per size.
+fn subsets(movable: &[usize]) -> Vec<Vec<usize>> {
+    if movable.len() <= MAX_PRICED {
+        (0u32..1 << movable.len())
+            .map(|mask| movable.iter().enumerate().filter(|(bit, _)| mask & (1 << bit) != 0).map(|(_, &i)| i).collect())
+            .collect()
+    } else {
+        (0..=movable.len()).map(|n| movable[..n].to_vec()).collect()
+    }
+}
+
+/// `a`, `a and b`, `a, b and c`.
+fn join_and(names: &[&str]) -> String {
+    match names {
+        [] => String::new(),
+        [one] => (*one).to_string(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
+    }
 }
 
 /// What a streamed component moves per image: on its first and later steps, or in its one call.
@@ -526,6 +612,18 @@ fn streamed_per_call(eval: &Eval, calls: u32) -> String {
 
 fn fs(bytes: u64) -> String {
     format_size(bytes)
+}
+
+/// Where the disk rate came from, in the words of the plan.
+fn disk_source(source: LinkSource) -> String {
+    match source {
+        LinkSource::Assumed => "assumed, not measured: a run that reads from the files measures it".into(),
+        LinkSource::Given => "given".into(),
+        LinkSource::Measured { runs: 1, uploads } => format!("measured: one run's median, {uploads} reads"),
+        LinkSource::Measured { runs, uploads } => {
+            format!("measured: the median of {runs} runs' medians, {uploads} reads")
+        }
+    }
 }
 
 impl Planner<'_> {
@@ -551,7 +649,7 @@ impl Planner<'_> {
             };
             choices.push(choice);
         }
-        self.place_host_copies(components, &mut choices, &mut warnings);
+        self.place_host_copies(components, &mut choices, &mut warnings)?;
         self.pin(components, &mut choices);
 
         let evals: Vec<Eval> = components
@@ -581,7 +679,13 @@ impl Planner<'_> {
                 resident_weight_bytes: eval.resident_weight,
                 pinned_bytes: choice.shape.pinned,
                 host_bytes: eval.host,
-                on_disk: choice.shape.on_disk,
+                on_disk: choice.shape.host_tier == HostTier::DiskStore,
+                host_tier: choice.shape.host_tier,
+                host_copy_bytes: match (choice.shape.host_tier, choice.shape.route) {
+                    (HostTier::Ram, _) => eval.host,
+                    (_, Route::Resident | Route::Off) => 0,
+                    _ => spec.weight_bytes,
+                },
                 headroom_bytes: choice.headroom,
                 streamed_per_step: eval.per_image_streamed(calls) / u64::from(calls),
                 streamed_per_image: eval.per_image_streamed(calls).saturating_add(eval.tail_streamed),
@@ -632,6 +736,7 @@ impl Planner<'_> {
             alternatives: Vec::new(),
             chosen_seconds: 0.0,
             pin_note: None,
+            host_note: None,
             warning: None,
         }
     }
@@ -807,55 +912,257 @@ impl Planner<'_> {
             _ => None,
         };
         let chosen_seconds = chosen_eval.per_image_seconds(calls);
-        Ok(Choice { shape: shape.clone(), headroom, room, alternatives, chosen_seconds, pin_note: None, warning })
+        Ok(Choice {
+            shape: shape.clone(),
+            headroom,
+            room,
+            alternatives,
+            chosen_seconds,
+            pin_note: None,
+            host_note: None,
+            warning,
+        })
     }
 
-    /// Keeps streamed host copies on disk when host RAM is short (or `low_host_memory` asks) and a disk store
-    /// is configured; warns when it is short and none is.
-    fn place_host_copies(&self, components: &[ComponentSpec], choices: &mut [Choice], warnings: &mut Vec<String>) {
+    /// Places every component's host copy in a tier ([`HostTier`]) from the host budget, and says why.
+    ///
+    /// A resident component is loaded from its checkpoint file when it is file-backed (no host copy kept), into
+    /// RAM otherwise (the copy is kept). A component that moves keeps its copy in RAM when every copy fits in the
+    /// usable RAM; when they do not, the copies that can leave RAM (a file-backed one to its file, a streamed one
+    /// that differs from its file to the disk store when `disk_store_dir` is set) are chosen so that they fit at
+    /// the least predicted time per image, the page cache counted as the RAM the copies leave. `low_host_memory`
+    /// (low_ram_safe's default) moves every copy that can leave. When what must stay in RAM does not fit, the plan
+    /// is refused ([`PlanError::HostDoesNotFit`]) rather than left to swap.
+    fn place_host_copies(
+        &self,
+        components: &[ComponentSpec],
+        choices: &mut [Choice],
+        warnings: &mut Vec<String>,
+    ) -> Result<(), PlanError> {
         let time = self.machine.time;
-        let host_of = |choices: &[Choice]| -> u64 {
-            components.iter().zip(choices).map(|(s, c)| evaluate(s, &c.shape, c.headroom, &time).host).sum()
+        let usable = self.usable_host;
+        let dir = self.settings.disk_store_dir.is_some();
+        let spare = self.settings.low_host_memory;
+        for (spec, choice) in components.iter().zip(choices.iter_mut()) {
+            if matches!(choice.shape.route, Route::Resident | Route::Off) && spec.file_backed {
+                choice.shape.host_tier = HostTier::File;
+            }
+        }
+        // Where each copy could go instead of RAM, and what it takes in RAM.
+        let targets: Vec<Option<HostTier>> = components
+            .iter()
+            .zip(choices.iter())
+            .map(|(spec, choice)| match choice.shape.route {
+                Route::Resident | Route::Off => None,
+                Route::ComponentOffload => spec.file_backed.then_some(HostTier::File),
+                _ if spec.file_backed => Some(HostTier::File),
+                _ => dir.then_some(HostTier::DiskStore),
+            })
+            .collect();
+        let ram: Vec<u64> =
+            components.iter().zip(choices.iter()).map(|(s, c)| evaluate(s, &c.shape, c.headroom, &time).host).collect();
+        let all_in_ram: u64 = ram.iter().sum();
+        // Largest copy first, for the largest-first ways past `MAX_PRICED` components.
+        let mut movable: Vec<usize> = (0..components.len()).filter(|&i| targets[i].is_some() && ram[i] > 0).collect();
+        movable.sort_by_key(|&i| std::cmp::Reverse(ram[i]));
+        // Seconds per image a component adds when its copy reads its target tier beside `page_cache` bytes of page
+        // cache.
+        let added = |i: usize, page_cache: u64| -> f64 {
+            let (spec, choice) = (&components[i], &choices[i]);
+            let moved = Shape { host_tier: targets[i].unwrap_or(HostTier::Ram), page_cache, ..choice.shape.clone() };
+            let calls = spec.calls_per_image;
+            evaluate(spec, &moved, choice.headroom, &time).per_image_seconds(calls)
+                - evaluate(spec, &choice.shape, choice.headroom, &time).per_image_seconds(calls)
         };
-        let needed = host_of(choices);
-        let short = needed > self.usable_host;
-        if !short && !self.settings.low_host_memory {
-            return;
-        }
-        if self.settings.disk_store_dir.is_none() {
-            if short {
-                warnings.push(format!(
-                    "host copies need {} but {} of host RAM is usable ({} available less the {} margin); set \
-                     disk_store_dir to keep streamed copies on disk, use the phase-staged runner so components \
-                     are loaded one phase at a time, or expect the OS to swap",
-                    fs(needed),
-                    fs(self.usable_host),
-                    fs(self.machine.host.available),
-                    fs(self.machine.host.available.saturating_sub(self.usable_host))
-                ));
-            } else {
-                warnings.push("low_host_memory is set without disk_store_dir: nothing is pinned, host copies stay in RAM; set disk_store_dir".into());
+        // A way to fit: the copies that leave RAM, the seconds per image they add, the bytes left in RAM.
+        let way = |moved: &[usize]| -> Option<(f64, u64)> {
+            let left = all_in_ram - moved.iter().map(|&i| ram[i]).sum::<u64>();
+            let page_cache = usable.checked_sub(left)?;
+            Some((moved.iter().map(|&i| added(i, page_cache)).sum(), left))
+        };
+        let names = |moved: &[usize]| -> String {
+            let mut moved = moved.to_vec();
+            moved.sort_unstable();
+            let names: Vec<&str> = moved.iter().map(|&i| components[i].name.as_str()).collect();
+            join_and(&names)
+        };
+        let (moved, how): (Vec<usize>, HostChoice) = if spare {
+            (movable.clone(), HostChoice::Spare)
+        } else if all_in_ram <= usable {
+            (Vec::new(), HostChoice::Fits)
+        } else {
+            let mut ways: Vec<(Vec<usize>, f64, u64)> = subsets(&movable)
+                .into_iter()
+                .filter_map(|moved| way(&moved).map(|(seconds, left)| (moved, seconds, left)))
+                .collect();
+            // The fewest added seconds; at equal cost, the one keeping the most in RAM, then the fewest moves.
+            ways.sort_by(|a, b| a.1.total_cmp(&b.1).then(b.2.cmp(&a.2)).then(a.0.len().cmp(&b.0.len())));
+            match ways.first() {
+                Some((moved, seconds, _)) => {
+                    // The best way that does not merely move more than the chosen one: the alternative worth naming.
+                    let next = ways
+                        .iter()
+                        .skip(1)
+                        .find(|(other, ..)| !moved.iter().all(|i| other.contains(i)))
+                        .map(|(other, s, _)| format!("{s:.2} s for {}", names(other)));
+                    let how = HostChoice::Cheapest { seconds: *seconds, next };
+                    (moved.clone(), how)
+                }
+                None => (movable.clone(), HostChoice::Cheapest { seconds: 0.0, next: None }),
             }
-            return;
+        };
+        let in_ram = all_in_ram - moved.iter().map(|&i| ram[i]).sum::<u64>();
+        if in_ram > usable {
+            return Err(self.host_does_not_fit(components, choices, &targets, &ram, &moved, in_ram));
         }
-        // Largest streamed copies first: the fewest components leave RAM.
-        let mut order: Vec<usize> =
-            (0..components.len()).filter(|&i| choices[i].shape.route.is_group_offload()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(components[i].weight_bytes));
-        for i in order {
-            if !self.settings.low_host_memory && host_of(choices) <= self.usable_host {
-                break;
-            }
-            choices[i].shape.on_disk = true;
+        let page_cache = usable - in_ram;
+        for &i in &moved {
+            choices[i].shape.host_tier = targets[i].unwrap_or(HostTier::Ram);
         }
-        let left = host_of(choices);
-        if left > self.usable_host {
+        let moved_names = names(&moved);
+        let stuck: Vec<usize> = (0..components.len())
+            .filter(|&i| spare && choices[i].shape.route.is_group_offload() && targets[i].is_none())
+            .collect();
+        if !stuck.is_empty() && self.settings.is_set("low_host_memory") {
+            let plural = stuck.len() > 1;
             warnings.push(format!(
-                "host copies still need {} with the streamed ones on disk, {} usable; component-offloaded weights \
-                 stay in RAM: use a machine with more RAM or expect the OS to swap",
-                fs(left),
-                fs(self.usable_host)
+                "low_host_memory is set, but {} {} in RAM: {} weights {} not file-backed and no disk_store_dir is \
+                 set; set disk_store_dir",
+                names(&stuck),
+                if plural { "stay" } else { "stays" },
+                if plural { "their" } else { "its" },
+                if plural { "are" } else { "is" },
             ));
+        }
+        for (i, choice) in choices.iter_mut().enumerate() {
+            let tier = choice.shape.host_tier;
+            if tier.reads_disk() {
+                choice.shape.page_cache = page_cache;
+            }
+            let place = match tier {
+                HostTier::File => "the checkpoint file".to_string(),
+                _ => format!("in the disk store under {} (its weights are not file-backed)", self.disk_dir()),
+            };
+            choice.host_note = match (choice.shape.route, tier) {
+                (Route::Off, _) => None,
+                (Route::Resident, HostTier::Ram) => Some(format!(
+                    "its weights are not file-backed, so they are loaded into RAM first and the host copy stays \
+                     there ({})",
+                    fs(ram[i])
+                )),
+                (Route::Resident, _) => {
+                    Some("it is loaded from its checkpoint file straight to the device and keeps no host copy".into())
+                }
+                (_, HostTier::Ram) if spare => Some(format!(
+                    "its host copy stays in RAM ({}): its weights are not file-backed and {}",
+                    fs(ram[i]),
+                    if choice.shape.route == Route::ComponentOffload {
+                        "it moves whole, which the disk store does not serve"
+                    } else {
+                        "no disk_store_dir is set"
+                    }
+                )),
+                (_, HostTier::Ram) => Some(match &how {
+                    HostChoice::Fits => format!(
+                        "its host copy stays in RAM ({}): the host copies ({}) fit in the {} of usable RAM",
+                        fs(ram[i]),
+                        fs(all_in_ram),
+                        fs(usable)
+                    ),
+                    _ => format!(
+                        "its host copy stays in RAM ({}): with {moved_names} read from disk, the copies kept in RAM \
+                         ({}) fit in the {} of usable RAM",
+                        fs(ram[i]),
+                        fs(in_ram),
+                        fs(usable)
+                    ),
+                }),
+                (_, _) => Some(match &how {
+                    HostChoice::Spare => format!(
+                        "its host copy is {place}: {} spares host RAM, keeping no copy there that a file or the disk \
+                         store can serve",
+                        self.spare_source()
+                    ),
+                    HostChoice::Cheapest { seconds, next } => format!(
+                        "its host copy is {place}: the host copies ({}) do not fit in the {} of usable RAM, and \
+                         reading {moved_names} from disk is the way to fit that costs the least predicted time \
+                         (+{seconds:.2} s per image{})",
+                        fs(all_in_ram),
+                        fs(usable),
+                        next.as_ref().map(|n| format!(", against +{n}")).unwrap_or_default()
+                    ),
+                    HostChoice::Fits => format!("its host copy is {place}"),
+                }),
+            };
+        }
+        Ok(())
+    }
+
+    /// The error for copies that must stay in RAM and do not fit, with what would.
+    fn host_does_not_fit(
+        &self,
+        components: &[ComponentSpec],
+        choices: &[Choice],
+        targets: &[Option<HostTier>],
+        ram: &[u64],
+        moved: &[usize],
+        needs: u64,
+    ) -> PlanError {
+        let staying: Vec<usize> = (0..components.len()).filter(|&i| ram[i] > 0 && !moved.contains(&i)).collect();
+        let mut in_ram = Vec::new();
+        for &i in &staying {
+            let (spec, route) = (&components[i], choices[i].shape.route);
+            let kind = match route {
+                Route::Resident | Route::Off => "resident",
+                Route::ComponentOffload => "moves whole",
+                _ => "streams",
+            };
+            // Every copy that could leave RAM has left by now, so what stays is not file-backed, and a streamed one
+            // has no disk store to go to.
+            let why = if route.is_group_offload() { "not file-backed, no disk_store_dir" } else { "not file-backed" };
+            in_ram.push(format!("{} {} ({kind}; {why})", spec.name, fs(ram[i])));
+        }
+        let mut advice = Vec::new();
+        let to_store: Vec<usize> = staying
+            .iter()
+            .copied()
+            .filter(|&i| choices[i].shape.route.is_group_offload() && targets[i].is_none())
+            .collect();
+        if self.settings.disk_store_dir.is_none() && !to_store.is_empty() {
+            let names: Vec<&str> = to_store.iter().map(|&i| components[i].name.as_str()).collect();
+            let left = needs - to_store.iter().map(|&i| ram[i]).sum::<u64>();
+            advice.push(format!(
+                "set disk_store_dir to keep the streamed {} of {} on disk ({} would stay in RAM)",
+                if names.len() > 1 { "copies" } else { "copy" },
+                join_and(&names),
+                fs(left)
+            ));
+        }
+        if staying.iter().any(|&i| !components[i].file_backed) {
+            advice.push(
+                "load weights as they are in their files (not quantized or LoRA-fused after loading) so the files \
+                 serve them"
+                    .to_string(),
+            );
+        }
+        advice.push(format!("free {} of host RAM", fs(needs - self.usable_host)));
+        let available = self.machine.host.available;
+        PlanError::HostDoesNotFit {
+            in_ram: in_ram.join(", "),
+            needs,
+            usable: self.usable_host,
+            available,
+            margin: available - self.usable_host,
+            advice: advice.join(", or "),
+        }
+    }
+
+    /// Who asked to spare host RAM: the preset's default, or the setting.
+    fn spare_source(&self) -> String {
+        if self.settings.is_set("low_host_memory") {
+            format!("low_host_memory from {}", self.settings.origin("low_host_memory"))
+        } else {
+            format!("preset {}", self.settings.preset)
         }
     }
 
@@ -872,10 +1179,12 @@ impl Planner<'_> {
             }
             let eval = evaluate(spec, &choice.shape, choice.headroom, &time);
             let repeated = spec.calls_per_image > 1 && route.is_group_offload();
-            let (wish, note) = if choice.shape.on_disk {
+            let (wish, note) = if choice.shape.host_tier == HostTier::DiskStore {
                 (0, format!("nothing pinned: its host copy is on disk under {}", self.disk_dir()))
+            } else if choice.shape.host_tier == HostTier::File {
+                (0, "nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned".into())
             } else if self.settings.low_host_memory {
-                (0, "nothing pinned: low_host_memory is set".into())
+                (0, format!("nothing pinned: {} spares host RAM", self.spare_source()))
             } else if choice.shape.full_pin {
                 (spec.weight_bytes, "all of it pinned (full-pin rule)".into())
             } else {
@@ -952,6 +1261,39 @@ impl Planner<'_> {
         }
     }
 
+    /// What a copy on disk reads per image, at what rate, and whether the page cache serves the later steps.
+    fn disk_reads(&self, spec: &ComponentSpec, choice: &Choice, eval: &Eval) -> String {
+        let tier = choice.shape.host_tier;
+        if !tier.reads_disk() || matches!(choice.shape.route, Route::Resident | Route::Off) {
+            return String::new();
+        }
+        let from = if tier == HostTier::File { "the file" } else { "the disk store" };
+        let time = &self.machine.time;
+        let source = match time.disk_source {
+            LinkSource::Assumed => "assumed",
+            LinkSource::Given => "given",
+            LinkSource::Measured { .. } => "measured",
+        };
+        let rate = format!("{:.2} GB/s ({source})", time.disk_bytes_per_second / 1e9);
+        if choice.shape.route == Route::ComponentOffload {
+            return format!("; each image reads its {} from {from} at {rate}", fs(eval.first_streamed));
+        }
+        if spec.calls_per_image <= 1 {
+            return format!("; its one call reads {} from {from} at {rate}", fs(eval.first_streamed));
+        }
+        let cache = choice.shape.page_cache;
+        let later = if eval.steady_streamed <= cache {
+            format!("from the page cache, which keeps {} beside the copies in RAM", fs(cache))
+        } else {
+            format!("from {from} again: the {} left to the page cache cannot hold them", fs(cache))
+        };
+        format!(
+            "; the first step reads {} from {from} at {rate}, each later step {} {later}",
+            fs(eval.first_streamed),
+            fs(eval.steady_streamed)
+        )
+    }
+
     fn disk_dir(&self) -> String {
         self.settings.disk_store_dir.as_ref().map(|d| d.display().to_string()).unwrap_or_default()
     }
@@ -969,13 +1311,14 @@ impl Planner<'_> {
         if route == Route::Off {
             return format!("preset off: not managed, the caller places it; predicted as resident ({})", fs(weight));
         }
+        let host_note = choice.host_note.as_ref().map(|note| format!("; {note}")).unwrap_or_default();
         if everything_fits {
             let total: u64 = all.iter().map(|c| c.device_weight()).sum();
             let (largest, name) = all.iter().map(|c| (self.headroom(c), c.name.as_str())).max().unwrap_or((0, ""));
             let measured = if all.iter().any(|c| c.device_bytes.is_some()) { " (on the device, measured)" } else { "" };
             return format!(
                 "everything fits at once: {} of weights{measured} plus the largest activation headroom ({} for {name}) fit in \
-                 {} available, so it stays resident and nothing streams after loading",
+                 {} available, so it stays resident and nothing streams after loading{host_note}",
                 fs(total),
                 fs(largest),
                 fs(self.available())
@@ -1074,6 +1417,8 @@ impl Planner<'_> {
             }
             Route::Resident | Route::Off => why.push_str(", so it stays resident"),
         }
+        why.push_str(&host_note);
+        why.push_str(&self.disk_reads(spec, choice, eval));
         let seconds = eval.per_image_seconds(calls) / f64::from(calls);
         why.push_str(&format!(
             "; predicted {seconds:.3} s per {unit} (copies {:.3} s, compute {:.3} s)",
@@ -1084,8 +1429,9 @@ impl Planner<'_> {
             why.push_str(&format!("; {note}"));
         }
         if !choice.alternatives.is_empty() {
+            let before = if choice.shape.host_tier.reads_disk() { "its host tier and pinning" } else { "pinning" };
             why.push_str(&format!(
-                "; chosen at {:.2} s per image before pinning, over {}",
+                "; chosen at {:.2} s per image before {before}, over {}",
                 choice.chosen_seconds,
                 choice.alternatives.join(", ")
             ));

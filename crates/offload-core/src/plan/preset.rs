@@ -87,13 +87,17 @@ impl Preset {
             resident: ResidentPolicy::Fill,
             pin: PinPolicy::Never,
             full_pin_rule: false,
+            low_host_memory: false,
         };
         match self {
             Preset::Auto => PresetDefaults { routing: Routing::Fastest, pin: PinPolicy::WhenItPays, ..base },
             Preset::OneShotFast => PresetDefaults { pin: PinPolicy::Repeated, full_pin_rule: true, ..base },
-            Preset::LowRamSafe => {
-                PresetDefaults { whole_pipeline_resident: false, resident: ResidentPolicy::Zero, ..base }
-            }
+            Preset::LowRamSafe => PresetDefaults {
+                whole_pipeline_resident: false,
+                resident: ResidentPolicy::Zero,
+                low_host_memory: true,
+                ..base
+            },
             Preset::WarmProcess => PresetDefaults { pin: PinPolicy::All, full_pin_rule: true, ..base },
             Preset::DiffusersOffloadCompat => PresetDefaults {
                 routing: Routing::Block,
@@ -125,7 +129,8 @@ impl Preset {
                  resident, at 4x the card"
             }
             Preset::LowRamSafe => {
-                "components that fit move whole; the rest stream by blocks with no resident budget; nothing pinned"
+                "components that fit move whole; the rest stream by blocks with no resident budget; nothing pinned; \
+                 every host copy a checkpoint file or the disk store can serve is read from it, not kept in RAM"
             }
             Preset::WarmProcess => {
                 "as one_shot_fast, and every streamed host copy is pinned for the life of the process"
@@ -244,4 +249,7 @@ pub struct PresetDefaults {
     /// Whether the full-pin rule ([`full_pin_zero_resident`](crate::plan::budget::full_pin_zero_resident))
     /// applies.
     pub full_pin_rule: bool,
+    /// The `low_host_memory` default: whether every host copy that a checkpoint file or the disk store can serve
+    /// leaves RAM, whether or not RAM would hold it.
+    pub low_host_memory: bool,
 }

@@ -146,13 +146,13 @@ pub const KEYS: &[KeyInfo] = &[
         key: "disk_store_dir",
         kind: Kind::Path,
         default: "none (host memory)",
-        doc: "keep streamed host copies as files here when host RAM is short",
+        doc: "keep streamed host copies that differ from their checkpoint files (quantized, LoRA-fused) as files here when host RAM is short",
     },
     KeyInfo {
         key: "low_host_memory",
         kind: Kind::Bool,
-        default: "false",
-        doc: "pin nothing and keep streamed host copies on disk (with disk_store_dir)",
+        default: "false (low_ram_safe: true)",
+        doc: "spare host RAM: pin nothing, read every copy that moves from its checkpoint file, or from disk_store_dir when it differs from the file",
     },
     KeyInfo {
         key: "retry_on_oom",
@@ -474,7 +474,8 @@ pub struct Settings {
     pub blocks_per_group: usize,
     /// Where streamed host copies may be kept as files.
     pub disk_store_dir: Option<PathBuf>,
-    /// Whether host RAM is to be spared: nothing pinned, streamed host copies on disk.
+    /// Whether host RAM is to be spared: nothing pinned, every host copy a checkpoint file or the disk store can
+    /// serve read from it.
     pub low_host_memory: bool,
     /// Whether out-of-memory onloads are retried.
     pub retry_on_oom: bool,
@@ -570,7 +571,7 @@ impl Settings {
             prefetch_depth: pick!(prefetch_depth).unwrap_or(defaults.prefetch_depth),
             blocks_per_group: pick!(blocks_per_group).unwrap_or(defaults.blocks_per_group),
             disk_store_dir: pick!(disk_store_dir),
-            low_host_memory: pick!(low_host_memory).unwrap_or(false),
+            low_host_memory: pick!(low_host_memory).unwrap_or(defaults.low_host_memory),
             retry_on_oom: pick!(retry_on_oom).unwrap_or(true),
             profile_name: pick!(profile_name),
             profile_dir: pick!(profile_dir),

@@ -20,7 +20,8 @@ pub const CUDA_CONTEXT_OVERHEAD: u64 = 650_692_591;
 /// Denoising steps of Z-Image-Turbo (8 transformer calls per image).
 pub const STEPS: u32 = 8;
 
-/// The three components in pipeline order.
+/// The three components in pipeline order, file-backed: the real checkpoint is a file of the bf16 weights they
+/// upload, so each file can be its component's host copy.
 pub fn z_image_turbo() -> Vec<ComponentSpec> {
     let transformer_tokens = 4096.0 + 32.0;
     let transformer_flops =
@@ -50,7 +51,8 @@ pub fn z_image_turbo() -> Vec<ComponentSpec> {
             first_leaf_bytes: 4096 * 2560 * 2,
         })
         .with_activation(gib(0.28) + gib(0.15))
-        .with_cost(text_flops, 1);
+        .with_cost(text_flops, 1)
+        .with_file_backed(true);
 
     let modulated = 180_910_336 * 2;
     let context = 176_962_816 * 2;
@@ -68,10 +70,13 @@ pub fn z_image_turbo() -> Vec<ComponentSpec> {
             first_leaf_bytes: (256 * 15_360 + 15_360) * 2,
         })
         .with_activation(gib(0.46) + gib(0.05))
-        .with_cost(transformer_flops, STEPS);
+        .with_cost(transformer_flops, STEPS)
+        .with_file_backed(true);
 
-    let vae =
-        ComponentSpec::new("vae", 167_639_366).with_activation(gib(2.33) + 1024 * 1024 * 3 * 2).with_cost(vae_flops, 1);
+    let vae = ComponentSpec::new("vae", 167_639_366)
+        .with_activation(gib(2.33) + 1024 * 1024 * 3 * 2)
+        .with_cost(vae_flops, 1)
+        .with_file_backed(true);
     vec![text_encoder, transformer, vae]
 }
 
