@@ -22,8 +22,8 @@ pub struct Args {
     pub seed: u64,
     /// Only this target: an in-process one (size, card, settings), a checkpoint reader (model_index,
     /// shard_index, transformer_config, text_encoder_config, vae_config, scheduler_config, safetensors), the
-    /// library's generation options (options), a LoRA file (lora_file) or the CLI's numeric arguments (cli); default:
-    /// all.
+    /// library's generation options (options), a LoRA file (lora_file), vulkaninfo's report (vulkaninfo) or the
+    /// CLI's numeric arguments (cli); default: all.
     #[arg(long)]
     pub target: Option<String>,
 }
@@ -79,6 +79,7 @@ pub const READERS: &[&str] = &[
     "safetensors",
     "options",
     "lora_file",
+    "vulkaninfo",
 ];
 
 /// The CLI's target: `pipeline-zimage generate`'s argument parsing and pre-flight checks (seeds, sides, sizes), run

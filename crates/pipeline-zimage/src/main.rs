@@ -835,8 +835,29 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             );
         }
     }
+    // The device's peak in use during each phase, for the host budget's lines: a simulated card's own, reset at
+    // each phase's end; a real device's pool peak, reset the same way.
+    let device_peak: Arc<dyn Fn() -> u64 + Send + Sync> = match &target {
+        Target::Host { card: Some(card) } => {
+            let card = card.clone();
+            Arc::new(move || {
+                let peak = card.peak();
+                card.reset_peak();
+                peak
+            })
+        }
+        Target::Real { readings: Some(readings), .. } => {
+            let readings = readings.clone();
+            Arc::new(move || {
+                let peak = readings.peak();
+                let _ = readings.reset_peak();
+                peak
+            })
+        }
+        _ => Arc::new(|| 0),
+    };
     if let Some(anonymous) = &anonymous {
-        report_loaded(&pipeline, anonymous);
+        report_loaded(&pipeline, anonymous, device_peak());
     }
     if let Some(scheme) = &args.quantize {
         let name = group_offload::quant::scheme_name(scheme);
@@ -859,14 +880,16 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         if args.trace.is_some() || args.memory_plot.is_some() { Timeline::enabled() } else { Timeline::disabled() };
     pipeline.set_timeline(timeline.clone())?;
     if let Some(anonymous) = anonymous.clone() {
+        let weights = loaded_weight_bytes(&pipeline);
         pipeline.set_phase_observer(Arc::new(move |phase: &str| {
             use pipeline_zimage::host::{peak_resident_bytes, reset_peak_resident};
             let peak = peak_resident_bytes();
+            let anonymous_peak = anonymous.peak();
             println!(
-                "memory: host peak during {phase}: {peak} bytes ({}), anonymous {} bytes",
+                "memory: host peak during {phase}: {peak} bytes ({}), anonymous {anonymous_peak} bytes",
                 format_size(peak),
-                anonymous.peak()
             );
+            println!("{}", host_budget_line(phase, anonymous_peak, device_peak(), weights));
             let _ = reset_peak_resident();
             anonymous.reset();
         }));
@@ -1223,9 +1246,17 @@ fn numbered(path: &Path, index: usize, images: usize) -> PathBuf {
     path.with_file_name(name)
 }
 
+/// One line of the host budget for `phase` (`load`, `encode`, `denoise`, `decode`), as the real-size benchmark
+/// reads it: the process's anonymous peak during the phase (sampled), the device's peak in use during it (on the
+/// CPU backend a simulated card's tensors live in the same RAM, so the host's own copies are the difference) and the
+/// weights' bytes.
+fn host_budget_line(phase: &str, anonymous_peak: u64, device_peak: u64, weights: u64) -> String {
+    format!("host_budget phase={phase} anonymous_peak={anonymous_peak} card_peak={device_peak} weights={weights}")
+}
+
 /// Prints each component's loaded bytes and the host's peak after loading, then starts a new peak and has the
 /// pipeline print each phase's peak as it finishes (`--memory-report`).
-fn report_loaded(pipeline: &ZImagePipeline, anonymous: &pipeline_zimage::host::AnonymousPeak) {
+fn report_loaded(pipeline: &ZImagePipeline, anonymous: &pipeline_zimage::host::AnonymousPeak, device_peak: u64) {
     use pipeline_zimage::host::{peak_resident_bytes, reset_peak_resident, resident_bytes};
     let mut weights = 0;
     for (component, id) in pipeline.components().map(|c| (c.name(), c.id())) {
@@ -1242,6 +1273,7 @@ fn report_loaded(pipeline: &ZImagePipeline, anonymous: &pipeline_zimage::host::A
         anonymous.peak(),
         resident_bytes()
     );
+    println!("{}", host_budget_line("load", anonymous.peak(), device_peak, weights));
     if let Err(error) = reset_peak_resident() {
         println!("memory: cannot reset the peak ({error}); phase peaks count from the start");
     }

@@ -38,6 +38,7 @@ pub fn targets() -> Vec<Target> {
         ("safetensors", safetensors_file),
         ("options", options),
         ("lora_file", lora_file),
+        ("vulkaninfo", vulkaninfo),
     ]
 }
 
@@ -48,7 +49,7 @@ pub fn accepted(target: &str) -> u64 {
     index.map_or(0, |i| ACCEPTED[i].load(Ordering::Relaxed))
 }
 
-static ACCEPTED: [AtomicU64; 9] = [const { AtomicU64::new(0) }; 9];
+static ACCEPTED: [AtomicU64; 10] = [const { AtomicU64::new(0) }; 10];
 
 fn accept(index: usize) {
     ACCEPTED[index].fetch_add(1, Ordering::Relaxed);
@@ -543,5 +544,24 @@ pub fn lora_file(input: &[u8]) {
             }
             Err(error) => typed(&error, "fuzz.safetensors"),
         }
+    }
+}
+
+/// `vulkaninfo --text` as the wgpu runtime reads it when it opens (the heaps' budgets where the driver offers
+/// `VK_EXT_memory_budget`): the parser is a pure function of the text, and so is the budget lookup, for the raw
+/// input and for the input's lines spliced into lavapipe's real report.
+pub fn vulkaninfo(input: &[u8]) {
+    const REPORT: &str = include_str!("../../../../fuzz/corpus/vulkaninfo/lavapipe.txt");
+    let Some(text) = text(input) else { return };
+    let mut lines: Vec<&str> = REPORT.lines().collect();
+    let at = input.first().map_or(0, |b| usize::from(*b) * lines.len() / 256);
+    lines.splice(at..at, text.lines());
+    let spliced = lines.join("\n");
+    for report in [text.as_ref(), spliced.as_str()] {
+        let gpus = group_offload::vulkaninfo::parse(report);
+        if !gpus.is_empty() {
+            accept(9);
+        }
+        let _ = group_offload::vulkaninfo::device_local_budget(report, 0x10005, 0, "llvmpipe");
     }
 }
