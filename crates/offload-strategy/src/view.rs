@@ -79,8 +79,10 @@ pub struct MemoryReading {
 
 /// Everything a strategy may look at to decide which resident components to offload.
 ///
-/// The manager builds a view each time a component that is not resident is about to run on the execution device.
-/// `resident` lists the other components resident on that device, in registration order.
+/// The manager builds a view each time a component that is not resident is about to run on the execution device,
+/// and each time a resident component that streams its layers (group offload) is about to run with a window (the
+/// groups its call will bring onto the device at once) that does not fit beside the reserve: then `incoming`'s
+/// bytes are that window. `resident` lists the other components resident on that device, in registration order.
 #[derive(Debug, Clone, Copy)]
 pub struct OffloadView<'a> {
     /// The component about to be onloaded.
