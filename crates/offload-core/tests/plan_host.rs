@@ -285,3 +285,24 @@ fn the_plan_shows_host_bytes_per_tier() {
         "#]],
     );
 }
+
+#[test]
+fn the_host_tier_setting_keeps_every_copy_in_ram_or_reads_every_file_backed_one_from_its_file() {
+    // 32 GB of RAM holds every copy: `file` reads them from their files anyway, and says why.
+    let plan = plan_pipeline(&z_image_turbo(), settings(Preset::Auto, &[("host_tier", "file")]), &machine(8, 32))
+        .expect("plans");
+    let streamed: Vec<&str> =
+        plan.components.iter().filter(|c| c.host_tier == HostTier::File).map(|c| c.component.as_str()).collect();
+    assert_eq!(streamed, ["text_encoder", "transformer", "vae"], "{plan}");
+    let transformer = plan.component("transformer").expect("planned");
+    assert!(transformer.why.contains("host_tier is file (from an explicit argument)"), "{}", transformer.why);
+    // 16 GB does not hold them: `auto` reads some from their files, `ram` keeps them all in RAM and is refused.
+    let auto = plan_pipeline(&z_image_turbo(), Preset::Auto, &machine(8, 16)).expect("plans");
+    assert!(auto.components.iter().any(|c| c.host_tier == HostTier::File), "{auto}");
+    let refused = plan_pipeline(&z_image_turbo(), settings(Preset::Auto, &[("host_tier", "ram")]), &machine(8, 16));
+    assert!(matches!(refused, Err(PlanError::HostDoesNotFit { .. })), "{refused:?}");
+    // On 32 GB, `ram` keeps every copy in RAM, as `auto` does there.
+    let plan = plan_pipeline(&z_image_turbo(), settings(Preset::LowRamSafe, &[("host_tier", "ram")]), &machine(8, 32))
+        .expect("plans");
+    assert!(plan.components.iter().all(|c| c.host_tier == HostTier::Ram), "{plan}");
+}

@@ -28,6 +28,7 @@ fn samples(kind: Kind) -> [(&'static str, &'static str); 2] {
         Kind::Path => [("/tmp/a", "\"/tmp/a\""), ("/tmp/b", "\"/tmp/b\"")],
         Kind::Text => [("first", "\"first\""), ("second", "\"second\"")],
         Kind::Ratio => [("2.5", "2.5"), ("8", "8")],
+        Kind::HostTier => [("file", "\"file\""), ("ram", "\"ram\"")],
     }
 }
 
@@ -49,6 +50,7 @@ fn value(settings: &Settings, key: &str) -> String {
         "calibrate" => settings.calibrate.to_string(),
         "full_pin_ratio" => settings.full_pin_ratio.to_string(),
         "host_available" => format!("{:?}", settings.host_available),
+        "host_tier" => settings.host_tier.name().to_string(),
         other => panic!("the test does not know key {other}"),
     }
 }
@@ -169,6 +171,7 @@ fn a_bad_value_names_the_key_where_it_came_from_and_what_is_accepted() {
         ("calibrate", "sometimes"),
         ("full_pin_ratio", "-4"),
         ("host_available", "16 GB RAM"),
+        ("host_tier", "disk"),
     ];
     assert_eq!(bad.len(), KEYS.len(), "one bad value per key");
     let mut messages = String::new();
@@ -209,6 +212,7 @@ fn a_bad_value_names_the_key_where_it_came_from_and_what_is_accepted() {
             invalid value "sometimes" for setting calibrate from environment variable OFFLOAD_CALIBRATE: expected true or false (the environment also takes 1/0, yes/no, on/off); change it there
             invalid value "-4" for setting full_pin_ratio from environment variable OFFLOAD_FULL_PIN_RATIO: expected a number, 0 or more (0 disables); change it there
             invalid value "16 GB RAM" for setting host_available from environment variable OFFLOAD_HOST_AVAILABLE: expected a size such as "6GiB", "3GB" or a byte count (KB/MB/GB decimal, KiB/MiB/GiB binary); change it there
+            invalid value "disk" for setting host_tier from environment variable OFFLOAD_HOST_TIER: expected auto (the planner chooses from the host budget), ram or file; change it there
         "#]],
     );
 }
@@ -251,7 +255,7 @@ fn an_unknown_key_or_variable_lists_the_accepted_ones() {
     check(
         err.to_string(),
         expect![[
-            r#"unknown setting "presets" in the TOML settings file; use one of: preset, reserve, resident_budget, pinned_budget, prefetch, prefetch_depth, blocks_per_group, disk_store_dir, low_host_memory, retry_on_oom, profile_name, profile_dir, calibrate, full_pin_ratio, host_available"#
+            r#"unknown setting "presets" in the TOML settings file; use one of: preset, reserve, resident_budget, pinned_budget, prefetch, prefetch_depth, blocks_per_group, disk_store_dir, low_host_memory, retry_on_oom, profile_name, profile_dir, calibrate, full_pin_ratio, host_available, host_tier"#
         ]],
     );
 
@@ -261,7 +265,7 @@ fn an_unknown_key_or_variable_lists_the_accepted_ones() {
     check(
         err.to_string(),
         expect![
-            "unknown environment variable OFFLOAD_PRESETS; unset it or use one of: OFFLOAD_PRESET, OFFLOAD_RESERVE, OFFLOAD_RESIDENT_BUDGET, OFFLOAD_PINNED_BUDGET, OFFLOAD_PREFETCH, OFFLOAD_PREFETCH_DEPTH, OFFLOAD_BLOCKS_PER_GROUP, OFFLOAD_DISK_STORE_DIR, OFFLOAD_LOW_HOST_MEMORY, OFFLOAD_RETRY_ON_OOM, OFFLOAD_PROFILE_NAME, OFFLOAD_PROFILE_DIR, OFFLOAD_CALIBRATE, OFFLOAD_FULL_PIN_RATIO, OFFLOAD_HOST_AVAILABLE, OFFLOAD_CONFIG"
+            "unknown environment variable OFFLOAD_PRESETS; unset it or use one of: OFFLOAD_PRESET, OFFLOAD_RESERVE, OFFLOAD_RESIDENT_BUDGET, OFFLOAD_PINNED_BUDGET, OFFLOAD_PREFETCH, OFFLOAD_PREFETCH_DEPTH, OFFLOAD_BLOCKS_PER_GROUP, OFFLOAD_DISK_STORE_DIR, OFFLOAD_LOW_HOST_MEMORY, OFFLOAD_RETRY_ON_OOM, OFFLOAD_PROFILE_NAME, OFFLOAD_PROFILE_DIR, OFFLOAD_CALIBRATE, OFFLOAD_FULL_PIN_RATIO, OFFLOAD_HOST_AVAILABLE, OFFLOAD_HOST_TIER, OFFLOAD_CONFIG"
         ],
     );
 

@@ -231,6 +231,11 @@ struct Generate {
     /// the largest activation estimate, which is exactly what the card is charged).
     #[arg(long)]
     reserve: Option<String>,
+    /// The host RAM the plan may use (the `host_available` setting), in place of what the OS says is available: the
+    /// planner keeps host copies in RAM where they fit in it and reads the others from their checkpoint files or the
+    /// disk store (`docs/host-memory.md`).
+    #[arg(long, value_name = "SIZE")]
+    ram: Option<String>,
     /// Named calibration: the first run measures the peak and recommends a resident budget; later runs reuse it.
     #[arg(long)]
     profile_name: Option<String>,
@@ -602,6 +607,7 @@ fn uses_planner(args: &Generate, env: &[(String, String)]) -> bool {
     let from_env = env.iter().any(|(k, _)| k == "OFFLOAD_PRESET" || k == "OFFLOAD_CONFIG");
     args.offload.is_none()
         && (args.config.is_some()
+            || args.ram.is_some()
             || !args.set.is_empty()
             || args.profile_name.is_some()
             || args.profile_dir.is_some()
@@ -623,6 +629,9 @@ fn resolve_settings(
     }
     if let Some(reserve) = &args.reserve {
         explicit.set("reserve", reserve)?;
+    }
+    if let Some(ram) = &args.ram {
+        explicit.set("host_available", ram).context("--ram")?;
     }
     if let Some(name) = &args.profile_name {
         explicit.set("profile_name", name)?;

@@ -49,4 +49,4 @@ pub use machine::{DeviceFacts, Machine, TimeModel};
 pub use phases::{PhaseReport, PhaseTiming, Phases};
 pub use planner::{ComponentPlan, Plan, enable_offload, plan_pipeline};
 pub use preset::{PRESET_NAMES, PinPolicy, Preset, PresetDefaults, ResidentPolicy, Routing, presets_table};
-pub use settings::{KEYS, KeyInfo, Kind, MAX_PREFETCH_DEPTH, Settings, SettingsLayer, settings_table};
+pub use settings::{HostTierSetting, KEYS, KeyInfo, Kind, MAX_PREFETCH_DEPTH, Settings, SettingsLayer, settings_table};

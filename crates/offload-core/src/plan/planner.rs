@@ -23,7 +23,7 @@ use crate::plan::error::PlanError;
 use crate::plan::link::LinkSource;
 use crate::plan::machine::{Machine, TimeModel};
 use crate::plan::preset::{PinPolicy, Preset, PresetDefaults, ResidentPolicy, Routing};
-use crate::plan::settings::Settings;
+use crate::plan::settings::{HostTierSetting, Settings};
 use crate::size::format_size;
 
 /// One component's plan: its route, where its bytes are, what it streams, and what it is predicted to cost.
@@ -571,6 +571,8 @@ enum HostChoice {
     /// The copies do not fit in RAM; these left it at the least predicted cost, `seconds` per image, beside the
     /// next way to fit.
     Cheapest { seconds: f64, next: Option<String> },
+    /// The `host_tier` setting chose: every copy in RAM (`ram`) or every file-backed one from its file (`file`).
+    Setting(HostTierSetting),
 }
 
 /// The most components whose every subset of copies leaving RAM is priced; past it, the largest copies leave first.
@@ -986,7 +988,13 @@ impl Planner<'_> {
             let names: Vec<&str> = moved.iter().map(|&i| components[i].name.as_str()).collect();
             join_and(&names)
         };
-        let (moved, how): (Vec<usize>, HostChoice) = if spare {
+        let forced = self.settings.host_tier;
+        let (moved, how): (Vec<usize>, HostChoice) = if forced == HostTierSetting::Ram {
+            (Vec::new(), HostChoice::Setting(forced))
+        } else if forced == HostTierSetting::File {
+            let files = movable.iter().copied().filter(|&i| targets[i] == Some(HostTier::File)).collect();
+            (files, HostChoice::Setting(forced))
+        } else if spare {
             (movable.clone(), HostChoice::Spare)
         } else if all_in_ram <= usable {
             (Vec::new(), HostChoice::Fits)
@@ -1063,6 +1071,12 @@ impl Planner<'_> {
                     }
                 )),
                 (_, HostTier::Ram) => Some(match &how {
+                    HostChoice::Setting(setting) => format!(
+                        "its host copy stays in RAM ({}): host_tier is {} (from {})",
+                        fs(ram[i]),
+                        setting.name(),
+                        self.settings.origin("host_tier")
+                    ),
                     HostChoice::Fits => format!(
                         "its host copy stays in RAM ({}): the host copies ({}) fit in the {} of usable RAM",
                         fs(ram[i]),
@@ -1092,6 +1106,11 @@ impl Planner<'_> {
                         next.as_ref().map(|n| format!(", against +{n}")).unwrap_or_default()
                     ),
                     HostChoice::Fits => format!("its host copy is {place}"),
+                    HostChoice::Setting(setting) => format!(
+                        "its host copy is {place}: host_tier is {} (from {})",
+                        setting.name(),
+                        self.settings.origin("host_tier")
+                    ),
                 }),
             };
         }

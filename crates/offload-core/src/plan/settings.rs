@@ -46,6 +46,8 @@ pub enum Kind {
     Count,
     /// A prefetch depth: a whole number from 1 to [`MAX_PREFETCH_DEPTH`].
     Depth,
+    /// Where host copies live: `auto` (the planner chooses from the host budget), `ram` or `file`.
+    HostTier,
     /// A filesystem path.
     Path,
     /// Non-empty text.
@@ -63,6 +65,7 @@ impl Kind {
             Kind::Bool => "bool",
             Kind::Count => "integer >= 1",
             Kind::Depth => "integer 1 to 64",
+            Kind::HostTier => "auto, ram or file",
             Kind::Path => "path",
             Kind::Text => "text",
             Kind::Ratio => "number >= 0",
@@ -80,6 +83,7 @@ impl Kind {
             Kind::Bool => "true or false (the environment also takes 1/0, yes/no, on/off)",
             Kind::Count => "a whole number, 1 or more",
             Kind::Depth => "a whole number from 1 to 64 (each is a group held on the device; 1 is usually best)",
+            Kind::HostTier => "auto (the planner chooses from the host budget), ram or file",
             Kind::Path => "a path",
             Kind::Text => "non-empty text of letters, digits, '-', '_' or '.'",
             Kind::Ratio => "a number, 0 or more (0 disables)",
@@ -185,6 +189,12 @@ pub const KEYS: &[KeyInfo] = &[
         default: "read from the OS",
         doc: "host RAM available to the plan, replacing the OS reading",
     },
+    KeyInfo {
+        key: "host_tier",
+        kind: Kind::HostTier,
+        default: "auto",
+        doc: "where host copies live: ram (every copy in RAM), file (every file-backed copy read from its checkpoint file), or auto (the planner chooses from the host budget)",
+    },
 ];
 
 /// The documentation's settings table, in Markdown: key, type, default, variable, meaning.
@@ -247,6 +257,40 @@ pub struct SettingsLayer {
     pub full_pin_ratio: Option<f64>,
     /// `host_available`, bytes.
     pub host_available: Option<u64>,
+    /// `host_tier`.
+    pub host_tier: Option<HostTierSetting>,
+}
+
+/// The `host_tier` setting: where host copies live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum HostTierSetting {
+    /// The planner chooses each component's tier from the host budget (the default).
+    #[default]
+    Auto,
+    /// Every copy stays in RAM; a plan the RAM cannot hold is refused.
+    Ram,
+    /// Every file-backed copy is read from its checkpoint file, whatever the RAM could hold.
+    File,
+}
+
+impl HostTierSetting {
+    /// The setting's value as written: `auto`, `ram`, `file`.
+    pub fn name(self) -> &'static str {
+        match self {
+            HostTierSetting::Auto => "auto",
+            HostTierSetting::Ram => "ram",
+            HostTierSetting::File => "file",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Self> {
+        match text.to_ascii_lowercase().as_str() {
+            "auto" => Some(HostTierSetting::Auto),
+            "ram" => Some(HostTierSetting::Ram),
+            "file" => Some(HostTierSetting::File),
+            _ => None,
+        }
+    }
 }
 
 /// A parsed value, before it is stored in a layer.
@@ -258,6 +302,7 @@ enum Value {
     Path(PathBuf),
     Text(String),
     Ratio(f64),
+    HostTier(HostTierSetting),
 }
 
 fn find_key(key: &str, origin: &Origin) -> Result<&'static KeyInfo, PlanError> {
@@ -315,6 +360,7 @@ fn parse_text(info: &KeyInfo, text: &str, origin: &Origin) -> Result<Value, Plan
         Kind::Path => Value::Path(PathBuf::from(trimmed)),
         Kind::Text if !valid_text(trimmed) => return Err(bad()),
         Kind::Text => Value::Text(trimmed.to_string()),
+        Kind::HostTier => Value::HostTier(HostTierSetting::parse(trimmed).ok_or_else(bad)?),
         Kind::Ratio => match trimmed.parse::<f64>() {
             Ok(x) if x.is_finite() && x >= 0.0 => Value::Ratio(x),
             _ => return Err(bad()),
@@ -338,7 +384,9 @@ fn parse_toml(info: &KeyInfo, value: &toml::Value) -> Result<Value, PlanError> {
         },
         (Kind::Ratio, toml::Value::Integer(n)) if *n >= 0 => Ok(Value::Ratio(*n as f64)),
         (Kind::Ratio, toml::Value::Float(x)) if x.is_finite() && *x >= 0.0 => Ok(Value::Ratio(*x)),
-        (Kind::Preset | Kind::Size | Kind::Path | Kind::Text, toml::Value::String(s)) => parse_text(info, s, &origin),
+        (Kind::Preset | Kind::Size | Kind::Path | Kind::Text | Kind::HostTier, toml::Value::String(s)) => {
+            parse_text(info, s, &origin)
+        }
         _ => Err(bad()),
     }
 }
@@ -421,6 +469,7 @@ impl SettingsLayer {
             ("calibrate", Value::Bool(v)) => self.calibrate = Some(v),
             ("full_pin_ratio", Value::Ratio(v)) => self.full_pin_ratio = Some(v),
             ("host_available", Value::Bytes(v)) => self.host_available = Some(v),
+            ("host_tier", Value::HostTier(v)) => self.host_tier = Some(v),
             // `parse_text` and `parse_toml` produce the value of the key's kind, so nothing else arrives here.
             _ => {}
         }
@@ -489,6 +538,8 @@ pub struct Settings {
     pub full_pin_ratio: f64,
     /// Host RAM available to the plan, replacing the OS reading.
     pub host_available: Option<u64>,
+    /// Where host copies live: the planner's choice (`Auto`), or every one in RAM or from its file.
+    pub host_tier: HostTierSetting,
     /// The named profile's stored recommendation, once loaded
     /// (`ProfileStore::apply_calibration`, feature `io`); not a key.
     pub calibration: Option<Recommendation>,
@@ -578,6 +629,7 @@ impl Settings {
             calibrate: pick!(calibrate).unwrap_or(false),
             full_pin_ratio: pick!(full_pin_ratio).unwrap_or(FULL_PIN_RATIO),
             host_available: pick!(host_available),
+            host_tier: pick!(host_tier).unwrap_or_default(),
             calibration: None,
             origins,
         }
