@@ -245,46 +245,184 @@ fn make_executable(bin: &std::path::Path) -> anyhow::Result<()> {
 }
 
 /// `cargo xtask bench real-size --weights DIR [generate arguments]`: the CLI on a real-size checkpoint on the CPU
-/// (bf16, 256x256, 1 step, `--preset auto` on a simulated 16 GB card unless overridden), with its memory report:
-/// per phase the wall time and the process's peak resident set, per component the bytes loaded, and the peak
-/// against the goal of 1.1 x the weights plus the largest activation estimate.
+/// (bf16, 256x256, 1 step, release build) with its memory report, three times side by side: the RAM tier (every
+/// host copy in RAM: `--set host_tier=ram`, the whole model loaded first, as before the file tier), then twice the
+/// host budget's run (`--preset low_ram_safe --ram 4GB` on a simulated 8 GB card: the copies read from their
+/// checkpoint files; the second run's page cache is as warm as the machine's RAM leaves it). Per run and phase: the
+/// wall time, the anonymous peak beside the card's peak plus 2.0 GB (the host budget's goal), the time to the first
+/// denoising step; then the file tier's seconds per step over the RAM tier's (goal: at most 1.10). `--single` runs
+/// the given arguments once instead (the report of one run).
 fn real_size(rest: &[String]) -> anyhow::Result<()> {
     let has = |flag: &str| rest.iter().any(|a| a == flag);
     if !has("--weights") {
         bail!("pass --weights DIR: a real-size checkpoint (make one with `cargo xtask fixtures --real-size DIR`)");
     }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // Built first, so the timed runs are the generation alone and the release profile's, as a user runs it.
+    let mut build = Command::new(&cargo);
+    build.args(["build", "--release", "--quiet", "-p", "pipeline-zimage"]);
+    status(build, "cargo build --release -p pipeline-zimage")?;
+    let rest: Vec<String> = rest.iter().filter(|a| *a != "--single").cloned().collect();
+    if has("--single") {
+        let (stdout, wall) =
+            generate_real_size(&cargo, &with_defaults(&rest, &[("--card", "16GB"), ("--preset", "auto")]))?;
+        print!("{}", real_size_report(&stdout, wall)?);
+        return Ok(());
+    }
+    let budget = [("--card", "8GB"), ("--preset", "low_ram_safe")];
+    let mut ram_args = with_defaults(&rest, &budget);
+    ram_args.extend(["--set".to_string(), "host_tier=ram".to_string()]);
+    let mut file_args = with_defaults(&rest, &budget);
+    if !has("--ram") {
+        file_args.extend(["--ram".to_string(), "4GB".to_string()]);
+    }
+    let mut runs = Vec::new();
+    for (name, args) in [("ram tier", &ram_args), ("file tier, 1st", &file_args), ("file tier, 2nd", &file_args)] {
+        println!("running the {name}: pipeline-zimage {}", args.join(" "));
+        let (stdout, wall) = generate_real_size(&cargo, args)?;
+        runs.push((name, HostBudgetRun::read(&stdout, wall)?));
+    }
+    print!("{}", host_budget_report(&runs));
+    Ok(())
+}
+
+/// `generate --memory-report` with `rest`, and each of `defaults` the arguments do not set; 256x256, 1 step.
+fn with_defaults(rest: &[String], defaults: &[(&str, &str)]) -> Vec<String> {
+    let has = |flag: &str| rest.iter().any(|a| a == flag);
     let mut args: Vec<String> = vec!["generate".into(), "--memory-report".into()];
-    for (flag, value) in [("--height", "256"), ("--width", "256"), ("--steps", "1"), ("--card", "16GB")] {
+    for (flag, value) in [("--height", "256"), ("--width", "256"), ("--steps", "1")].iter().chain(defaults) {
         if !has(flag) {
             args.extend([flag.to_string(), value.to_string()]);
         }
-    }
-    if !has("--preset") && !has("--offload") {
-        args.extend(["--preset".to_string(), "auto".to_string()]);
     }
     if !has("--out") {
         args.extend(["--out".to_string(), std::env::temp_dir().join("real-size.png").display().to_string()]);
     }
     args.extend(rest.iter().cloned());
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    // Built first, so the timed run is the generation alone and the release profile's, as a user runs it.
-    let mut build = Command::new(&cargo);
-    build.args(["build", "--release", "--quiet", "-p", "pipeline-zimage"]);
-    status(build, "cargo build --release -p pipeline-zimage")?;
+    args
+}
+
+/// Runs the release CLI with `args`: its standard output and its wall time.
+fn generate_real_size(cargo: &str, args: &[String]) -> anyhow::Result<(String, f64)> {
     let started = std::time::Instant::now();
     let output = Command::new(cargo)
         .args(["run", "--release", "--quiet", "-p", "pipeline-zimage", "--"])
-        .args(&args)
+        .args(args)
         .current_dir(workspace_root())
         .output()
         .context("cannot start pipeline-zimage")?;
     let wall = started.elapsed().as_secs_f64();
-    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     if !output.status.success() {
         bail!("pipeline-zimage failed with {}:\n{stdout}\n{}", output.status, String::from_utf8_lossy(&output.stderr));
     }
-    print!("{}", real_size_report(&stdout, wall)?);
-    Ok(())
+    Ok((stdout, wall))
+}
+
+/// The host budget's goal: in every phase, the anonymous memory at most the card's peak in use plus this many
+/// bytes (the peers: 2.36 GB for ComfyUI's `--fast-disk`, 2.81 GB for diffusers' group offload to disk).
+const HOST_BUDGET_BEYOND_CARD: u64 = 2_000_000_000;
+
+/// The file tier's seconds per denoising step over the RAM tier's, at most.
+const GOAL_FILE_OVER_RAM: f64 = 1.10;
+
+/// One real-size run as its `--memory-report` lines tell it.
+#[derive(Debug, Clone, PartialEq)]
+struct HostBudgetRun {
+    /// Per phase (`load`, `encode`, `denoise`, `decode`): the anonymous peak and the card's peak in use.
+    phases: Vec<(String, u64, u64)>,
+    /// The weights' bytes.
+    weights: u64,
+    /// Seconds from the start of the run to its first denoising step.
+    first_step: f64,
+    /// The denoising phase's seconds, and its steps.
+    denoise: f64,
+    /// The whole run's wall time, the process's start included.
+    wall: f64,
+}
+
+impl HostBudgetRun {
+    fn read(stdout: &str, wall: f64) -> anyhow::Result<Self> {
+        let field = |line: &str, key: &str| -> Option<String> {
+            line.split_whitespace().find_map(|word| word.strip_prefix(&format!("{key}=")).map(str::to_string))
+        };
+        let mut phases = Vec::new();
+        let mut weights = 0;
+        for line in stdout.lines().filter(|l| l.starts_with("host_budget ")) {
+            let number = |key: &str| {
+                field(line, key).and_then(|v| v.parse::<u64>().ok()).with_context(|| format!("{key} in {line:?}"))
+            };
+            weights = number("weights")?;
+            phases.push((field(line, "phase").context("phase")?, number("anonymous_peak")?, number("card_peak")?));
+        }
+        if phases.is_empty() {
+            bail!("no host_budget lines in the CLI's output (run with --memory-report)");
+        }
+        let first_step = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("time_to_first_step seconds="))
+            .and_then(|v| v.trim().parse().ok())
+            .context("no time_to_first_step line")?;
+        let denoise = stdout
+            .lines()
+            .skip_while(|l| !l.starts_with("phases:"))
+            .find_map(|l| l.strip_prefix("denoise"))
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .context("no denoise phase time")?;
+        Ok(Self { phases, weights, first_step, denoise, wall })
+    }
+
+    /// Whether every phase held at most the card's peak plus [`HOST_BUDGET_BEYOND_CARD`].
+    fn within_budget(&self) -> bool {
+        self.phases.iter().all(|(_, anonymous, card)| *anonymous <= card + HOST_BUDGET_BEYOND_CARD)
+    }
+}
+
+/// The runs side by side: per run and phase the anonymous peak against the card's peak plus 2.0 GB, the time to the
+/// first step and the denoising time; then the file tier's denoising over the RAM tier's and the time to the first
+/// step of each.
+fn host_budget_report(runs: &[(&str, HostBudgetRun)]) -> String {
+    let gb = |bytes: u64| bytes as f64 / 1e9;
+    let mut out =
+        String::from("run              phase     anonymous peak   card peak   card + 2.0 GB   within   (GB)\n");
+    for (name, run) in runs {
+        for (phase, anonymous, card) in &run.phases {
+            let budget = card + HOST_BUDGET_BEYOND_CARD;
+            out.push_str(&format!(
+                "{name:<16} {phase:<8} {:>15.2} {:>11.2} {:>15.2}   {}\n",
+                gb(*anonymous),
+                gb(*card),
+                gb(budget),
+                if *anonymous <= budget { "yes" } else { "no" }
+            ));
+        }
+    }
+    out.push_str("\nrun              first step (s)   denoise (s)   whole run (s)   within the budget\n");
+    for (name, run) in runs {
+        out.push_str(&format!(
+            "{name:<16} {:>14.1} {:>13.1} {:>15.1}   {}\n",
+            run.first_step,
+            run.denoise,
+            run.wall,
+            if run.within_budget() { "every phase" } else { "no" }
+        ));
+    }
+    let ram = runs.iter().find(|(name, _)| name.starts_with("ram"));
+    let file = runs.iter().rev().find(|(name, _)| name.starts_with("file"));
+    if let (Some((_, ram)), Some((_, file))) = (ram, file) {
+        let ratio = file.denoise / ram.denoise.max(f64::MIN_POSITIVE);
+        out.push_str(&format!(
+            "\nweights {:.2} GB; the file tier's denoising step (last run) over the RAM tier's: {ratio:.3} (goal <= \
+             {GOAL_FILE_OVER_RAM}: {}); time to the first denoising step: file {:.1} s, RAM (the whole model loaded \
+             first) {:.1} s\n",
+            gb(file.weights),
+            if ratio <= GOAL_FILE_OVER_RAM { "met" } else { "missed" },
+            file.first_step,
+            ram.first_step
+        ));
+    }
+    out
 }
 
 /// The host-memory goal of a real-size run: its peak at most this many times the weights, plus the largest
@@ -385,6 +523,55 @@ denoise   157.988 s (release 0.000 s)
 decode     22.679 s (release 0.000 s)
 total     208.911 s
 ";
+
+    /// The lines of the CLI a host-budget run prints, among others it skips (made-up figures of the right shape).
+    fn budget_run(anonymous: [u64; 4], first_step: f64, denoise: f64) -> String {
+        let card: [u64; 4] = [0, 8_000_000_000, 7_900_000_000, 400_000_000];
+        let mut out = String::new();
+        for ((phase, a), c) in ["load", "encode", "denoise", "decode"].iter().zip(anonymous).zip(card) {
+            out.push_str(&format!("host_budget phase={phase} anonymous_peak={a} card_peak={c} weights=20320526278\n"));
+            if *phase == "encode" {
+                out.push_str(&format!("time_to_first_step seconds={first_step}\n"));
+            }
+        }
+        out.push_str(&format!("phases:\nencode 30.000 s (release 0.000 s)\ndenoise {denoise} s (release 0.000 s)\n"));
+        out
+    }
+
+    #[test]
+    fn the_host_budget_report_sets_the_runs_side_by_side() {
+        let ram = HostBudgetRun::read(
+            &budget_run([20_400_000_000, 20_500_000_000, 20_600_000_000, 20_600_000_000], 58.2, 150.0),
+            260.0,
+        )
+        .expect("a run");
+        let file = HostBudgetRun::read(
+            &budget_run([300_000_000, 9_100_000_000, 9_000_000_000, 1_100_000_000], 31.5, 160.0),
+            230.0,
+        )
+        .expect("a run");
+        assert!(!ram.within_budget() && file.within_budget());
+        let report = host_budget_report(&[("ram tier", ram), ("file tier, 2nd", file)]);
+        expect_test::expect![[r#"
+            run              phase     anonymous peak   card peak   card + 2.0 GB   within   (GB)
+            ram tier         load               20.40        0.00            2.00   no
+            ram tier         encode             20.50        8.00           10.00   no
+            ram tier         denoise            20.60        7.90            9.90   no
+            ram tier         decode             20.60        0.40            2.40   no
+            file tier, 2nd   load                0.30        0.00            2.00   yes
+            file tier, 2nd   encode              9.10        8.00           10.00   yes
+            file tier, 2nd   denoise             9.00        7.90            9.90   yes
+            file tier, 2nd   decode              1.10        0.40            2.40   yes
+
+            run              first step (s)   denoise (s)   whole run (s)   within the budget
+            ram tier                   58.2         150.0           260.0   no
+            file tier, 2nd             31.5         160.0           230.0   every phase
+
+            weights 20.32 GB; the file tier's denoising step (last run) over the RAM tier's: 1.067 (goal <= 1.1: met); time to the first denoising step: file 31.5 s, RAM (the whole model loaded first) 58.2 s
+        "#]]
+        .assert_eq(&report);
+        assert!(HostBudgetRun::read("no report", 1.0).is_err());
+    }
 
     #[test]
     fn the_real_size_report_reads_the_phases_and_the_peaks() {

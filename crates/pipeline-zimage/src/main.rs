@@ -664,6 +664,7 @@ fn resolve_settings(
 }
 
 fn generate(args: &Generate) -> anyhow::Result<()> {
+    let started = std::time::Instant::now();
     let weights = args.weights.clone().unwrap_or_else(default_weights);
     let env = environment();
     let planner = uses_planner(args, &env);
@@ -899,6 +900,10 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 format_size(peak),
             );
             println!("{}", host_budget_line(phase, anonymous_peak, device_peak(), weights));
+            if phase == "encode" {
+                // The first denoising step starts now: what a user waits for, loading included.
+                println!("time_to_first_step seconds={:.3}", started.elapsed().as_secs_f64());
+            }
             let _ = reset_peak_resident();
             anonymous.reset();
         }));
