@@ -437,6 +437,7 @@ impl Shared {
             reason: Some(why),
             available: reading.map(|r| r.available),
             peak: reading.map(|r| r.peak),
+            read: None,
         }
     }
 
@@ -468,6 +469,7 @@ impl Shared {
             reason: Some(reason),
             available: reading.map(|r| r.available),
             peak: reading.map(|r| r.peak),
+            read: None,
         });
     }
 
