@@ -154,6 +154,7 @@ mod store;
 pub mod view;
 pub mod vulkaninfo;
 mod walk;
+pub mod weights;
 pub mod whole;
 
 // The root holds what a model author meets (`docs/model-guide.md`); the mechanism stays in its modules.
