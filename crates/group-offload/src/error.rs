@@ -283,15 +283,37 @@ pub enum Error {
         problem: String,
     },
 
-    /// A file tensor does not fit the model's parameter of the same name (its shape or its dtype).
-    #[error("cannot bind {tensor} from {file}: {problem}; the checkpoint does not match the model's config")]
-    WeightMismatch {
+    /// A file tensor's shape is not the shape of the model's parameter of the same name.
+    #[error(
+        "cannot bind {tensor} from {file}: it has shape {found:?}, the model's parameter {expected:?}; the checkpoint \
+         does not match the model's config"
+    )]
+    WeightShape {
         /// The parameter's path.
         tensor: String,
         /// The file that holds the tensor.
         file: String,
-        /// How they differ.
-        problem: String,
+        /// The parameter's shape.
+        expected: Vec<usize>,
+        /// The tensor's shape in the file.
+        found: Vec<usize>,
+    },
+
+    /// A file tensor's dtype is not one the model's parameter of the same name holds (an integer tensor for a
+    /// float parameter, a dtype burn does not read).
+    #[error(
+        "cannot bind {tensor} from {file}: it is stored as {found}, which a {expected} parameter cannot hold; the \
+         checkpoint does not match the model"
+    )]
+    WeightDType {
+        /// The parameter's path.
+        tensor: String,
+        /// The file that holds the tensor.
+        file: String,
+        /// The kind of parameter: `float`, `int`, `bool`.
+        expected: String,
+        /// The dtype the file stores, as safetensors names it (`I32`).
+        found: String,
     },
 
     /// A binding left parameters without a file tensor or file tensors without a parameter.

@@ -519,8 +519,8 @@ fn materialise<const D: usize>(shared: &TableShared, entry: &BoundTensor, device
 /// [`FileTable`]; int and bool parameters the index holds are read now (they are small and never streamed).
 /// Nothing else is read. Parameters the index does not hold are left as the model built them.
 ///
-/// Refused with [`Error::WeightMismatch`] when a tensor's shape is not the parameter's, or its dtype is not one a
-/// parameter of that kind holds; with [`Error::PartialBind`] when parameters are missing or file tensors unused,
+/// Refused with [`Error::WeightShape`] when a tensor's shape is not the parameter's, [`Error::WeightDType`] when
+/// its dtype is not one a parameter of that kind holds; with [`Error::PartialBind`] when parameters are missing or file tensors unused,
 /// unless [`BindOptions::allow_partial`].
 pub fn bind<M: Module>(model: M, index: &WeightIndex, options: &BindOptions) -> Result<(M, FileTable, BindReport)> {
     let shared = Arc::new(TableShared {
@@ -581,19 +581,23 @@ impl Binder<'_> {
             self.missing.push(path);
             return None;
         };
-        let mismatch = |problem: String| Error::WeightMismatch {
-            tensor: path.clone(),
-            file: tensor.path().display().to_string(),
-            problem,
-        };
+        let file = tensor.path().display().to_string();
         let failure = if tensor.shape != shape.as_slice() {
-            Some(mismatch(format!("its shape is {:?}, the model's parameter is {:?}", tensor.shape, shape.as_slice())))
+            Some(Error::WeightShape {
+                tensor: path.clone(),
+                file,
+                expected: shape.as_slice().to_vec(),
+                found: tensor.shape.clone(),
+            })
         } else {
             match tensor.dtype {
                 Some(dtype) if fits(dtype) => None,
-                _ => {
-                    Some(mismatch(format!("it is stored as {:?}, which a {kind} parameter cannot hold", tensor.stored)))
-                }
+                _ => Some(Error::WeightDType {
+                    tensor: path.clone(),
+                    file,
+                    expected: kind.to_string(),
+                    found: format!("{:?}", tensor.stored),
+                }),
             }
         };
         if let Some(failure) = failure {
