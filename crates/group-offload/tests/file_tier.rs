@@ -387,7 +387,8 @@ fn a_damaged_checkpoint_is_refused_when_it_opens() {
         assert!(message.ends_with("re-download it, or check that the path names the component's weights"), "{message}");
     }
     // Two tensors renamed to one name.
-    let error = WeightIndex::open(&[path.clone()], |name: &str| name.replace("fc1", "fc2")).expect_err("refused");
+    let error =
+        WeightIndex::open(std::slice::from_ref(&path), |name: &str| name.replace("fc1", "fc2")).expect_err("refused");
     assert!(error.to_string().contains("after the renames"), "{error}");
 }
 
@@ -473,7 +474,7 @@ fn a_transform_quantizes_tensor_by_tensor_as_groups_are_taken_apart() {
     let (_dir, path) = checkpoint(DType::F32);
     let reference = quantized(loaded(&path));
     let want = bits(whole(reference.weights().forward(ids(&device), "fc2")));
-    let index = WeightIndex::open(&[path.clone()], str::to_string).expect("the index opens");
+    let index = WeightIndex::open(std::slice::from_ref(&path), str::to_string).expect("the index opens");
     let options = BindOptions::new().with_transform(Arc::new(Q8Linears));
     let (model, table, _) = bind(toy(&device), &index, &options).expect("it binds");
     // The sizes are the quantized ones before anything is read.
@@ -552,7 +553,7 @@ fn a_model_with_no_parts_moves_whole_from_its_file() {
     let x = Tensor::<2>::ones([2, WIDTH], (&device, DType::BF16));
     let want = reference.norm.forward(reference.fc.forward(x.clone())).into_data();
 
-    let index = WeightIndex::open(&[path.clone()], str::to_string).expect("the index opens");
+    let index = WeightIndex::open(std::slice::from_ref(&path), str::to_string).expect("the index opens");
     let (model, table, _) = bind(head(), &index, &BindOptions::new()).expect("it binds");
     let card = card();
     let manager = Arc::new(ComponentsManager::new());

@@ -116,7 +116,7 @@ fn a_checkpoint_four_times_the_bound_streams_within_it() {
     let bound = file_bytes / 4;
 
     let before_bind = anonymous();
-    let index = WeightIndex::open(&[path.clone()], str::to_string).expect("the index opens");
+    let index = WeightIndex::open(std::slice::from_ref(&path), str::to_string).expect("the index opens");
     let (model, table, report) = bind(net(&device), &index, &BindOptions::new()).expect("it binds");
     assert!(report.is_complete(), "{report:?}");
     let card = SimCard::new(CardSpec::parse("64MiB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0));
