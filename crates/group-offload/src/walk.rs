@@ -140,6 +140,16 @@ impl Extractor<'_> {
                 return None;
             }
         };
+        if matches!(data.dtype(), DType::QFloat(_)) && data.shape().num_dims() > MAX_QUANTIZED_RANK {
+            let path = self.dotted();
+            self.invalid(format!(
+                "parameter {path} is quantized by its binding's transform with rank {}; group offload uploads \
+                 quantized parameters in their own shape up to rank {MAX_QUANTIZED_RANK}: leave it out of the \
+                 transform",
+                data.shape().num_dims()
+            ));
+            return None;
+        }
         let (bytes, dtype) = self.host_bytes(data)?;
         let len = bytes.len() as u64;
         Some((HostTensor::Bytes(bytes), dtype, len))

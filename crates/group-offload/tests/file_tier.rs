@@ -572,3 +572,37 @@ fn a_model_with_no_parts_moves_whole_from_its_file() {
     manager.disable_auto_offload().expect("offloaded");
     assert_eq!(card.allocated(), 0);
 }
+
+#[test]
+fn every_group_read_is_a_file_read_span_on_the_thread_that_uploads_it() {
+    let device = Device::flex();
+    let (_dir, path) = checkpoint(DType::BF16);
+    let (model, table) = bound(&path);
+    let manager = Arc::new(ComponentsManager::new());
+    let timeline = offload_core::Timeline::enabled();
+    manager.set_timeline(timeline.clone());
+    let mut handle =
+        ModelHandle::register_files(&manager, "toy", model, table, Placement::host_only()).expect("it registers");
+    handle.enable_group_offload(&GroupOptions::default()).expect("it streams");
+    let offload = handle.group_offload().expect("grouped").clone();
+    let before = offload.host_checksums();
+    for _ in 0..2 {
+        handle.run(0, |weights, _| weights.forward(ids(&device), "fc2")).expect("a forward");
+    }
+    offload.wait_idle();
+    // Checksums read the file groups tensor by tensor, and nothing changed them.
+    assert!(before.iter().all(|(_, sum)| sum.is_ok()), "{before:?}");
+    assert_eq!(offload.host_checksums(), before);
+    let events = timeline.events();
+    let reads: Vec<_> = events.iter().filter(|e| e.category == "file_read").collect();
+    assert_eq!(reads.len() as u64, offload.disk_totals().reads);
+    for read in &reads {
+        let upload = events.iter().find(|u| {
+            u.category == "upload" && u.name == read.name && u.thread == read.thread && u.start_ns <= read.start_ns
+        });
+        assert!(upload.is_some(), "{read:?} is inside no upload of its group on its thread");
+    }
+    let threads = timeline.threads();
+    let worker = |tid: u64| threads.iter().any(|t| t.tid == tid && t.name.starts_with("group-offload-"));
+    assert!(reads.iter().any(|r| worker(r.thread)), "no prefetch read on the worker: {threads:?}");
+}
