@@ -606,3 +606,35 @@ fn every_group_read_is_a_file_read_span_on_the_thread_that_uploads_it() {
     let worker = |tid: u64| threads.iter().any(|t| t.tid == tid && t.name.starts_with("group-offload-"));
     assert!(reads.iter().any(|r| worker(r.thread)), "no prefetch read on the worker: {threads:?}");
 }
+
+#[test]
+fn a_bound_model_rewritten_in_place_is_split_again_and_holds_only_what_was_written() {
+    let device = Device::flex();
+    let (_dir, path) = checkpoint(DType::F32);
+    let reference = loaded(&path);
+    let x = ids(&device);
+    let (model, table) = bound(&path);
+    let manager = Arc::new(ComponentsManager::new());
+    let mut handle = ModelHandle::register_files(&manager, "toy", model, table.clone(), Placement::host_only())
+        .expect("it registers");
+    handle.enable_group_offload(&GroupOptions::default()).expect("it streams");
+    let old_id = handle.id().to_string();
+    // A rewrite that doubles the head's weight (as a fused LoRA rewrites a layer): read from the file, then held
+    // in memory as an initialised parameter, while every other weight stays in the file.
+    handle
+        .rebuild(|mut model| {
+            model.head.weight = model.head.weight.map(|w| w * 2.0);
+            (model, ())
+        })
+        .expect("rewritten");
+    assert_ne!(handle.id(), old_id, "re-registered");
+    let mut doubled = reference;
+    doubled.head.weight = doubled.head.weight.map(|w| w * 2.0);
+    let want = bits(whole(doubled.weights().forward(x.clone(), "fc2")));
+    let out = handle.run(0, |weights, _| weights.forward(x.clone(), "fc2")).expect("a forward");
+    assert_eq!(bits(out), want);
+    let offload = handle.group_offload().expect("still streamed at the same level");
+    assert_eq!(offload.groups().len(), BLOCKS + 1);
+    assert_eq!(offload.host_memory_bytes(), (WIDTH * 8 * 4) as u64, "only the rewritten weight is in memory");
+    assert_eq!(table.materialised(), (1, vec!["head.weight".to_string()]));
+}
