@@ -273,14 +273,14 @@ pub enum Error {
 
     /// A checkpoint file the file tier cannot use: it does not open, its header is damaged or past safetensors'
     /// limit, it is shorter than its header says, or two of its tensors reach one name.
-    #[error(
-        "cannot use the checkpoint file {path}: {problem}; re-download it, or check that the path names the component's weights"
-    )]
+    #[error("cannot use the checkpoint file {path}: {problem}; {fix}")]
     WeightFile {
         /// The file.
         path: String,
         /// What is wrong with it.
         problem: String,
+        /// What to do.
+        fix: String,
     },
 
     /// A file tensor's shape is not the shape of the model's parameter of the same name.

@@ -139,7 +139,11 @@ impl WeightIndex {
         let mut index = Self { files: files.to_vec(), tensors: BTreeMap::new() };
         let mut origin: HashMap<String, String> = HashMap::new();
         for path in files {
-            let refused = |problem: String| Error::WeightFile { path: path.display().to_string(), problem };
+            let refused = |problem: String| Error::WeightFile {
+                path: path.display().to_string(),
+                problem,
+                fix: "re-download it, or check that the path names the component's weights".into(),
+            };
             let file = File::open(path).map_err(|e| refused(format!("it cannot be opened: {e}")))?;
             let len = file.metadata().map_err(|e| refused(format!("its size cannot be read: {e}")))?.len();
             let mut prefix = [0u8; 8];
@@ -183,10 +187,14 @@ impl WeightIndex {
                 let key = rename(&name);
                 let here = format!("{name} in {}", path.display());
                 if let Some(first) = origin.insert(key.clone(), here.clone()) {
-                    return Err(refused(format!(
-                        "its tensor {name} is named {key} after the renames, as {first} is; give each tensor its \
-                         own name"
-                    )));
+                    return Err(Error::WeightFile {
+                        path: path.display().to_string(),
+                        problem: format!(
+                            "its tensor {name} is named {key} after the key renames, as {first} is: the renames map \
+                             two tensors to one parameter"
+                        ),
+                        fix: "fix the renames, or the shard list if a shard is given twice".into(),
+                    });
                 }
                 let (start, end) = info.data_offsets;
                 index.tensors.insert(

@@ -383,13 +383,19 @@ fn a_damaged_checkpoint_is_refused_when_it_opens() {
         let error = open(&file).expect_err("refused");
         assert!(matches!(error, Error::WeightFile { .. }), "{error:?}");
         let message = error.to_string();
+        println!("{message}");
         assert!(message.contains(&words), "{}: {message}", file.display());
         assert!(message.ends_with("re-download it, or check that the path names the component's weights"), "{message}");
     }
     // Two tensors renamed to one name.
     let error =
         WeightIndex::open(std::slice::from_ref(&path), |name: &str| name.replace("fc1", "fc2")).expect_err("refused");
-    assert!(error.to_string().contains("after the renames"), "{error}");
+    println!("{error}");
+    assert!(
+        error.to_string().contains("after the key renames")
+            && error.to_string().ends_with("fix the renames, or the shard list if a shard is given twice"),
+        "{error}"
+    );
 }
 
 #[test]
@@ -417,6 +423,7 @@ fn a_file_truncated_under_a_running_model_is_a_typed_error_when_a_group_reads_it
     };
     assert!(matches!(inner, Some(Error::FileRead { .. })), "{error:#?}");
     let message = error.to_string();
+    println!("{message}");
     assert!(message.contains("failed to fill whole buffer"), "{message}");
     assert!(
         message.contains("the checkpoint file changed or was truncated after it was opened: restore it"),

@@ -477,7 +477,7 @@ pub fn bind_files<M: Module>(
 /// The loader's error for a binding's: the same variants [`load_component`] returns for the same faults.
 fn bind_error(error: group_offload::Error) -> Error {
     match error {
-        group_offload::Error::WeightFile { path, problem } => {
+        group_offload::Error::WeightFile { path, problem, .. } => {
             Error::CorruptWeights { file: PathBuf::from(path), reason: problem }
         }
         group_offload::Error::WeightShape { tensor, file, expected, found } => {
