@@ -527,6 +527,11 @@ fn materialise<const D: usize>(shared: &TableShared, entry: &BoundTensor, device
 /// [`FileTable`]; int and bool parameters the index holds are read now (they are small and never streamed).
 /// Nothing else is read. Parameters the index does not hold are left as the model built them.
 ///
+/// Register the bound model with [`ModelHandle::register_files`](crate::ModelHandle::register_files), never with
+/// `ModelHandle::register`: a model moved whole by burn's `to_device` (and sized without the table) reads every
+/// parameter into memory, which is what the file tier exists to avoid. Measure it with the table
+/// ([`crate::whole::module_bytes_with`], [`crate::model::measure_layout_with`]); the functions without it read it.
+///
 /// Refused with [`Error::WeightShape`] when a tensor's shape is not the parameter's, [`Error::WeightDType`] when
 /// its dtype is not one a parameter of that kind holds; with [`Error::PartialBind`] when parameters are missing or file tensors unused,
 /// unless [`BindOptions::allow_partial`].
