@@ -12,11 +12,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use burn::tensor::Device;
-use offload_core::link::LinkMeter;
+use offload_core::link::{DiskMeter, LinkMeter};
 use offload_core::plan::MAX_PREFETCH_DEPTH;
 use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, OffloadRecord, Timeline};
 
 use crate::error::{Error, Result};
+use crate::weights::FileTable;
 
 /// How a group offloader is set up. Build it with [`GroupOffloadConfig::new`] and the `with_*` methods.
 #[derive(Clone)]
@@ -58,6 +59,13 @@ pub struct GroupOffloadConfig {
     /// Whether each upload is synced and read back before its group is published (`true` by default); see
     /// [`GroupOptions::check_uploads`](crate::GroupOptions::check_uploads).
     pub check_uploads: bool,
+    /// The table of a model bound to its checkpoint files ([`crate::weights`]): a parameter it holds that nothing
+    /// read yet keeps its file tensor as its host copy, read at each upload (the file tier). `None`: every host
+    /// copy is taken from the model's tensors.
+    pub files: Option<FileTable>,
+    /// The clock every read of a host copy from a file is timed on (a group's checkpoint file, or its disk-store
+    /// file): the file table's meter for a model registered from its files, its own otherwise.
+    pub disk: Arc<DiskMeter>,
 }
 
 impl fmt::Debug for GroupOffloadConfig {
@@ -73,6 +81,7 @@ impl fmt::Debug for GroupOffloadConfig {
             .field("memory", &self.memory.is_some())
             .field("record", &self.record.is_some())
             .field("timeline", &self.timeline.is_enabled())
+            .field("files", &self.files)
             .finish()
     }
 }
@@ -100,7 +109,23 @@ impl GroupOffloadConfig {
             timeline: Timeline::disabled(),
             link: Arc::default(),
             check_uploads: true,
+            files: None,
+            disk: Arc::default(),
         }
+    }
+
+    /// Takes the host copies of the parameters `files` binds from their checkpoint files (the file tier), and
+    /// times every file read on its meter.
+    pub fn with_files(mut self, files: FileTable) -> Self {
+        self.disk = files.meter().clone();
+        self.files = Some(files);
+        self
+    }
+
+    /// Times every read of a host copy from a file on `disk`.
+    pub fn with_disk_meter(mut self, disk: Arc<DiskMeter>) -> Self {
+        self.disk = disk;
+        self
     }
 
     /// Syncs and reads back each upload before its group is published (`true`), or publishes it once its copies

@@ -21,15 +21,15 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use burn::tensor::Device;
-use offload_core::link::LinkSample;
+use offload_core::link::{DiskSample, LinkSample};
 use offload_core::timeline::category;
-use offload_core::{Action, ComponentError, DeviceName, Direction, OffloadEvent, Reason, Refusals};
+use offload_core::{Action, ComponentError, DeviceName, Direction, FileRead, OffloadEvent, Reason, Refusals};
 use parking_lot::{Condvar, Mutex};
 
 use crate::config::GroupOffloadConfig;
 use crate::device::{catch_device_panic, check_device, check_outputs};
 use crate::error::{Error, Result};
-use crate::store::GroupHost;
+use crate::store::{GroupHost, HostReadError};
 use crate::walk::DeviceTensor;
 
 /// Counters of one offloader since it was built. Read them with [`GroupOffload::stats`](crate::parts::GroupOffload::stats).
@@ -100,30 +100,13 @@ struct State {
     stats: GroupStats,
     /// The first parameters loaded outside their groups (at most [`STRAYS_KEPT`]), for the streaming check.
     strays: Vec<String>,
-    /// The first stray load that could not read its host copy since the last call ended (the disk file vanished),
-    /// as the error the call returns.
-    stray_failure: Option<StrayFailure>,
+    /// The first stray load that could not read its host copy since the last call ended (the disk file vanished,
+    /// the checkpoint file was truncated), as the error the call returns.
+    stray_failure: Option<Error>,
     /// Whether the warning of a capture past [`CAPTURE_LIMIT`] was given.
     capture_warned: bool,
     /// The prefetches refused or failed since the last forward reported them ([`Engine::take_refusals`]).
     refusals: Refusals,
-}
-
-/// A stray load whose host copy could not be read: what the call that made it fails with.
-#[derive(Debug, Clone)]
-pub(crate) struct StrayFailure {
-    /// The group's record id.
-    group: String,
-    /// Its file, or `memory`.
-    path: String,
-    /// The parameter and what the read reported.
-    message: String,
-}
-
-impl From<StrayFailure> for Error {
-    fn from(failure: StrayFailure) -> Self {
-        Error::Disk { group: failure.group, path: failure.path, message: failure.message }
-    }
 }
 
 /// How many stray parameters' names the engine keeps.
@@ -437,6 +420,7 @@ impl Shared {
             reason: Some(why),
             available: reading.map(|r| r.available),
             peak: reading.map(|r| r.peak),
+            read: None,
         }
     }
 
@@ -468,6 +452,7 @@ impl Shared {
             reason: Some(reason),
             available: reading.map(|r| r.available),
             peak: reading.map(|r| r.peak),
+            read: None,
         });
     }
 
@@ -553,9 +538,18 @@ impl Shared {
             ledger.transfer(host.bytes, Direction::HostToDevice)
         };
         copied.map_err(|e| self.onload_error(host, e))?;
-        let data = host
-            .load_upload()
-            .map_err(|message| self.onload_error(host, ComponentError::Transfer { what: host.id.clone(), message }))?;
+        let loaded = host.load_upload(&self.config.timeline).map_err(|error| match error {
+            // A checkpoint file that cannot be read is its own error: freeing memory would not help.
+            HostReadError::File(error) => error,
+            HostReadError::Disk(message) => {
+                self.onload_error(host, ComponentError::Transfer { what: host.id.clone(), message })
+            }
+        })?;
+        let read = loaded.read.map(|(bytes, seconds)| {
+            self.config.disk.note(DiskSample { bytes, seconds });
+            FileRead { bytes, nanos: (seconds * 1e9) as u64 }
+        });
+        let data = loaded.data;
         let device = &self.config.device;
         let memory = self.config.memory.as_deref();
         if self.config.check_uploads {
@@ -570,7 +564,10 @@ impl Shared {
         }
         let copy_started = std::time::Instant::now();
         let built = catch_device_panic(|| {
-            data.into_iter().map(|d| DeviceTensor::upload(d, device)).collect::<std::result::Result<Vec<_>, String>>()
+            data.into_iter()
+                .zip(&host.tensors)
+                .map(|(d, meta)| DeviceTensor::upload(d, device, meta.dtype))
+                .collect::<std::result::Result<Vec<_>, String>>()
         });
         let built = match built {
             Ok(Ok(tensors)) => Ok(tensors),
@@ -600,7 +597,17 @@ impl Shared {
             let seconds = copy_started.elapsed().as_secs_f64();
             self.config.link.note(LinkSample { bytes: host.bytes, seconds, page_locked: host.page_locked });
         }
-        self.record_with(Action::Onload, &host.id, host.bytes, reason, reading);
+        if let Some(record) = &self.config.record {
+            record.add(OffloadEvent {
+                action: Action::Onload,
+                id: host.id.clone(),
+                bytes: host.bytes,
+                reason: Some(reason),
+                available: reading.map(|r| r.available),
+                peak: reading.map(|r| r.peak),
+                read,
+            });
+        }
         Ok(tensors.into())
     }
 
@@ -1026,17 +1033,15 @@ impl Engine {
         tracing::warn!(parameter = name, "a parameter outside the taken groups was used; loaded it synchronously");
     }
 
-    /// Records a stray load that could not read `group`'s host copy; the call that made it fails with it
+    /// Records a stray load that could not read its host copy; the call that made it fails with it
     /// ([`take_stray_failure`](Self::take_stray_failure)). The first failure of a call is kept.
-    pub fn fail_stray(&self, group: &str, path: Option<&std::path::Path>, message: String) {
-        let mut state = self.shared.state.lock();
-        let path = path.map_or_else(|| "memory".to_string(), |p| p.display().to_string());
-        tracing::error!(group, path = path.as_str(), "a stray load could not read its host copy: {message}");
-        state.stray_failure.get_or_insert(StrayFailure { group: group.to_string(), path, message });
+    pub fn fail_stray(&self, error: Error) {
+        tracing::error!("a stray load could not read its host copy: {error}");
+        self.shared.state.lock().stray_failure.get_or_insert(error);
     }
 
     /// The stray-load failure recorded since the last call, if any, cleared.
-    pub fn take_stray_failure(&self) -> Option<StrayFailure> {
+    pub fn take_stray_failure(&self) -> Option<Error> {
         self.shared.state.lock().stray_failure.take()
     }
 
@@ -1077,6 +1082,16 @@ impl Engine {
         state.capture_warned = false;
         state.order.clear();
         state.cursor = None;
+    }
+
+    /// The bytes of host copies held in host memory.
+    pub fn host_memory_bytes(&self) -> u64 {
+        self.shared.state.lock().groups.iter().map(|g| g.host.memory_bytes()).sum()
+    }
+
+    /// The bytes of host copies read from checkpoint files at each upload.
+    pub fn file_bytes(&self) -> u64 {
+        self.shared.state.lock().groups.iter().map(|g| g.host.file_bytes()).sum()
     }
 
     /// Sum of all groups' bytes.

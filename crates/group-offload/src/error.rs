@@ -297,6 +297,97 @@ pub enum Error {
         /// What went wrong.
         problem: String,
     },
+
+    /// A checkpoint file the file tier cannot use: it does not open, its header is damaged or past safetensors'
+    /// limit, it is shorter than its header says, or two of its tensors reach one name.
+    #[error("cannot use the checkpoint file {path}: {problem}; {fix}")]
+    WeightFile {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        problem: String,
+        /// What to do.
+        fix: String,
+    },
+
+    /// A file tensor's shape is not the shape of the model's parameter of the same name.
+    #[error(
+        "cannot bind {tensor} from {file}: it has shape {found:?}, the model's parameter {expected:?}; the checkpoint \
+         does not match the model's config"
+    )]
+    WeightShape {
+        /// The parameter's path.
+        tensor: String,
+        /// The file that holds the tensor.
+        file: String,
+        /// The parameter's shape.
+        expected: Vec<usize>,
+        /// The tensor's shape in the file.
+        found: Vec<usize>,
+    },
+
+    /// A file tensor's dtype is not one the model's parameter of the same name holds (an integer tensor for a
+    /// float parameter, a dtype burn does not read).
+    #[error(
+        "cannot bind {tensor} from {file}: it is stored as {found}, which a {expected} parameter cannot hold; the \
+         checkpoint does not match the model"
+    )]
+    WeightDType {
+        /// The parameter's path.
+        tensor: String,
+        /// The file that holds the tensor.
+        file: String,
+        /// The kind of parameter: `float`, `int`, `bool`.
+        expected: String,
+        /// The dtype the file stores, as safetensors names it (`I32`).
+        found: String,
+    },
+
+    /// A binding left parameters without a file tensor or file tensors without a parameter.
+    #[error(
+        "binding to the checkpoint left {} parameter(s) missing (first: {}) and {} file tensor(s) unused (first: {}); \
+         the checkpoint does not match the model, or it needs key renames: allow a partial binding only if that is \
+         intended",
+        missing.len(),
+        missing.first().map_or("none", String::as_str),
+        unused.len(),
+        unused.first().map_or("none", String::as_str)
+    )]
+    PartialBind {
+        /// Parameters no file holds, sorted.
+        missing: Vec<String>,
+        /// File tensors no parameter took, sorted.
+        unused: Vec<String>,
+    },
+
+    /// A tensor could not be read from its checkpoint file (the file tier): the file was truncated or replaced
+    /// after it was opened, or the disk failed. Nothing was uploaded for it.
+    #[error(
+        "cannot read {tensor} from {file} ({} at offset {offset}): {message}; the checkpoint file changed or was \
+         truncated after it was opened: restore it (re-download it) and load the model again",
+        format_size(*bytes)
+    )]
+    FileRead {
+        /// The tensor's name in the file.
+        tensor: String,
+        /// The file.
+        file: String,
+        /// Where its bytes start.
+        offset: u64,
+        /// Its bytes.
+        bytes: u64,
+        /// What the read reported.
+        message: String,
+    },
+
+    /// A tensor transform (quantization, say) failed on a tensor read from its checkpoint file.
+    #[error("the tensor transform failed on {tensor}: {message}; leave this tensor out of the transform")]
+    Transform {
+        /// The parameter's path.
+        tensor: String,
+        /// What the transform reported.
+        message: String,
+    },
 }
 
 impl Error {

@@ -24,16 +24,26 @@ use crate::config::GroupOffloadConfig;
 use crate::device::{DeviceOutput, run_call_making_room};
 use crate::engine::GroupStats;
 use crate::error::{Error, Result};
-use crate::model::{GroupOptions, OffloadModel, Split, measure_layout, measure_layout_on};
-use crate::parts::GroupOffload;
-use crate::whole::{BurnComponent, Placement, module_is_quantized};
+use crate::model::{GroupOptions, OffloadModel, Split, measure_layout, measure_layout_on, measure_layout_with};
+use crate::parts::{GroupOffload, ModuleOffload};
+use crate::weights::FileTable;
+use crate::whole::{BurnComponent, Placement, module_is_quantized, module_is_quantized_with};
+
+/// How a grouped model was taken apart.
+enum Layout<M: OffloadModel> {
+    /// Into its declared parts (block or leaf level).
+    Parts(M::Parts),
+    /// Into one group, the whole module: a model moved whole by the manager from a host copy the offloader
+    /// holds (a model bound to its checkpoint file, which is never copied whole into memory).
+    Whole(ModuleOffload<M>),
+}
 
 /// A model taken apart for group offload: its parts, the offloader that streams them, the ledger its activations
 /// are charged to. Registered with the manager as group-offloaded (never evicted wholesale) unless
 /// [`GroupOptions::releasable`].
 pub struct GroupedModel<M: OffloadModel> {
     model: GroupOffloadedModel,
-    parts: M::Parts,
+    parts: Layout<M>,
     ledger: Arc<dyn DeviceLedger>,
     exec: Device,
     releasable: bool,
@@ -68,7 +78,46 @@ impl<M: OffloadModel> GroupedModel<M> {
     fn split(model: M, offload: GroupOffload, options: &GroupOptions, ledger: Arc<dyn DeviceLedger>) -> Result<Self> {
         let parts = model.split(&Split::new(&offload, options, M::leaf_types()))?;
         let exec = offload.config().device.clone();
-        Ok(Self { model: GroupOffloadedModel::new(offload), parts, ledger, exec, releasable: options.releasable })
+        Ok(Self {
+            model: GroupOffloadedModel::new(offload),
+            parts: Layout::Parts(parts),
+            ledger,
+            exec,
+            releasable: options.releasable,
+        })
+    }
+
+    /// Takes `model` into one group, the whole module, named `whole` (the record shows `{model}/whole`): resident
+    /// when `options` keep the layers outside the blocks (uploaded when the manager onloads the model, and kept
+    /// until the manager releases it whole, which [`GroupOptions::releasable`] allows), streamed otherwise
+    /// (uploaded for each call). What a model that declares no parts (a VAE) moves as when its host copy is its
+    /// checkpoint file ([`ModelHandle::register_files`]).
+    pub fn whole(
+        model: M,
+        config: GroupOffloadConfig,
+        options: &GroupOptions,
+        ledger: Arc<dyn DeviceLedger>,
+    ) -> Result<Self> {
+        options.validate(&config.model)?;
+        let offload = GroupOffload::new(options.configure(config))?;
+        Self::split_whole(model, offload, options, ledger)
+    }
+
+    fn split_whole(
+        model: M,
+        offload: GroupOffload,
+        options: &GroupOptions,
+        ledger: Arc<dyn DeviceLedger>,
+    ) -> Result<Self> {
+        let part = offload.module("whole", model, options.outside())?;
+        let exec = offload.config().device.clone();
+        Ok(Self {
+            model: GroupOffloadedModel::new(offload),
+            parts: Layout::Whole(part),
+            ledger,
+            exec,
+            releasable: options.releasable,
+        })
     }
 
     /// The offloader, for its statistics and call order.
@@ -76,21 +125,39 @@ impl<M: OffloadModel> GroupedModel<M> {
         self.model.offload()
     }
 
-    /// The weights as the forward reads them. A forward over them outside [`call`](Self::call) is not one
-    /// [`GroupOffload::run`], so it does not end the capture.
-    pub fn weights(&self) -> M::Weights<'_> {
-        M::streamed(&self.parts)
+    /// The weights as the forward reads them; `None` for a model taken into one whole group
+    /// ([`whole`](Self::whole)), whose weights exist only while a call borrows its group. A forward over them
+    /// outside [`call`](Self::call) is not one [`GroupOffload::run`], so it does not end the capture.
+    pub fn weights(&self) -> Option<M::Weights<'_>> {
+        match &self.parts {
+            Layout::Parts(parts) => Some(M::streamed(parts)),
+            Layout::Whole(_) => None,
+        }
     }
 
     /// One forward over the weights, with no device accounting: one [`GroupOffload::run`] (the first is the
     /// capture). [`run`](Self::run) is the same with the call's activations charged and the device checked.
     /// The closure's error type takes this crate's ([`Error`]): the run fails with it when a stray load cannot
-    /// read its host copy.
+    /// read its host copy, or when a parameter bound to its checkpoint file was read through its initialiser and
+    /// the read failed.
     pub fn call<T, E: From<Error>>(
         &self,
         forward: impl FnOnce(M::Weights<'_>) -> std::result::Result<T, E>,
     ) -> std::result::Result<T, E> {
-        self.offload().run(|| forward(self.weights()))
+        let files = self.offload().config().files.clone();
+        self.offload().run(|| {
+            let out = match &self.parts {
+                Layout::Parts(parts) => forward(M::streamed(parts)),
+                Layout::Whole(part) => {
+                    let guard = part.get()?;
+                    forward(guard.weights())
+                }
+            };
+            match files.as_ref().and_then(FileTable::take_failure) {
+                Some(failure) => Err(E::from(failure)),
+                None => out,
+            }
+        })
     }
 
     /// Runs `f` over the weights with `activation_bytes` accounted on the ledger, as [`BurnComponent::run`] does
@@ -101,15 +168,29 @@ impl<M: OffloadModel> GroupedModel<M> {
         f: impl FnOnce(M::Weights<'_>, &Device) -> std::result::Result<R, E>,
     ) -> std::result::Result<R, ComponentError> {
         let config = self.model.offload().config();
-        let (name, memory) = (config.device_name.clone(), config.memory.clone());
-        let (exec, weights) = (&self.exec, M::streamed(&self.parts));
+        let (name, memory, files) = (config.device_name.clone(), config.memory.clone(), config.files.clone());
+        let (exec, parts) = (&self.exec, &self.parts);
         // One call is one forward: the first that returns ends the capture of the call order.
         let offload = self.model.offload();
         // Activations the device refuses are first made room for with the groups prefetched for this call that
         // it has not taken yet: the worker must never starve the call it prefetches for.
         let make_room = || offload.release_idle_prefetches() > 0;
         run_call_making_room(exec, &name, self.ledger.as_ref(), memory.as_deref(), activation_bytes, make_room, || {
-            offload.run(|| f(weights, exec).map_err(Into::into))
+            offload.run(|| {
+                let out = match parts {
+                    Layout::Parts(parts) => f(M::streamed(parts), exec).map_err(Into::into),
+                    Layout::Whole(part) => {
+                        let guard = part.get().map_err(ComponentError::from)?;
+                        f(guard.weights(), exec).map_err(Into::into)
+                    }
+                };
+                // A bound parameter read through its initialiser read zeros where its file failed: the call's
+                // output is not to be used.
+                match files.as_ref().and_then(FileTable::take_failure) {
+                    Some(failure) => Err(ComponentError::from(failure)),
+                    None => out,
+                }
+            })
         })
     }
 }
@@ -160,7 +241,19 @@ pub struct ModelHandle<M: OffloadModel> {
     id: String,
     placement: Placement,
     grouped: Option<GroupOffload>,
+    /// The model bound to its checkpoint files, when its host copy is the files (the file tier).
+    files: Option<FileTier<M>>,
     model: PhantomData<fn() -> M>,
+}
+
+/// A model whose host copy is its checkpoint files: what a new split of it takes.
+struct FileTier<M> {
+    /// The bound model, never taken apart: each split takes a clone of it, which copies no weight (its bound
+    /// parameters are uninitialised handles that read nothing).
+    skeleton: M,
+    table: FileTable,
+    /// The options it streams with since [`ModelHandle::enable_group_offload`]; `None` while it moves whole.
+    options: Option<GroupOptions>,
 }
 
 impl<M: OffloadModel> std::fmt::Debug for ModelHandle<M> {
@@ -169,6 +262,7 @@ impl<M: OffloadModel> std::fmt::Debug for ModelHandle<M> {
             .field("id", &self.id)
             .field("class", &M::CLASS)
             .field("grouped", &self.grouped.is_some())
+            .field("files", &self.files.as_ref().map(|files| &files.table))
             .finish()
     }
 }
@@ -179,7 +273,119 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     /// crate's [`Result`], so a model crate needs no error type of its own over the two crates'.
     pub fn register(manager: &Arc<ComponentsManager>, name: &str, model: M, placement: Placement) -> Result<Self> {
         let id = manager.add(name, BurnComponent::new(model, M::CLASS, placement.clone()), None)?;
-        Ok(Self { manager: manager.clone(), name: name.to_string(), id, placement, grouped: None, model: PhantomData })
+        Ok(Self {
+            manager: manager.clone(),
+            name: name.to_string(),
+            id,
+            placement,
+            grouped: None,
+            files: None,
+            model: PhantomData,
+        })
+    }
+
+    /// Registers `model`, bound to its checkpoint files ([`crate::weights::bind`], which gave `files`), with
+    /// `manager` as `name`, so that it is never copied whole into host memory: its host copy is the files (the file
+    /// tier). Until [`enable_group_offload`](Self::enable_group_offload) streams it, it is one group, the whole
+    /// module ([`GroupedModel::whole`]): the manager onloads it from the files when it runs (a kept group, read and
+    /// uploaded tensor by tensor) and may release it whole between phases. Its size, layout and quantization come
+    /// from `files` without reading a byte ([`bytes`](offload_core::Offloadable::bytes), [`layout`](Self::layout),
+    /// [`is_quantized`](Self::is_quantized)). A parameter something already read (initialised: a LoRA's low-rank
+    /// factors added after binding) is held in host memory as it would be without the file tier.
+    ///
+    /// Every read is timed on `files`' disk meter ([`disk_rate`](Self::disk_rate)), recorded as the group's
+    /// `from file` read in the record and as a `file_read` span on the timeline of the thread that read.
+    pub fn register_files(
+        manager: &Arc<ComponentsManager>,
+        name: &str,
+        model: M,
+        files: FileTable,
+        placement: Placement,
+    ) -> Result<Self> {
+        let mut handle = Self {
+            manager: manager.clone(),
+            name: name.to_string(),
+            id: String::new(),
+            placement,
+            grouped: None,
+            files: None,
+            model: PhantomData,
+        };
+        let grouped = handle.split_files(model.clone(), &files, None)?;
+        handle.grouped = Some(grouped.offload().clone());
+        handle.id = manager.add(name, grouped, None)?;
+        handle.files = Some(FileTier { skeleton: model, table: files, options: None });
+        Ok(handle)
+    }
+
+    /// The offloader's configuration for this handle's placement: its device, ledger, link, readings, record and
+    /// timeline.
+    fn group_config(&self) -> GroupOffloadConfig {
+        let placement = &self.placement;
+        let mut config = GroupOffloadConfig::new(self.name.as_str(), placement.exec.clone())
+            .with_device_name(placement.name.clone())
+            .with_ledger(placement.ledger.clone())
+            .with_link(placement.link.clone())
+            .with_record(self.manager.offload_record())
+            .with_timeline(self.manager.timeline());
+        if let Some(memory) = &placement.memory {
+            config = config.with_memory(memory.clone());
+        }
+        config
+    }
+
+    /// Takes a bound `model` apart with its host copies in `files`: with `options`, into its parts; without, into
+    /// one group, the whole module, released whole by the manager between phases.
+    fn split_files(&self, model: M, files: &FileTable, options: Option<&GroupOptions>) -> Result<GroupedModel<M>> {
+        let config = self.group_config().with_files(files.clone());
+        let ledger = self.placement.ledger.clone();
+        match options {
+            Some(options) => GroupedModel::new(model, config, options, ledger),
+            None => {
+                let whole =
+                    GroupOptions { releasable: true, prefetch: false, prefetch_depth: 0, ..GroupOptions::default() };
+                GroupedModel::whole(model, config, &whole, ledger)
+            }
+        }
+    }
+
+    /// Registers a new split of the bound model (`skeleton`, now the handle's) in place of the registered one, at
+    /// the handle's options: the new split is made first, so a failure leaves the component as it was.
+    fn resplit_files(&mut self, skeleton: M, options: Option<GroupOptions>) -> Result<()> {
+        let Some(table) = self.files.as_ref().map(|files| files.table.clone()) else {
+            return Err(self.not_bound("split from its files"));
+        };
+        let grouped = self.split_files(skeleton.clone(), &table, options.as_ref())?;
+        self.manager.remove(&self.id)?;
+        self.grouped = Some(grouped.offload().clone());
+        self.id = self.manager.add(&self.name, grouped, None)?;
+        self.files = Some(FileTier { skeleton, table, options });
+        Ok(())
+    }
+
+    fn not_bound(&self, action: &str) -> Error {
+        Error::AlreadyApplied {
+            component: self.name.clone(),
+            action: action.to_string(),
+            reason: "it was not registered from its checkpoint files".into(),
+        }
+    }
+
+    /// The table of the model's checkpoint files, when it was registered from them
+    /// ([`register_files`](Self::register_files)).
+    pub fn file_table(&self) -> Option<&FileTable> {
+        self.files.as_ref().map(|files| &files.table)
+    }
+
+    /// Whether the model's host copy is its checkpoint files ([`register_files`](Self::register_files)).
+    pub fn is_file_tier(&self) -> bool {
+        self.files.is_some()
+    }
+
+    /// The rate of the model's reads of host copies from files (its checkpoint files, or its disk-store files),
+    /// measured by the clock; `None` before the first, or when it is not grouped.
+    pub fn disk_rate(&self) -> Option<offload_core::link::DiskRate> {
+        self.grouped.as_ref().and_then(GroupOffload::disk_rate)
     }
 
     /// The component's name (the planner's and the record's: `transformer`).
@@ -251,8 +457,12 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     }
 
     /// Reads the model while it is whole (not under group offload, whose store holds its weights: then
-    /// [`Error::AlreadyApplied`]).
+    /// [`Error::AlreadyApplied`]). A model registered from its files is read as bound: its structure as it is, and
+    /// a weight read through it is read from its file (and counted in its [`FileTable`]).
     pub fn inspect<T>(&self, f: impl FnOnce(&M) -> T) -> Result<T> {
+        if let Some(files) = &self.files {
+            return Ok(f(&files.skeleton));
+        }
         self.whole("read", f)
     }
 
@@ -267,12 +477,20 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     /// offload (its parameters moved into the group store).
     pub fn layout(&self) -> Result<Option<BlockLayout>> {
         let exec = self.placement.exec.clone();
+        if let Some(files) = &self.files {
+            // Measured from the files' table, whatever streams it now: nothing is read.
+            return Ok(measure_layout_with(&files.skeleton, Some(&exec), &files.table));
+        }
         self.whole("measure the blocks of", |model| measure_layout_on(model, &exec))
     }
 
     /// Whether the model's weights are quantized (burn's quantized tensors). A quantized model streams under group
-    /// offload as a float one does, its groups moving their quantized bytes and scales as they are.
+    /// offload as a float one does, its groups moving their quantized bytes and scales as they are. A model
+    /// registered from its files is quantized where its binding's transform quantizes it.
     pub fn is_quantized(&self) -> bool {
+        if let Some(files) = &self.files {
+            return module_is_quantized_with(&files.skeleton, Some(&files.table));
+        }
         self.inspect(module_is_quantized).unwrap_or(false)
     }
 
@@ -280,6 +498,12 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     /// its new size; the id changes. Nothing is unregistered until `f` returned, so a failure leaves the model as
     /// it was. Refused under group offload.
     pub fn replace<T>(&mut self, f: impl FnOnce(M) -> (M, T)) -> Result<T> {
+        if let Some(files) = &self.files {
+            let (model, value) = f(files.skeleton.clone());
+            let options = files.options.clone();
+            self.resplit_files(model, options)?;
+            return Ok(value);
+        }
         let (model, value) = f(self.whole("replace", M::clone)?);
         self.manager.remove(&self.id)?;
         self.id = self.manager.add(&self.name, BurnComponent::new(model, M::CLASS, self.placement.clone()), None)?;
@@ -291,7 +515,14 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     /// re-registered under the same name with its new size, and the id changes. Refused under group offload.
     /// Unlike [`replace`](Self::replace), the model is out of the manager while `f` runs, so `f` must not fail:
     /// check everything it needs first.
+    ///
+    /// A model registered from its files is rewritten as bound (`f` gets the bound model; a weight it reads is
+    /// read from its file, and one it writes is held in host memory from then on) and split again as it was
+    /// streamed: then, as with [`replace`](Self::replace), a failure leaves it as it was.
     pub fn rebuild<T>(&mut self, f: impl FnOnce(M) -> (M, T)) -> Result<T> {
+        if self.files.is_some() {
+            return self.replace(f);
+        }
         self.not_grouped("rewrite")?;
         let component: Box<dyn Any> = self.manager.remove(&self.id)?;
         let model = match component.downcast::<BurnComponent<M>>() {
@@ -313,22 +544,26 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     ///
     /// Nothing is lost when it fails: the options and the offloader's configuration are checked before the model
     /// is touched, and the model stays registered as it was.
+    ///
+    /// A model registered from its files ([`register_files`](Self::register_files)) moves whole until this call,
+    /// which splits it again from its files at `options`' level (no weight is read or copied: its host copies stay
+    /// the files, or with a disk store, are written there tensor by tensor); the whole registration is replaced
+    /// only once the split exists.
     pub fn enable_group_offload(&mut self, options: &GroupOptions) -> Result<()> {
+        if let Some(files) = &self.files {
+            if files.options.is_some() {
+                return Ok(());
+            }
+            options.validate(&self.name)?;
+            let skeleton = files.skeleton.clone();
+            return self.resplit_files(skeleton, Some(options.clone()));
+        }
         if self.grouped.is_some() {
             return Ok(());
         }
         options.validate(&self.name)?;
-        let placement = &self.placement;
-        let ledger = placement.ledger.clone();
-        let mut config = GroupOffloadConfig::new(self.name.as_str(), placement.exec.clone())
-            .with_device_name(placement.name.clone())
-            .with_ledger(ledger.clone())
-            .with_link(placement.link.clone())
-            .with_record(self.manager.offload_record())
-            .with_timeline(self.manager.timeline());
-        if let Some(memory) = &placement.memory {
-            config = config.with_memory(memory.clone());
-        }
+        let ledger = self.placement.ledger.clone();
+        let config = self.group_config();
         // The offloader (its configuration checked, its worker started) exists before the model is touched.
         let offload = GroupOffload::new(options.configure(config))?;
         // Taking the model apart into an in-memory store touches no device and cannot fail once the options are

@@ -100,6 +100,13 @@
 //!   backend when the tensor is not shared) and the model keeps only placeholders that own no memory, so the
 //!   host copy is the only copy. Uploads clone shared handles to those bytes. With a disk store the bytes are
 //!   dropped once written and every upload reads the group's file.
+//! - **The file tier.** A model bound to its checkpoint files ([`weights`]: [`weights::WeightIndex`],
+//!   [`weights::bind`]) and registered with [`ModelHandle::register_files`] keeps no host copy in memory at all:
+//!   every group is read from the checkpoint files with positioned reads when it is uploaded (on the prefetch
+//!   worker when prefetched), in the dtype the files store. Its sizes and layout come from the
+//!   [`weights::FileTable`], never from reading it. Every read is timed on a disk meter (the offloader's
+//!   [`GroupOffload::disk_rate`](parts::GroupOffload::disk_rate)), a `file_read` span and the record's `from file`
+//!   read.
 //! - **Manager.** [`GroupOffloadedModel`] registers the model with a
 //!   [`ComponentsManager`](offload_core::ComponentsManager) as group-offloaded, so auto offload never evicts it.
 //!
@@ -154,6 +161,7 @@ mod store;
 pub mod view;
 pub mod vulkaninfo;
 mod walk;
+pub mod weights;
 pub mod whole;
 
 // The root holds what a model author meets (`docs/model-guide.md`); the mechanism stays in its modules.

@@ -27,8 +27,9 @@ use offload_core::plan::BlockLayout;
 
 use crate::config::{GroupOffloadConfig, LeafPredicate};
 use crate::error::{Error, Result};
-use crate::parts::{BlockOffload, GroupOffload, LeafOffload, ModuleOffload, Residency, leaf_groups_on};
-use crate::whole::{module_bytes, module_bytes_on};
+use crate::parts::{BlockOffload, GroupOffload, LeafOffload, ModuleOffload, Residency, leaf_groups_with};
+use crate::weights::FileTable;
+use crate::whole::module_bytes_with;
 
 #[cfg(doc)]
 use crate::view::Layer;
@@ -312,7 +313,9 @@ impl<'a> Split<'a> {
         if self.prefix.is_empty() {
             return self.offload.module("shell", module, self.outside);
         }
-        let residency = if module_bytes(&module) == 0 { Residency::Resident } else { Residency::Streamed };
+        let files = self.offload.config().files.as_ref();
+        let residency =
+            if module_bytes_with(&module, None, files) == 0 { Residency::Resident } else { Residency::Streamed };
         self.offload.module(self.prefix.trim_end_matches('.'), module, residency)
     }
 
@@ -401,6 +404,8 @@ pub struct Census {
     leaves: Option<LeafPredicate>,
     /// The device whose stores the sizes are counted in (`None`: as the module holds them).
     exec: Option<Device>,
+    /// The table of a model bound to its checkpoint files: its bound parameters are sized from it, unread.
+    files: Option<FileTable>,
     blocks: Vec<CensusBlock>,
     /// Per block list, its number of blocks.
     lists: Vec<usize>,
@@ -418,16 +423,23 @@ impl Census {
         Self { leaves: Some(leaves), exec: Some(exec.clone()), ..Self::default() }
     }
 
+    /// This census with the parameters `files` binds sized from it, none of them read ([`crate::weights`]).
+    pub fn with_files(mut self, files: FileTable) -> Self {
+        self.files = Some(files);
+        self
+    }
+
     /// A block list, in the order the forward runs it, whose blocks' forwards take the leaf at the dotted path
     /// `first` first (`None`: the block's own parameters, its norms).
     pub fn blocks_from<B: Module>(&mut self, blocks: &[B], first: Option<&str>) {
         let leaves = self.leaves.clone().unwrap_or_default();
         self.lists.push(blocks.len());
         self.blocks.extend(blocks.iter().map(|block| {
-            let groups = leaf_groups_on(block, &leaves, self.exec.as_ref());
+            let (exec, files) = (self.exec.as_ref(), self.files.as_ref());
+            let groups = leaf_groups_with(block, &leaves, exec, files);
             // The path resolves as `leaf!` resolves it: a norm's path to the group its weights travel with.
             let first = crate::view::leaf_group_of(block, &groups, first.unwrap_or_default()).map(str::to_string);
-            CensusBlock { bytes: module_bytes_on(block, self.exec.as_ref()), leaves: groups, first }
+            CensusBlock { bytes: module_bytes_with(block, exec, files), leaves: groups, first }
         }));
     }
 
@@ -441,7 +453,7 @@ impl Census {
         let before = self.blocks.len();
         element.census(self);
         let declared: u64 = self.blocks[before..].iter().map(|b| b.bytes).sum();
-        let rest = module_bytes_on(element, self.exec.as_ref()).saturating_sub(declared);
+        let rest = module_bytes_with(element, self.exec.as_ref(), self.files.as_ref()).saturating_sub(declared);
         if rest > 0 {
             self.lists.push(1);
             self.blocks.push(CensusBlock {
@@ -477,8 +489,23 @@ pub fn measure_layout_on<M: OffloadModel>(model: &M, exec: &Device) -> Option<Bl
     layout_of(model, Census::on(M::leaf_types(), exec))
 }
 
+/// [`measure_layout_on`] of a model bound to its checkpoint files: every bound parameter is sized from `files`,
+/// so the layout of a 12 GB transformer is measured without reading a byte of it.
+pub fn measure_layout_with<M: OffloadModel>(
+    model: &M,
+    exec: Option<&Device>,
+    files: &FileTable,
+) -> Option<BlockLayout> {
+    let census = match exec {
+        Some(exec) => Census::on(M::leaf_types(), exec),
+        None => Census::new(M::leaf_types()),
+    };
+    layout_of(model, census.with_files(files.clone()))
+}
+
 fn layout_of<M: OffloadModel>(model: &M, mut census: Census) -> Option<BlockLayout> {
     let exec = census.exec.clone();
+    let files = census.files.clone();
     model.census(&mut census);
     if census.lists.is_empty() {
         return None;
@@ -492,7 +519,7 @@ fn layout_of<M: OffloadModel>(model: &M, mut census: Census) -> Option<BlockLayo
         .find_map(|block| block.leaves.iter().find(|(path, _)| Some(path) == block.first.as_ref()).map(|(_, b)| *b))
         .unwrap_or(0);
     Some(BlockLayout {
-        outside_bytes: module_bytes_on(model, exec.as_ref()).saturating_sub(block_bytes.iter().sum()),
+        outside_bytes: module_bytes_with(model, exec.as_ref(), files.as_ref()).saturating_sub(block_bytes.iter().sum()),
         block_bytes,
         largest_leaf_bytes,
         leaf_count: leaves.count(),

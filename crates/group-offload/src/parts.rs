@@ -14,8 +14,9 @@ use parking_lot::Mutex;
 use crate::config::{GroupOffloadConfig, LeafPredicate};
 use crate::engine::{Engine, GroupStats};
 use crate::error::{Error, Result};
-use crate::store::GroupHost;
+use crate::store::{GroupHost, HostReadError};
 use crate::walk::{ExtractedParam, Installed, Slot, extract, install};
+use crate::weights::FileTable;
 
 /// The group offloader of one model: it owns the host copies, the captured order and the prefetch worker.
 /// Parts ([`blocks`](Self::blocks), [`leaves`](Self::leaves), [`module`](Self::module)) are added to it and share
@@ -86,7 +87,7 @@ impl GroupOffload {
         let mut first = 0;
         let count = blocks.len();
         for (i, block) in blocks.into_iter().enumerate() {
-            let (skeleton, params) = extract(block, &device).map_err(|m| self.invalid(m))?;
+            let (skeleton, params) = self.extract(block, &device)?;
             let group = groups.len();
             let mut block_slots = Vec::with_capacity(params.len());
             for mut param in params {
@@ -120,7 +121,7 @@ impl GroupOffload {
     pub fn leaves<M: Module>(&self, name: &str, module: M, leaves: &LeafPredicate) -> Result<LeafOffload<M>> {
         self.claim_part(name)?;
         let device = self.engine.device().clone();
-        let (skeleton, params) = extract(module, &device).map_err(|m| self.invalid(m))?;
+        let (skeleton, params) = self.extract(module, &device)?;
         let assignment = assign_leaves(&params, leaves);
         let mut names: Vec<String> = Vec::new();
         for group in &assignment {
@@ -150,7 +151,7 @@ impl GroupOffload {
     pub fn module<M: Module>(&self, name: &str, module: M, placement: Residency) -> Result<ModuleOffload<M>> {
         self.claim_part(name)?;
         let device = self.engine.device().clone();
-        let (skeleton, params) = extract(module, &device).map_err(|m| self.invalid(m))?;
+        let (skeleton, params) = self.extract(module, &device)?;
         let slots = (0..params.len()).map(|index| Slot { group: 0, index }).collect::<Vec<_>>();
         let group = self.add_group(name, params, placement == Residency::Resident)?;
         let slots = slots.into_iter().map(|s| Slot { group, ..s }).collect();
@@ -171,28 +172,37 @@ impl GroupOffload {
         Error::InvalidConfig { model: self.engine.model().to_string(), problem }
     }
 
+    /// Takes `module` apart ([`extract`]) with the offloader's file table: a parameter bound to its checkpoint file
+    /// keeps it as its host copy.
+    fn extract<M: Module>(&self, module: M, device: &Device) -> Result<(M, Vec<ExtractedParam>)> {
+        let config = &self.engine.shared.config;
+        extract(module, device, config.files.as_ref(), &config.model)
+    }
+
     fn add_group(&self, group: &str, params: Vec<ExtractedParam>, kept: bool) -> Result<usize> {
         let config = &self.engine.shared.config;
         let id = format!("{}/{group}", config.model);
-        let host =
-            match &config.disk_dir {
-                None => {
-                    // Streamed groups are pinned in registration order while they fit in the pinned budget; a
-                    // resident part is uploaded once and gains nothing from it.
-                    let bytes: u64 = params.iter().map(ExtractedParam::bytes_len).sum();
-                    let stage = !kept && {
-                        let mut left = self.pinned_left.lock();
-                        let fits = bytes <= *left;
-                        if fits {
-                            *left -= bytes;
-                        }
-                        fits
-                    };
-                    GroupHost::in_memory(id, params, stage.then_some(&config.device))
-                }
-                Some(dir) => GroupHost::on_disk(id.clone(), &config.model, params, dir)
-                    .map_err(|message| Error::Disk { group: id, path: dir.display().to_string(), message })?,
-            };
+        let host = match &config.disk_dir {
+            None => {
+                // Streamed groups are pinned in registration order while they fit in the pinned budget; a
+                // resident part is uploaded once and gains nothing from it, and a group read from its
+                // checkpoint file at each upload has no host copy to pin.
+                let bytes: u64 = params.iter().map(ExtractedParam::bytes_len).sum();
+                let stage = !kept && !params.iter().any(ExtractedParam::is_file) && {
+                    let mut left = self.pinned_left.lock();
+                    let fits = bytes <= *left;
+                    if fits {
+                        *left -= bytes;
+                    }
+                    fits
+                };
+                GroupHost::in_memory(id, params, stage.then_some(&config.device))
+            }
+            Some(dir) => GroupHost::on_disk(id.clone(), &config.model, params, dir).map_err(|error| match error {
+                HostReadError::File(error) => error,
+                HostReadError::Disk(message) => Error::Disk { group: id, path: dir.display().to_string(), message },
+            })?,
+        };
         self.engine.add_group(host, kept)
     }
 
@@ -221,6 +231,30 @@ impl GroupOffload {
     pub fn release_idle_prefetches(&self) -> u64 {
         let reason = offload_core::Reason::OomRetry(self.engine.model().to_string());
         self.engine.shared.release_idle_prefetches(&reason)
+    }
+
+    /// The rate of this offloader's reads of host copies from files (its groups' checkpoint files, or its disk-store
+    /// files), measured by the clock (median and 10th percentile of the latest reads) on its disk meter (the file
+    /// table's, for a model registered from its files, which also times its parameters read through their
+    /// initialisers); `None` before the first.
+    pub fn disk_rate(&self) -> Option<offload_core::link::DiskRate> {
+        self.engine.shared.config.disk.rate()
+    }
+
+    /// Every read its disk meter noted: counts, bytes and seconds since the offloader was built.
+    pub fn disk_totals(&self) -> offload_core::link::DiskTotals {
+        self.engine.shared.config.disk.totals()
+    }
+
+    /// The bytes of the groups' host copies held in host memory: 0 for a model streamed from its checkpoint file
+    /// (the file tier) or from the disk store, the model's weights for one held in memory.
+    pub fn host_memory_bytes(&self) -> u64 {
+        self.engine.host_memory_bytes()
+    }
+
+    /// The bytes each forward reads from checkpoint files: every group's file tensors (the file tier).
+    pub fn file_bytes(&self) -> u64 {
+        self.engine.file_bytes()
     }
 
     /// The link rate measured by the clock (median and 10th percentile of the latest copies) on this
@@ -286,7 +320,7 @@ impl GroupOffload {
         let _ = self.engine.take_stray_failure();
         let mut out = forward();
         if let Some(failure) = self.engine.take_stray_failure() {
-            out = Err(E::from(failure.into()));
+            out = Err(E::from(failure));
         }
         // A refused prefetch costs a forward its overlap and is never silent: each is a row of the record, and the
         // forward says so once, here.
@@ -409,7 +443,17 @@ pub fn leaf_groups<M: Module>(module: &M, leaves: &LeafPredicate) -> Vec<(String
 /// [`leaf_groups`] with each group's bytes as `exec` holds them
 /// ([`tensor_bytes_on`](crate::whole::tensor_bytes_on)); `None`: as the module holds them.
 pub fn leaf_groups_on<M: Module>(module: &M, leaves: &LeafPredicate, exec: Option<&Device>) -> Vec<(String, u64)> {
-    let params = crate::walk::param_places(module, exec);
+    leaf_groups_with(module, leaves, exec, None)
+}
+
+/// [`leaf_groups_on`] of a model bound to its checkpoint files: a bound parameter is sized from `files`, unread.
+pub fn leaf_groups_with<M: Module>(
+    module: &M,
+    leaves: &LeafPredicate,
+    exec: Option<&Device>,
+    files: Option<&FileTable>,
+) -> Vec<(String, u64)> {
+    let params = crate::walk::param_places(module, exec, files);
     let located: Vec<ParamPlace<'_>> =
         params.iter().map(|(path, containers, _)| ParamPlace { path, containers }).collect();
     let assignment = assign_leaf_groups(&located, leaves);

@@ -10,6 +10,11 @@
 //! A quantized parameter (burn's `QFloat`) is extracted as burn's own `TensorData` bytes, values and scales as the
 //! backend wrote them, and uploaded in its own shape ([`DeviceTensor::Shaped`]); float parameters upload flat and
 //! are reshaped at installation.
+//!
+//! A parameter bound to its checkpoint file ([`crate::weights`]) and still uninitialised is not read: its host
+//! copy is its file tensor ([`HostTensor::File`]), read at each upload. One that its binding transforms is read and
+//! transformed here, one tensor at a time, and kept as host bytes. A bound parameter something already read (it is
+//! initialised) is extracted as any other: its bytes may differ from the file's (a LoRA fused into it).
 
 use std::any::Any;
 use std::sync::{Arc, Weak};
@@ -18,7 +23,29 @@ use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Bool, Bytes, DType, Device, Int, Shape, Tensor, TensorData};
 
 use crate::engine::Engine;
+use crate::error::Error;
 use crate::store::GroupHost;
+use crate::weights::{BoundTensor, FileTable};
+
+/// Where one parameter's host copy is.
+#[derive(Debug, Clone)]
+pub(crate) enum HostTensor {
+    /// In host memory, shared so clones never copy: the values for a float tensor; the values followed by the
+    /// scales (burn's quantized `TensorData` layout) for a quantized one.
+    Bytes(Bytes),
+    /// In its checkpoint file, read at each upload in the dtype the file stores it in.
+    File(Arc<BoundTensor>),
+}
+
+impl HostTensor {
+    /// The bytes of the host copy: what a read from its file, or a disk-store file, holds.
+    pub fn len(&self) -> u64 {
+        match self {
+            Self::Bytes(bytes) => bytes.len() as u64,
+            Self::File(entry) => entry.tensor().bytes(),
+        }
+    }
+}
 
 /// One float parameter as extraction found it.
 pub(crate) struct ExtractedParam {
@@ -27,10 +54,15 @@ pub(crate) struct ExtractedParam {
     /// For each path segment, the container type of the module that holds it (`"Struct:Block"`, `"Vec"`).
     pub containers: Vec<String>,
     pub shape: Vec<usize>,
+    /// The dtype the device holds it in.
     pub dtype: DType,
-    /// The host copy, shared so clones never copy: the values for a float tensor; the values followed by the
-    /// scales (burn's quantized `TensorData` layout) for a quantized one.
-    pub bytes: Bytes,
+    /// The dtype of its host copy: `dtype`, but the file's for a file tensor the device holds in another float
+    /// dtype (converted on the device after the upload).
+    pub host_dtype: DType,
+    /// The bytes the device holds it in: what an upload allocates and charges.
+    pub device_bytes: u64,
+    /// Its host copy.
+    pub source: HostTensor,
 }
 
 impl ExtractedParam {
@@ -38,8 +70,14 @@ impl ExtractedParam {
         self.path.join(".")
     }
 
+    /// The bytes of its host copy.
     pub fn bytes_len(&self) -> u64 {
-        self.bytes.len() as u64
+        self.source.len()
+    }
+
+    /// Whether its host copy is in its checkpoint file.
+    pub fn is_file(&self) -> bool {
+        matches!(self.source, HostTensor::File(_))
     }
 }
 
@@ -48,7 +86,74 @@ struct Extractor<'a> {
     stack: Vec<(String, String)>,
     params: Vec<ExtractedParam>,
     device: &'a Device,
-    failure: Option<String>,
+    files: Option<&'a FileTable>,
+    failure: Option<Error>,
+    model: &'a str,
+}
+
+impl Extractor<'_> {
+    fn dotted(&self) -> String {
+        self.stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".")
+    }
+
+    fn invalid(&mut self, problem: String) {
+        let model = self.model.to_string();
+        self.failure.get_or_insert(Error::InvalidConfig { model, problem });
+    }
+
+    /// Host bytes of `data`, a quantized tensor kept in the store its execution device holds (8-bit values stored
+    /// one a byte are relabelled as packed words, their bytes unchanged: `crate::quant::repack`); `None` after a
+    /// failure, which is kept.
+    fn host_bytes(&mut self, data: TensorData) -> Option<(Bytes, DType)> {
+        let data = match data.dtype() {
+            // A scheme the device holds in no store is kept as it is: its upload is burn's to judge.
+            DType::QFloat(scheme) => match crate::quant::device_scheme(&scheme, self.device) {
+                Some(target) => crate::quant::repack(data, &target),
+                None => Ok(data),
+            },
+            _ => Ok(data),
+        };
+        match data {
+            Ok(data) => {
+                let (bytes, _, dtype) = data.into_parts();
+                Some((bytes.shared(), dtype))
+            }
+            Err(error) => {
+                let path = self.dotted();
+                self.invalid(format!("parameter {path}: {error}"));
+                None
+            }
+        }
+    }
+
+    /// A parameter bound to its file and never read: its file tensor, or its transformed bytes when its binding
+    /// transforms it (read and transformed now).
+    fn bound(&mut self, entry: &Arc<BoundTensor>, files: &FileTable) -> Option<(HostTensor, DType, u64)> {
+        if !entry.is_transformed() {
+            let device_bytes = entry.bytes_on(Some(self.device));
+            return Some((HostTensor::File(entry.clone()), entry.stored(), device_bytes));
+        }
+        let data = match files.read_entry(entry) {
+            Ok((data, _)) => data,
+            Err(error) => {
+                self.failure.get_or_insert(error);
+                return None;
+            }
+        };
+        if matches!(data.dtype(), DType::QFloat(_)) && data.shape().num_dims() > MAX_QUANTIZED_RANK {
+            let path = self.dotted();
+            self.invalid(format!(
+                "parameter {path} is quantized by its binding's transform with rank {}; group offload uploads \
+                 quantized parameters in their own shape up to rank {MAX_QUANTIZED_RANK}: leave it out of the \
+                 transform",
+                data.shape().num_dims()
+            ));
+            return None;
+        }
+        let (bytes, dtype) = self.host_bytes(data)?;
+        let len = bytes.len() as u64;
+        Some((HostTensor::Bytes(bytes), dtype, len))
+    }
 }
 
 impl ModuleMapper for Extractor<'_> {
@@ -62,12 +167,33 @@ impl ModuleMapper for Extractor<'_> {
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let id = param.id;
+        let bound = self.files.and_then(|files| Some((files.get(id)?.clone(), files)));
+        if let Some((entry, files)) = bound.filter(|_| !param.is_initialized()) {
+            // The parameter's initialiser is dropped unread: its host copy is its file tensor.
+            drop(param);
+            let shape = entry.shape().to_vec();
+            let (source, host_dtype, device_bytes) = match self.bound(&entry, files) {
+                Some(found) => found,
+                None => (HostTensor::Bytes(Bytes::from_bytes_vec(Vec::new())), DType::F32, 0),
+            };
+            let dtype = if matches!(source, HostTensor::File(_)) { entry.dtype() } else { host_dtype };
+            self.params.push(ExtractedParam {
+                path: self.stack.iter().map(|(n, _)| n.clone()).collect(),
+                containers: self.stack.iter().map(|(_, c)| c.clone()).collect(),
+                shape: shape.clone(),
+                dtype,
+                host_dtype,
+                device_bytes,
+                source,
+            });
+            return empty_placeholder(id, shape, self.device);
+        }
         let tensor = param.into_value();
         let shape = tensor.shape().as_slice().to_vec();
         let (bytes, dtype) = match tensor.try_into_data() {
             Ok(data) if matches!(data.dtype(), DType::QFloat(_)) && D > MAX_QUANTIZED_RANK => {
-                let path = self.stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".");
-                self.failure.get_or_insert(format!(
+                let path = self.dotted();
+                self.invalid(format!(
                     "parameter {path} is quantized ({:?}) with rank {D}; group offload uploads quantized parameters \
                      in their own shape up to rank {MAX_QUANTIZED_RANK}, so move this module whole (component \
                      offload) or leave this parameter unquantized",
@@ -75,41 +201,22 @@ impl ModuleMapper for Extractor<'_> {
                 ));
                 (Bytes::from_bytes_vec(Vec::new()), DType::F32)
             }
-            Ok(data) => {
-                // A quantized parameter is kept in the store its execution device holds (8-bit values stored
-                // one a byte are relabelled as packed words, their bytes unchanged: `crate::quant::repack`).
-                let data = match data.dtype() {
-                    // A scheme the device holds in no store is kept as it is: its upload is burn's to judge.
-                    DType::QFloat(scheme) => match crate::quant::device_scheme(&scheme, self.device) {
-                        Some(target) => crate::quant::repack(data, &target),
-                        None => Ok(data),
-                    },
-                    _ => Ok(data),
-                };
-                match data {
-                    Ok(data) => {
-                        let (bytes, _, dtype) = data.into_parts();
-                        (bytes.shared(), dtype)
-                    }
-                    Err(error) => {
-                        let path = self.stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".");
-                        self.failure.get_or_insert(format!("parameter {path}: {error}"));
-                        (Bytes::from_bytes_vec(Vec::new()), DType::F32)
-                    }
-                }
-            }
+            Ok(data) => self.host_bytes(data).unwrap_or_else(|| (Bytes::from_bytes_vec(Vec::new()), DType::F32)),
             Err(error) => {
-                let path = self.stack.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(".");
-                self.failure.get_or_insert(format!("reading parameter {path} to the host failed: {error:?}"));
+                let path = self.dotted();
+                self.invalid(format!("reading parameter {path} to the host failed: {error:?}"));
                 (Bytes::from_bytes_vec(Vec::new()), DType::F32)
             }
         };
+        let device_bytes = bytes.len() as u64;
         self.params.push(ExtractedParam {
             path: self.stack.iter().map(|(n, _)| n.clone()).collect(),
             containers: self.stack.iter().map(|(_, c)| c.clone()).collect(),
             shape: shape.clone(),
             dtype,
-            bytes,
+            host_dtype: dtype,
+            device_bytes,
+            source: HostTensor::Bytes(bytes),
         });
         empty_placeholder(id, shape, self.device)
     }
@@ -126,13 +233,18 @@ impl ModuleMapper for Extractor<'_> {
 }
 
 /// Every float parameter of `module` with its field path, the container type of each segment and its bytes
-/// ([`tensor_bytes_on`](crate::whole::tensor_bytes_on) `exec`: values and scales for a quantized one, in the store
-/// `exec` holds them in), read without touching the data.
-pub(crate) fn param_places<M: Module>(module: &M, exec: Option<&Device>) -> Vec<(Vec<String>, Vec<String>, u64)> {
+/// ([`param_bytes`](crate::whole::param_bytes) `exec`: values and scales for a quantized one, in the store `exec`
+/// holds them in; a parameter bound to its file sized from `files`), read without touching the data.
+pub(crate) fn param_places<M: Module>(
+    module: &M,
+    exec: Option<&Device>,
+    files: Option<&FileTable>,
+) -> Vec<(Vec<String>, Vec<String>, u64)> {
     struct Places<'a> {
         stack: Vec<(String, String)>,
         params: Vec<(Vec<String>, Vec<String>, u64)>,
         exec: Option<&'a Device>,
+        files: Option<&'a FileTable>,
     }
     impl burn::module::ModuleVisitor for Places<'_> {
         fn enter_module(&mut self, name: &str, container_type: &str) {
@@ -144,7 +256,7 @@ pub(crate) fn param_places<M: Module>(module: &M, exec: Option<&Device>) -> Vec<
         }
 
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let bytes = crate::whole::tensor_bytes_on(&param.val(), self.exec);
+            let bytes = crate::whole::param_bytes(param, self.exec, self.files);
             self.params.push((
                 self.stack.iter().map(|(n, _)| n.clone()).collect(),
                 self.stack.iter().map(|(_, c)| c.clone()).collect(),
@@ -152,7 +264,7 @@ pub(crate) fn param_places<M: Module>(module: &M, exec: Option<&Device>) -> Vec<
             ));
         }
     }
-    let mut places = Places { stack: Vec::new(), params: Vec::new(), exec };
+    let mut places = Places { stack: Vec::new(), params: Vec::new(), exec, files };
     module.visit(&mut places);
     places.params
 }
@@ -169,9 +281,15 @@ fn empty_placeholder<const D: usize>(id: ParamId, shape: Vec<usize>, device: &De
     )
 }
 
-/// Takes `module` apart: returns its skeleton and its float parameters in visit order.
-pub(crate) fn extract<M: Module>(module: M, device: &Device) -> Result<(M, Vec<ExtractedParam>), String> {
-    let mut extractor = Extractor { stack: Vec::new(), params: Vec::new(), device, failure: None };
+/// Takes `module` apart: returns its skeleton and its float parameters in visit order. A parameter bound in
+/// `files` and never read keeps its file tensor as its host copy. `model` names the offloader in errors.
+pub(crate) fn extract<M: Module>(
+    module: M,
+    device: &Device,
+    files: Option<&FileTable>,
+    model: &str,
+) -> Result<(M, Vec<ExtractedParam>), Error> {
+    let mut extractor = Extractor { stack: Vec::new(), params: Vec::new(), device, files, failure: None, model };
     let skeleton = module.map(&mut extractor);
     match extractor.failure {
         Some(failure) => Err(failure),
@@ -251,20 +369,24 @@ impl ModuleMapper for Installer<'_, '_> {
                 if let Some(engine) = &engine {
                     engine.count_stray(&name);
                 }
+                let target = host.tensors.get(index).map_or(DType::F32, |meta| meta.dtype);
                 match host.load_tensor(index) {
                     Ok(data) => {
                         let dims = data.shape().as_slice().to_vec();
                         let dtype = data.dtype();
-                        Tensor::<D>::from_data(data, (dev, dtype)).reshape(Shape::from(dims))
+                        let tensor = Tensor::<D>::from_data(data, (dev, dtype)).reshape(Shape::from(dims));
+                        // A file tensor the device holds in another float dtype is converted here, as its upload
+                        // converts it.
+                        if dtype == target { tensor } else { tensor.cast(target) }
                     }
                     // A placeholder has no way to return an error: the failure is recorded, the call that made it
                     // returns it typed once its forward ends (its output is never used), and the parameter
                     // reads as zeros of its shape and dtype until then.
-                    Err(message) => {
+                    Err(error) => {
                         if let Some(engine) = &engine {
-                            engine.fail_stray(&host.id, host.path(), format!("stray load of {name}: {message}"));
+                            engine.fail_stray(error.into_error(&host, &format!("stray load of {name}")));
                         }
-                        let dtype = host.tensors.get(index).map_or(DType::F32, |meta| meta.dtype);
+                        let dtype = if matches!(target, DType::QFloat(_)) { DType::F32 } else { target };
                         Tensor::<D>::zeros(zeros_shape.clone(), (dev, dtype))
                     }
                 }
@@ -310,12 +432,14 @@ pub(crate) enum DeviceTensor {
 
 impl DeviceTensor {
     /// Builds the device tensor of `data` ([`TensorMeta::upload_data`](crate::store::TensorMeta::upload_data)'s
-    /// output) on `device`; a quantized tensor is rebuilt from its bytes by the backend (values and scales as they
-    /// are).
-    pub fn upload(data: TensorData, device: &Device) -> Result<Self, String> {
+    /// output) on `device`, converted there to `target` when that is another float dtype (a file tensor read in
+    /// the file's dtype for a model that runs in another); a quantized tensor is rebuilt from its bytes by the
+    /// backend (values and scales as they are).
+    pub fn upload(data: TensorData, device: &Device, target: DType) -> Result<Self, String> {
         let dtype = data.dtype();
         if !matches!(dtype, DType::QFloat(_)) {
-            return Ok(Self::Flat(Tensor::<1>::from_data(data, (device, dtype))));
+            let flat = Tensor::<1>::from_data(data, (device, dtype));
+            return Ok(Self::Flat(if dtype == target || !target.is_float() { flat } else { flat.cast(target) }));
         }
         fn shaped<const D: usize>(data: TensorData, device: &Device, dtype: DType) -> DeviceTensor {
             DeviceTensor::Shaped(Arc::new(Tensor::<D>::from_data(data, (device, dtype))))

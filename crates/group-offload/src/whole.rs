@@ -16,7 +16,9 @@ use crate::device::{
 };
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::quantization::quantized_data_len;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Device, Shape, Tensor};
+
+use crate::weights::{BoundTensor, FileTable};
 use offload_core::link::{LinkMeter, LinkSample};
 use offload_core::plan::CallPages;
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, Offloadable};
@@ -28,7 +30,13 @@ pub fn module_bytes<M: Module>(module: &M) -> u64 {
 
 /// [`module_bytes`] as `exec` holds the module ([`tensor_bytes_on`]); `None`: as it is.
 pub fn module_bytes_on<M: Module>(module: &M, exec: Option<&Device>) -> u64 {
-    module_tensor_sizes_on(module, exec).iter().sum()
+    module_bytes_with(module, exec, None)
+}
+
+/// [`module_bytes_on`] of a model bound to its checkpoint files: each parameter still bound (uninitialised) is
+/// counted from `files` ([`FileTable`]) without reading it; the others as they are.
+pub fn module_bytes_with<M: Module>(module: &M, exec: Option<&Device>, files: Option<&FileTable>) -> u64 {
+    module_tensor_sizes_with(module, exec, files).iter().sum()
 }
 
 /// Bytes of each of a module's float parameters, in visiting order: what a ledger that counts in a runtime's
@@ -39,15 +47,48 @@ pub fn module_tensor_sizes<M: Module>(module: &M) -> Vec<u64> {
 
 /// [`module_tensor_sizes`] as `exec` holds the module ([`tensor_bytes_on`]); `None`: as it is.
 pub fn module_tensor_sizes_on<M: Module>(module: &M, exec: Option<&Device>) -> Vec<u64> {
-    struct Sizes<'a>(Vec<u64>, Option<&'a Device>);
+    module_tensor_sizes_with(module, exec, None)
+}
+
+/// [`module_tensor_sizes_on`] of a model bound to its checkpoint files: a parameter still bound is sized from
+/// `files` ([`param_bytes`]), so measuring a bound model reads none of its weights.
+pub fn module_tensor_sizes_with<M: Module>(module: &M, exec: Option<&Device>, files: Option<&FileTable>) -> Vec<u64> {
+    struct Sizes<'a>(Vec<u64>, Option<&'a Device>, Option<&'a FileTable>);
     impl ModuleVisitor for Sizes<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.push(tensor_bytes_on(&param.val(), self.1));
+            self.0.push(param_bytes(param, self.1, self.2));
         }
     }
-    let mut sizes = Sizes(Vec::new(), exec);
+    let mut sizes = Sizes(Vec::new(), exec, files);
     module.visit(&mut sizes);
     sizes.0
+}
+
+/// The bytes of one float parameter as `exec` holds it: from `files` when it is bound to a file tensor and still
+/// uninitialised (nothing is read), from its tensor otherwise ([`tensor_bytes_on`], which reads it into memory if
+/// it is lazy).
+pub fn param_bytes<const D: usize>(param: &Param<Tensor<D>>, exec: Option<&Device>, files: Option<&FileTable>) -> u64 {
+    match bound(param, files) {
+        Some(entry) => entry.bytes_on(exec),
+        None => tensor_bytes_on(&param.val(), exec),
+    }
+}
+
+/// The dtype one float parameter holds: from `files` when it is bound and uninitialised, from its tensor
+/// otherwise.
+pub fn param_dtype<const D: usize>(param: &Param<Tensor<D>>, files: Option<&FileTable>) -> DType {
+    match bound(param, files) {
+        Some(entry) => entry.dtype(),
+        None => param.val().dtype(),
+    }
+}
+
+/// `param`'s file tensor, when it is bound in `files` and nothing read it yet.
+fn bound<'a, const D: usize>(param: &Param<Tensor<D>>, files: Option<&'a FileTable>) -> Option<&'a Arc<BoundTensor>> {
+    if param.is_initialized() {
+        return None;
+    }
+    files?.get(param.id)
 }
 
 /// Bytes of one float tensor at its dtype; for a quantized tensor, its values and scales (its dtype's size is
@@ -61,11 +102,16 @@ pub fn tensor_bytes<const D: usize>(tensor: &Tensor<D>) -> u64 {
 /// ([`crate::quant::device_scheme`]: 4-bit values `flex` stores one a byte take half a byte each packed on wgpu),
 /// which is what every move to `exec`, whole or by group, uploads and charges; `None`: as it is.
 pub fn tensor_bytes_on<const D: usize>(tensor: &Tensor<D>, exec: Option<&Device>) -> u64 {
-    let shape = tensor.shape();
-    let bytes = match tensor.dtype() {
+    bytes_of(&tensor.shape(), tensor.dtype(), exec)
+}
+
+/// The bytes of a tensor of `shape` and `dtype` as `exec` holds it ([`tensor_bytes_on`]'s rule, for a tensor
+/// known only by its shape and dtype: a parameter bound to its file).
+pub fn bytes_of(shape: &Shape, dtype: DType, exec: Option<&Device>) -> u64 {
+    let bytes = match dtype {
         DType::QFloat(scheme) => {
             let stored = exec.and_then(|exec| crate::quant::device_scheme(&scheme, exec)).unwrap_or(scheme);
-            quantized_data_len(&stored, &shape)
+            quantized_data_len(&stored, shape)
         }
         dtype => shape.num_elements() * dtype.size(),
     };
@@ -74,13 +120,19 @@ pub fn tensor_bytes_on<const D: usize>(tensor: &Tensor<D>, exec: Option<&Device>
 
 /// Whether any of a module's float parameters is a burn quantized tensor.
 pub fn module_is_quantized<M: Module>(module: &M) -> bool {
-    struct Quantized(bool);
-    impl ModuleVisitor for Quantized {
+    module_is_quantized_with(module, None)
+}
+
+/// [`module_is_quantized`] of a model bound to its checkpoint files: a bound parameter counts as quantized when
+/// its binding's transform quantizes it ([`param_dtype`]); nothing is read.
+pub fn module_is_quantized_with<M: Module>(module: &M, files: Option<&FileTable>) -> bool {
+    struct Quantized<'a>(bool, Option<&'a FileTable>);
+    impl ModuleVisitor for Quantized<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0 |= matches!(param.val().dtype(), DType::QFloat(_));
+            self.0 |= matches!(param_dtype(param, self.1), DType::QFloat(_));
         }
     }
-    let mut quantized = Quantized(false);
+    let mut quantized = Quantized(false, files);
     module.visit(&mut quantized);
     quantized.0
 }

@@ -37,6 +37,6 @@ pub use plan::{
     ComponentPlan, ComponentSpec, HostMemory, Machine, Plan, PlanError, Preset, Route, Settings, enable_offload,
     plan_pipeline,
 };
-pub use record::{Action, OffloadEvent, OffloadRecord, Reason, RecordRow, Refusals};
+pub use record::{Action, FileRead, OffloadEvent, OffloadRecord, Reason, RecordRow, Refusals};
 pub use size::{Size, SizeError, format_size, parse_size};
 pub use timeline::{Span, Timeline};

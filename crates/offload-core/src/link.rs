@@ -8,6 +8,11 @@
 //!
 //! On the CPU backend under a simulated card a "copy" is a host memory copy: the card's link is simulated and
 //! charged separately, and a meter there measures the host, not the card.
+//!
+//! A [`DiskMeter`] is the same clock on the other side of the host: each read of a host copy from a file (a group
+//! read from its checkpoint file, the file tier) notes its bytes and wall time, and [`DiskMeter::rate`] gives the
+//! same order statistics, while [`DiskMeter::totals`] counts every read since the meter was made (the ring keeps
+//! only the latest). A read served by the page cache is a memory copy: its rate says where the bytes were.
 
 use parking_lot::Mutex;
 
@@ -122,6 +127,117 @@ impl LinkMeter {
     }
 }
 
+/// One read of a host copy from a file.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DiskSample {
+    /// Bytes read.
+    pub bytes: u64,
+    /// Wall time of the read, seconds.
+    pub seconds: f64,
+}
+
+/// The rates of a set of file reads, measured by the clock.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DiskRate {
+    /// Reads measured (the last [`LINK_SAMPLES`] at most).
+    pub reads: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// The median read's rate, bytes per second.
+    pub median: f64,
+    /// The 10th percentile's rate (nine reads in ten were at least this fast), bytes per second.
+    pub p10: f64,
+}
+
+impl std::fmt::Display for DiskRate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} file reads ({}) measured by the clock: median {:.2} GB/s, 10th percentile {:.2} GB/s",
+            self.reads,
+            crate::format_size(self.bytes),
+            self.median / 1e9,
+            self.p10 / 1e9
+        )
+    }
+}
+
+/// Every read a [`DiskMeter`] noted since it was made: counts, not a ring.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DiskTotals {
+    /// Reads noted.
+    pub reads: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Their wall time, seconds.
+    pub seconds: f64,
+}
+
+#[derive(Debug, Default)]
+struct DiskRing {
+    samples: Vec<DiskSample>,
+    next: usize,
+    totals: DiskTotals,
+}
+
+/// The latest reads of host copies from files (a ring of [`LINK_SAMPLES`]) and the totals of every read, shared
+/// by everything that reads them, on any thread.
+///
+/// ```
+/// use offload_core::link::{DiskMeter, DiskSample};
+/// let meter = DiskMeter::default();
+/// assert!(meter.rate().is_none());
+/// meter.note(DiskSample { bytes: 500_000_000, seconds: 0.25 });
+/// meter.note(DiskSample { bytes: 100_000_000, seconds: 0.1 });
+/// let rate = meter.rate().unwrap();
+/// assert_eq!((rate.reads, rate.median), (2, 2e9));
+/// assert_eq!((meter.totals().reads, meter.totals().bytes), (2, 600_000_000));
+/// ```
+#[derive(Debug, Default)]
+pub struct DiskMeter {
+    ring: Mutex<DiskRing>,
+}
+
+impl DiskMeter {
+    /// Notes one read.
+    pub fn note(&self, sample: DiskSample) {
+        let mut ring = self.ring.lock();
+        if ring.samples.len() < LINK_SAMPLES {
+            ring.samples.push(sample);
+        } else {
+            let at = ring.next;
+            ring.samples[at] = sample;
+        }
+        ring.next = (ring.next + 1) % LINK_SAMPLES;
+        ring.totals.reads += 1;
+        ring.totals.bytes += sample.bytes;
+        ring.totals.seconds += sample.seconds;
+    }
+
+    /// The latest reads, in no particular order.
+    pub fn samples(&self) -> Vec<DiskSample> {
+        self.ring.lock().samples.clone()
+    }
+
+    /// Every read noted since the meter was made.
+    pub fn totals(&self) -> DiskTotals {
+        self.ring.lock().totals
+    }
+
+    /// The rate of every read kept; `None` before the first.
+    pub fn rate(&self) -> Option<DiskRate> {
+        let samples = self.samples();
+        let links: Vec<LinkSample> =
+            samples.iter().map(|s| LinkSample { bytes: s.bytes, seconds: s.seconds, page_locked: false }).collect();
+        LinkRate::of(&links).map(|rate| DiskRate {
+            reads: rate.uploads,
+            bytes: rate.bytes,
+            median: rate.median,
+            p10: rate.p10,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -137,6 +253,18 @@ mod tests {
         assert_eq!((rate.uploads, rate.bytes), (10, 55_000_000_000));
         assert_eq!((rate.median, rate.p10), (6e9, 2e9));
         assert!(meter.rate_of(true).is_none());
+    }
+
+    #[test]
+    fn the_disk_meter_keeps_order_statistics_and_counts_every_read() {
+        let meter = DiskMeter::default();
+        for _ in 0..LINK_SAMPLES + 10 {
+            meter.note(DiskSample { bytes: 2, seconds: 1.0 });
+        }
+        let rate = meter.rate().expect("reads");
+        assert_eq!((rate.reads, rate.median, rate.p10), (LINK_SAMPLES, 2.0, 2.0));
+        let totals = meter.totals();
+        assert_eq!((totals.reads, totals.bytes), (LINK_SAMPLES as u64 + 10, 2 * (LINK_SAMPLES as u64 + 10)));
     }
 
     #[test]

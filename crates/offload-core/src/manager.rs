@@ -824,6 +824,7 @@ impl ComponentsManager {
                     reason: None,
                     available: Some(reading.available),
                     peak: Some(reading.peak),
+                    read: None,
                 });
                 tracing::info!(component = id, device = %device, bytes = %format_size(resident_bytes), "onload");
                 let entry = &mut state.entries[index];
@@ -868,6 +869,7 @@ impl ComponentsManager {
             reason: Some(reason),
             available: Some(reading.available),
             peak: Some(reading.peak),
+            read: None,
         });
         Ok(())
     }

@@ -104,6 +104,26 @@ pub struct OffloadEvent {
     pub available: Option<u64>,
     /// The device's peak allocation just before the move.
     pub peak: Option<u64>,
+    /// The read of the host copy from a file that the move made (a group read from its checkpoint file, the
+    /// file tier, or from the disk store); `None` for a host copy in memory and for the manager's moves.
+    pub read: Option<FileRead>,
+}
+
+/// A move's read of its host copy from a file: its bytes and wall time, as the disk meter noted it
+/// ([`crate::link::DiskMeter`]). The record's table shows it after the reason (`prefetch, from file: 4.00 MB in
+/// 1.2 ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FileRead {
+    /// Bytes read.
+    pub bytes: u64,
+    /// Wall time of the read, nanoseconds.
+    pub nanos: u64,
+}
+
+impl fmt::Display for FileRead {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "from file: {} in {:.1} ms", format_size(self.bytes), self.nanos as f64 / 1e6)
+    }
 }
 
 impl OffloadEvent {
@@ -135,6 +155,8 @@ pub struct RecordRow {
     pub peak: Option<u64>,
     /// The reason column: empty for a plain onload.
     pub reason: String,
+    /// The group's read of its host copy from a file ([`OffloadEvent::read`]), printed after the reason.
+    pub read: Option<FileRead>,
 }
 
 /// A shared, bounded record of moves. Cloning shares it: the manager and every group offloader write into one.
@@ -270,6 +292,7 @@ impl OffloadRecord {
     ///     reason: Some(Reason::PrefetchRefused),
     ///     available: Some(100_000),
     ///     peak: Some(900_000),
+    ///     read: None,
     /// });
     /// let refusals = record.refusals_since(mark).expect("one refusal");
     /// assert_eq!(refusals.count, 1);
@@ -390,6 +413,7 @@ fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
                 available: event.available,
                 peak: event.peak,
                 reason: reason.as_ref().map(ToString::to_string).unwrap_or_default(),
+                read: event.read,
             }),
             (Action::Onload, _) => {
                 let caused = match pending.iter().position(|(target, _)| *target == event.id) {
@@ -404,6 +428,7 @@ fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
                     available: first.available,
                     peak: first.peak,
                     reason: event.reason.as_ref().map(ToString::to_string).unwrap_or_default(),
+                    read: event.read,
                 });
             }
             (Action::Offload, Some(Reason::ReleaseMemoryFor(target))) if !resident.contains(target.as_str()) => {
@@ -419,6 +444,7 @@ fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
                 available: event.available,
                 peak: event.peak,
                 reason: reason.as_ref().map(ToString::to_string).unwrap_or_default(),
+                read: event.read,
             }),
         }
     }
@@ -431,6 +457,7 @@ fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
                 available: event.available,
                 peak: event.peak,
                 reason: format!("release_memory_for:{target}"),
+                read: event.read,
             });
         }
     }
@@ -491,7 +518,10 @@ impl fmt::Display for OffloadRecord {
                     if offloaded.is_empty() { "-".to_string() } else { offloaded.join(", ") },
                     size(row.available),
                     size(row.peak),
-                    row.reason,
+                    match row.read {
+                        Some(read) => format!("{}, {read}", row.reason),
+                        None => row.reason,
+                    },
                 ]
             })
             .collect();
@@ -516,7 +546,7 @@ mod tests {
     }
 
     fn event(action: Action, id: &str, bytes: u64, reason: Option<Reason>, available: u64, peak: u64) -> OffloadEvent {
-        OffloadEvent { action, id: id.into(), bytes, reason, available: Some(available), peak: Some(peak) }
+        OffloadEvent { action, id: id.into(), bytes, reason, available: Some(available), peak: Some(peak), read: None }
     }
 
     /// The 20GB table from the anchor's docs, rebuilt from its events, byte for byte (no closing dash line).
@@ -615,6 +645,27 @@ mod tests {
         assert_eq!(record.total_refused(), 1);
     }
 
+    /// A group read from a file says so after its reason, with the read's bytes and time; the manager's rows
+    /// and the groups held in memory print as before.
+    #[test]
+    fn a_group_read_from_a_file_says_so_after_its_reason() {
+        let record = OffloadRecord::new();
+        record.add(event(Action::Onload, "vae_1", 4096, None, 70 * 1024, 0));
+        let mut prefetch = event(Action::Onload, "tr_2/layers_0_0", 4096, Some(Reason::Prefetch), 64 * 1024, 4096);
+        prefetch.read = Some(FileRead { bytes: 4096, nanos: 1_500_000 });
+        record.add(prefetch);
+        record.add(event(Action::Offload, "tr_2/layers_0_0", 4096, Some(Reason::GroupOffload), 60 * 1024, 8192));
+        let expected = "\
+# | Onload                    | Offloaded                 | Available | Peak    | Reason
+----------------------------------------------------------------------------------------
+1 | vae_1 (4.00 KB)           | -                         | 70.00 KB  | 0 B     |
+2 | tr_2/layers_0_0 (4.00 KB) | -                         | 64.00 KB  | 4.00 KB | prefetch, from file: 4.00 KB in 1.5 ms
+3 | -                         | tr_2/layers_0_0 (4.00 KB) | 60.00 KB  | 8.00 KB | group_offload";
+        assert_eq!(record.to_string(), expected);
+        assert_eq!(record.rows()[1].read, Some(FileRead { bytes: 4096, nanos: 1_500_000 }));
+        assert_eq!(record.rows()[1].reason, "prefetch");
+    }
+
     /// `refusals_since` sums the refusals added after a mark, whatever else was added, and is `None` without any.
     #[test]
     fn refusals_since_a_mark_sum_what_was_refused_after_it() {
@@ -626,6 +677,7 @@ mod tests {
             reason: Some(reason),
             available: Some(available),
             peak: Some(0),
+            read: None,
         };
         record.add(refused("unet/a", Reason::PrefetchRefused, 10));
         let mark = record.total_added();

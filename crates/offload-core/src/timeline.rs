@@ -70,11 +70,13 @@ pub mod category {
     pub const COMPUTE: &str = "compute";
     /// A group dropped from the device after its compute.
     pub const RELEASE: &str = "release";
+    /// A group's host copy read from a file (its checkpoint file, the file tier, or the disk store).
+    pub const FILE_READ: &str = "file_read";
     /// Device memory samples (the counter track).
     pub const MEMORY: &str = "memory";
 
     /// Every category above: a span of one of them keeps a reference to the constant, not a copy.
-    pub(crate) const ALL: [&str; 9] = [PHASE, STEP, RUN, ONLOAD, OFFLOAD, UPLOAD, COMPUTE, RELEASE, MEMORY];
+    pub(crate) const ALL: [&str; 10] = [PHASE, STEP, RUN, ONLOAD, OFFLOAD, UPLOAD, COMPUTE, RELEASE, FILE_READ, MEMORY];
 }
 
 /// A category, a name or an arg's key as a timeline keeps it: without a heap allocation unless it is a name

@@ -13,9 +13,21 @@
 //!
 //! Tensor names in reports and errors are the names after key remapping (identical to the file's names for
 //! every tensor except the remapped prefixes).
+//!
+//! # The file tier
+//!
+//! [`bind_component`] (and [`Checkpoint::bind_transformer`], [`Checkpoint::bind_text_encoder`],
+//! [`Checkpoint::bind_vae`]) is the counterpart of [`load_component`] that reads no weight: it opens the
+//! component's shards by their headers (`group_offload::weights::WeightIndex`, with the same key renames), binds a
+//! freshly built, lazy model to them (`group_offload::weights::bind`: every parameter the files hold reads its file
+//! tensor when touched, and nothing touches it under group offload), checks every shape and dtype, and gives the
+//! same [`LoadReport`] with the same refusal rules. The model's host copy is then its checkpoint file: register it
+//! with `group_offload::ModelHandle::register_files` and the weights stream from the file (the page cache is their
+//! memory), so the process never holds the component in anonymous memory.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use burn::module::Module;
 use burn::store::{
@@ -26,9 +38,15 @@ use burn::tensor::{DType, Device};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
+use burn::tensor::quantization::QuantScheme;
+use burn::tensor::{Tensor, TensorData};
+use group_offload::weights::{BindOptions, FileTable, TensorPlace, TensorTransform, WeightIndex, bind};
+
 use crate::config::{ModelIndex, TransformerConfig};
 use crate::error::{Error, Result};
+use crate::text_encoder::{REFERENCE_IGNORES, TextEncoder, TextEncoderConfig};
 use crate::transformer::{KEY_REMAP, ZImageTransformer2DModel};
+use crate::vae::{AutoencoderKl, VaeConfig};
 
 /// How to load a component's weights.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -390,6 +408,113 @@ fn apply_error(file: &Path, error: &ApplyError) -> Error {
     }
 }
 
+/// A component bound to its checkpoint files (the file tier): what [`bind_component`] returns.
+#[derive(Debug)]
+pub struct BoundComponent<M> {
+    /// The model: every parameter the files hold reads its file tensor when touched (none is read yet), the others
+    /// as the model built them (allowed only under [`LoadOptions::allow_partial`]).
+    pub model: M,
+    /// The table of its bound parameters (each with its file, offset, stored dtype and shape): what
+    /// `group_offload::ModelHandle::register_files` streams the model from, and what measures it unread.
+    pub files: FileTable,
+    /// What binding applied, and found missing or unused: the report [`load_component`] gives for the same files.
+    pub report: LoadReport,
+}
+
+/// Binds `module`, freshly built with lazy parameters, to the weights found in `component_dir` (see
+/// [`WeightFiles::find`]): the file tier's [`load_component`], which reads only the files' headers. The same key
+/// renames ([`LoadOptions::key_remap`]), the same report and the same refusals: a tensor of the wrong shape is
+/// [`Error::ShapeMismatch`], of the wrong kind [`Error::DTypeMismatch`], a damaged or truncated file
+/// [`Error::CorruptWeights`], and a binding that leaves parameters missing or file tensors unused
+/// [`Error::PartialLoad`] unless [`LoadOptions::allow_partial`]. With [`LoadOptions::dtype`] the model holds its
+/// float tensors in that dtype, each read in the file's dtype and converted on the device after its upload.
+pub fn bind_component<M: Module>(module: M, component_dir: &Path, opts: &LoadOptions) -> Result<BoundComponent<M>> {
+    let files = WeightFiles::find(component_dir)?.files();
+    bind_files(module, &component_name(component_dir), &files, opts, None)
+}
+
+/// [`bind_component`] over the given safetensors `files` (the shards of one component), `component` naming it in
+/// reports and errors, with `transform` changing some tensors as they are read (quantization:
+/// [`QuantizeLinearWeights`]).
+pub fn bind_files<M: Module>(
+    module: M,
+    component: &str,
+    files: &[PathBuf],
+    opts: &LoadOptions,
+    transform: Option<Arc<dyn TensorTransform>>,
+) -> Result<BoundComponent<M>> {
+    let patterns = key_remapper(opts)?.to_regex_pairs();
+    // The renames burn-store's `KeyRemapper::remap` makes: every pattern that matches, in order.
+    let rename = |name: &str| {
+        let mut path = name.to_string();
+        for (pattern, replacement) in &patterns {
+            if pattern.is_match(&path) {
+                path = pattern.replace_all(&path, replacement.as_str()).to_string();
+            }
+        }
+        path
+    };
+    let index = WeightIndex::open(files, rename).map_err(bind_error)?;
+    let mut options = BindOptions::new().with_dtype(opts.dtype.filter(DType::is_float)).with_allow_partial(true);
+    if let Some(transform) = transform {
+        options = options.with_transform(transform);
+    }
+    let (model, table, bound) = bind(module, &index, &options).map_err(bind_error)?;
+    let report = LoadReport {
+        component: component.to_owned(),
+        files: files.to_vec(),
+        applied: bound.applied,
+        missing: bound.missing,
+        unused: bound.unused,
+        ..LoadReport::default()
+    };
+    if !opts.allow_partial && !report.is_complete() {
+        return Err(Error::PartialLoad { component: report.component, missing: report.missing, unused: report.unused });
+    }
+    Ok(BoundComponent { model, files: table, report })
+}
+
+/// The loader's error for a binding's: the same variants [`load_component`] returns for the same faults.
+fn bind_error(error: group_offload::Error) -> Error {
+    match error {
+        group_offload::Error::WeightFile { path, problem, .. } => {
+            Error::CorruptWeights { file: PathBuf::from(path), reason: problem }
+        }
+        group_offload::Error::WeightShape { tensor, file, expected, found } => {
+            Error::ShapeMismatch { tensor, file: PathBuf::from(file), expected, found }
+        }
+        group_offload::Error::WeightDType { tensor, file, expected, found } => {
+            Error::DTypeMismatch { tensor, file: PathBuf::from(file), expected, found: found.to_lowercase() }
+        }
+        other => other.into(),
+    }
+}
+
+/// Weight-only quantization of every `PtLinear` weight as it is read from its file, tensor by tensor (the file
+/// tier's counterpart of [`crate::quantize::quantize_linear_weights`], for [`bind_files`]): each 2-D weight of a
+/// [`crate::nn::PtLinear`] becomes a burn quantized tensor of `scheme` (dynamic min-max calibration), every other
+/// tensor is read as the file stores it. Quantized this way a component never holds its float weights in memory:
+/// each is read, quantized and dropped in turn where its group is taken apart, and the quantized bytes are what
+/// the group holds (in memory, or in the disk store).
+#[derive(Debug, Clone, Copy)]
+pub struct QuantizeLinearWeights {
+    /// The scheme the weights are quantized with.
+    pub scheme: QuantScheme,
+}
+
+impl TensorTransform for QuantizeLinearWeights {
+    fn target(&self, place: &TensorPlace<'_>) -> Option<DType> {
+        let linear_weight = place.module == "Struct:PtLinear" && place.path.ends_with(".weight");
+        (linear_weight && place.shape.len() == 2).then_some(DType::QFloat(self.scheme))
+    }
+
+    fn apply(&self, _place: &TensorPlace<'_>, data: TensorData) -> std::result::Result<TensorData, String> {
+        let dtype = data.dtype();
+        let weight = Tensor::<2>::from_data(data, (&Device::flex(), dtype));
+        weight.quantize_dynamic(&self.scheme).try_into_data().map_err(|e| format!("{e:?}"))
+    }
+}
+
 /// A validated diffusers Z-Image checkpoint directory (the layout of Tongyi-MAI/Z-Image-Turbo).
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
@@ -470,6 +595,88 @@ impl Checkpoint {
     /// Loads `component`'s weights into `module` (see [`load_component`]).
     pub fn load<M: Module>(&self, component: &str, module: &mut M, opts: &LoadOptions) -> Result<LoadReport> {
         load_component(module, &self.component_dir(component)?, opts)
+    }
+
+    /// Builds the transformer from its config on `device` and binds it to its files ([`bind_component`], with
+    /// [`crate::transformer::KEY_REMAP`] added to `opts`' renames): the file tier's
+    /// [`load_transformer`](Self::load_transformer), which reads no weight. `transform` changes tensors as they
+    /// are read ([`QuantizeLinearWeights`]).
+    pub fn bind_transformer(
+        &self,
+        device: &Device,
+        opts: &LoadOptions,
+        transform: Option<Arc<dyn TensorTransform>>,
+    ) -> Result<BoundComponent<ZImageTransformer2DModel>> {
+        let config = self.transformer_config()?;
+        let model = ZImageTransformer2DModel::new(&config, device);
+        let opts = opts.clone().with_key_remap(KEY_REMAP);
+        let files = self.weight_files("transformer")?.files();
+        bind_files(model, "transformer", &files, &opts, transform)
+    }
+
+    /// Reads `text_encoder/config.json` and binds the text encoder to its files: the file tier's
+    /// [`TextEncoder::load`], with its rules (its renames, [`crate::text_encoder::KEY_REMAP`]; the last decoder
+    /// layer and the final norm skipped by design and reported in `skipped`; a causal LM's `lm_head` reported in
+    /// `ignored`, refused under [`LoadOptions::strict`]; any other missing or unused tensor refused unless
+    /// [`LoadOptions::allow_partial`]).
+    pub fn bind_text_encoder(
+        &self,
+        device: &Device,
+        opts: &LoadOptions,
+        transform: Option<Arc<dyn TensorTransform>>,
+    ) -> Result<(TextEncoderConfig, BoundComponent<TextEncoder>)> {
+        let dir = self.component_dir("text_encoder")?;
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            return Err(Error::MissingFile {
+                component: "text_encoder".to_owned(),
+                what: "config.json".to_owned(),
+                path: config_path,
+            });
+        }
+        let config = TextEncoderConfig::from_file(&config_path)?;
+        let model = TextEncoder::new(&config, device);
+        let bind_opts = opts.clone().with_key_remap(crate::text_encoder::KEY_REMAP).with_allow_partial(true);
+        let files = WeightFiles::find(&dir)?.files();
+        let mut bound = bind_files(model, &component_name(&dir), &files, &bind_opts, transform)?;
+        let report = &mut bound.report;
+        let skipped = TextEncoder::unused_checkpoint_prefixes(&config);
+        let (by_design, rest): (Vec<String>, Vec<String>) = std::mem::take(&mut report.unused)
+            .into_iter()
+            .partition(|key| skipped.iter().any(|prefix| key.starts_with(prefix.as_str())));
+        let (ignored, unused): (Vec<String>, Vec<String>) =
+            rest.into_iter().partition(|key| REFERENCE_IGNORES.iter().any(|prefix| key.starts_with(prefix)));
+        (report.skipped, report.ignored, report.unused) = (by_design, ignored, unused);
+        if opts.strict {
+            report.unused.append(&mut report.ignored);
+            report.unused.sort();
+        }
+        if !opts.allow_partial && !report.is_complete() {
+            return Err(Error::PartialLoad {
+                component: report.component.clone(),
+                missing: report.missing.clone(),
+                unused: report.unused.clone(),
+            });
+        }
+        Ok((config, bound))
+    }
+
+    /// Reads `vae/config.json` and binds the VAE to its files: the file tier's [`AutoencoderKl::load`]. A VAE
+    /// declares no blocks, so registered from its files it moves whole (one group read from the file at each
+    /// onload).
+    pub fn bind_vae(&self, device: &Device, opts: &LoadOptions) -> Result<(VaeConfig, BoundComponent<AutoencoderKl>)> {
+        let dir = self.component_dir("vae")?;
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            return Err(Error::MissingFile {
+                component: "vae".to_owned(),
+                what: "config.json".to_owned(),
+                path: config_path,
+            });
+        }
+        let config = VaeConfig::from_file(&config_path)?;
+        let model = AutoencoderKl::new(&config, device);
+        Ok((config, bind_component(model, &dir, opts)?))
     }
 
     /// Builds the transformer from its config on `device` and loads its weights, adding
