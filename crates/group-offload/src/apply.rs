@@ -56,7 +56,12 @@ pub struct AppliedPlan {
 /// Refused once the component is under group offload (its blocks cannot be measured again).
 pub fn component_spec(manager: &ComponentsManager, component: &dyn Component) -> Result<ComponentSpec> {
     let bytes = manager.component_info(component.id())?.bytes;
-    let mut spec = ComponentSpec::new(component.name(), bytes).quantized(component.is_quantized());
+    // Its files serve its host copy when it was registered from them and its weights are as they are stored (a
+    // quantized one differs: its copy lives in RAM or the disk store).
+    let file_backed = component.is_file_tier() && !component.is_quantized();
+    let mut spec = ComponentSpec::new(component.name(), bytes)
+        .quantized(component.is_quantized())
+        .with_file_backed(file_backed);
     if let Some(layout) = component.layout()? {
         spec = spec.with_layout(layout);
     }
@@ -77,6 +82,14 @@ pub fn apply_plan(
 ) -> Result<AppliedPlan> {
     if let Some(off) = plan.components.iter().find(|c| c.route == Route::Off) {
         return Err(Error::Unmanaged { component: off.component.clone(), preset: plan.preset.to_string() });
+    }
+    // A component registered from its files that the plan keeps in RAM is read into memory first (the RAM tier);
+    // the others keep their files (or go to the disk store when they stream).
+    for component in components.iter_mut() {
+        let planned = plan.component(component.name());
+        if component.is_file_tier() && planned.is_some_and(|p| p.host_tier == offload_core::plan::HostTier::Ram) {
+            component.load_into_ram()?;
+        }
     }
     let mut streamed: Vec<(String, Route, String)> = Vec::new();
     for component in components.iter_mut() {

@@ -318,6 +318,31 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         Ok(handle)
     }
 
+    /// Reads a model registered from its checkpoint files ([`register_files`](Self::register_files)) into host
+    /// memory and registers it from there, moved whole, as [`register`](Self::register) does (the RAM tier: the
+    /// component a plan keeps in RAM). Every weight is read once, through the file table (its transform and dtype
+    /// applied), timed on its disk meter; the model is read first, so a failure leaves the component registered
+    /// from its files as it was. Does nothing for a model already in memory; refused once the model streams from
+    /// its files (call it before [`enable_group_offload`](Self::enable_group_offload)).
+    pub fn load_into_ram(&mut self) -> Result<()> {
+        let Some(files) = &self.files else { return Ok(()) };
+        if files.options.is_some() {
+            return Err(Error::AlreadyApplied {
+                component: self.name.clone(),
+                action: "load into host memory".into(),
+                reason: "it streams from its checkpoint files already; load it into memory before enabling group \
+                         offload"
+                    .into(),
+            });
+        }
+        let model = crate::weights::materialize(files.skeleton.clone(), &files.table, &self.placement.host)?;
+        self.manager.remove(&self.id)?;
+        self.id = self.manager.add(&self.name, BurnComponent::new(model, M::CLASS, self.placement.clone()), None)?;
+        self.grouped = None;
+        self.files = None;
+        Ok(())
+    }
+
     /// The offloader's configuration for this handle's placement: its device, ledger, link, readings, record and
     /// timeline.
     fn group_config(&self) -> GroupOffloadConfig {
@@ -626,6 +651,15 @@ pub trait Component {
     fn layout(&self) -> Result<Option<BlockLayout>>;
     /// Puts it under group offload ([`ModelHandle::enable_group_offload`]).
     fn enable_group_offload(&mut self, options: &GroupOptions) -> Result<()>;
+    /// Whether its host copy is its checkpoint files ([`ModelHandle::is_file_tier`]).
+    fn is_file_tier(&self) -> bool {
+        false
+    }
+    /// Reads it from its checkpoint files into host memory ([`ModelHandle::load_into_ram`]); nothing for a
+    /// component already in memory.
+    fn load_into_ram(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl<M: OffloadModel + Clone> Component for ModelHandle<M> {
@@ -651,5 +685,13 @@ impl<M: OffloadModel + Clone> Component for ModelHandle<M> {
 
     fn enable_group_offload(&mut self, options: &GroupOptions) -> Result<()> {
         ModelHandle::enable_group_offload(self, options)
+    }
+
+    fn is_file_tier(&self) -> bool {
+        ModelHandle::is_file_tier(self)
+    }
+
+    fn load_into_ram(&mut self) -> Result<()> {
+        ModelHandle::load_into_ram(self)
     }
 }

@@ -522,6 +522,45 @@ fn materialise<const D: usize>(shared: &TableShared, entry: &BoundTensor, device
     }
 }
 
+/// Reads every parameter of a bound `model` that is still unread from its file (through `table`: its transform
+/// and dtype applied, each read timed on the table's meter) into an initialised tensor on `device`: the model in
+/// host memory, as a load through burn-store gives it (the RAM tier), with the same `ParamId`s. These reads are the
+/// load itself, not parameters touched by accident, so they are not counted in [`FileTable::materialised`].
+/// The first read that fails is returned, typed, and the model is dropped.
+pub fn materialize<M: Module>(model: M, table: &FileTable, device: &Device) -> Result<M> {
+    struct Reader<'a> {
+        table: &'a FileTable,
+        device: &'a Device,
+        failure: Option<Error>,
+    }
+    impl ModuleMapper for Reader<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if param.is_initialized() || self.failure.is_some() {
+                return param;
+            }
+            let Some(entry) = self.table.get(param.id).cloned() else { return param };
+            match self.table.read_entry(&entry) {
+                Ok((data, _)) => {
+                    let dtype = data.dtype();
+                    let tensor = Tensor::<D>::from_data(data, (self.device, dtype));
+                    let tensor = if dtype == entry.dtype { tensor } else { tensor.cast(entry.dtype) };
+                    Param::initialized(param.id, tensor)
+                }
+                Err(error) => {
+                    self.failure = Some(error);
+                    param
+                }
+            }
+        }
+    }
+    let mut reader = Reader { table, device, failure: None };
+    let model = model.map(&mut reader);
+    match reader.failure {
+        Some(error) => Err(error),
+        None => Ok(model),
+    }
+}
+
 /// Binds `model` to `index`: every float parameter the index holds under its path becomes an uninitialised
 /// parameter (same [`ParamId`]) that reads its file tensor when touched, and is entered in the returned
 /// [`FileTable`]; int and bool parameters the index holds are read now (they are small and never streamed).

@@ -49,6 +49,7 @@ use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{DType, Tensor, TensorData, bf16, f16};
+use group_offload::weights::FileTable;
 
 use crate::error::{Error, Result};
 use crate::nn::{LowRank, PtLinear};
@@ -590,9 +591,16 @@ pub struct LinearPlace {
 
 /// Every [`PtLinear`] of `module`, by path, read without touching the data.
 pub fn linear_places<M: Module>(module: &M) -> Vec<LinearPlace> {
+    linear_places_with(module, None)
+}
+
+/// [`linear_places`] of a model bound to its checkpoint files: the dtypes of weights nothing read yet come from
+/// `files` (asking the weight would read it).
+pub fn linear_places_with<M: Module>(module: &M, files: Option<&FileTable>) -> Vec<LinearPlace> {
     struct Places {
         stack: Vec<(String, String)>,
         out: Vec<LinearPlace>,
+        files: Option<FileTable>,
     }
     impl ModuleVisitor for Places {
         fn enter_module(&mut self, name: &str, container_type: &str) {
@@ -606,17 +614,17 @@ pub fn linear_places<M: Module>(module: &M) -> Vec<LinearPlace> {
             if D != 2 || name != "weight" || container != "Struct:PtLinear" {
                 return;
             }
-            let dims = param.shape();
+            let dims = param.lazy_shape();
             let path = self.stack[..self.stack.len() - 1].iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>();
             self.out.push(LinearPlace {
                 path: path.join("."),
                 d_out: dims[0],
                 d_in: dims[1],
-                dtype: param.val().dtype(),
+                dtype: group_offload::whole::param_dtype(param, self.files.as_ref()),
             });
         }
     }
-    let mut places = Places { stack: Vec::new(), out: Vec::new() };
+    let mut places = Places { stack: Vec::new(), out: Vec::new(), files: files.cloned() };
     module.visit(&mut places);
     places.out
 }
@@ -712,6 +720,9 @@ pub struct ResolvedUpdate {
     file: Arc<PathBuf>,
     /// The user's scale, for errors.
     scale: f32,
+    /// The layer's weight dtype, as measured without reading it (a weight bound to its file is read only when its
+    /// group uploads): the dtype of the run-time terms.
+    layer_dtype: DType,
 }
 
 /// The updates of a set of LoRA files resolved against the pipeline's two models, by component and layer, in
@@ -756,8 +767,13 @@ pub struct ComponentLayers {
 impl ComponentLayers {
     /// The layers of `model`, with the checkpoint renames `remap` (the transformer's [`KEY_REMAP`]).
     pub fn of<M: Module + LinearLayers>(model: &M, remap: &[(&str, &str)]) -> Self {
+        Self::of_with(model, remap, None)
+    }
+
+    /// [`of`](Self::of) for a model bound to its checkpoint files (`files`, its table): nothing is read.
+    pub fn of_with<M: Module + LinearLayers>(model: &M, remap: &[(&str, &str)], files: Option<&FileTable>) -> Self {
         let places: BTreeMap<String, LinearPlace> =
-            linear_places(model).into_iter().map(|place| (place.path.clone(), place)).collect();
+            linear_places_with(model, files).into_iter().map(|place| (place.path.clone(), place)).collect();
         let mut underscored: BTreeMap<String, Option<String>> = BTreeMap::new();
         for path in places.keys() {
             let key = path.replace('.', "_");
@@ -794,9 +810,19 @@ impl ComponentLayers {
         Self::of(model, KEY_REMAP)
     }
 
+    /// [`transformer`](Self::transformer) for a transformer bound to its checkpoint files: nothing is read.
+    pub fn transformer_with(model: &ZImageTransformer2DModel, files: Option<&FileTable>) -> Self {
+        Self::of_with(model, KEY_REMAP, files)
+    }
+
     /// The text encoder's layers (its keys need no rename once `model.` is gone, which LoRA files never carry).
     pub fn text_encoder(model: &TextEncoder) -> Self {
         Self::of(model, &[])
+    }
+
+    /// [`text_encoder`](Self::text_encoder) for a text encoder bound to its checkpoint files: nothing is read.
+    pub fn text_encoder_with(model: &TextEncoder, files: Option<&FileTable>) -> Self {
+        Self::of_with(model, &[], files)
     }
 
     /// The dotted path a file's module name stands for, in this model (renames applied; a fused `qkv` keeps its
@@ -949,6 +975,7 @@ pub fn resolve(
                         coefficient,
                         file: source.clone(),
                         scale: *scale,
+                        layer_dtype: place.dtype,
                     },
                 );
             }
@@ -1556,8 +1583,12 @@ fn unfuse(linear: &mut PtLinear, layer: &FusedLayer) {
 
 /// Adds run-time low-rank terms for `updates` to `linear`.
 fn push_terms(linear: &mut PtLinear, updates: &[ResolvedUpdate]) {
-    let device = linear.weight.val().device();
-    let dtype = linear.dtype();
+    // Neither is read from the weight: one bound to its checkpoint file stays unread until its group uploads.
+    let device = linear.weight.lazy_device();
+    let dtype = match updates.first() {
+        Some(update) if !linear.weight.is_initialized() => update.layer_dtype,
+        _ => linear.dtype(),
+    };
     let (d_out, d_in) = (linear.d_out(), linear.d_in());
     for update in updates {
         let factor = |values: &Vec<f32>, shape: [usize; 2]| {
@@ -1927,6 +1958,7 @@ mod tests {
             coefficient: 0.37,
             file: Arc::new(PathBuf::from("x.safetensors")),
             scale: 1.0,
+            layer_dtype: DType::F32,
         };
         let delta = delta(std::slice::from_ref(&update), d_out, d_in);
         let base: Vec<f32> = (0..d_out * d_in).map(|i| next() * 10f32.powi((i % 7) as i32 - 3)).collect();
@@ -1977,6 +2009,7 @@ mod tests {
             coefficient: 2.0,
             file: Arc::new(PathBuf::from("x.safetensors")),
             scale: 1.0,
+            layer_dtype: DType::F32,
         };
         // up [3, 2] · down [2, 2] times 2.
         assert_eq!(delta(std::slice::from_ref(&update), 3, 2), vec![2.0, 4.0, 7.0, 10.0, 12.0, 16.0]);

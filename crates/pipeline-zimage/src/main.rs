@@ -805,8 +805,21 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         .memory_report
         .then(|| Arc::new(pipeline_zimage::host::AnonymousPeak::start(std::time::Duration::from_millis(10))));
     let load = LoadOptions::new().with_dtype(args.dtype.load_dtype()).with_strict(args.strict_load);
-    let mut pipeline =
-        ZImagePipeline::load(&weights, placement, &load).with_context(|| format!("loading {}", weights.display()))?;
+    // Under the planner every component is registered from its checkpoint files (nothing but their headers is read):
+    // the plan keeps each in RAM or reads it from its files as the host's budget allows. On the CPU a --quantize
+    // scheme quantizes the linear weights as they are read; elsewhere (a device that packs them) the whole model
+    // is loaded and quantized in memory, as without the planner.
+    let quantize_as_read = planner && exec == Device::flex();
+    // Before any offload is set up: every group offloader keeps the timeline it is built with.
+    let timeline =
+        if args.trace.is_some() || args.memory_plot.is_some() { Timeline::enabled() } else { Timeline::disabled() };
+    let mut pipeline = if planner {
+        let scheme = args.quantize.as_ref().filter(|_| quantize_as_read);
+        ZImagePipeline::bind(&weights, placement, &load, scheme, timeline.clone())
+    } else {
+        ZImagePipeline::load(&weights, placement, &load)
+    }
+    .with_context(|| format!("loading {}", weights.display()))?;
     if !exec.supports_dtype(pipeline.dtype()) {
         bail!(
             "{name} cannot compute in {:?}, the dtype the weights were loaded in (Vulkan devices often store bf16 \
@@ -836,6 +849,12 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 format!("; {} elements fused", applied.fused_elements())
             }
         );
+        if args.lora_mode == LoraModeArg::Fused && applied.mode() == LoraMode::Runtime {
+            eprintln!(
+                "lora: applied at run time, not fused: the components read their weights from their checkpoint files, \
+                 and fusing would copy every updated layer into host memory"
+            );
+        }
         // A run applies its LoRAs once and never removes them: what removal would need is given back.
         let freed = pipeline.keep_loras();
         if freed > 0 {
@@ -847,29 +866,40 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     }
     // The device's peak in use during each phase, for the host budget's lines: a simulated card's own, reset at
     // each phase's end; a real device's pool peak, reset the same way.
+    // The per-phase peaks are reset only under --memory-report; the run's own peak is kept beside them, so the
+    // peak printed at the end is the whole run's.
+    let run_peak = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let device_peak: Arc<dyn Fn() -> u64 + Send + Sync> = match &target {
         Target::Host { card: Some(card) } => {
-            let card = card.clone();
+            let (card, run_peak) = (card.clone(), run_peak.clone());
             Arc::new(move || {
                 let peak = card.peak();
+                run_peak.fetch_max(peak, std::sync::atomic::Ordering::Relaxed);
                 card.reset_peak();
                 peak
             })
         }
         Target::Real { readings: Some(readings), .. } => {
-            let readings = readings.clone();
+            let (readings, run_peak) = (readings.clone(), run_peak.clone());
             Arc::new(move || {
                 let peak = readings.peak();
+                run_peak.fetch_max(peak, std::sync::atomic::Ordering::Relaxed);
                 let _ = readings.reset_peak();
                 peak
             })
         }
         _ => Arc::new(|| 0),
     };
+    let whole_run_peak = |now: u64| now.max(run_peak.load(std::sync::atomic::Ordering::Relaxed));
     if let Some(anonymous) = &anonymous {
         report_loaded(&pipeline, anonymous, device_peak());
     }
-    if let Some(scheme) = &args.quantize {
+    if let (Some(scheme), true) = (&args.quantize, quantize_as_read) {
+        eprintln!(
+            "text_encoder, transformer: linear weights quantized ({}) as they are read from the checkpoint files",
+            group_offload::quant::scheme_name(scheme)
+        );
+    } else if let Some(scheme) = &args.quantize {
         let name = group_offload::quant::scheme_name(scheme);
         let report = |component: &str, done: pipeline_zimage::quantize::Quantized| {
             let left = match done.left_float.as_slice() {
@@ -885,10 +915,9 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         report("text_encoder", pipeline_zimage::quantize::quantize_with(pipeline.text_encoder_mut(), scheme)?);
         report("transformer", pipeline_zimage::quantize::quantize_with(pipeline.transformer_mut(), scheme)?);
     }
-    // Before any offload is set up: every group offloader keeps the timeline it is built with.
-    let timeline =
-        if args.trace.is_some() || args.memory_plot.is_some() { Timeline::enabled() } else { Timeline::disabled() };
-    pipeline.set_timeline(timeline.clone())?;
+    if !planner {
+        pipeline.set_timeline(timeline.clone())?;
+    }
     if let Some(anonymous) = anonymous.clone() {
         let weights = loaded_weight_bytes(&pipeline);
         pipeline.set_phase_observer(Arc::new(move |phase: &str| {
@@ -935,10 +964,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             );
         }
         let host = match (HostMemory::read(), settings.host_available) {
-            // Read after loading: the weights already sit in host memory and are the plan's host copies, so the
-            // RAM they hold is the pipeline's own, not taken from it (without this, a pipeline whose weights
-            // fill the RAM was warned that its host copies do not fit).
-            (Ok(host), _) => host_for_plan(host, loaded_weight_bytes(&pipeline)),
+            // Read after binding: no weight is in host memory yet; the plan decides which copies go there.
+            (Ok(host), _) => host,
             (Err(_), Some(available)) => HostMemory::new(available, available),
             (Err(error), None) => return Err(error.into()),
         };
@@ -961,6 +988,9 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             }
             Target::Host { card: None } => bail!("the offload planner needs a device to offload to (refused above)"),
         };
+        // The read rate earlier runs measured on the checkpoint's disk, in place of the assumed one.
+        let measured_disk = ProfileStore::from_settings(&settings)?.measured_disk(&disk_label(&weights))?;
+        let facts = facts.with_measured_disk(measured_disk);
         let applied = enable_pipeline_offload(&mut pipeline, settings, &facts, &opts)?;
         println!("{applied}");
         plan = Some(applied);
@@ -1068,6 +1098,10 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     if let Some(rate) = link.rate() {
         println!("link to {name}: {rate}");
     }
+    // Each group read from a checkpoint file, timed: printed, kept for the next plan, and held against the plan.
+    if let Some(plan) = &plan {
+        report_file_reads(&pipeline, plan, &weights, args.steps)?;
+    }
     if matches!(target, Target::Real { .. }) {
         // Kept beside the capacity profiles: the next plan on this device predicts from them.
         let store = match &plan {
@@ -1102,7 +1136,11 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     match &target {
         Target::Host { card: Some(card) } => {
             print_record(&pipeline);
-            println!("\npeak on the simulated {} card: {}", card.spec().label, format_size(card.peak()));
+            println!(
+                "\npeak on the simulated {} card: {}",
+                card.spec().label,
+                format_size(whole_run_peak(card.peak()))
+            );
             let stats = card.stats();
             println!(
                 "link: {} to the device ({} of it from pinned host memory), {:.3} s simulated",
@@ -1118,7 +1156,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 "device memory on {name} (burn's pool{}): peak in use {} (sampled every {} µs), reserved \
                  high-water {}, in use now {}, reserved now {}, available now {} of {} ({})",
                 if readings.has_driver_readings() { " and the driver" } else { "" },
-                format_size(readings.peak()),
+                format_size(whole_run_peak(readings.peak())),
                 PoolReadings::SAMPLE_EVERY.as_micros(),
                 format_size(readings.reserved_peak()),
                 format_size(now.in_use),
@@ -1189,13 +1227,6 @@ fn print_record(pipeline: &ZImagePipeline) {
     }
 }
 
-/// The host as the plan sees it, from a reading taken after loading: the `loaded` weight bytes already in host
-/// memory count as available to the pipeline, since they are the host copies the plan places (never above the
-/// total).
-fn host_for_plan(read: HostMemory, loaded: u64) -> HostMemory {
-    read.with_available(read.available.saturating_add(loaded))
-}
-
 /// The bytes of the components' weights as loaded (in host memory until the manager moves them).
 fn loaded_weight_bytes(pipeline: &ZImagePipeline) -> u64 {
     pipeline
@@ -1258,6 +1289,60 @@ fn numbered(path: &Path, index: usize, images: usize) -> PathBuf {
         None => format!("{stem}-{}", index + 1),
     };
     path.with_file_name(name)
+}
+
+/// The name the measured read rates of a checkpoint's disk are stored under: the checkpoint directory, resolved.
+fn disk_label(weights: &Path) -> String {
+    weights.canonicalize().unwrap_or_else(|_| weights.to_path_buf()).display().to_string()
+}
+
+/// Prints each component's reads from its checkpoint files (median and 10th percentile of the rate), stores them
+/// beside the capacity profiles for the next plan, and says once when the reads made a step slower than the plan
+/// predicted by more than a quarter, with the likely reason and what to do.
+fn report_file_reads(
+    pipeline: &ZImagePipeline,
+    plan: &pipeline_zimage::presets::PipelinePlan,
+    weights: &Path,
+    steps: usize,
+) -> anyhow::Result<()> {
+    let store = plan.profile_store()?;
+    let label = disk_label(weights);
+    let time = plan.plan.machine.time;
+    let mut warned = false;
+    for component in pipeline.components() {
+        let Some(table) = pipeline.file_table(component.name()) else { continue };
+        let meter = table.meter();
+        let Some(rate) = meter.rate() else { continue };
+        println!("disk, {}'s checkpoint files: {rate}", component.name());
+        if let Some(run) = offload_core::plan::DiskRun::from_rate(Some(rate)) {
+            store.record_disk(&label, run)?;
+        }
+        // The plan's file reads per step against the measured ones: the bytes it streams each step at the rate it
+        // assumed, beside the seconds the reads took per step.
+        let Some(planned) = plan.plan.component(component.name()) else { continue };
+        let calls = if component.name() == "transformer" { steps.max(1) } else { 1 };
+        let totals = meter.totals();
+        let measured = totals.seconds / calls as f64;
+        let predicted = planned.streamed_per_step as f64 / time.disk_bytes_per_second;
+        // A quarter slower than the plan's step, and by at least 10 ms a call: tiny reads vary by more than that.
+        let slower = measured - predicted;
+        let matters = slower > 0.25 * planned.seconds_per_step.max(predicted) && slower > 0.010;
+        if !warned && planned.host_tier.reads_disk() && predicted > 0.0 && matters {
+            warned = true;
+            eprintln!(
+                "file reads: {}'s reads took {measured:.2} s per call against the {predicted:.2} s the plan \
+                 predicted ({}) at {:.2} GB/s ({}): the measured median was {:.2} GB/s, so the page cache was cold or \
+                 the disk is slower than assumed; give the plan more RAM with --ram SIZE so copies stay in host \
+                 memory, or run again: the next plan predicts from this run's rate",
+                component.name(),
+                format_size(planned.streamed_per_step),
+                time.disk_bytes_per_second / 1e9,
+                time.disk_source,
+                rate.median / 1e9
+            );
+        }
+    }
+    Ok(())
 }
 
 /// One line of the host budget for `phase` (`load`, `encode`, `denoise`, `decode`), as the real-size benchmark
@@ -1335,16 +1420,6 @@ mod tests {
 
     fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
-    }
-
-    /// The real-size run's reading after loading (1.07 GB free of 24 GB, 20.52 GB of weights loaded) no longer
-    /// makes the plan believe its host copies do not fit.
-    #[test]
-    fn the_loaded_weights_count_as_the_pipelines_host_memory() {
-        let read = HostMemory::new(24_000_000_000, 1_070_000_000);
-        let host = host_for_plan(read, 20_522_393_030);
-        assert_eq!(host.available, 21_592_393_030);
-        assert_eq!(host_for_plan(read, 30_000_000_000).available, 24_000_000_000, "never above the total");
     }
 
     /// The README's `generate` commands that run on the CPU (no `--features`), each argument list as written, with

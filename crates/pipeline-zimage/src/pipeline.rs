@@ -346,6 +346,69 @@ impl ZImagePipeline {
         )
     }
 
+    /// Opens a diffusers checkpoint directory and registers its components from their files (the file tier: each
+    /// component's host copy is its checkpoint files): only the files' headers are read, every weight stays on disk
+    /// until a component runs, and each component reads what it uploads (`group_offload::ModelHandle::register_files`).
+    /// The same checks and reports as [`load`](Self::load): every config and the components against each other,
+    /// every tensor's shape and dtype, and the applied, missing and unused tensors. With `quantize`, the text
+    /// encoder's and the transformer's linear weights are quantized tensor by tensor as they are read
+    /// ([`crate::loading::QuantizeLinearWeights`]), never the whole float model in memory.
+    ///
+    /// An offload plan then keeps each component in RAM or reads it from its files, as the host's budget allows
+    /// ([`crate::presets::enable_pipeline_offload`]; `docs/host-memory.md`). `timeline` is the pipeline's from the
+    /// start ([`set_timeline`](Self::set_timeline) cannot change it later: each component's offloader is built now
+    /// with it); `Timeline::disabled()` records nothing.
+    pub fn bind(
+        dir: impl AsRef<Path>,
+        placement: Placement,
+        opts: &LoadOptions,
+        quantize: Option<&burn::tensor::quantization::QuantScheme>,
+        timeline: Timeline,
+    ) -> Result<Self> {
+        let checkpoint = Checkpoint::open(dir)?;
+        let configs = CheckpointConfigs::read(&checkpoint)?;
+        let host = placement.host.clone();
+        let tokenizer = PromptTokenizer::from_dir(checkpoint.component_dir("tokenizer")?, 512)?;
+        let transform = quantize.map(|scheme| {
+            Arc::new(crate::loading::QuantizeLinearWeights { scheme: *scheme })
+                as Arc<dyn group_offload::weights::TensorTransform>
+        });
+        let (_, text_encoder) = checkpoint.bind_text_encoder(&host, opts, transform.clone())?;
+        let transformer = checkpoint.bind_transformer(&host, opts, transform)?;
+        let (_, vae) = checkpoint.bind_vae(&host, opts)?;
+        // The dtype the transformer computes in, from its table: asking the bound model would read a weight.
+        let dtype = transformer.files.get(transformer.model.x_pad_token.id).map_or(DType::F32, |entry| entry.dtype());
+        let reports = vec![text_encoder.report, transformer.report, vae.report];
+        let manager = Arc::new(ComponentsManager::new());
+        manager.set_timeline(timeline);
+        let [te, tr, va] = COMPONENTS;
+        Ok(Self {
+            text_encoder: ModelHandle::register_files(
+                &manager,
+                te,
+                text_encoder.model,
+                text_encoder.files,
+                placement.clone(),
+            )?,
+            transformer: ModelHandle::register_files(
+                &manager,
+                tr,
+                transformer.model,
+                transformer.files,
+                placement.clone(),
+            )?,
+            vae: ModelHandle::register_files(&manager, va, vae.model, vae.files, placement.clone())?,
+            manager,
+            tokenizer,
+            configs,
+            placement,
+            reports,
+            transformer_dtype: dtype,
+            phase_observer: None,
+            loras: AppliedLoras::default(),
+        })
+    }
+
     /// Assembles a pipeline from loaded parts.
     pub fn from_parts(parts: Parts, placement: Placement, reports: Vec<LoadReport>) -> Result<Self> {
         let configs = CheckpointConfigs {
@@ -416,7 +479,10 @@ impl ZImagePipeline {
     /// [`set_loras`](Self::set_loras) with the files already read (each [`LoraFile::read`] beside its spec), so a
     /// caller can refuse a bad file before it loads the checkpoint. The same checks, the same all-or-nothing rule.
     pub fn set_lora_files(&mut self, loras: Vec<(LoraSpec, LoraFile)>, mode: LoraMode) -> Result<&AppliedLoras> {
-        if self.transformer.is_grouped() || self.text_encoder.is_grouped() {
+        let streams = |handle: bool, file_tier: bool| handle && !file_tier;
+        if streams(self.transformer.is_grouped(), self.transformer.is_file_tier())
+            || streams(self.text_encoder.is_grouped(), self.text_encoder.is_file_tier())
+        {
             return Err(Error::LoraUnsupported {
                 reason: "a component is under group offload, whose store holds its weights; apply LoRAs after \
                          loading and before enabling group offload or an offload plan"
@@ -430,8 +496,14 @@ impl ZImagePipeline {
                 (spec, (file, scale))
             })
             .unzip();
-        let transformer = self.transformer.inspect(ComponentLayers::transformer)?;
-        let text_encoder = self.text_encoder.inspect(ComponentLayers::text_encoder)?;
+        // A component whose host copy is its checkpoint files takes a LoRA at run time: fusing would read every
+        // layer it updates into host memory and keep it there.
+        let file_tier = self.transformer.is_file_tier() || self.text_encoder.is_file_tier();
+        let mode = if file_tier { LoraMode::Runtime } else { mode };
+        let tr_files = self.transformer.file_table().cloned();
+        let te_files = self.text_encoder.file_table().cloned();
+        let transformer = self.transformer.inspect(|m| ComponentLayers::transformer_with(m, tr_files.as_ref()))?;
+        let text_encoder = self.text_encoder.inspect(|m| ComponentLayers::text_encoder_with(m, te_files.as_ref()))?;
         let resolved = lora::resolve(&files, &transformer, &text_encoder)?;
         let layers = [(LoraTarget::Transformer, &transformer), (LoraTarget::TextEncoder, &text_encoder)];
         lora::check_mode(&resolved, mode, &layers)?;
@@ -836,6 +908,17 @@ impl ZImagePipeline {
     /// Pixels per latent cell per side, from the VAE's config: `2^(levels − 1)`, 8 for the FLUX VAE.
     pub fn vae_scale_factor(&self) -> usize {
         self.configs.vae.scale_factor()
+    }
+
+    /// The table of `component`'s checkpoint files when it was registered from them ([`bind`](Self::bind)):
+    /// its bound weights and the disk meter every read of them is timed on. `None` for a component in memory.
+    pub fn file_table(&self, component: &str) -> Option<&group_offload::weights::FileTable> {
+        match component {
+            "text_encoder" => self.text_encoder.file_table(),
+            "transformer" => self.transformer.file_table(),
+            "vae" => self.vae.file_table(),
+            _ => None,
+        }
     }
 
     /// The components' configs, checked against each other when the pipeline was made.

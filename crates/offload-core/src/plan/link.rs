@@ -200,11 +200,11 @@ pub struct DiskRun {
 }
 
 impl DiskRun {
-    /// A run's figures from the rates of its timed reads (a [`LinkRate`] of read samples, as
-    /// [`LinkRate::of`](crate::link::LinkRate::of) gives them); `None` when it timed no read.
-    pub fn from_rate(reads: Option<LinkRate>) -> Option<Self> {
+    /// A run's figures from the rates of its timed reads (a disk meter's,
+    /// [`DiskMeter::rate`](crate::link::DiskMeter::rate)); `None` when it timed no read.
+    pub fn from_rate(reads: Option<crate::link::DiskRate>) -> Option<Self> {
         let rate = reads?;
-        Some(Self { median: rate.median, p10: rate.p10, reads: rate.uploads as u64, bytes: rate.bytes, at: 0 })
+        Some(Self { median: rate.median, p10: rate.p10, reads: rate.reads as u64, bytes: rate.bytes, at: 0 })
     }
 }
 
