@@ -59,9 +59,8 @@ pub fn component_spec(manager: &ComponentsManager, component: &dyn Component) ->
     // Its files serve its host copy when it was registered from them and its weights are as they are stored (a
     // quantized one differs: its copy lives in RAM or the disk store).
     let file_backed = component.is_file_tier() && !component.is_quantized();
-    let mut spec = ComponentSpec::new(component.name(), bytes)
-        .quantized(component.is_quantized())
-        .with_file_backed(file_backed);
+    let mut spec =
+        ComponentSpec::new(component.name(), bytes).quantized(component.is_quantized()).with_file_backed(file_backed);
     if let Some(layout) = component.layout()? {
         spec = spec.with_layout(layout);
     }
