@@ -23,7 +23,9 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 use group_offload::prelude::*;
 use group_offload::weights::{BindOptions, WeightIndex, bind};
-use memory_sim::{CardSpec, Mode, SimCard};
+use memory_sim::SimCard;
+#[cfg(not(feature = "wgpu"))]
+use memory_sim::{CardSpec, Mode};
 use offload_core::ComponentsManager;
 
 const WIDTH: usize = 1024;

@@ -303,7 +303,7 @@ impl TinyDitPipeline {
             specs.push(group_offload::apply::component_spec(&self.manager, &**component)?.with_activation(activation));
         }
         let workload = Workload::new().with("model", "tiny-dit");
-        Ok(plan_and_apply(&self.manager, &mut components, &specs, settings, device, workload, "dit")?)
+        plan_and_apply(&self.manager, &mut components, &specs, settings, device, workload, "dit")
         // offload: end
     }
 
