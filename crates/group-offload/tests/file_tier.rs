@@ -208,7 +208,9 @@ fn a_bound_model_streams_from_its_file_bit_for_bit_and_reads_nothing_into_memory
             assert_eq!(offload.file_bytes(), std::fs::metadata(&path).expect("a file").len() - header_len(&path));
             assert_eq!(initialised(&probe), 0, "a bound parameter was read into memory");
             assert_eq!(table.materialised().0, 0, "{:?}", table.materialised());
-            // Every upload read its group from the file, and the disk meter counted each read.
+            // Every upload read its group from the file, and the disk meter counted each read (the prefetch the
+            // last forward's end made included: waited for, so that it is in both or in neither).
+            offload.wait_idle();
             let uploads: Vec<_> = manager
                 .offload_record()
                 .events()
