@@ -23,14 +23,14 @@ use std::thread::JoinHandle;
 use burn::tensor::Device;
 use offload_core::link::{DiskSample, LinkSample};
 use offload_core::timeline::category;
-use offload_core::{Action, ComponentError, DeviceName, Direction, FileRead, OffloadEvent, Reason, Refusals};
+use offload_core::{Action, ComponentError, Direction, FileRead, OffloadEvent, Reason, Refusals};
 use parking_lot::{Condvar, Mutex};
 
 use crate::config::GroupOffloadConfig;
 use crate::device::{catch_device_panic, check_device, check_outputs};
 use crate::error::{Error, Result};
 use crate::store::{GroupHost, HostReadError};
-use crate::walk::DeviceTensor;
+use crate::uploads::{DeviceTensor, Task, device_uploads, on_upload_thread, serve};
 
 /// Counters of one offloader since it was built. Read them with [`GroupOffload::stats`](crate::parts::GroupOffload::stats).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -220,9 +220,6 @@ impl Drop for Job {
     }
 }
 
-/// A unit of work for a device's shared upload thread.
-type Task = Box<dyn FnOnce() + Send>;
-
 /// Where an engine's prefetches run.
 enum Worker {
     /// A thread of the engine's own, ended with it: burn's CPU backend, which has no streams (the simulated
@@ -257,90 +254,6 @@ impl Drop for Engine {
             }
             None => {}
         }
-    }
-}
-
-/// The upload thread of `device`, started at its first use and kept for the process (threads named
-/// `group-offload-uploads-<device>`, so the checks they make count as a worker's): every engine's prefetches on the
-/// device, and every whole component's onload copy ([`on_upload_thread`]), so that all weights share its pools.
-///
-/// Why one per device: cubecl gives each thread a stream, and each stream its own pools. Its exclusive pool
-/// (`PagePolicy::Exclusive`) sizes a new page to the larger of the request and a running average of its
-/// bucket's requests, which starts at half the bucket's largest size and moves 1% toward each request. On a new
-/// stream a tensor of a few KB therefore takes a page of about 16 KB, and so does each uniform buffer of the
-/// upload check's launches, until some hundreds of requests have passed. Measured on lavapipe with a new worker
-/// per model: a streamed text encoder's worker held 341 KB of pages for 37 KB of tensors and 241 KB of uniform
-/// pages for 896 B (`docs/devices.md`).
-fn device_uploads(device: &Device, name: &DeviceName) -> std::io::Result<mpsc::Sender<Task>> {
-    /// One device's upload worker: the device, its task queue and its thread.
-    type Worker = (Device, mpsc::Sender<Task>, JoinHandle<()>);
-    static UPLOADS: Mutex<Vec<Worker>> = Mutex::new(Vec::new());
-    let mut uploads = UPLOADS.lock();
-    // A thread that ended is replaced, not handed out (it catches its tasks' panics, so none should end).
-    uploads.retain(|(_, _, thread)| !thread.is_finished());
-    if let Some((_, sender, _)) = uploads.iter().find(|(d, _, _)| d == device) {
-        return Ok(sender.clone());
-    }
-    let (sender, tasks) = mpsc::channel::<Task>();
-    let thread_name = upload_thread_name(name);
-    let thread = std::thread::Builder::new().name(thread_name.clone()).spawn(move || {
-        while let Ok(task) = tasks.recv() {
-            serve(&thread_name, task);
-        }
-    })?;
-    uploads.push((device.clone(), sender.clone(), thread));
-    Ok(sender)
-}
-
-/// The name of `device`'s upload thread.
-fn upload_thread_name(name: &DeviceName) -> String {
-    format!("group-offload-uploads-{name}")
-}
-
-/// Runs one task on a worker thread (a device's upload thread, or an engine's own), so that a panic in it ends the
-/// task and not the thread: the thread goes on serving every other engine on the device, whose prefetches would
-/// otherwise all fail from then on. The tasks report their own panics to their waiters, typed (a prefetch as its
-/// failure, [`on_upload_thread`] as [`Error::UploadPanicked`]); one that still unwinds this far is logged here.
-fn serve(thread: &str, task: impl FnOnce()) {
-    if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)) {
-        let message = crate::device::panic_text(payload.as_ref());
-        tracing::error!(thread, "a task on the upload thread panicked ({message}); the thread goes on");
-    }
-}
-
-/// Runs `f` on `device`'s upload thread ([`device_uploads`]) and waits for what it returns: how a whole component's
-/// onload puts its weights in the same stream's pools as the groups streamed on that device, so that the footprint
-/// it measures is what those pools take for the weights. A panic in `f` is caught on the thread, which goes on
-/// serving the other engines, and comes back to the caller as [`Error::UploadPanicked`] (`f` gives back what it
-/// reserved as it unwinds); [`Error::UploadThread`] when the thread cannot be started or ended.
-pub(crate) fn on_upload_thread<R: Send + 'static>(
-    device: &Device,
-    name: &DeviceName,
-    f: impl FnOnce() -> R + Send + 'static,
-) -> Result<R> {
-    let what = "a task on the upload thread";
-    let unserved = |problem: String| Error::UploadThread { what: what.into(), device: name.to_string(), problem };
-    // On the upload thread itself (a task that uploads again) the work runs here: sending it to this thread's own
-    // queue and waiting would wait for ever. Its panic is the outer task's, reported to that task's waiter.
-    if std::thread::current().name() == Some(upload_thread_name(name).as_str()) {
-        return Ok(f());
-    }
-    let (sender, result) = mpsc::sync_channel(1);
-    let task: Task = Box::new(move || {
-        let _ = sender.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
-    });
-    device_uploads(device, name)
-        .map_err(|e| unserved(format!("it cannot be started: {e}")))?
-        .send(task)
-        .map_err(|_| unserved("it has ended".into()))?;
-    match result.recv() {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(payload)) => {
-            let message = crate::device::panic_text(payload.as_ref());
-            tracing::error!(device = %name, "a task panicked on the upload thread ({message}); the thread goes on");
-            Err(Error::UploadPanicked { what: what.into(), device: name.to_string(), message })
-        }
-        Err(_) => Err(unserved("it ended before the task ran".into())),
     }
 }
 
@@ -1268,36 +1181,4 @@ fn run_job(mut job: Job) {
     }
     job.published = true;
     shared.changed.notify_all();
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Issue 37, item 7: the device's upload thread survives a task that panics. The panic comes back to the task's
-    /// waiter as a typed error, and the next task runs on the same thread (before, the panic went on in the caller
-    /// and ended the thread, and every engine on the device lost its prefetches).
-    #[test]
-    fn the_upload_thread_survives_a_panicking_task_and_reports_it_typed() {
-        let device = Device::flex();
-        let name = DeviceName::parse("cuda:7").expect("a device name");
-        let thread = || std::thread::current().id();
-        let before = on_upload_thread(&device, &name, thread).expect("runs");
-        let panicked = on_upload_thread(&device, &name, || -> u32 { panic!("a ledger bug") });
-        match panicked {
-            Err(Error::UploadPanicked { message, device, .. }) => {
-                assert_eq!((message.as_str(), device.as_str()), ("a ledger bug", "cuda:7"));
-            }
-            other => panic!("expected a typed panic, got {other:?}"),
-        }
-        let after = on_upload_thread(&device, &name, thread).expect("the thread goes on");
-        assert_eq!(before, after, "the same thread served the task after the panic");
-        let error = on_upload_thread(&device, &name, || -> u32 { panic!("again") }).expect_err("typed");
-        assert_eq!(
-            error.to_string(),
-            "a task on the upload thread for cuda:7 panicked: again; nothing of it stays reserved on the device and \
-             the host copy is intact, so running again is safe, but this is a bug outside the device: report it \
-             with this message"
-        );
-    }
 }

@@ -158,6 +158,7 @@ pub mod parts;
 pub mod prelude;
 pub mod quant;
 mod store;
+mod uploads;
 pub mod view;
 pub mod vulkaninfo;
 mod walk;

@@ -500,7 +500,7 @@ impl PartCore {
         Self { engine: offload.engine().clone(), name: name.to_string() }
     }
 
-    fn take(&self, groups: &[usize]) -> Result<Vec<(usize, Arc<[crate::walk::DeviceTensor]>)>> {
+    fn take(&self, groups: &[usize]) -> Result<Vec<(usize, Arc<[crate::uploads::DeviceTensor]>)>> {
         self.engine.acquire(groups)
     }
 
@@ -513,7 +513,7 @@ impl PartCore {
         &self,
         skeleton: &M,
         slots: &[Slot],
-        taken: &[(usize, Arc<[crate::walk::DeviceTensor]>)],
+        taken: &[(usize, Arc<[crate::uploads::DeviceTensor]>)],
     ) -> M {
         let engine = &self.engine;
         let hosts = |g: usize| engine.host(g);

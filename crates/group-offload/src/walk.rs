@@ -16,7 +16,6 @@
 //! transformed here, one tensor at a time, and kept as host bytes. A bound parameter something already read (it is
 //! initialised) is extracted as any other: its bytes may differ from the file's (a LoRA fused into it).
 
-use std::any::Any;
 use std::sync::{Arc, Weak};
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
@@ -25,6 +24,7 @@ use burn::tensor::{Bool, Bytes, DType, Device, Int, Shape, Tensor, TensorData};
 use crate::engine::Engine;
 use crate::error::Error;
 use crate::store::GroupHost;
+use crate::uploads::{DeviceTensor, MAX_QUANTIZED_RANK};
 use crate::weights::{BoundTensor, FileTable};
 
 /// Where one parameter's host copy is.
@@ -408,66 +408,4 @@ pub(crate) fn install<M: Module>(skeleton: &M, slots: &[Slot], installed: &Insta
 /// Reads flat host data as a rank-1 tensor: what the worker uploads for a float parameter.
 pub(crate) fn flat_data(bytes: Bytes, elements: usize, dtype: DType) -> TensorData {
     TensorData::from_bytes(bytes, [elements], dtype)
-}
-
-/// The highest rank of a quantized parameter group offload uploads in its own shape.
-pub(crate) const MAX_QUANTIZED_RANK: usize = 6;
-
-/// One parameter on the execution device, as an upload built it.
-#[derive(Clone)]
-#[allow(
-    clippy::large_enum_variant,
-    reason = "a group's parameters are built once per upload and installed at once; boxing the float tensor would \
-              add a heap allocation per parameter per move for the rarer quantized case's sake"
-)]
-pub(crate) enum DeviceTensor {
-    /// A float parameter, flat: installation reshapes it to the parameter's shape (a view).
-    Flat(Tensor<1>),
-    /// A quantized parameter in its own shape: a `Tensor<D>` of the parameter's rank `D`, behind `Any` because
-    /// the group holds parameters of every rank. Installation takes it as it is: a block-quantized tensor's
-    /// scales are laid over its shape, and some backends (`flex`) reshape one by dequantizing and quantizing
-    /// again, which would change its values.
-    Shaped(Arc<dyn Any + Send + Sync>),
-}
-
-impl DeviceTensor {
-    /// Builds the device tensor of `data` ([`TensorMeta::upload_data`](crate::store::TensorMeta::upload_data)'s
-    /// output) on `device`, converted there to `target` when that is another float dtype (a file tensor read in
-    /// the file's dtype for a model that runs in another); a quantized tensor is rebuilt from its bytes by the
-    /// backend (values and scales as they are).
-    pub fn upload(data: TensorData, device: &Device, target: DType) -> Result<Self, String> {
-        let dtype = data.dtype();
-        if !matches!(dtype, DType::QFloat(_)) {
-            let flat = Tensor::<1>::from_data(data, (device, dtype));
-            return Ok(Self::Flat(if dtype == target || !target.is_float() { flat } else { flat.cast(target) }));
-        }
-        fn shaped<const D: usize>(data: TensorData, device: &Device, dtype: DType) -> DeviceTensor {
-            DeviceTensor::Shaped(Arc::new(Tensor::<D>::from_data(data, (device, dtype))))
-        }
-        Ok(match data.shape().num_dims() {
-            1 => shaped::<1>(data, device, dtype),
-            2 => shaped::<2>(data, device, dtype),
-            3 => shaped::<3>(data, device, dtype),
-            4 => shaped::<4>(data, device, dtype),
-            5 => shaped::<5>(data, device, dtype),
-            6 => shaped::<6>(data, device, dtype),
-            rank => {
-                return Err(format!(
-                    "a quantized tensor of rank {rank} cannot be uploaded in its shape (ranks 1 to \
-                     {MAX_QUANTIZED_RANK}); leave it unquantized"
-                ));
-            }
-        })
-    }
-}
-
-impl crate::device::DeviceOutput for DeviceTensor {
-    /// A float tensor's one-value probe; none for a quantized one, which is read back by its own kernels (its
-    /// upload is still synced by `check_device` before the group is published).
-    fn probes(&self) -> Vec<Tensor<1>> {
-        match self {
-            Self::Flat(tensor) => tensor.probes(),
-            Self::Shaped(_) => Vec::new(),
-        }
-    }
 }

@@ -360,7 +360,7 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
                 // streamed on that device too: the footprint measured here is then in the pools those groups use.
                 let (module, exec, name, what) = (self.module.clone(), exec.clone(), device.clone(), self.class_name);
                 let memory = self.placement.memory.clone();
-                crate::engine::on_upload_thread(&exec.clone(), device, move || {
+                crate::uploads::on_upload_thread(&exec.clone(), device, move || {
                     copy_checked(module, &exec, &name, what, memory.as_deref())
                 })
                 .unwrap_or_else(|error| {

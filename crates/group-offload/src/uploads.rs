@@ -1,0 +1,194 @@
+//! Uploads: the device's one upload thread, where every engine's prefetches and every whole component's onload copy
+//! run ([`on_upload_thread`]), and the device tensors an upload builds ([`DeviceTensor`]).
+
+use std::any::Any;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use offload_core::DeviceName;
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+
+/// A unit of work for a device's shared upload thread.
+pub(crate) type Task = Box<dyn FnOnce() + Send>;
+
+/// The upload thread of `device`, started at its first use and kept for the process (threads named
+/// `group-offload-uploads-<device>`, so the checks they make count as a worker's): every engine's prefetches on the
+/// device, and every whole component's onload copy ([`on_upload_thread`]), so that all weights share its pools.
+///
+/// Why one per device: cubecl gives each thread a stream, and each stream its own pools. Its exclusive pool
+/// (`PagePolicy::Exclusive`) sizes a new page to the larger of the request and a running average of its
+/// bucket's requests, which starts at half the bucket's largest size and moves 1% toward each request. On a new
+/// stream a tensor of a few KB therefore takes a page of about 16 KB, and so does each uniform buffer of the
+/// upload check's launches, until some hundreds of requests have passed. Measured on lavapipe with a new worker
+/// per model: a streamed text encoder's worker held 341 KB of pages for 37 KB of tensors and 241 KB of uniform
+/// pages for 896 B (`docs/devices.md`).
+pub(crate) fn device_uploads(device: &Device, name: &DeviceName) -> std::io::Result<mpsc::Sender<Task>> {
+    /// One device's upload worker: the device, its task queue and its thread.
+    type Worker = (Device, mpsc::Sender<Task>, JoinHandle<()>);
+    static UPLOADS: Mutex<Vec<Worker>> = Mutex::new(Vec::new());
+    let mut uploads = UPLOADS.lock();
+    // A thread that ended is replaced, not handed out (it catches its tasks' panics, so none should end).
+    uploads.retain(|(_, _, thread)| !thread.is_finished());
+    if let Some((_, sender, _)) = uploads.iter().find(|(d, _, _)| d == device) {
+        return Ok(sender.clone());
+    }
+    let (sender, tasks) = mpsc::channel::<Task>();
+    let thread_name = upload_thread_name(name);
+    let thread = std::thread::Builder::new().name(thread_name.clone()).spawn(move || {
+        while let Ok(task) = tasks.recv() {
+            serve(&thread_name, task);
+        }
+    })?;
+    uploads.push((device.clone(), sender.clone(), thread));
+    Ok(sender)
+}
+
+/// The name of `device`'s upload thread.
+fn upload_thread_name(name: &DeviceName) -> String {
+    format!("group-offload-uploads-{name}")
+}
+
+/// Runs one task on a worker thread (a device's upload thread, or an engine's own), so that a panic in it ends the
+/// task and not the thread: the thread goes on serving every other engine on the device, whose prefetches would
+/// otherwise all fail from then on. The tasks report their own panics to their waiters, typed (a prefetch as its
+/// failure, [`on_upload_thread`] as [`Error::UploadPanicked`]); one that still unwinds this far is logged here.
+pub(crate) fn serve(thread: &str, task: impl FnOnce()) {
+    if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)) {
+        let message = crate::device::panic_text(payload.as_ref());
+        tracing::error!(thread, "a task on the upload thread panicked ({message}); the thread goes on");
+    }
+}
+
+/// Runs `f` on `device`'s upload thread ([`device_uploads`]) and waits for what it returns: how a whole component's
+/// onload puts its weights in the same stream's pools as the groups streamed on that device, so that the footprint
+/// it measures is what those pools take for the weights. A panic in `f` is caught on the thread, which goes on
+/// serving the other engines, and comes back to the caller as [`Error::UploadPanicked`] (`f` gives back what it
+/// reserved as it unwinds); [`Error::UploadThread`] when the thread cannot be started or ended.
+pub(crate) fn on_upload_thread<R: Send + 'static>(
+    device: &Device,
+    name: &DeviceName,
+    f: impl FnOnce() -> R + Send + 'static,
+) -> Result<R> {
+    let what = "a task on the upload thread";
+    let unserved = |problem: String| Error::UploadThread { what: what.into(), device: name.to_string(), problem };
+    // On the upload thread itself (a task that uploads again) the work runs here: sending it to this thread's own
+    // queue and waiting would wait for ever. Its panic is the outer task's, reported to that task's waiter.
+    if std::thread::current().name() == Some(upload_thread_name(name).as_str()) {
+        return Ok(f());
+    }
+    let (sender, result) = mpsc::sync_channel(1);
+    let task: Task = Box::new(move || {
+        let _ = sender.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    device_uploads(device, name)
+        .map_err(|e| unserved(format!("it cannot be started: {e}")))?
+        .send(task)
+        .map_err(|_| unserved("it has ended".into()))?;
+    match result.recv() {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(payload)) => {
+            let message = crate::device::panic_text(payload.as_ref());
+            tracing::error!(device = %name, "a task panicked on the upload thread ({message}); the thread goes on");
+            Err(Error::UploadPanicked { what: what.into(), device: name.to_string(), message })
+        }
+        Err(_) => Err(unserved("it ended before the task ran".into())),
+    }
+}
+
+/// The highest rank of a quantized parameter group offload uploads in its own shape.
+pub(crate) const MAX_QUANTIZED_RANK: usize = 6;
+
+/// One parameter on the execution device, as an upload built it.
+#[derive(Clone)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "a group's parameters are built once per upload and installed at once; boxing the float tensor would \
+              add a heap allocation per parameter per move for the rarer quantized case's sake"
+)]
+pub(crate) enum DeviceTensor {
+    /// A float parameter, flat: installation reshapes it to the parameter's shape (a view).
+    Flat(Tensor<1>),
+    /// A quantized parameter in its own shape: a `Tensor<D>` of the parameter's rank `D`, behind `Any` because
+    /// the group holds parameters of every rank. Installation takes it as it is: a block-quantized tensor's
+    /// scales are laid over its shape, and some backends (`flex`) reshape one by dequantizing and quantizing
+    /// again, which would change its values.
+    Shaped(Arc<dyn Any + Send + Sync>),
+}
+
+impl DeviceTensor {
+    /// Builds the device tensor of `data` ([`TensorMeta::upload_data`](crate::store::TensorMeta::upload_data)'s
+    /// output) on `device`, converted there to `target` when that is another float dtype (a file tensor read in
+    /// the file's dtype for a model that runs in another); a quantized tensor is rebuilt from its bytes by the
+    /// backend (values and scales as they are).
+    pub fn upload(data: TensorData, device: &Device, target: DType) -> Result<Self, String> {
+        let dtype = data.dtype();
+        if !matches!(dtype, DType::QFloat(_)) {
+            let flat = Tensor::<1>::from_data(data, (device, dtype));
+            return Ok(Self::Flat(if dtype == target || !target.is_float() { flat } else { flat.cast(target) }));
+        }
+        fn shaped<const D: usize>(data: TensorData, device: &Device, dtype: DType) -> DeviceTensor {
+            DeviceTensor::Shaped(Arc::new(Tensor::<D>::from_data(data, (device, dtype))))
+        }
+        Ok(match data.shape().num_dims() {
+            1 => shaped::<1>(data, device, dtype),
+            2 => shaped::<2>(data, device, dtype),
+            3 => shaped::<3>(data, device, dtype),
+            4 => shaped::<4>(data, device, dtype),
+            5 => shaped::<5>(data, device, dtype),
+            6 => shaped::<6>(data, device, dtype),
+            rank => {
+                return Err(format!(
+                    "a quantized tensor of rank {rank} cannot be uploaded in its shape (ranks 1 to \
+                     {MAX_QUANTIZED_RANK}); leave it unquantized"
+                ));
+            }
+        })
+    }
+}
+
+impl crate::device::DeviceOutput for DeviceTensor {
+    /// A float tensor's one-value probe; none for a quantized one, which is read back by its own kernels (its
+    /// upload is still synced by `check_device` before the group is published).
+    fn probes(&self) -> Vec<Tensor<1>> {
+        match self {
+            Self::Flat(tensor) => tensor.probes(),
+            Self::Shaped(_) => Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 37, item 7: the device's upload thread survives a task that panics. The panic comes back to the task's
+    /// waiter as a typed error, and the next task runs on the same thread (before, the panic went on in the caller
+    /// and ended the thread, and every engine on the device lost its prefetches).
+    #[test]
+    fn the_upload_thread_survives_a_panicking_task_and_reports_it_typed() {
+        let device = Device::flex();
+        let name = DeviceName::parse("cuda:7").expect("a device name");
+        let thread = || std::thread::current().id();
+        let before = on_upload_thread(&device, &name, thread).expect("runs");
+        let panicked = on_upload_thread(&device, &name, || -> u32 { panic!("a ledger bug") });
+        match panicked {
+            Err(Error::UploadPanicked { message, device, .. }) => {
+                assert_eq!((message.as_str(), device.as_str()), ("a ledger bug", "cuda:7"));
+            }
+            other => panic!("expected a typed panic, got {other:?}"),
+        }
+        let after = on_upload_thread(&device, &name, thread).expect("the thread goes on");
+        assert_eq!(before, after, "the same thread served the task after the panic");
+        let error = on_upload_thread(&device, &name, || -> u32 { panic!("again") }).expect_err("typed");
+        assert_eq!(
+            error.to_string(),
+            "a task on the upload thread for cuda:7 panicked: again; nothing of it stays reserved on the device and \
+             the host copy is intact, so running again is safe, but this is a bug outside the device: report it \
+             with this message"
+        );
+    }
+}
