@@ -145,7 +145,7 @@ pub trait Offloadable: Any + Send {
     /// released first), where the component measured it; `None` where it did not (a device without pages of its
     /// own, [`DeviceMemory::held`](crate::DeviceMemory::held)). The manager hands it out for the plans
     /// ([`ComponentsManager::call_footprints`](crate::ComponentsManager::call_footprints)).
-    fn call_footprint(&self) -> Option<crate::plan::CallPages> {
+    fn call_footprint(&self) -> Option<crate::measured::CallPages> {
         None
     }
 

@@ -23,6 +23,7 @@ pub mod device;
 pub mod error;
 pub mod link;
 pub mod manager;
+pub mod measured;
 pub mod plan;
 pub mod record;
 pub mod size;

@@ -436,13 +436,13 @@ impl ComponentsManager {
     /// what `ProfileStore::record_footprints` (feature `io`) keeps for the next process.
     ///
     /// [`DeviceFacts::with_footprints`]: crate::plan::DeviceFacts::with_footprints
-    pub fn device_footprints(&self) -> Vec<crate::plan::Footprint> {
+    pub fn device_footprints(&self) -> Vec<crate::measured::Footprint> {
         let state = self.state.lock();
         state
             .entries
             .iter()
             .filter_map(|e| {
-                e.footprint.map(|device_bytes| crate::plan::Footprint {
+                e.footprint.map(|device_bytes| crate::measured::Footprint {
                     component: e.name.to_string(),
                     weight_bytes: e.bytes,
                     device_bytes,
@@ -459,13 +459,13 @@ impl ComponentsManager {
     /// progress; call it between runs.
     ///
     /// [`DeviceFacts::with_call_footprints`]: crate::plan::DeviceFacts::with_call_footprints
-    pub fn call_footprints(&self) -> Vec<crate::plan::CallFootprint> {
+    pub fn call_footprints(&self) -> Vec<crate::measured::CallFootprint> {
         let slots: Vec<(String, Slot)> =
             self.state.lock().entries.iter().map(|e| (e.name.to_string(), e.slot.clone())).collect();
         slots
             .into_iter()
             .filter_map(|(component, slot)| {
-                slot.lock().call_footprint().map(|call| crate::plan::CallFootprint {
+                slot.lock().call_footprint().map(|call| crate::measured::CallFootprint {
                     component,
                     estimate_bytes: call.estimate_bytes,
                     device_bytes: call.device_bytes,
