@@ -470,7 +470,7 @@ fn file_hash(file: &[u8]) -> Option<u64> {
                 };
                 (dtype.to_string(), shape)
             }
-            None => (format!("{:?}", from_safetensors(view.dtype())?), view.shape().to_vec()),
+            None => (format!("{:?}", crate::weights::from_safetensors(view.dtype())?), view.shape().to_vec()),
         };
         entries.push((dotted, dtype, shape, view.data()));
     }
@@ -496,25 +496,6 @@ fn to_safetensors(dtype: DType) -> Option<safetensors::Dtype> {
         DType::U32 => S::U32,
         DType::U16 => S::U16,
         DType::U8 => S::U8,
-        _ => return None,
-    })
-}
-
-fn from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
-    use safetensors::Dtype as S;
-    Some(match dtype {
-        S::F64 => DType::F64,
-        S::F32 => DType::F32,
-        S::F16 => DType::F16,
-        S::BF16 => DType::BF16,
-        S::I64 => DType::I64,
-        S::I32 => DType::I32,
-        S::I16 => DType::I16,
-        S::I8 => DType::I8,
-        S::U64 => DType::U64,
-        S::U32 => DType::U32,
-        S::U16 => DType::U16,
-        S::U8 => DType::U8,
         _ => return None,
     })
 }

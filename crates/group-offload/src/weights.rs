@@ -723,7 +723,7 @@ impl ModuleMapper for Binder<'_> {
 }
 
 /// burn's dtype for a safetensors dtype it reads.
-fn from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
+pub(crate) fn from_safetensors(dtype: safetensors::Dtype) -> Option<DType> {
     use safetensors::Dtype as S;
     Some(match dtype {
         S::F64 => DType::F64,

@@ -75,10 +75,29 @@ impl std::fmt::Display for LinkRate {
     }
 }
 
-#[derive(Debug, Default)]
-struct Ring {
-    samples: Vec<LinkSample>,
+/// The latest [`LINK_SAMPLES`] samples, the oldest overwritten first.
+#[derive(Debug)]
+struct Ring<T> {
+    samples: Vec<T>,
     next: usize,
+}
+
+impl<T> Default for Ring<T> {
+    fn default() -> Self {
+        Self { samples: Vec::new(), next: 0 }
+    }
+}
+
+impl<T> Ring<T> {
+    /// Keeps `sample`, in place of the oldest once the ring is full.
+    fn push(&mut self, sample: T) {
+        if self.samples.len() < LINK_SAMPLES {
+            self.samples.push(sample);
+        } else {
+            self.samples[self.next] = sample;
+        }
+        self.next = (self.next + 1) % LINK_SAMPLES;
+    }
 }
 
 /// The latest copies onto one device (a ring of [`LINK_SAMPLES`]), shared by everything that moves weights
@@ -95,20 +114,13 @@ struct Ring {
 /// ```
 #[derive(Debug, Default)]
 pub struct LinkMeter {
-    ring: Mutex<Ring>,
+    ring: Mutex<Ring<LinkSample>>,
 }
 
 impl LinkMeter {
     /// Notes one copy.
     pub fn note(&self, sample: LinkSample) {
-        let mut ring = self.ring.lock();
-        if ring.samples.len() < LINK_SAMPLES {
-            ring.samples.push(sample);
-        } else {
-            let at = ring.next;
-            ring.samples[at] = sample;
-        }
-        ring.next = (ring.next + 1) % LINK_SAMPLES;
+        self.ring.lock().push(sample);
     }
 
     /// The latest copies, in no particular order.
@@ -175,8 +187,7 @@ pub struct DiskTotals {
 
 #[derive(Debug, Default)]
 struct DiskRing {
-    samples: Vec<DiskSample>,
-    next: usize,
+    ring: Ring<DiskSample>,
     totals: DiskTotals,
 }
 
@@ -202,13 +213,7 @@ impl DiskMeter {
     /// Notes one read.
     pub fn note(&self, sample: DiskSample) {
         let mut ring = self.ring.lock();
-        if ring.samples.len() < LINK_SAMPLES {
-            ring.samples.push(sample);
-        } else {
-            let at = ring.next;
-            ring.samples[at] = sample;
-        }
-        ring.next = (ring.next + 1) % LINK_SAMPLES;
+        ring.ring.push(sample);
         ring.totals.reads += 1;
         ring.totals.bytes += sample.bytes;
         ring.totals.seconds += sample.seconds;
@@ -216,7 +221,7 @@ impl DiskMeter {
 
     /// The latest reads, in no particular order.
     pub fn samples(&self) -> Vec<DiskSample> {
-        self.ring.lock().samples.clone()
+        self.ring.lock().ring.samples.clone()
     }
 
     /// Every read noted since the meter was made.
