@@ -44,7 +44,7 @@ use group_offload::weights::{BindOptions, FileTable, TensorPlace, TensorTransfor
 
 use crate::config::{ModelIndex, TransformerConfig};
 use crate::error::{Error, Result};
-use crate::text_encoder::{REFERENCE_IGNORES, TextEncoder, TextEncoderConfig};
+use crate::text_encoder::{TextEncoder, TextEncoderConfig};
 use crate::transformer::{KEY_REMAP, ZImageTransformer2DModel};
 use crate::vae::{AutoencoderKl, VaeConfig};
 
@@ -639,25 +639,7 @@ impl Checkpoint {
         let bind_opts = opts.clone().with_key_remap(crate::text_encoder::KEY_REMAP).with_allow_partial(true);
         let files = WeightFiles::find(&dir)?.files();
         let mut bound = bind_files(model, &component_name(&dir), &files, &bind_opts, transform)?;
-        let report = &mut bound.report;
-        let skipped = TextEncoder::unused_checkpoint_prefixes(&config);
-        let (by_design, rest): (Vec<String>, Vec<String>) = std::mem::take(&mut report.unused)
-            .into_iter()
-            .partition(|key| skipped.iter().any(|prefix| key.starts_with(prefix.as_str())));
-        let (ignored, unused): (Vec<String>, Vec<String>) =
-            rest.into_iter().partition(|key| REFERENCE_IGNORES.iter().any(|prefix| key.starts_with(prefix)));
-        (report.skipped, report.ignored, report.unused) = (by_design, ignored, unused);
-        if opts.strict {
-            report.unused.append(&mut report.ignored);
-            report.unused.sort();
-        }
-        if !opts.allow_partial && !report.is_complete() {
-            return Err(Error::PartialLoad {
-                component: report.component.clone(),
-                missing: report.missing.clone(),
-                unused: report.unused.clone(),
-            });
-        }
+        TextEncoder::sort_report(&mut bound.report, &config, opts)?;
         Ok((config, bound))
     }
 

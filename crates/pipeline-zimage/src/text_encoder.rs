@@ -608,7 +608,15 @@ impl TextEncoder {
         let mut module = Self::new(&config, device);
         let load_opts = opts.clone().with_key_remap(KEY_REMAP).with_allow_partial(true);
         let mut report = load_component(&mut module, dir, &load_opts)?;
-        let skipped = Self::unused_checkpoint_prefixes(&config);
+        Self::sort_report(&mut report, &config, opts)?;
+        Ok((config, module, report))
+    }
+
+    /// Sorts a loaded or bound text encoder's unused keys by the rules [`TextEncoder::load`] states: the ones skipped
+    /// by design into `skipped`, the reference's ignored ones into `ignored` (back into `unused` under
+    /// `opts.strict`); an incomplete report is an [`Error::PartialLoad`] unless `opts.allow_partial` is set.
+    pub(crate) fn sort_report(report: &mut LoadReport, config: &TextEncoderConfig, opts: &LoadOptions) -> Result<()> {
+        let skipped = Self::unused_checkpoint_prefixes(config);
         let (by_design, rest): (Vec<String>, Vec<String>) = std::mem::take(&mut report.unused)
             .into_iter()
             .partition(|key| skipped.iter().any(|prefix| key.starts_with(prefix.as_str())));
@@ -621,12 +629,12 @@ impl TextEncoder {
         }
         if !opts.allow_partial && !report.is_complete() {
             return Err(Error::PartialLoad {
-                component: report.component,
-                missing: report.missing,
-                unused: report.unused,
+                component: report.component.clone(),
+                missing: report.missing.clone(),
+                unused: report.unused.clone(),
             });
         }
-        Ok((config, module, report))
+        Ok(())
     }
 }
 
