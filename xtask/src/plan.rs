@@ -8,11 +8,12 @@
 
 use anyhow::{Context, bail};
 use memory_sim::profile::z_image_turbo as facts;
-use memory_sim::{CardSpec, PipelineProfile};
-use offload_core::parse_size;
+use memory_sim::{CardSpec, DonorMachine, Mode, PeerCard, PipelineProfile, SimCard, run_step};
 use offload_core::plan::{
-    BlockLayout, ComponentSpec, HostMemory, Machine, Settings, SettingsLayer, TimeModel, plan_pipeline,
+    BlockLayout, ComponentSpec, HostMemory, Machine, Plan, Settings, SettingsLayer, StreamedGroup, TimeModel,
+    plan_pipeline,
 };
+use offload_core::{format_size, parse_size};
 
 /// Arguments of `cargo xtask plan`.
 #[derive(clap::Args)]
@@ -44,6 +45,12 @@ pub struct Args {
     /// With `--validate`: `cpu` (a hard simulated card) or `wgpu` (builds `pipeline-zimage` with `wgpu`).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// A second card that can hold the transformer's streamed groups, as CARD@LINK (`24GB@nvlink`,
+    /// `rtx3090@pcie3x8`; links: nvlink, pcie4x16, pcie3x8); repeatable, named cuda:1, cuda:2, … With at least
+    /// one, the plan is followed by where each streamed group lives (these cards, pinned or pageable RAM, the
+    /// checkpoint file), placed by cost, and the step simulated on the cards.
+    #[arg(long = "donor", value_name = "CARD@LINK")]
+    pub donors: Vec<String>,
 }
 
 /// `plan --validate`: the tiny pipeline's predicted beside measured figures, from burn's side of the workspace.
@@ -171,7 +178,69 @@ fn render(args: &Args, settings: &Settings) -> anyhow::Result<String> {
         timing.flops_per_second / 1e12,
         time.pageable_fraction * 100.0
     );
-    out.push_str(&plan_pipeline(&z_image_turbo(args.steps)?, settings.clone(), &machine)?.to_string());
+    let specs = z_image_turbo(args.steps)?;
+    let plan = plan_pipeline(&specs, settings.clone(), &machine)?;
+    out.push_str(&plan.to_string());
+    if !args.donors.is_empty() {
+        out.push_str(&donors(args, &card, settings, &plan)?);
+    }
+    Ok(out)
+}
+
+/// With `--donor`: the transformer's streamed groups placed over the second cards, the host RAM the plan leaves
+/// and the checkpoint file, by cost, with the step run on the simulated cards beside the prediction.
+fn donors(args: &Args, card: &CardSpec, settings: &Settings, plan: &Plan) -> anyhow::Result<String> {
+    let profile = PipelineProfile::z_image_turbo(args.steps as usize);
+    let transformer = profile.components.iter().find(|c| c.name == "transformer").context("the transformer")?;
+    let routed = plan.component("transformer").context("the transformer's plan")?;
+    // Group offload keeps groups resident in call order while they fit the resident budget.
+    let blocks = facts::transformer_blocks();
+    let outside = transformer.bytes - blocks.iter().sum::<u64>();
+    let mut room = routed.resident_weight_bytes.saturating_sub(outside);
+    let mut groups = Vec::new();
+    for (index, bytes) in blocks.into_iter().enumerate() {
+        if groups.is_empty() && bytes <= room {
+            room -= bytes;
+        } else {
+            groups.push(StreamedGroup::new(&format!("block.{index}"), bytes));
+        }
+    }
+    let others: u64 = plan.components.iter().filter(|c| c.component != "transformer").map(|c| c.host_bytes).sum();
+    let host_bytes = plan.usable_host.saturating_sub(others);
+    let pinned_bytes = if settings.low_host_memory { 0 } else { settings.pinned_budget.unwrap_or(host_bytes) };
+    let exec = card.clone().with_mode(Mode::Hard).with_pageable_fraction(plan.machine.time.pageable_fraction)?;
+    let machine = DonorMachine {
+        exec: SimCard::new(exec),
+        peers: (args.donors.iter().enumerate())
+            .map(|(index, label)| PeerCard::parse(&format!("cuda:{}", index + 1), label))
+            .collect::<Result<_, _>>()?,
+        host_bytes,
+        pinned_bytes,
+        file_bytes_per_second: Some(plan.machine.time.disk_bytes_per_second),
+    };
+    let streamed: u64 = groups.iter().map(|g| g.bytes).sum();
+    let mut out = format!(
+        "\ndonors for the transformer's {} streamed groups ({} per step; {} of RAM left by the other components' \
+         copies, {} of it may be pinned):\n",
+        groups.len(),
+        format_size(streamed),
+        format_size(host_bytes),
+        format_size(pinned_bytes)
+    );
+    for peer in &machine.peers {
+        out.push_str(&format!("  {}: {} over {}\n", peer.name, peer.card.spec().label, peer.link.description));
+    }
+    let problem = machine.problem(groups, transformer.flops);
+    let placement = problem.place()?;
+    out.push_str(&problem.explain(&placement));
+    let step = run_step(&machine, &problem, &placement, transformer.flops)?;
+    out.push_str(&format!(
+        "simulated on the cards: {:.3} s per step ({:.3} s copies, {:.3} s compute), {:+.2}% from the prediction\n",
+        step.seconds,
+        step.copy_seconds,
+        step.compute_seconds,
+        (step.seconds / placement.step_seconds - 1.0) * 100.0
+    ));
     Ok(out)
 }
 
@@ -200,13 +269,61 @@ mod tests {
 
     /// The plan's text as the snapshot says, and as docs/presets.md shows it under its command.
     fn check(arguments: &[&str], expect: Expect) -> anyhow::Result<()> {
+        check_in("presets.md", arguments, expect)
+    }
+
+    /// The plan's text as the snapshot says, and as `docs/{page}` shows it under its command.
+    fn check_in(page: &str, arguments: &[&str], expect: Expect) -> anyhow::Result<()> {
         let text = plan(arguments)?;
         expect.assert_eq(&text);
-        let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/presets.md"))?;
+        let docs = std::fs::read_to_string(format!("{}/../docs/{page}", env!("CARGO_MANIFEST_DIR")))?;
         let command = format!("`cargo xtask plan {}`", arguments.join(" "));
-        assert!(docs.contains(&command), "docs/presets.md must show {command}");
-        assert!(docs.contains(&text), "docs/presets.md must show the output of {command} as it is:\n{text}");
+        assert!(docs.contains(&command), "docs/{page} must show {command}");
+        assert!(docs.contains(&text), "docs/{page} must show the output of {command} as it is:\n{text}");
         Ok(())
+    }
+
+    /// A second card over NVLink too small for the streamed groups, another over PCIe 3.0 x8, and 32 GB of RAM:
+    /// NVLink fills first, pinned RAM takes the rest, and the PCIe 3.0 card (3.1 GB/s) holds nothing while RAM
+    /// has room. The step simulated on the cards matches the prediction.
+    #[test]
+    fn donors_are_filled_cheapest_first_and_a_slow_second_card_comes_after_ram() -> anyhow::Result<()> {
+        check_in(
+            "donors.md",
+            &["--card", "8GB", "--ram", "32GB", "--preset", "auto", "--donor", "4GB@nvlink", "--donor", "24GB@pcie3x8"],
+            expect![[r#"
+                Z-Image-Turbo, 8 steps, card 8GB (31.50 GB/s link, 10 µs, 100.0 TFLOP/s; pageable copies at 50% of the link)
+                plan for preset auto: device 6.84 GB available of 7.45 GB; host 26.82 GB available of 29.80 GB (23.10 GB usable)
+                link: 31.50 GB/s from pinned memory, 15.75 GB/s pageable (given)
+                component     route                 host   resident  pinned  streamed/step  time/step     peak
+                text_encoder  leaf, prefetch        ram   741.88 MB     0 B        7.49 GB    0.514 s  1.25 GB
+                transformer   block x1, prefetch 1  ram     5.40 GB     0 B        6.74 GB    0.620 s  6.58 GB
+                vae           component offload     ram   159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+                per image (8 steps): 5.57 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 19.11 GB in RAM of 23.10 GB usable, 0 B pinned
+                why:
+                  text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy stays in RAM (7.49 GB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.514 s per call (copies 0.514 s, compute 0.043 s); nothing pinned: it crosses the link once per image; chosen at 0.51 s per image before pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image
+                  transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; its host copy stays in RAM (11.46 GB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.620 s per step (copies 0.414 s, compute 0.597 s); nothing pinned: pinning would save 0.18 s of 4.96 s per image, under 5%, as pageable copies (0.414 s a step) mostly hide under compute (0.597 s); chosen at 4.96 s per image before pinning, over component does not fit (needs 12.22 GB), leaf 6.27 s per image
+                  vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); its host copy stays in RAM (159.87 MB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.099 s per call (copies 0.011 s, compute 0.088 s); nothing pinned: it crosses the link once per image
+
+                donors for the transformer's 18 streamed groups (6.07 GB per step; 15.45 GB of RAM left by the other components' copies, 15.45 GB of it may be pinned):
+                  cuda:1: 4GB over NVLink between two RTX 3090s: 0.02 s/it per GB streamed (DisTorch), 50 GB/s
+                  cuda:2: 24GB over a second RTX 3090 on PCIe 3.0 x8: 0.32 s/it per GB streamed (DisTorch), 3.1 GB/s
+                donor   kind             link        budget     groups       bytes/step  copies/step
+                cuda:1  card             50.00 GB/s  3.12 GB    block.16-24  3.03 GB     0.065 s
+                cuda:2  card             3.12 GB/s   21.75 GB   -            0 B         0.000 s
+                pinned  pinned RAM       31.50 GB/s  15.45 GB   block.25-33  3.03 GB     0.103 s
+                ram     pageable RAM     15.75 GB/s  15.45 GB   -            0 B         0.000 s
+                file    checkpoint file  2.00 GB/s   unbounded  -            0 B         0.000 s
+                step: 0.766 s predicted (0.597 s compute + 0.169 s copies); lower bound 0.765 s; placement exact: branch and bound, 370 nodes
+                why:
+                  cuda:1: 0.020 s per GB streamed (card, given); the cheapest donor, filled to 3.03 GB of 3.12 GB
+                  pinned: 0.032 s per GB streamed (pinned RAM, given); #2 by cost, filled to 3.03 GB of 15.45 GB
+                  ram: 0.063 s per GB streamed (pageable RAM, given); holds nothing: the cheaper donors hold every group
+                  cuda:2: 0.320 s per GB streamed (card, given); holds nothing: the cheaper donors hold every group
+                  file: 0.500 s per GB streamed (checkpoint file, given); holds nothing: the cheaper donors hold every group
+                simulated on the cards: 0.766 s per step (0.169 s copies, 0.597 s compute), -0.00% from the prediction
+            "#]],
+        )
     }
 
     /// 16 GB of RAM holds 11.41 GB of host copies, not Z-Image-Turbo's 19.11 GB: the plan reads the text encoder

@@ -32,6 +32,23 @@ pub enum SimError {
         problem: String,
     },
 
+    /// A link name that is not one of [`crate::donors::LINKS`].
+    #[error("unknown link {name:?}: give a peer card as CARD@LINK with LINK one of: {accepted}")]
+    UnknownLink {
+        /// The link as given.
+        name: String,
+        /// The accepted names, comma-separated.
+        accepted: String,
+    },
+
+    /// A donor placement that the simulated hardware cannot run: a group on a peer card that cannot hold it, a
+    /// donor that does not exist.
+    #[error("cannot run the donor placement: {problem}; place with DonorMachine::problem's donors and budgets")]
+    Placement {
+        /// What failed.
+        problem: String,
+    },
+
     /// A card expectation file that could not be read.
     #[error("cannot read the card expectations: {0}; fix the TOML (see docs/offload-record.md for the format)")]
     Expectations(String),

@@ -25,6 +25,7 @@
 
 pub mod card;
 pub mod component;
+pub mod donors;
 pub mod error;
 pub mod expect;
 pub mod optimum;
@@ -33,6 +34,7 @@ pub mod run;
 
 pub use card::{CATALOGUE, CardSpec, CardStats, Faults, LOG_LIMIT, LedgerCall, Mode, SimCard, Timing};
 pub use component::{ActivationProfile, ComponentProfile, Step, VirtualComponent};
+pub use donors::{DonorMachine, LINKS, PeerCard, SimLink, SimulatedStep, run_step};
 pub use error::SimError;
 pub use expect::{CardExpectation, Expectations};
 pub use profile::PipelineProfile;

@@ -171,6 +171,34 @@ pub enum PlanError {
         advice: String,
     },
 
+    /// A donor problem that cannot be searched: a rate or latency that is not a finite number, a budget that does
+    /// not exist, a group of no bytes.
+    #[error("invalid donor placement problem: {problem}")]
+    InvalidDonors {
+        /// What is wrong, and how to fix it.
+        problem: String,
+    },
+
+    /// The streamed groups fit in no placement over the donors: every donor that holds them has a budget, and the
+    /// budgets cannot hold them all.
+    #[error(
+        "cannot place {groups} streamed groups ({}, the largest {}) over the donors: their budgets ({budgets}) cannot \
+         hold them; add a donor without a budget (the checkpoint file), more host RAM or a second card, or keep more \
+         groups resident on the execution device",
+        format_size(*needs),
+        format_size(*largest)
+    )]
+    DonorsTooSmall {
+        /// How many groups stream.
+        groups: usize,
+        /// Their bytes.
+        needs: u64,
+        /// The largest group's bytes.
+        largest: u64,
+        /// Each budget with its bytes, comma-separated.
+        budgets: String,
+    },
+
     /// A disk run that timed no read at a positive rate, refused before anything is stored.
     #[error(
         "cannot store the disk run of {disk}: it timed {reads} reads at a median of {median} bytes/s; store only runs \

@@ -7,6 +7,8 @@
 //!   resolved [`Settings`] (or just a preset) and a [`Machine`] (device memory, [`HostMemory`], [`TimeModel`]),
 //!   and returns a [`Plan`] whose `Display` is a table: route, resident, pinned, streamed per step, predicted
 //!   time per step and peak;
+//! - [`donors`] places a streamed model's groups over the places they can live (a second card, pinned or
+//!   pageable RAM, the checkpoint file) by each one's link cost, under every budget, exactly;
 //! - [`budget`] holds the budgets as pure functions: resident budget, pinned budget, the full-pin rule,
 //!   calibration;
 //! - [`Settings::resolve`] layers explicit arguments over `OFFLOAD_*` variables over a TOML file over preset
@@ -24,6 +26,7 @@
 pub mod budget;
 pub mod capacity;
 pub mod component;
+pub mod donors;
 pub mod error;
 pub mod footprint;
 pub mod host;
@@ -41,6 +44,10 @@ pub use capacity::{
     SCHEMA_VERSION, WarningKind, Workload, fnv1a_64,
 };
 pub use component::{BlockLayout, ComponentSpec, HostTier, Route};
+pub use donors::{
+    Donor, DonorBudget, DonorKind, DonorPlacement, DonorProblem, MAX_EXHAUSTIVE, MAX_NODES, SearchOutcome,
+    StreamedGroup,
+};
 pub use error::{Origin, PlanError};
 pub use footprint::{CallFootprint, CallPages, Footprint, apply_call_footprints, apply_footprints};
 pub use host::HostMemory;
