@@ -33,7 +33,7 @@ use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::lora::{LoraFile, LoraMode, LoraSpec, LoraTarget};
 use pipeline_zimage::output::{Format, Output, check_output_dir, check_outputs, write_atomic, write_bytes_atomic};
-use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
+use pipeline_zimage::pipeline::{DeviceMap, GenerateOptions, ZImagePipeline};
 use pipeline_zimage::plot::{PlotOptions, draw_memory_plot};
 use pipeline_zimage::presets::{check_capacity, enable_pipeline_offload, exact_reserve, generate_profiled};
 use pipeline_zimage::schedule::{StrategyChoice, compare_moves, lookahead_after_first_image};
@@ -193,6 +193,13 @@ struct Generate {
     /// on a CPU-only machine Mesa's lavapipe). On a real device the manager reads the device's own memory.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Components on devices of their own, as COMPONENT=DEVICE pairs separated by commas (`text_encoder=cpu`):
+    /// the component runs there, with its own account, and its output crosses to the execution device at its
+    /// boundary (diffusers' device_map with whole components). DEVICE is `cpu` (the host's CPU backend, flex:
+    /// nothing moves, nothing is planned for it) or the execution device's own name. COMPONENT is text_encoder,
+    /// transformer or vae.
+    #[arg(long, value_name = "COMPONENT=DEVICE")]
+    device_map: Option<String>,
     /// The device's total memory, overriding the runtime's reading (on wgpu the adapter's largest device-local
     /// Vulkan heap); CUDA's comes from the driver and is not overridden.
     #[arg(long, value_name = "SIZE")]
@@ -345,6 +352,41 @@ enum ArgumentError {
         /// The device's total.
         total: u64,
     },
+    /// A `--device-map` entry that names no component, names one twice, or places it on a device the run has not.
+    #[error("--device-map {entry:?}: {reason}")]
+    DeviceMap {
+        /// The entry as given.
+        entry: String,
+        /// What is wrong and what to pass instead.
+        reason: String,
+    },
+}
+
+/// `--device-map`'s pairs, checked: each names one of the pipeline's components once, on `cpu` or on `device`.
+fn parse_device_map(text: &str, device: &DeviceName) -> Result<Vec<(String, DeviceName)>, ArgumentError> {
+    let mut pairs: Vec<(String, DeviceName)> = Vec::new();
+    for entry in text.split(',').map(str::trim).filter(|entry| !entry.is_empty()) {
+        let wrong = |reason: String| ArgumentError::DeviceMap { entry: entry.to_string(), reason };
+        let Some((component, target)) = entry.split_once('=') else {
+            return Err(wrong("write each entry as COMPONENT=DEVICE, for example text_encoder=cpu".into()));
+        };
+        let component = component.trim();
+        if !pipeline_zimage::pipeline::COMPONENTS.contains(&component) {
+            let names = pipeline_zimage::pipeline::COMPONENTS.join(", ");
+            return Err(wrong(format!("{component:?} is not a component; use one of: {names}")));
+        }
+        if pairs.iter().any(|(name, _)| name == component) {
+            return Err(wrong(format!("{component} is placed twice; give each component one device")));
+        }
+        let target = DeviceName::parse(target.trim()).map_err(|error| wrong(format!("{error}")))?;
+        if !target.is_cpu() && target != *device {
+            return Err(wrong(format!(
+                "this run has the execution device {device} and the host's CPU: place {component} on cpu or {device}"
+            )));
+        }
+        pairs.push((component.to_string(), target));
+    }
+    Ok(pairs)
 }
 
 /// Checks the arguments that need no device and no weights and that only the CLI has: the number of images and
@@ -365,6 +407,9 @@ fn check_arguments(args: &Generate) -> Result<(), ArgumentError> {
 /// CLI's numeric arguments: for any arguments it returns, never panics.
 fn preflight(args: &Generate) -> anyhow::Result<()> {
     check_arguments(args)?;
+    if let Some(map) = &args.device_map {
+        parse_device_map(map, &DeviceName::parse(&args.device)?)?;
+    }
     options(args).check_counts()?;
     let reserve = args.reserve.as_deref().map(parse_size).transpose().context("--reserve")?;
     let total = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?;
@@ -801,6 +846,12 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         _ => name.clone(),
     };
     let placement = Placement::on_device(exec.clone(), device_name, target.ledger(), target.memory());
+    let mut map = DeviceMap::single(placement.clone());
+    for (component, device) in parse_device_map(args.device_map.as_deref().unwrap_or(""), &name)? {
+        if device.is_cpu() {
+            map = map.with(&component, Placement::host_only())?;
+        }
+    }
     let anonymous = args
         .memory_report
         .then(|| Arc::new(pipeline_zimage::host::AnonymousPeak::start(std::time::Duration::from_millis(10))));
@@ -815,11 +866,18 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         if args.trace.is_some() || args.memory_plot.is_some() { Timeline::enabled() } else { Timeline::disabled() };
     let mut pipeline = if planner {
         let scheme = args.quantize.as_ref().filter(|_| quantize_as_read);
-        ZImagePipeline::bind(&weights, placement, &load, scheme, timeline.clone())
+        ZImagePipeline::bind_mapped(&weights, map, &load, scheme, timeline.clone())
     } else {
-        ZImagePipeline::load(&weights, placement, &load)
+        ZImagePipeline::load_mapped(&weights, map, &load)
     }
     .with_context(|| format!("loading {}", weights.display()))?;
+    for (component, placement) in &pipeline.device_map().components {
+        println!(
+            "device map: {component} runs on {}, with its own account: nothing is planned for it or charged to {}",
+            placement.name,
+            pipeline.placement().name
+        );
+    }
     if !exec.supports_dtype(pipeline.dtype()) {
         bail!(
             "{name} cannot compute in {:?}, the dtype the weights were loaded in (Vulkan devices often store bf16 \
@@ -1225,6 +1283,18 @@ fn print_record(pipeline: &ZImagePipeline) {
             moves.iter().filter(|e| e.action == offload_core::Action::Offload).count()
         );
     }
+    // The other devices of a --device-map, each with its own manager and record.
+    for manager in pipeline.managers().skip(1) {
+        let placed = manager.placement();
+        let device = placed.first().map(|(_, device)| device.to_string()).unwrap_or_default();
+        let ids: Vec<String> = placed.into_iter().map(|(id, _)| id).collect();
+        let record = manager.offload_record();
+        if record.events().is_empty() {
+            println!("on {device}: {} ran where its weights live: no moves to record", ids.join(", "));
+        } else {
+            println!("\non {device}:\n{}", record.decisions());
+        }
+    }
 }
 
 /// The bytes of the components' weights as loaded (in host memory until the manager moves them).
@@ -1233,7 +1303,7 @@ fn loaded_weight_bytes(pipeline: &ZImagePipeline) -> u64 {
         .components()
         .map(|c| c.id())
         .into_iter()
-        .filter_map(|id| pipeline.manager().component_info(id).ok())
+        .filter_map(|id| pipeline.managers().find_map(|manager| manager.component_info(id).ok()))
         .map(|info| info.bytes)
         .sum()
 }
@@ -1359,7 +1429,8 @@ fn report_loaded(pipeline: &ZImagePipeline, anonymous: &pipeline_zimage::host::A
     use pipeline_zimage::host::{peak_resident_bytes, reset_peak_resident, resident_bytes};
     let mut weights = 0;
     for (component, id) in pipeline.components().map(|c| (c.name(), c.id())) {
-        let bytes = pipeline.manager().component_info(id).map(|info| info.bytes).unwrap_or(0);
+        let bytes =
+            pipeline.managers().find_map(|manager| manager.component_info(id).ok()).map_or(0, |info| info.bytes);
         weights += bytes;
         println!("memory: loaded {component}: {bytes} bytes ({})", format_size(bytes));
     }
@@ -1535,6 +1606,27 @@ mod tests {
         let report = ::tests::fuzz::fuzz("cli", &cli_corpus(), executions, seed, cli_target);
         println!("{report}");
         assert!(report.crashes.is_empty(), "{report}: {:?}", report.crashes);
+    }
+
+    #[test]
+    fn a_device_map_is_checked_before_anything_loads() {
+        let wgpu = DeviceName::parse("wgpu").expect("a name");
+        let pairs = parse_device_map("text_encoder=cpu, vae=wgpu", &wgpu).expect("a map");
+        assert_eq!(pairs, [("text_encoder".to_string(), DeviceName::cpu()), ("vae".to_string(), wgpu.clone())]);
+        for (map, says) in [
+            ("unet=cpu", "\"unet\" is not a component; use one of: text_encoder, transformer, vae"),
+            ("vae=cpu,vae=cpu", "vae is placed twice"),
+            ("text_encoder", "write each entry as COMPONENT=DEVICE"),
+            ("text_encoder=cuda:1", "place text_encoder on cpu or wgpu"),
+        ] {
+            let error = parse_device_map(map, &wgpu).expect_err(map);
+            assert!(matches!(error, ArgumentError::DeviceMap { .. }) && error.to_string().contains(says), "{error}");
+        }
+        // Through generate, before the weights would load (a directory that is no checkpoint).
+        let missing = std::env::temp_dir().join("pipeline-zimage-no-checkpoint-here");
+        let weights = missing.display().to_string();
+        let error = generate(&args(&["--weights", &weights, "--device-map", "unet=cpu"])).expect_err("refused");
+        assert!(error.to_string().starts_with("--device-map \"unet=cpu\""), "{error:#}");
     }
 
     #[test]

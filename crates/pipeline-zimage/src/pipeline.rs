@@ -21,7 +21,7 @@ use group_offload::{
 };
 use offload_core::plan::{PhaseReport, Phases};
 use offload_core::timeline::{Timeline, category};
-use offload_core::{ComponentsManager, DeviceMemory};
+use offload_core::{ComponentsManager, DeviceMemory, DeviceName};
 
 use crate::config::TransformerConfig;
 use crate::error::{Error, Result};
@@ -280,7 +280,12 @@ pub const PHASES: [&str; 3] = ["encode", "denoise", "decode"];
 /// The Z-Image(-Turbo) pipeline: its three components, each a [`ModelHandle`] registered in one
 /// `ComponentsManager`, and the generation flow.
 pub struct ZImagePipeline {
+    /// The manager of the execution device: every component the device map leaves there.
     manager: Arc<ComponentsManager>,
+    /// One manager per other device of the map, each with its own account.
+    elsewhere: Vec<Arc<ComponentsManager>>,
+    /// Where each component runs.
+    map: DeviceMap,
     text_encoder: ModelHandle<TextEncoder>,
     transformer: ModelHandle<ZImageTransformer2DModel>,
     vae: ModelHandle<AutoencoderKl>,
@@ -305,7 +310,7 @@ impl std::fmt::Debug for ZImagePipeline {
             .field("text_encoder", &self.text_encoder)
             .field("transformer", &self.transformer)
             .field("vae", &self.vae)
-            .field("placement", &self.placement)
+            .field("map", &self.map)
             .finish()
     }
 }
@@ -314,23 +319,103 @@ impl std::fmt::Debug for ZImagePipeline {
 /// order.
 pub const COMPONENTS: [&str; 3] = ["text_encoder", "transformer", "vae"];
 
+/// Where each component runs: the pipeline's execution device, and components placed on devices of their own
+/// (diffusers' `device_map` with whole components). Each device has its own manager, so its own account, reserve,
+/// OOM retry and record; tensors cross devices at the components' boundaries (the prompt embeddings go to the
+/// transformer's device, its latents to the VAE's). `generate --device wgpu --device-map text_encoder=cpu` runs
+/// the text encoder on the CPU (flex) beside the transformer and the VAE on the device.
+#[derive(Debug, Clone)]
+pub struct DeviceMap {
+    /// The placement of every component the map does not name: the execution device, the one the latents live on.
+    pub default: Placement,
+    /// Components placed elsewhere, by name (one of [`COMPONENTS`]).
+    pub components: Vec<(String, Placement)>,
+}
+
+impl DeviceMap {
+    /// Every component on one placement.
+    pub fn single(placement: Placement) -> Self {
+        Self { default: placement, components: Vec::new() }
+    }
+
+    /// The same map with `component` on `placement`. Fails on a name that is not one of [`COMPONENTS`], or one
+    /// already placed.
+    pub fn with(mut self, component: &str, placement: Placement) -> Result<Self> {
+        if !COMPONENTS.contains(&component) {
+            return Err(unknown_component(component));
+        }
+        if self.components.iter().any(|(name, _)| name == component) {
+            return Err(Error::InvalidArgument {
+                name: "device map",
+                reason: format!("{component} is placed twice; give each component one device"),
+            });
+        }
+        self.components.push((component.to_string(), placement));
+        Ok(self)
+    }
+
+    /// Where `component` runs.
+    pub fn placement(&self, component: &str) -> &Placement {
+        self.components.iter().find(|(name, _)| name == component).map_or(&self.default, |(_, placement)| placement)
+    }
+
+    /// Whether `component` runs on the execution device (the map names it nowhere else, or names that device).
+    pub fn on_default(&self, component: &str) -> bool {
+        self.placement(component).name == self.default.name
+    }
+
+    /// One manager for the execution device, and one for each other device the map names (components on one
+    /// device share its manager), each with `timeline`.
+    fn managers(&self, timeline: &Timeline) -> (Arc<ComponentsManager>, Vec<(DeviceName, Arc<ComponentsManager>)>) {
+        let main = Arc::new(ComponentsManager::new());
+        main.set_timeline(timeline.clone());
+        let mut others: Vec<(DeviceName, Arc<ComponentsManager>)> = Vec::new();
+        for (_, placement) in &self.components {
+            if placement.name != self.default.name && !others.iter().any(|(name, _)| *name == placement.name) {
+                let manager = Arc::new(ComponentsManager::new());
+                manager.set_timeline(timeline.clone());
+                others.push((placement.name.clone(), manager));
+            }
+        }
+        (main, others)
+    }
+}
+
+/// The manager `component` registers in: the execution device's, or its own device's.
+fn manager_for<'a>(
+    map: &DeviceMap,
+    component: &str,
+    main: &'a Arc<ComponentsManager>,
+    others: &'a [(DeviceName, Arc<ComponentsManager>)],
+) -> &'a Arc<ComponentsManager> {
+    let name = &map.placement(component).name;
+    others.iter().find(|(device, _)| device == name).map_or(main, |(_, manager)| manager)
+}
+
 impl ZImagePipeline {
     /// Loads a diffusers checkpoint directory onto `placement.host` and registers its components in a new
     /// manager. Auto offload is not enabled: call [`enable_auto_offload`](Self::enable_auto_offload), or run
     /// everything where it is.
     pub fn load(dir: impl AsRef<Path>, placement: Placement, opts: &LoadOptions) -> Result<Self> {
+        Self::load_mapped(dir, DeviceMap::single(placement), opts)
+    }
+
+    /// [`load`](Self::load), each component onto its own placement's host and registered in the manager of its
+    /// device ([`DeviceMap`]).
+    pub fn load_mapped(dir: impl AsRef<Path>, map: DeviceMap, opts: &LoadOptions) -> Result<Self> {
         let checkpoint = Checkpoint::open(dir)?;
         // Every config is read, and the components are checked against each other, before any weight loads.
         let scheduler = CheckpointConfigs::read(&checkpoint)?.scheduler;
-        let host = placement.host.clone();
+        let [te, tr, va] = COMPONENTS;
         let tokenizer = PromptTokenizer::from_dir(checkpoint.component_dir("tokenizer")?, 512)?;
         let (text_encoder_config, text_encoder, te_report) =
-            TextEncoder::load(checkpoint.component_dir("text_encoder")?, &host, opts)?;
-        let (transformer, tr_report) = checkpoint.load_transformer(&host, opts)?;
+            TextEncoder::load(checkpoint.component_dir("text_encoder")?, &map.placement(te).host, opts)?;
+        let (transformer, tr_report) = checkpoint.load_transformer(&map.placement(tr).host, opts)?;
         let transformer_config = transformer.config.clone();
-        let (vae_config, vae, vae_report) = AutoencoderKl::load(checkpoint.component_dir("vae")?, &host, opts)?;
+        let (vae_config, vae, vae_report) =
+            AutoencoderKl::load(checkpoint.component_dir("vae")?, &map.placement(va).host, opts)?;
         let reports = vec![te_report, tr_report, vae_report];
-        Self::from_parts(
+        Self::from_parts_mapped(
             Parts {
                 tokenizer,
                 scheduler,
@@ -341,7 +426,7 @@ impl ZImagePipeline {
                 vae,
                 vae_config,
             },
-            placement,
+            map,
             reports,
         )
     }
@@ -365,43 +450,44 @@ impl ZImagePipeline {
         quantize: Option<&burn::tensor::quantization::QuantScheme>,
         timeline: Timeline,
     ) -> Result<Self> {
+        Self::bind_mapped(dir, DeviceMap::single(placement), opts, quantize, timeline)
+    }
+
+    /// [`bind`](Self::bind), each component registered in the manager of its device ([`DeviceMap`]).
+    pub fn bind_mapped(
+        dir: impl AsRef<Path>,
+        map: DeviceMap,
+        opts: &LoadOptions,
+        quantize: Option<&burn::tensor::quantization::QuantScheme>,
+        timeline: Timeline,
+    ) -> Result<Self> {
         let checkpoint = Checkpoint::open(dir)?;
         let configs = CheckpointConfigs::read(&checkpoint)?;
-        let host = placement.host.clone();
+        let [te, tr, va] = COMPONENTS;
         let tokenizer = PromptTokenizer::from_dir(checkpoint.component_dir("tokenizer")?, 512)?;
         let transform = quantize.map(|scheme| {
             Arc::new(crate::loading::QuantizeLinearWeights { scheme: *scheme })
                 as Arc<dyn group_offload::weights::TensorTransform>
         });
-        let (_, text_encoder) = checkpoint.bind_text_encoder(&host, opts, transform.clone())?;
-        let transformer = checkpoint.bind_transformer(&host, opts, transform)?;
-        let (_, vae) = checkpoint.bind_vae(&host, opts)?;
+        let (_, text_encoder) = checkpoint.bind_text_encoder(&map.placement(te).host, opts, transform.clone())?;
+        let transformer = checkpoint.bind_transformer(&map.placement(tr).host, opts, transform)?;
+        let (_, vae) = checkpoint.bind_vae(&map.placement(va).host, opts)?;
         // The dtype the transformer computes in, from its table: asking the bound model would read a weight.
         let dtype = transformer.files.get(transformer.model.x_pad_token.id).map_or(DType::F32, |entry| entry.dtype());
         let reports = vec![text_encoder.report, transformer.report, vae.report];
-        let manager = Arc::new(ComponentsManager::new());
-        manager.set_timeline(timeline);
-        let [te, tr, va] = COMPONENTS;
+        let (manager, others) = map.managers(&timeline);
+        let on = |component| manager_for(&map, component, &manager, &others);
+        let at = |component| map.placement(component).clone();
         Ok(Self {
-            text_encoder: ModelHandle::register_files(
-                &manager,
-                te,
-                text_encoder.model,
-                text_encoder.files,
-                placement.clone(),
-            )?,
-            transformer: ModelHandle::register_files(
-                &manager,
-                tr,
-                transformer.model,
-                transformer.files,
-                placement.clone(),
-            )?,
-            vae: ModelHandle::register_files(&manager, va, vae.model, vae.files, placement.clone())?,
+            text_encoder: ModelHandle::register_files(on(te), te, text_encoder.model, text_encoder.files, at(te))?,
+            transformer: ModelHandle::register_files(on(tr), tr, transformer.model, transformer.files, at(tr))?,
+            vae: ModelHandle::register_files(on(va), va, vae.model, vae.files, at(va))?,
+            placement: map.default.clone(),
+            elsewhere: others.iter().map(|(_, manager)| manager.clone()).collect(),
             manager,
+            map,
             tokenizer,
             configs,
-            placement,
             reports,
             transformer_dtype: dtype,
             phase_observer: None,
@@ -411,6 +497,11 @@ impl ZImagePipeline {
 
     /// Assembles a pipeline from loaded parts.
     pub fn from_parts(parts: Parts, placement: Placement, reports: Vec<LoadReport>) -> Result<Self> {
+        Self::from_parts_mapped(parts, DeviceMap::single(placement), reports)
+    }
+
+    /// [`from_parts`](Self::from_parts), each component registered in the manager of its device ([`DeviceMap`]).
+    pub fn from_parts_mapped(parts: Parts, map: DeviceMap, reports: Vec<LoadReport>) -> Result<Self> {
         let configs = CheckpointConfigs {
             text_encoder: parts.text_encoder_config,
             transformer: parts.transformer_config,
@@ -418,17 +509,21 @@ impl ZImagePipeline {
             scheduler: parts.scheduler,
         };
         configs.check()?;
-        let manager = Arc::new(ComponentsManager::new());
+        let (manager, others) = map.managers(&Timeline::disabled());
+        let on = |component| manager_for(&map, component, &manager, &others);
+        let at = |component| map.placement(component).clone();
         let dtype = parts.transformer.dtype();
         let [te, tr, vae] = COMPONENTS;
         Ok(Self {
-            text_encoder: ModelHandle::register(&manager, te, parts.text_encoder, placement.clone())?,
-            transformer: ModelHandle::register(&manager, tr, parts.transformer, placement.clone())?,
-            vae: ModelHandle::register(&manager, vae, parts.vae, placement.clone())?,
+            text_encoder: ModelHandle::register(on(te), te, parts.text_encoder, at(te))?,
+            transformer: ModelHandle::register(on(tr), tr, parts.transformer, at(tr))?,
+            vae: ModelHandle::register(on(vae), vae, parts.vae, at(vae))?,
+            placement: map.default.clone(),
+            elsewhere: others.iter().map(|(_, manager)| manager.clone()).collect(),
             manager,
+            map,
             tokenizer: parts.tokenizer,
             configs,
-            placement,
             reports,
             transformer_dtype: dtype,
             phase_observer: None,
@@ -626,14 +721,27 @@ impl ZImagePipeline {
         self.transformer_dtype
     }
 
-    /// Where the components execute and what accounts for them.
+    /// The execution device: where the components the device map leaves there execute, what accounts for them,
+    /// and where the latents live.
     pub fn placement(&self) -> &Placement {
         &self.placement
     }
 
-    /// The manager holding the components.
+    /// Where each component runs ([`DeviceMap::single`] unless the pipeline was made with a map).
+    pub fn device_map(&self) -> &DeviceMap {
+        &self.map
+    }
+
+    /// The execution device's manager: it holds every component the device map leaves on that device (all three
+    /// without a map). Offload plans and auto offload apply to it.
     pub fn manager(&self) -> &Arc<ComponentsManager> {
         &self.manager
+    }
+
+    /// Every device's manager, the execution device's first: one per device of the map, each with its own
+    /// account and record.
+    pub fn managers(&self) -> impl Iterator<Item = &Arc<ComponentsManager>> {
+        std::iter::once(&self.manager).chain(&self.elsewhere)
     }
 
     /// What loading applied, and found missing or unused, per component.
@@ -874,6 +982,9 @@ impl ZImagePipeline {
                          with; set the timeline before enabling group offload or applying a preset"
                     .into(),
             });
+        }
+        for manager in self.elsewhere.iter() {
+            manager.set_timeline(timeline.clone());
         }
         self.manager.set_timeline(timeline);
         Ok(())

@@ -27,6 +27,7 @@
 
 use burn::tensor::Tensor;
 use group_offload::apply::component_spec;
+use group_offload::handle::Component;
 pub use group_offload::{apply::AppliedRoute, apply::PipelinePlan, apply::RunRecord};
 use offload_core::plan::{CapacityWarning, ComponentSpec, DeviceFacts, Outcome, PhaseReport, Settings, Workload};
 
@@ -39,7 +40,8 @@ use crate::pipeline::{GenerateOptions, ZImagePipeline};
 /// [`group_offload::apply::component_spec`], the activation estimates of [`ZImagePipeline::activation_estimates`],
 /// FLOPs per call from the configs (for the time model only) and the denoising steps as the transformer's calls
 /// per image. Refused once the text encoder or the transformer is under group offload (its blocks cannot be
-/// measured again).
+/// measured again). A component the device map puts on another device is left out: it is not planned for this
+/// device.
 pub fn component_specs(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Result<Vec<ComponentSpec>> {
     pipeline.validate(opts)?;
     let activations = pipeline.activation_estimates(opts);
@@ -48,6 +50,10 @@ pub fn component_specs(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Res
     let calls = [1, steps, 1];
     let mut specs = Vec::with_capacity(3);
     for (i, component) in pipeline.components().into_iter().enumerate() {
+        // A component the device map puts on another device is not planned for this one.
+        if !pipeline.device_map().on_default(component.name()) {
+            continue;
+        }
         let spec = component_spec(pipeline.manager(), component)?;
         specs.push(spec.with_activation(activations[i]).with_cost(flops[i], calls[i]));
     }
@@ -172,10 +178,19 @@ fn plan_and_apply(
         .with("text_encoder_params", pipeline.text_encoder_config().num_params_used().to_string())
         .with("vae_params", pipeline.vae_config().num_params().to_string())
         .with("dtype", format!("{:?}", pipeline.dtype()));
+    // A run with components on other devices is another workload for this device's capacity profile.
+    let elsewhere: Vec<String> = (pipeline.device_map().components.iter())
+        .filter(|(component, _)| !pipeline.device_map().on_default(component))
+        .map(|(component, placement)| format!("{component}={}", placement.name))
+        .collect();
+    let workload = if elsewhere.is_empty() { workload } else { workload.with("device_map", elsewhere.join(",")) };
     let manager = pipeline.manager().clone();
     // Group moves are charged to the account the pipeline's components are charged to (their placement); a
     // calibration sizes the transformer's resident budget.
+    let map = pipeline.device_map().clone();
     let components = &mut pipeline.components_mut();
+    let components: &mut Vec<&mut dyn Component> =
+        &mut components.iter_mut().map(|c| &mut **c).filter(|c| map.on_default(c.name())).collect();
     Ok(group_offload::apply::plan_and_apply(&manager, components, &specs, settings, device, workload, "transformer")?)
 }
 

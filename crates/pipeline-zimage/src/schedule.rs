@@ -96,14 +96,16 @@ impl OffloadStrategy for LookaheadAfter {
 
 /// The virtual components a replay plays for `pipeline` generating with `opts`: each component's resident
 /// bytes, charged its activation estimate on each call in one allocation, with nothing left behind (what a
-/// simulated card charges the pipeline).
+/// simulated card charges the pipeline); the components on the execution device only.
 pub fn replay_components(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> Result<Vec<ComponentProfile>> {
     let estimates = pipeline.activation_estimates(opts);
     pipeline
         .components()
         .into_iter()
-        .map(|component| component.id())
         .zip(estimates)
+        // The card charges only what runs on it: a component the device map puts elsewhere is not replayed.
+        .filter(|(component, _)| pipeline.device_map().on_default(component.name()))
+        .map(|(component, working)| (component.id(), working))
         .map(|(id, working)| {
             let info = pipeline.manager().component_info(id)?;
             Ok(ComponentProfile {

@@ -5,7 +5,8 @@
 //! resident groups really on the device, every model's prefetches on the device's one upload thread), the decode
 //! OOM recovered under a hard cap over the device, a refused allocation typed as a device error with nothing
 //! lost, a real out-of-memory of the device (in a child process whose address space is limited) typed as one, and a
-//! hung `vulkaninfo` that costs the open its deadline only. The hard cap's account under contention between the prefetch worker and the main thread runs in a
+//! hung `vulkaninfo` that costs the open its deadline only, and a pipeline over two devices (the text encoder on the
+//! CPU, the rest on the device) giving the one-device image. The hard cap's account under contention between the prefetch worker and the main thread runs in a
 //! process of its own (`contention_device.rs`).
 //!
 //! Run it with `cargo test -p pipeline-zimage --features wgpu --test real_device` (Debian:
@@ -29,7 +30,7 @@ use group_offload::{
 };
 use offload_core::{Action, ComponentError, DeviceLedger, DeviceMemory, DeviceName, NoLedger, Offloadable, Reason};
 use pipeline_zimage::loading::{Checkpoint, LoadOptions};
-use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
+use pipeline_zimage::pipeline::{DeviceMap, GenerateOptions, ZImagePipeline};
 use pipeline_zimage::transformer::ZImageTransformer2DModel;
 use pipeline_zimage::vae::AutoencoderKl;
 
@@ -105,6 +106,39 @@ fn the_tiny_pipeline_matches_diffusers_on_the_real_device() {
     }
     let weights: u64 = pipeline_zimage::pipeline::COMPONENTS.iter().map(|c| bytes(&pipeline, c)).sum();
     assert!(in_use(&device) >= weights, "the pool holds {} for {weights} of weights", in_use(&device));
+}
+
+/// Two devices in one pipeline: the text encoder on the host's CPU (flex) with the transformer and the VAE on the
+/// wgpu device, each device with its own manager; the prompt embeddings cross to the device at the transformer's
+/// boundary. The image is the one-device image, and diffusers', within 1e-3.
+#[test]
+fn the_text_encoder_on_the_cpu_beside_the_device_gives_the_one_device_image() {
+    let (device, name, _turn) = device();
+    let (opts, expected) = turbo_options();
+    let one = values(resident(&device, &name).generate(&opts, &mut |_, _| {}).expect("one device"));
+
+    let memory = readings(&device, &name, TOTAL);
+    let map = DeviceMap::single(placement(&device, &name, Arc::new(NoLedger), memory))
+        .with("text_encoder", Placement::host_only())
+        .expect("a component");
+    let two = ZImagePipeline::load_mapped(fixtures().join("tiny-z-image-turbo"), map, &LoadOptions::new())
+        .expect("the tiny checkpoint loads over two devices");
+    two.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true).expect("auto offload");
+    let image = values(two.generate(&opts, &mut |_, _| {}).expect("cpu and wgpu"));
+    let against_one = max_abs_diff(&image, &one);
+    let against_diffusers = max_abs_diff(&image, &expected);
+    println!(
+        "text encoder on flex, the rest on {name}: {against_one:.2e} from one device, {against_diffusers:.2e} from diffusers"
+    );
+    assert!(against_one <= 1e-3, "{against_one}");
+    assert!(against_diffusers <= 1e-3, "{against_diffusers}");
+    // The device's manager holds the transformer and the VAE, both on the device; the text encoder's never moved.
+    let on_device = two.manager().placement();
+    assert_eq!(on_device.len(), 2, "{on_device:?}");
+    assert!(on_device.iter().all(|(id, placed)| !id.starts_with("text_encoder") && *placed == name), "{on_device:?}");
+    let elsewhere: Vec<_> = two.managers().skip(1).flat_map(|manager| manager.placement()).collect();
+    assert_eq!(elsewhere.len(), 1, "{elsewhere:?}");
+    assert!(elsewhere[0].0.starts_with("text_encoder") && elsewhere[0].1.is_cpu(), "{elsewhere:?}");
 }
 
 #[test]
