@@ -1286,7 +1286,7 @@ fn print_record(pipeline: &ZImagePipeline) {
     // The other devices of a --device-map, each with its own manager and record.
     for manager in pipeline.managers().skip(1) {
         let placed = manager.placement();
-        let device = placed.first().map(|(_, device)| device.to_string()).unwrap_or_default();
+        let Some((_, device)) = placed.first().cloned() else { continue };
         let ids: Vec<String> = placed.into_iter().map(|(id, _)| id).collect();
         let record = manager.offload_record();
         if record.events().is_empty() {

@@ -270,6 +270,14 @@ impl DonorProblem {
         search.descend(0, self.compute_seconds);
         let nodes = search.nodes;
         let Some((_, order_donors)) = search.best else {
+            if search.truncated {
+                return Err(PlanError::InvalidDonors {
+                    problem: format!(
+                        "the search visited {MAX_NODES} nodes without finding a placement that fits the budgets; give \
+                         a donor without a budget (the checkpoint file) or fewer, larger groups"
+                    ),
+                });
+            }
             return Err(self.too_small());
         };
         let mut donor_of = vec![0; self.groups.len()];
@@ -558,26 +566,24 @@ impl<'a> Search<'a> {
         {
             return;
         }
-        let group = self.order[position];
-        let bytes = self.problem.groups[group].bytes;
+        let problem = self.problem;
+        let bytes = problem.groups[self.order[position]].bytes;
         // Equal-size groups take donors in order: the permutations among them cost the same.
         let first = match position.checked_sub(1) {
-            Some(previous) if self.problem.groups[self.order[previous]].bytes == bytes => self.current[previous],
+            Some(previous) if problem.groups[self.order[previous]].bytes == bytes => self.current[previous],
             _ => 0,
         };
         for slot in first..self.donor_order.len() {
-            let donor = &self.problem.donors[self.donor_order[slot]];
+            let donor = &problem.donors[self.donor_order[slot]];
             if self.room(donor) < bytes {
                 continue;
             }
-            let seconds = donor.seconds(bytes);
-            let budgets = donor.budgets.clone();
-            for b in &budgets {
+            for b in &donor.budgets {
                 self.used[*b] += bytes;
             }
             self.current[position] = slot;
-            self.descend(position + 1, cost + seconds);
-            for b in &budgets {
+            self.descend(position + 1, cost + donor.seconds(bytes));
+            for b in &donor.budgets {
                 self.used[*b] -= bytes;
             }
             if self.truncated {
