@@ -22,8 +22,8 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor};
 use group_offload::{
-    component::GroupOffloadedModel, config::GroupOffloadConfig, parts::BlockOffload, parts::GroupOffload,
-    parts::ModuleOffload, parts::Residency,
+    OffloadDevice, component::GroupOffloadedModel, config::GroupOffloadConfig, parts::BlockOffload,
+    parts::GroupOffload, parts::ModuleOffload, parts::Residency,
 };
 use memory_sim::{CardSpec, Faults, Mode, SimCard};
 use offload_core::{
@@ -173,11 +173,7 @@ impl Grouped {
         let blocks: Vec<Mlp> = (0..BLOCKS).map(|_| Mlp::new(&device)).collect();
         let block_sums = blocks.iter().map(checksum).collect();
         let top_sum = checksum(&top);
-        let config = GroupOffloadConfig::new(name, device)
-            .with_device_name(card.device())
-            .with_ledger(card.clone())
-            .with_memory(card.clone())
-            .with_prefetch(true);
+        let config = GroupOffloadConfig::new(name, OffloadDevice::simulated(card.clone())).with_prefetch(true);
         let offload = GroupOffload::new(config).unwrap();
         let top = offload.module("top", top, Residency::Resident).unwrap();
         let blocks = offload.blocks("blocks", blocks, per_group).unwrap();
@@ -632,11 +628,10 @@ fn a_removal_racing_an_inspection_never_loses_the_component() {
 fn a_failed_group_upload_leaves_no_onload_in_the_record() {
     let card = SimCard::new(CardSpec::parse("1GiB").unwrap().with_mode(Mode::Hard).with_context_overhead(0));
     let record = offload_core::OffloadRecord::new();
-    let config = GroupOffloadConfig::new("m", Device::flex())
-        .with_device_name(card.device())
-        .with_ledger(card.clone())
-        .with_record(record.clone())
-        .with_prefetch(false);
+    let config =
+        GroupOffloadConfig::new("m", OffloadDevice::on_device(Device::flex(), card.device(), card.clone(), None))
+            .with_record(record.clone())
+            .with_prefetch(false);
     let offload = GroupOffload::new(config).unwrap();
     let blocks = offload.blocks("blocks", (0..3).map(|_| Mlp::new(&Device::flex())).collect(), 1).unwrap();
     card.set_faults(Faults { fail_allocation: Some(2), ..Faults::default() });

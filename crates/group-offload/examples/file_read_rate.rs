@@ -118,7 +118,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let (model, files, _) = bind(net, &index, &BindOptions::new())?;
     let meter = files.meter().clone();
     let manager = Arc::new(ComponentsManager::new());
-    let mut handle = ModelHandle::register_files(&manager, "wide", model, files, Placement::host_only())?;
+    let mut handle = ModelHandle::register_files(&manager, "wide", model, files, OffloadDevice::host_only())?;
     handle.enable_group_offload(&GroupOptions::default())?;
     let batch: usize = arg(&args, "--batch").map_or(Ok(64), str::parse)?;
     let x = Tensor::<2>::ones([batch, WIDTH], &device);
@@ -148,7 +148,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     let mut loaded =
         WideNet { blocks: (0..blocks).map(|_| Wide { fc: LinearConfig::new(WIDTH, WIDTH).init(&device) }).collect() };
     loaded.load_from(&mut SafetensorsStore::from_file(&path))?;
-    let mut handle = ModelHandle::register(&manager, "wide_ram", loaded, Placement::host_only())?;
+    let mut handle = ModelHandle::register(&manager, "wide_ram", loaded, OffloadDevice::host_only())?;
     handle.enable_group_offload(&GroupOptions::default())?;
     let mut ram_tier = Vec::new();
     for forward in 0..FORWARDS {

@@ -150,11 +150,14 @@ fn streamed(
     prefetch: bool,
     device: &Device,
 ) -> Result<(GroupOffload, BlockOffload<BenchBlock>)> {
+    let name = crate::OffloadDevice::from(device.clone()).name().clone();
     let offload = GroupOffload::new(
-        GroupOffloadConfig::new("overlap", device.clone())
-            .with_prefetch(prefetch)
-            .with_prefetch_depth(config.prefetch_depth.max(1))
-            .with_ledger(Arc::new(SleepLink(link))),
+        GroupOffloadConfig::new(
+            "overlap",
+            crate::OffloadDevice::on_device(device.clone(), name, Arc::new(SleepLink(link)), None),
+        )
+        .with_prefetch(prefetch)
+        .with_prefetch_depth(config.prefetch_depth.max(1)),
     )?;
     let part = offload.blocks("blocks", blocks(config, device), 1)?;
     Ok((offload, part))

@@ -37,15 +37,15 @@ impl Offloadable for GroupOffloadedModel {
     }
 
     fn device(&self) -> DeviceName {
-        if self.active { self.offload.config().device_name.clone() } else { DeviceName::cpu() }
+        if self.active { self.offload.config().device.name().clone() } else { DeviceName::cpu() }
     }
 
     fn onload(&mut self, device: &DeviceName) -> Result<(), ComponentError> {
         let config = self.offload.config();
-        if *device != config.device_name {
+        if device != config.device.name() {
             return Err(Error::WrongDevice {
                 model: config.model.clone(),
-                prepared: config.device_name.to_string(),
+                prepared: config.device.name().to_string(),
                 requested: device.to_string(),
             }
             .into());
@@ -60,7 +60,7 @@ impl Offloadable for GroupOffloadedModel {
         // As a component offloaded whole does, and as diffusers clears the device cache after an offload: the
         // pages the groups held go back to the device, so the next component's onload can have them (measured on
         // wgpu: without it, the decode's pages came on top of the released transformer's).
-        self.offload.config().device.memory_cleanup();
+        self.offload.config().device.exec().memory_cleanup();
         self.active = false;
         Ok(())
     }

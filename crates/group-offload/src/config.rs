@@ -1,5 +1,5 @@
-//! Configuration of a group offloader: where it uploads, how far it prefetches, what it keeps resident, and the
-//! ledger, memory readings and record it reports to.
+//! Configuration of a group offloader: the device it uploads to (its one [`OffloadDevice`]), how far it prefetches,
+//! what it keeps resident, and the record it reports to.
 //!
 //! This is the layer that validates user input ([`GroupOffloadConfig::validate`], called once by the engine's one
 //! entrance, [`GroupOffload::new`](crate::parts::GroupOffload::new)); everything below trusts it: the engine sizes
@@ -11,11 +11,11 @@ use std::fmt;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use burn::tensor::Device;
-use offload_core::link::{DiskMeter, LinkMeter};
+use offload_core::link::DiskMeter;
 use offload_core::plan::MAX_PREFETCH_DEPTH;
-use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, OffloadRecord, Timeline};
+use offload_core::{OffloadRecord, Timeline};
 
+use crate::OffloadDevice;
 use crate::error::{Error, Result};
 use crate::weights::FileTable;
 
@@ -24,10 +24,9 @@ use crate::weights::FileTable;
 pub struct GroupOffloadConfig {
     /// The model's name, the first half of every record id (`"{model}/{group}"`).
     pub model: String,
-    /// The execution device groups are uploaded to.
-    pub device: Device,
-    /// The execution device's name, for records, errors and the [`Offloadable`](offload_core::Offloadable) adapter.
-    pub device_name: DeviceName,
+    /// The device groups are uploaded to: the burn device, its name, its account (ledger and readings), its link's
+    /// clock and its upload thread ([`OffloadDevice`]).
+    pub device: OffloadDevice,
     /// Whether groups after the first forward are prefetched on the worker thread (`true` by default).
     pub prefetch: bool,
     /// How many groups ahead of the running one, in the captured order, are uploaded (1 by default).
@@ -43,19 +42,12 @@ pub struct GroupOffloadConfig {
     /// Where to keep each group's host copy as a safetensors file instead of in host memory; `None` keeps it in
     /// memory.
     pub disk_dir: Option<PathBuf>,
-    /// The ledger every allocation, transfer and free is reported to ([`NoLedger`] for a real device).
-    pub ledger: Arc<dyn DeviceLedger>,
-    /// Readings recorded with every move, if any.
-    pub memory: Option<Arc<dyn DeviceMemory>>,
-    /// The record every move is added to, if any.
+    /// The record every move is added to, if any: the device manager's unless set.
     pub record: Option<OffloadRecord>,
     /// The timeline each group's upload, compute and release is recorded in, each on the thread it happens on
-    /// (a prefetch on the worker's), with a device memory sample (from `memory`) after every move; disabled by
-    /// default.
+    /// (a prefetch on the worker's), with a device memory sample (from the device's readings) after every move: the
+    /// device manager's unless set (disabled unless that one is enabled).
     pub timeline: Timeline,
-    /// The clock on the link each upload's bytes and wall time are noted on: the placement's, shared with every
-    /// other move onto the device, when the offloader belongs to a registered model; its own otherwise.
-    pub link: Arc<LinkMeter>,
     /// Whether each upload is synced and read back before its group is published (`true` by default); see
     /// [`GroupOptions::check_uploads`](crate::GroupOptions::check_uploads).
     pub check_uploads: bool,
@@ -72,13 +64,12 @@ impl fmt::Debug for GroupOffloadConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GroupOffloadConfig")
             .field("model", &self.model)
-            .field("device", &self.device_name.as_str())
+            .field("device", &self.device.name().as_str())
             .field("prefetch", &self.prefetch)
             .field("prefetch_depth", &self.prefetch_depth)
             .field("resident_budget", &self.resident_budget)
             .field("pinned_budget", &self.pinned_budget)
             .field("disk_dir", &self.disk_dir)
-            .field("memory", &self.memory.is_some())
             .field("record", &self.record.is_some())
             .field("timeline", &self.timeline.is_enabled())
             .field("files", &self.files)
@@ -88,26 +79,20 @@ impl fmt::Debug for GroupOffloadConfig {
 
 impl GroupOffloadConfig {
     /// A configuration for `model` on `device`: prefetch on with depth 1, no resident budget, host memory store,
-    /// no ledger, readings or record. The device's name defaults to `cpu` for a CPU backend and `cuda:0`
-    /// otherwise; set the right one with [`with_device_name`](Self::with_device_name).
-    pub fn new(model: impl Into<String>, device: Device) -> Self {
-        let debug = format!("{device:?}").to_ascii_lowercase();
-        let device_name = if debug.contains("cuda") { DeviceName::parse("cuda") } else { Ok(DeviceName::cpu()) }
-            .unwrap_or_else(|_| DeviceName::cpu());
+    /// recorded in the device manager's record and timeline. A burn `Device` converts to a device with nothing accounted ([`OffloadDevice`]'s `From`); give an
+    /// [`OffloadDevice`] for a device with an account (`OffloadDevice::simulated(card)`).
+    pub fn new(model: impl Into<String>, device: impl Into<OffloadDevice>) -> Self {
+        let device = device.into();
         Self {
             model: model.into(),
+            record: Some(device.manager().offload_record()),
+            timeline: device.manager().timeline(),
             device,
-            device_name,
             prefetch: true,
             prefetch_depth: 1,
             resident_budget: 0,
             pinned_budget: 0,
             disk_dir: None,
-            ledger: Arc::new(NoLedger),
-            memory: None,
-            record: None,
-            timeline: Timeline::disabled(),
-            link: Arc::default(),
             check_uploads: true,
             files: None,
             disk: Arc::default(),
@@ -132,19 +117,6 @@ impl GroupOffloadConfig {
     /// are queued (`false`).
     pub fn with_upload_checks(mut self, check: bool) -> Self {
         self.check_uploads = check;
-        self
-    }
-
-    /// Notes every upload's bytes and wall time on `link` (a placement's meter, shared with the device's other
-    /// moves).
-    pub fn with_link(mut self, link: Arc<LinkMeter>) -> Self {
-        self.link = link;
-        self
-    }
-
-    /// Names the execution device.
-    pub fn with_device_name(mut self, name: DeviceName) -> Self {
-        self.device_name = name;
         self
     }
 
@@ -175,18 +147,6 @@ impl GroupOffloadConfig {
     /// Keeps host copies as safetensors files under `dir`.
     pub fn with_disk_store(mut self, dir: impl Into<PathBuf>) -> Self {
         self.disk_dir = Some(dir.into());
-        self
-    }
-
-    /// Reports every move to `ledger`.
-    pub fn with_ledger(mut self, ledger: Arc<dyn DeviceLedger>) -> Self {
-        self.ledger = ledger;
-        self
-    }
-
-    /// Records readings from `memory` with every move.
-    pub fn with_memory(mut self, memory: Arc<dyn DeviceMemory>) -> Self {
-        self.memory = Some(memory);
         self
     }
 

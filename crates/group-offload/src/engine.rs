@@ -30,7 +30,7 @@ use crate::config::GroupOffloadConfig;
 use crate::device::{catch_device_panic, check_device, check_outputs};
 use crate::error::{Error, Result};
 use crate::store::{GroupHost, HostReadError};
-use crate::uploads::{DeviceTensor, Task, device_uploads, on_upload_thread, serve};
+use crate::uploads::{DeviceTensor, Task, serve};
 
 /// Counters of one offloader since it was built. Read them with [`GroupOffload::stats`](crate::parts::GroupOffload::stats).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -227,7 +227,7 @@ enum Worker {
     Own { jobs: mpsc::Sender<Job>, thread: JoinHandle<()> },
     /// The device's one upload thread, shared by every engine on that device for the life of the process: on a
     /// cubecl runtime a thread is a stream with pools of its own, and a new stream sizes its first pages far
-    /// above small tensors (see [`device_uploads`]), so a thread per model and per load paid that again each
+    /// above small tensors (see [`UploadThread`](crate::uploads::UploadThread)), so a thread per model and per load paid that again each
     /// time.
     Device(mpsc::Sender<Task>),
 }
@@ -344,7 +344,7 @@ impl Shared {
     }
 
     fn record(&self, action: Action, id: &str, bytes: u64, reason: Reason) {
-        let reading = self.config.memory.as_ref().map(|m| m.reading());
+        let reading = self.config.device.memory().as_ref().map(|m| m.reading());
         self.record_with(action, id, bytes, reason, reading);
     }
 
@@ -370,7 +370,12 @@ impl Shared {
     }
 
     fn onload_error(&self, host: &GroupHost, source: ComponentError) -> Error {
-        Error::Onload { group: host.id.clone(), bytes: host.bytes, device: self.config.device_name.to_string(), source }
+        Error::Onload {
+            group: host.id.clone(),
+            bytes: host.bytes,
+            device: self.config.device.name().to_string(),
+            source,
+        }
     }
 
     /// One upload: allocate on the ledger, pay the transfer, build the device tensors. Called without the lock.
@@ -381,7 +386,7 @@ impl Shared {
     fn upload(&self, host: &GroupHost, reason: Reason, placed: &dyn Fn()) -> Result<Arc<[DeviceTensor]>> {
         // The reading is taken before the move and the event recorded once it succeeded, as the manager does,
         // so a failed upload leaves no onload row for a group that never arrived.
-        let reading = self.config.memory.as_ref().map(|m| m.reading());
+        let reading = self.config.device.memory().as_ref().map(|m| m.reading());
         // The span is recorded on this thread: the caller's for a synchronous upload, the worker's for a prefetch.
         let mut span = self
             .config
@@ -400,7 +405,7 @@ impl Shared {
             .unwrap_or_else(|payload| {
                 Err(Error::UploadPanicked {
                     what: format!("the prefetch of group {}", host.id),
-                    device: self.config.device_name.to_string(),
+                    device: self.config.device.name().to_string(),
                     message: crate::device::panic_text(payload.as_ref()),
                 })
             })
@@ -419,7 +424,7 @@ impl Shared {
             }
         }
         drop(span);
-        if let Some(memory) = &self.config.memory {
+        if let Some(memory) = self.config.device.memory() {
             self.config.timeline.sample_memory(memory.as_ref());
         }
         result
@@ -433,8 +438,8 @@ impl Shared {
         reading: Option<offload_core::offload_strategy::MemoryReading>,
         placed: &dyn Fn(),
     ) -> Result<Arc<[DeviceTensor]>> {
-        let ledger = self.config.ledger.as_ref();
-        let pages = crate::device::defers_failures(&self.config.device);
+        let ledger = self.config.device.ledger().as_ref();
+        let pages = crate::device::defers_failures(self.config.device.exec());
         // One allocation per tensor, as the runtime makes them: a paging ledger rounds each one, all or none.
         let sizes = host.tensor_sizes();
         ledger.allocate_tensors(&sizes).map_err(|e| self.onload_error(host, e))?;
@@ -463,8 +468,8 @@ impl Shared {
             FileRead { bytes, nanos: (seconds * 1e9) as u64 }
         });
         let data = loaded.data;
-        let device = &self.config.device;
-        let memory = self.config.memory.as_deref();
+        let device = self.config.device.exec();
+        let memory = self.config.device.memory().as_deref();
         if self.config.check_uploads {
             // Before it allocates, the upload waits for the work already submitted on the device: the groups
             // released before it (each release submits its stream's queued kernels) have then given their pages
@@ -472,7 +477,7 @@ impl Shared {
             // before was still pinned now and then, and the window held one group more than the plan's
             // `1 + depth` (measured on wgpu: the tiny transformer's block phase at 0.911 to 0.993 of the plan,
             // and 0.950 to 1.010 with it; docs/devices.md). On the upload thread, off the compute thread.
-            check_device(device, &self.config.device_name, "upload", memory)
+            check_device(device, self.config.device.name(), "upload", memory)
                 .map_err(|error| self.onload_error(host, error))?;
         }
         let copy_started = std::time::Instant::now();
@@ -498,17 +503,17 @@ impl Shared {
         // reader races the copy.
         let checked = match built {
             Ok(tensors) if !self.config.check_uploads => Ok(tensors),
-            Ok(tensors) => check_device(device, &self.config.device_name, "upload", memory)
-                .and_then(|()| check_outputs(&tensors, device, &self.config.device_name, "upload", memory))
+            Ok(tensors) => check_device(device, self.config.device.name(), "upload", memory)
+                .and_then(|()| check_outputs(&tensors, device, self.config.device.name(), "upload", memory))
                 .map(|()| tensors),
-            Err(panic) => Err(panic.with_device(&self.config.device_name, "upload", memory)),
+            Err(panic) => Err(panic.with_device(self.config.device.name(), "upload", memory)),
         };
         let tensors = checked.map_err(|error| self.onload_error(host, error))?;
         reservation.keep();
         if self.config.check_uploads {
             // Unchecked, the copies were only queued: their time is not the link's, and is not noted.
             let seconds = copy_started.elapsed().as_secs_f64();
-            self.config.link.note(LinkSample { bytes: host.bytes, seconds, page_locked: host.page_locked });
+            self.config.device.link().note(LinkSample { bytes: host.bytes, seconds, page_locked: host.page_locked });
         }
         if let Some(record) = &self.config.record {
             record.add(OffloadEvent {
@@ -527,7 +532,7 @@ impl Shared {
     /// The link rate of the uploads noted on this offloader's link meter (the placement's, shared with the
     /// device's other moves, for a registered model); `None` before the first.
     pub fn link_rate(&self) -> Option<LinkRate> {
-        self.config.link.rate()
+        self.config.device.link().rate()
     }
 
     /// Drops every group that is on the device only because it was prefetched and that nobody borrows (they
@@ -570,17 +575,17 @@ impl Shared {
         let span = self.config.timeline.span(category::RELEASE, &id).arg("bytes", bytes);
         self.record(Action::Offload, &id, bytes, reason.clone());
         slot.residency = Residency::Offloaded;
-        self.config.ledger.free_tensors(&slot.host.tensor_sizes());
-        if self.config.check_uploads && crate::device::defers_failures(&self.config.device) {
+        self.config.device.ledger().free_tensors(&slot.host.tensor_sizes());
+        if self.config.check_uploads && crate::device::defers_failures(self.config.device.exec()) {
             // The kernels that read this group may still be queued on this thread's stream, and they keep its
             // pages from the upload stream's pool until the work they were submitted in completes. Submitting
             // them now lets the next upload's sync ([`Shared::upload_bytes`]) wait them out; unchecked uploads
             // make no such wait, so they need no flush either. A failure to submit is the device's, and the next
             // sync or read-back reports it, typed.
-            let _ = self.config.device.flush();
+            let _ = self.config.device.exec().flush();
         }
         drop(span);
-        if let Some(memory) = &self.config.memory {
+        if let Some(memory) = self.config.device.memory() {
             self.config.timeline.sample_memory(memory.as_ref());
         }
         state.stats.offloads += 1;
@@ -614,7 +619,7 @@ impl Engine {
             model: model.clone(),
             problem: format!("cannot start the prefetch worker: {e}"),
         };
-        let worker = if shared.config.device == Device::flex() {
+        let worker = if *shared.config.device.exec() == Device::flex() {
             let (jobs, receiver) = mpsc::channel::<Job>();
             let name = format!("group-offload-{model}");
             let thread = std::thread::Builder::new()
@@ -630,7 +635,7 @@ impl Engine {
             // On CUDA and wgpu, burn gives every OS thread its own stream, so the upload thread is the prefetch
             // stream: its uploads overlap the compute queued by the caller, and burn orders cross-stream use with
             // events.
-            Worker::Device(device_uploads(&shared.config.device, &shared.config.device_name).map_err(unstarted)?)
+            Worker::Device(shared.config.device.upload_queue().map_err(unstarted)?)
         };
         Ok(Arc::new(Self { shared, worker: Mutex::new(Some(worker)) }))
     }
@@ -640,7 +645,7 @@ impl Engine {
     }
 
     pub fn device(&self) -> &Device {
-        &self.shared.config.device
+        self.shared.config.device.exec()
     }
 
     /// Registers a group; a kept group is uploaded at once and never offloaded by a release.
@@ -1108,14 +1113,12 @@ impl GroupSlot {
 /// the device's upload thread, as prefetches and whole onloads do, so that every group's pages come from the pools
 /// of one stream and the footprints measured there hold for them; burn's CPU backend uploads on the caller.
 fn upload_now(shared: &Arc<Shared>, host: &Arc<GroupHost>, reason: Reason) -> Result<Arc<[DeviceTensor]>> {
-    if !crate::device::defers_failures(&shared.config.device) {
+    if !crate::device::defers_failures(shared.config.device.exec()) {
         return shared.upload(host, reason, &|| {});
     }
     let (task_shared, task_host) = (shared.clone(), host.clone());
     let what = || format!("the upload of group {}", host.id);
-    match on_upload_thread(&shared.config.device, &shared.config.device_name, move || {
-        task_shared.upload(&task_host, reason, &|| {})
-    }) {
+    match shared.config.device.on_upload_thread(move || task_shared.upload(&task_host, reason, &|| {})) {
         Ok(uploaded) => uploaded,
         Err(Error::UploadPanicked { device, message, .. }) => {
             Err(Error::UploadPanicked { what: what(), device, message })

@@ -17,8 +17,9 @@ use std::sync::Arc;
 
 use burn::tensor::Device;
 use offload_core::plan::BlockLayout;
-use offload_core::{ComponentError, ComponentsManager, DeviceLedger, DeviceName, Offloadable};
+use offload_core::{ComponentError, ComponentsManager, DeviceName, Offloadable};
 
+use crate::OffloadDevice;
 use crate::component::GroupOffloadedModel;
 use crate::config::GroupOffloadConfig;
 use crate::device::{DeviceOutput, run_call_making_room};
@@ -27,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::model::{GroupOptions, OffloadModel, Split, measure_layout, measure_layout_on, measure_layout_with};
 use crate::parts::{GroupOffload, ModuleOffload};
 use crate::weights::FileTable;
-use crate::whole::{BurnComponent, Placement, module_is_quantized, module_is_quantized_with};
+use crate::whole::{BurnComponent, module_is_quantized, module_is_quantized_with};
 
 /// How a grouped model was taken apart.
 enum Layout<M: OffloadModel> {
@@ -44,8 +45,8 @@ enum Layout<M: OffloadModel> {
 pub struct GroupedModel<M: OffloadModel> {
     model: GroupOffloadedModel,
     parts: Layout<M>,
-    ledger: Arc<dyn DeviceLedger>,
-    exec: Device,
+    /// The device it streams to: its ledger is charged each call's activations.
+    device: OffloadDevice,
     releasable: bool,
 }
 
@@ -60,29 +61,23 @@ impl<M: OffloadModel> std::fmt::Debug for GroupedModel<M> {
 }
 
 impl<M: OffloadModel> GroupedModel<M> {
-    /// Takes `model` apart under `config` (its device, ledger, readings and record) with `options` (level,
-    /// prefetch, budgets, disk store: [`GroupOptions::configure`]); `ledger` is charged each call's activations.
-    pub fn new(
-        model: M,
-        config: GroupOffloadConfig,
-        options: &GroupOptions,
-        ledger: Arc<dyn DeviceLedger>,
-    ) -> Result<Self> {
+    /// Takes `model` apart under `config` (its device and record) with `options` (level, prefetch, budgets, disk
+    /// store: [`GroupOptions::configure`]); the device's ledger is charged each call's activations.
+    pub fn new(model: M, config: GroupOffloadConfig, options: &GroupOptions) -> Result<Self> {
         options.validate(&config.model)?;
         let offload = GroupOffload::new(options.configure(config))?;
-        Self::split(model, offload, options, ledger)
+        Self::split(model, offload, options)
     }
 
     /// Takes `model` apart into an offloader already built with `options` (its worker started), so that nothing
     /// fallible but the split itself is left once the model is given.
-    fn split(model: M, offload: GroupOffload, options: &GroupOptions, ledger: Arc<dyn DeviceLedger>) -> Result<Self> {
+    fn split(model: M, offload: GroupOffload, options: &GroupOptions) -> Result<Self> {
         let parts = model.split(&Split::new(&offload, options, M::leaf_types()))?;
-        let exec = offload.config().device.clone();
+        let device = offload.config().device.clone();
         Ok(Self {
             model: GroupOffloadedModel::new(offload),
             parts: Layout::Parts(parts),
-            ledger,
-            exec,
+            device,
             releasable: options.releasable,
         })
     }
@@ -92,30 +87,19 @@ impl<M: OffloadModel> GroupedModel<M> {
     /// until the manager releases it whole, which [`GroupOptions::releasable`] allows), streamed otherwise
     /// (uploaded for each call). What a model that declares no parts (a VAE) moves as when its host copy is its
     /// checkpoint file ([`ModelHandle::register_files`]).
-    pub fn whole(
-        model: M,
-        config: GroupOffloadConfig,
-        options: &GroupOptions,
-        ledger: Arc<dyn DeviceLedger>,
-    ) -> Result<Self> {
+    pub fn whole(model: M, config: GroupOffloadConfig, options: &GroupOptions) -> Result<Self> {
         options.validate(&config.model)?;
         let offload = GroupOffload::new(options.configure(config))?;
-        Self::split_whole(model, offload, options, ledger)
+        Self::split_whole(model, offload, options)
     }
 
-    fn split_whole(
-        model: M,
-        offload: GroupOffload,
-        options: &GroupOptions,
-        ledger: Arc<dyn DeviceLedger>,
-    ) -> Result<Self> {
+    fn split_whole(model: M, offload: GroupOffload, options: &GroupOptions) -> Result<Self> {
         let part = offload.module("whole", model, options.outside())?;
-        let exec = offload.config().device.clone();
+        let device = offload.config().device.clone();
         Ok(Self {
             model: GroupOffloadedModel::new(offload),
             parts: Layout::Whole(part),
-            ledger,
-            exec,
+            device,
             releasable: options.releasable,
         })
     }
@@ -168,14 +152,16 @@ impl<M: OffloadModel> GroupedModel<M> {
         f: impl FnOnce(M::Weights<'_>, &Device) -> std::result::Result<R, E>,
     ) -> std::result::Result<R, ComponentError> {
         let config = self.model.offload().config();
-        let (name, memory, files) = (config.device_name.clone(), config.memory.clone(), config.files.clone());
-        let (exec, parts) = (&self.exec, &self.parts);
+        let files = config.files.clone();
+        let (device, parts) = (&self.device, &self.parts);
+        let exec = device.exec();
         // One call is one forward: the first that returns ends the capture of the call order.
         let offload = self.model.offload();
         // Activations the device refuses are first made room for with the groups prefetched for this call that
         // it has not taken yet: the worker must never starve the call it prefetches for.
         let make_room = || offload.release_idle_prefetches() > 0;
-        run_call_making_room(exec, &name, self.ledger.as_ref(), memory.as_deref(), activation_bytes, make_room, || {
+        let (ledger, memory) = (device.ledger().as_ref(), device.memory().as_deref());
+        run_call_making_room(exec, device.name(), ledger, memory, activation_bytes, make_room, || {
             offload.run(|| {
                 let out = match parts {
                     Layout::Parts(parts) => f(M::streamed(parts), exec).map_err(Into::into),
@@ -233,13 +219,34 @@ impl<M: OffloadModel> Offloadable for GroupedModel<M> {
     }
 }
 
+/// The device object's side of registration: a model is registered on the device it runs on, in that device's
+/// manager (written here, beside [`ModelHandle`], so that the device object needs no handle of its own).
+impl OffloadDevice {
+    /// Registers `model` (on the host device) in the device's manager as `name`, moved whole until
+    /// [`ModelHandle::enable_group_offload`] streams it ([`ModelHandle::register`]).
+    pub fn register<M: OffloadModel + Clone>(&self, name: &str, model: M) -> Result<ModelHandle<M>> {
+        ModelHandle::register(self.manager(), name, model, self.clone())
+    }
+
+    /// Registers `model`, bound to its checkpoint files, in the device's manager as `name`: its host copy is the
+    /// files ([`ModelHandle::register_files`]).
+    pub fn register_files<M: OffloadModel + Clone>(
+        &self,
+        name: &str,
+        model: M,
+        files: FileTable,
+    ) -> Result<ModelHandle<M>> {
+        ModelHandle::register_files(self.manager(), name, model, files, self.clone())
+    }
+}
+
 /// A model registered with a manager, as the pipeline keeps it: its name and id, where it computes, and whether
 /// it is under group offload. Every call goes through [`run`](Self::run), whatever moves the weights.
 pub struct ModelHandle<M: OffloadModel> {
     manager: Arc<ComponentsManager>,
     name: String,
     id: String,
-    placement: Placement,
+    placement: OffloadDevice,
     grouped: Option<GroupOffload>,
     /// The model bound to its checkpoint files, when its host copy is the files (the file tier).
     files: Option<FileTier<M>>,
@@ -268,10 +275,10 @@ impl<M: OffloadModel> std::fmt::Debug for ModelHandle<M> {
 }
 
 impl<M: OffloadModel + Clone> ModelHandle<M> {
-    /// Registers `model` (on `placement.host`) with `manager` as `name`, moved whole ([`BurnComponent`]). The
+    /// Registers `model` (on `placement.host()`) with `manager` as `name`, moved whole ([`BurnComponent`]). The
     /// manager's refusal (an invalid name, say) is [`Error::Manager`]: every method of the handle returns this
     /// crate's [`Result`], so a model crate needs no error type of its own over the two crates'.
-    pub fn register(manager: &Arc<ComponentsManager>, name: &str, model: M, placement: Placement) -> Result<Self> {
+    pub fn register(manager: &Arc<ComponentsManager>, name: &str, model: M, placement: OffloadDevice) -> Result<Self> {
         let id = manager.add(name, BurnComponent::new(model, M::CLASS, placement.clone()), None)?;
         Ok(Self {
             manager: manager.clone(),
@@ -300,7 +307,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         name: &str,
         model: M,
         files: FileTable,
-        placement: Placement,
+        placement: OffloadDevice,
     ) -> Result<Self> {
         let mut handle = Self {
             manager: manager.clone(),
@@ -335,7 +342,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
                     .into(),
             });
         }
-        let model = crate::weights::materialize(files.skeleton.clone(), &files.table, &self.placement.host)?;
+        let model = crate::weights::materialize(files.skeleton.clone(), &files.table, self.placement.host())?;
         self.manager.remove(&self.id)?;
         self.id = self.manager.add(&self.name, BurnComponent::new(model, M::CLASS, self.placement.clone()), None)?;
         self.grouped = None;
@@ -343,33 +350,24 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         Ok(())
     }
 
-    /// The offloader's configuration for this handle's placement: its device, ledger, link, readings, record and
-    /// timeline.
+    /// The offloader's configuration for this handle's device, recorded in the handle's manager (its record and
+    /// timeline).
     fn group_config(&self) -> GroupOffloadConfig {
-        let placement = &self.placement;
-        let mut config = GroupOffloadConfig::new(self.name.as_str(), placement.exec.clone())
-            .with_device_name(placement.name.clone())
-            .with_ledger(placement.ledger.clone())
-            .with_link(placement.link.clone())
+        GroupOffloadConfig::new(self.name.as_str(), self.placement.clone())
             .with_record(self.manager.offload_record())
-            .with_timeline(self.manager.timeline());
-        if let Some(memory) = &placement.memory {
-            config = config.with_memory(memory.clone());
-        }
-        config
+            .with_timeline(self.manager.timeline())
     }
 
     /// Takes a bound `model` apart with its host copies in `files`: with `options`, into its parts; without, into
     /// one group, the whole module, released whole by the manager between phases.
     fn split_files(&self, model: M, files: &FileTable, options: Option<&GroupOptions>) -> Result<GroupedModel<M>> {
         let config = self.group_config().with_files(files.clone());
-        let ledger = self.placement.ledger.clone();
         match options {
-            Some(options) => GroupedModel::new(model, config, options, ledger),
+            Some(options) => GroupedModel::new(model, config, options),
             None => {
                 let whole =
                     GroupOptions { releasable: true, prefetch: false, prefetch_depth: 0, ..GroupOptions::default() };
-                GroupedModel::whole(model, config, &whole, ledger)
+                GroupedModel::whole(model, config, &whole)
             }
         }
     }
@@ -424,7 +422,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     }
 
     /// Where it computes and what accounts for it.
-    pub fn placement(&self) -> &Placement {
+    pub fn placement(&self) -> &OffloadDevice {
         &self.placement
     }
 
@@ -501,7 +499,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     /// ([`measure_layout_on`]); `None` for a model with no block lists. Refused once the model is under group
     /// offload (its parameters moved into the group store).
     pub fn layout(&self) -> Result<Option<BlockLayout>> {
-        let exec = self.placement.exec.clone();
+        let exec = self.placement.exec().clone();
         if let Some(files) = &self.files {
             // Measured from the files' table, whatever streams it now: nothing is read.
             return Ok(measure_layout_with(&files.skeleton, Some(&exec), &files.table));
@@ -559,7 +557,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         Ok(value)
     }
 
-    /// Puts the model under group offload with `options` on the device of its [`Placement`]: its groups are
+    /// Puts the model under group offload with `options` on the device of its [`OffloadDevice`]: its groups are
     /// charged to the placement's ledger, read through its readings for the out-of-memory reports (the device's one
     /// account, the same as the whole model's), recorded in the manager's record and timeline. Does nothing when
     /// it already is (the first options stay); refused for a model that declares no blocks
@@ -587,7 +585,6 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
             return Ok(());
         }
         options.validate(&self.name)?;
-        let ledger = self.placement.ledger.clone();
         let config = self.group_config();
         // The offloader (its configuration checked, its worker started) exists before the model is touched.
         let offload = GroupOffload::new(options.configure(config))?;
@@ -607,7 +604,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
                 Err(_) => unreachable!("the handle registered {} as a BurnComponent", self.id),
             }
         };
-        let grouped = GroupedModel::split(model, offload, options, ledger)?;
+        let grouped = GroupedModel::split(model, offload, options)?;
         if copy {
             self.manager.remove(&self.id)?;
         }

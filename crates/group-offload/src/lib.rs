@@ -14,7 +14,7 @@
 //!    [`Single`], [`Nested`], [`Shell`]; inside a block, a [`Layer`], whose leaves [`leaf!`] takes by their field
 //!    paths and which [`narrow!`] narrows to a sub-module ([`Layer::some`] to an optional one). The resident
 //!    forward is the same function. [`check_streaming`] is its free test.
-//! 3. Register each model with a `ComponentsManager` as a [`ModelHandle`] on a [`Placement`] (the device's one
+//! 3. Register each model with a `ComponentsManager` as a [`ModelHandle`] on a [`OffloadDevice`] (the device's one
 //!    account), and call it with [`ModelHandle::run`]: auto offload, the OOM retry and the record apply.
 //! 4. Stream a model with [`ModelHandle::enable_group_offload`] and [`GroupOptions`], or plan every component
 //!    for the device with [`component_spec`] and [`apply_plan`].
@@ -154,7 +154,9 @@ pub mod engine;
 pub mod error;
 pub mod handle;
 pub mod model;
+pub mod offload_device;
 pub mod parts;
+mod paths;
 pub mod prelude;
 pub mod quant;
 mod store;
@@ -172,5 +174,6 @@ pub use error::{Error, Result};
 pub use group_offload_derive::OffloadModel;
 pub use handle::ModelHandle;
 pub use model::{GroupLevel, GroupOptions, OffloadModel, check_streaming, whole};
+pub use offload_device::OffloadDevice;
 pub use view::{Blocks, Layer, Nested, Part, Shell, Single};
-pub use whole::{Placement, module_bytes};
+pub use whole::module_bytes;

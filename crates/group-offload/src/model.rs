@@ -14,7 +14,7 @@
 //! # A renamed field cannot break streaming
 //!
 //! The derive names every part by its field and [`leaf!`](crate::leaf) and [`narrow!`](crate::narrow) name every
-//! leaf by its field path, so a rename is a compile error. A path written by hand ([`Layer::part_at`]) is caught
+//! leaf by its field path, so a rename is a compile error. A path written by hand ([`Layer::part_at`](crate::Layer::part_at)) is caught
 //! by the test every model gets for free: [`check_streaming`] runs the forward resident, then under block-level
 //! and leaf-level group offload with prefetch, and fails with [`Error::Streaming`] when the outputs differ, when
 //! a parameter was read outside the group that holds it (a stray load), when a path names no group, when a group
@@ -30,9 +30,6 @@ use crate::error::{Error, Result};
 use crate::parts::{BlockOffload, GroupOffload, LeafOffload, ModuleOffload, Residency, leaf_groups_with};
 use crate::weights::FileTable;
 use crate::whole::module_bytes_with;
-
-#[cfg(doc)]
-use crate::view::Layer;
 
 /// A burn model that the manager can move whole and group offload can stream, with one forward for both.
 ///
@@ -323,7 +320,7 @@ impl<'a> Split<'a> {
     /// structure with every float weight zero-sized, so the shell holds none of its bytes and a weight read
     /// through the shell fails loudly (a shape error) instead of reading another group's weights.
     pub fn hollow<T: Module>(&self, field: &mut T) -> T {
-        let hollow = field.clone().map(&mut Hollower { device: self.offload.config().device.clone() });
+        let hollow = field.clone().map(&mut Hollower { device: self.offload.config().device.exec().clone() });
         std::mem::replace(field, hollow)
     }
 }
@@ -438,7 +435,7 @@ impl Census {
             let (exec, files) = (self.exec.as_ref(), self.files.as_ref());
             let groups = leaf_groups_with(block, &leaves, exec, files);
             // The path resolves as `leaf!` resolves it: a norm's path to the group its weights travel with.
-            let first = crate::view::leaf_group_of(block, &groups, first.unwrap_or_default()).map(str::to_string);
+            let first = crate::paths::leaf_group_of(block, &groups, first.unwrap_or_default()).map(str::to_string);
             CensusBlock { bytes: module_bytes_with(block, exec, files), leaves: groups, first }
         }));
     }

@@ -14,8 +14,8 @@ use parking_lot::Mutex;
 use crate::config::{GroupOffloadConfig, LeafPredicate};
 use crate::engine::{Engine, GroupStats};
 use crate::error::{Error, Result};
-use crate::store::{GroupHost, HostReadError};
-use crate::walk::{ExtractedParam, Installed, Slot, extract, install};
+use crate::store::{ExtractedParam, GroupHost, HostReadError};
+use crate::walk::{Installed, Slot, extract, install};
 use crate::weights::FileTable;
 
 /// The group offloader of one model: it owns the host copies, the captured order and the prefetch worker.
@@ -196,7 +196,7 @@ impl GroupOffload {
                     }
                     fits
                 };
-                GroupHost::in_memory(id, params, stage.then_some(&config.device))
+                GroupHost::in_memory(id, params, stage.then_some(config.device.exec()))
             }
             Some(dir) => GroupHost::on_disk(id.clone(), &config.model, params, dir).map_err(|error| match error {
                 HostReadError::File(error) => error,

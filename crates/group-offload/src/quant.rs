@@ -14,10 +14,9 @@
 //!   on that device.
 
 use burn::module::{Module, ModuleMapper, Param};
-#[cfg(test)]
 use burn::tensor::quantization::quantized_data_len;
 use burn::tensor::quantization::{QuantMode, QuantScheme, QuantStore, QuantValue, quantizable};
-use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
+use burn::tensor::{Bytes, DType, Device, Shape, Tensor, TensorData};
 
 use crate::error::{Error, Result};
 
@@ -102,7 +101,7 @@ pub fn produced_scheme(scheme: &QuantScheme, device: &Device) -> QuantScheme {
 /// computes `scheme`, and `exec` holds the tensors `host` makes of it ([`produced_scheme`]), as they are or
 /// [`repack`]ed into its packed store ([`device_scheme`]: 8-bit values stored one a byte are already four to a
 /// little-endian `u32`; 4- and 2-bit values are packed eight or sixteen to a word, and every size counted for
-/// `exec` is the packed one: [`tensor_bytes_on`](crate::whole::tensor_bytes_on)). The first refusal is returned,
+/// `exec` is the packed one: `whole::tensor_bytes_on`). The first refusal is returned,
 /// naming the device it comes from.
 pub fn check_placement(component: &str, scheme: &QuantScheme, host: &Device, exec: &Device) -> Result<()> {
     check_scheme(component, scheme, host)?;
@@ -334,6 +333,19 @@ pub fn check_scheme(component: &str, scheme: &QuantScheme, device: &Device) -> R
             supported: supported_values(device).iter().map(|v| format!("{v:?}")).collect::<Vec<_>>().join(", "),
         }),
     }
+}
+
+/// The bytes of a tensor of `shape` and `dtype` as `exec` holds it (`whole::tensor_bytes_on`'s rule, for a tensor
+/// known only by its shape and dtype: a parameter bound to its file).
+pub fn bytes_of(shape: &Shape, dtype: DType, exec: Option<&Device>) -> u64 {
+    let bytes = match dtype {
+        DType::QFloat(scheme) => {
+            let stored = exec.and_then(|exec| device_scheme(&scheme, exec)).unwrap_or(scheme);
+            quantized_data_len(&stored, shape)
+        }
+        dtype => shape.num_elements() * dtype.size(),
+    };
+    bytes as u64
 }
 
 #[cfg(test)]

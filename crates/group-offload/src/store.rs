@@ -37,7 +37,8 @@ use offload_core::Timeline;
 use offload_core::timeline::category;
 
 use crate::error::Error;
-use crate::walk::{ExtractedParam, HostTensor, flat_data};
+use crate::weights::BoundTensor;
+use std::sync::Arc;
 
 /// One tensor of a group: what is needed to rebuild it.
 #[derive(Debug, Clone)]
@@ -498,4 +499,63 @@ fn to_safetensors(dtype: DType) -> Option<safetensors::Dtype> {
         DType::U8 => S::U8,
         _ => return None,
     })
+}
+
+/// Where one parameter's host copy is.
+#[derive(Debug, Clone)]
+pub(crate) enum HostTensor {
+    /// In host memory, shared so clones never copy: the values for a float tensor; the values followed by the
+    /// scales (burn's quantized `TensorData` layout) for a quantized one.
+    Bytes(Bytes),
+    /// In its checkpoint file, read at each upload in the dtype the file stores it in.
+    File(Arc<BoundTensor>),
+}
+
+impl HostTensor {
+    /// The bytes of the host copy: what a read from its file, or a disk-store file, holds.
+    pub fn len(&self) -> u64 {
+        match self {
+            Self::Bytes(bytes) => bytes.len() as u64,
+            Self::File(entry) => entry.tensor().bytes(),
+        }
+    }
+}
+
+/// One float parameter as extraction found it.
+pub(crate) struct ExtractedParam {
+    /// Field names from the module's root to the parameter (`["blocks", "0", "fc1", "weight"]`).
+    pub path: Vec<String>,
+    /// For each path segment, the container type of the module that holds it (`"Struct:Block"`, `"Vec"`).
+    pub containers: Vec<String>,
+    pub shape: Vec<usize>,
+    /// The dtype the device holds it in.
+    pub dtype: DType,
+    /// The dtype of its host copy: `dtype`, but the file's for a file tensor the device holds in another float
+    /// dtype (converted on the device after the upload).
+    pub host_dtype: DType,
+    /// The bytes the device holds it in: what an upload allocates and charges.
+    pub device_bytes: u64,
+    /// Its host copy.
+    pub source: HostTensor,
+}
+
+impl ExtractedParam {
+    pub fn dotted(&self) -> String {
+        self.path.join(".")
+    }
+
+    /// The bytes of its host copy.
+    pub fn bytes_len(&self) -> u64 {
+        self.source.len()
+    }
+
+    /// Whether its host copy is in its checkpoint file.
+    pub fn is_file(&self) -> bool {
+        matches!(self.source, HostTensor::File(_))
+    }
+}
+
+/// Reads flat host data as a rank-1 tensor: what the worker uploads for a float parameter.
+pub(crate) fn flat_data(bytes: Bytes, elements: usize, dtype: DType) -> TensorData {
+    TensorData::from_bytes(bytes, [elements], dtype)
 }

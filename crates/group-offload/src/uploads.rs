@@ -1,5 +1,6 @@
-//! Uploads: the device's one upload thread, where every engine's prefetches and every whole component's onload copy
-//! run ([`on_upload_thread`]), and the device tensors an upload builds ([`DeviceTensor`]).
+//! Uploads: a device's one upload thread ([`UploadThread`], owned by its [`OffloadDevice`](crate::OffloadDevice)),
+//! where every engine's prefetches and every whole component's onload copy run, and the device tensors an upload
+//! builds ([`DeviceTensor`]).
 
 use std::any::Any;
 use std::sync::Arc;
@@ -15,9 +16,10 @@ use crate::error::{Error, Result};
 /// A unit of work for a device's shared upload thread.
 pub(crate) type Task = Box<dyn FnOnce() + Send>;
 
-/// The upload thread of `device`, started at its first use and kept for the process (threads named
-/// `group-offload-uploads-<device>`, so the checks they make count as a worker's): every engine's prefetches on the
-/// device, and every whole component's onload copy ([`on_upload_thread`]), so that all weights share its pools.
+/// One device's upload thread ([`OffloadDevice`](crate::OffloadDevice) owns it): every engine's prefetches on the
+/// device, and every whole component's onload copy ([`UploadThread::run`]), so that all weights share its pools.
+/// Started at its first use (named `group-offload-uploads-<device>`, so the checks it makes count as a worker's),
+/// and ended when its device object is dropped.
 ///
 /// Why one per device: cubecl gives each thread a stream, and each stream its own pools. Its exclusive pool
 /// (`PagePolicy::Exclusive`) sizes a new page to the larger of the request and a running average of its
@@ -26,25 +28,86 @@ pub(crate) type Task = Box<dyn FnOnce() + Send>;
 /// upload check's launches, until some hundreds of requests have passed. Measured on lavapipe with a new worker
 /// per model: a streamed text encoder's worker held 341 KB of pages for 37 KB of tensors and 241 KB of uniform
 /// pages for 896 B (`docs/devices.md`).
-pub(crate) fn device_uploads(device: &Device, name: &DeviceName) -> std::io::Result<mpsc::Sender<Task>> {
-    /// One device's upload worker: the device, its task queue and its thread.
-    type Worker = (Device, mpsc::Sender<Task>, JoinHandle<()>);
-    static UPLOADS: Mutex<Vec<Worker>> = Mutex::new(Vec::new());
-    let mut uploads = UPLOADS.lock();
-    // A thread that ended is replaced, not handed out (it catches its tasks' panics, so none should end).
-    uploads.retain(|(_, _, thread)| !thread.is_finished());
-    if let Some((_, sender, _)) = uploads.iter().find(|(d, _, _)| d == device) {
-        return Ok(sender.clone());
+pub(crate) struct UploadThread {
+    /// The device's name, for the thread's name and the errors.
+    name: DeviceName,
+    /// The task queue and the thread, once started.
+    worker: Mutex<Option<(mpsc::Sender<Task>, JoinHandle<()>)>>,
+}
+
+impl UploadThread {
+    /// The upload thread of the device called `name`, not started yet.
+    pub fn new(name: DeviceName) -> Self {
+        Self { name, worker: Mutex::new(None) }
     }
-    let (sender, tasks) = mpsc::channel::<Task>();
-    let thread_name = upload_thread_name(name);
-    let thread = std::thread::Builder::new().name(thread_name.clone()).spawn(move || {
-        while let Ok(task) = tasks.recv() {
-            serve(&thread_name, task);
+
+    /// The thread's task queue, starting the thread at the first call (or again if it ended: it catches its
+    /// tasks' panics, so none should end).
+    pub fn sender(&self) -> std::io::Result<mpsc::Sender<Task>> {
+        let mut worker = self.worker.lock();
+        if let Some((sender, thread)) = worker.as_ref()
+            && !thread.is_finished()
+        {
+            return Ok(sender.clone());
         }
-    })?;
-    uploads.push((device.clone(), sender.clone(), thread));
-    Ok(sender)
+        let (sender, tasks) = mpsc::channel::<Task>();
+        let thread_name = upload_thread_name(&self.name);
+        let thread = std::thread::Builder::new().name(thread_name.clone()).spawn(move || {
+            while let Ok(task) = tasks.recv() {
+                serve(&thread_name, task);
+            }
+        })?;
+        *worker = Some((sender.clone(), thread));
+        Ok(sender)
+    }
+
+    /// Whether the calling thread is this upload thread.
+    fn is_current(&self) -> bool {
+        let worker = self.worker.lock();
+        worker.as_ref().is_some_and(|(_, thread)| thread.thread().id() == std::thread::current().id())
+    }
+
+    /// Runs `f` on the upload thread and waits for what it returns: how a whole component's onload puts its weights
+    /// in the same stream's pools as the groups streamed on that device, so that the footprint it measures is what
+    /// those pools take for the weights. A panic in `f` is caught on the thread, which goes on serving the other
+    /// engines, and comes back to the caller as [`Error::UploadPanicked`] (`f` gives back what it reserved as it
+    /// unwinds); [`Error::UploadThread`] when the thread cannot be started or ended.
+    pub fn run<R: Send + 'static>(&self, f: impl FnOnce() -> R + Send + 'static) -> Result<R> {
+        let what = "a task on the upload thread";
+        let name = &self.name;
+        let unserved = |problem: String| Error::UploadThread { what: what.into(), device: name.to_string(), problem };
+        // On the upload thread itself (a task that uploads again) the work runs here: sending it to this thread's
+        // own queue and waiting would wait for ever. Its panic is the outer task's, reported to that task's waiter.
+        if self.is_current() {
+            return Ok(f());
+        }
+        let (sender, result) = mpsc::sync_channel(1);
+        let task: Task = Box::new(move || {
+            let _ = sender.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+        });
+        self.sender()
+            .map_err(|e| unserved(format!("it cannot be started: {e}")))?
+            .send(task)
+            .map_err(|_| unserved("it has ended".into()))?;
+        match result.recv() {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(payload)) => {
+                let message = crate::device::panic_text(payload.as_ref());
+                tracing::error!(device = %name, "a task panicked on the upload thread ({message}); the thread goes on");
+                Err(Error::UploadPanicked { what: what.into(), device: name.to_string(), message })
+            }
+            Err(_) => Err(unserved("it ended before the task ran".into())),
+        }
+    }
+}
+
+impl Drop for UploadThread {
+    /// Closes the thread's queue: the thread ends once the last sender is gone (an engine's, which it holds beside
+    /// the device, may go after this). It is not joined: a join here could wait on a sender dropped after it, or on
+    /// the thread itself when a task held the device's last handle.
+    fn drop(&mut self) {
+        drop(self.worker.get_mut().take());
+    }
 }
 
 /// The name of `device`'s upload thread.
@@ -55,47 +118,11 @@ fn upload_thread_name(name: &DeviceName) -> String {
 /// Runs one task on a worker thread (a device's upload thread, or an engine's own), so that a panic in it ends the
 /// task and not the thread: the thread goes on serving every other engine on the device, whose prefetches would
 /// otherwise all fail from then on. The tasks report their own panics to their waiters, typed (a prefetch as its
-/// failure, [`on_upload_thread`] as [`Error::UploadPanicked`]); one that still unwinds this far is logged here.
+/// failure, [`UploadThread::run`] as [`Error::UploadPanicked`]); one that still unwinds this far is logged here.
 pub(crate) fn serve(thread: &str, task: impl FnOnce()) {
     if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)) {
         let message = crate::device::panic_text(payload.as_ref());
         tracing::error!(thread, "a task on the upload thread panicked ({message}); the thread goes on");
-    }
-}
-
-/// Runs `f` on `device`'s upload thread ([`device_uploads`]) and waits for what it returns: how a whole component's
-/// onload puts its weights in the same stream's pools as the groups streamed on that device, so that the footprint
-/// it measures is what those pools take for the weights. A panic in `f` is caught on the thread, which goes on
-/// serving the other engines, and comes back to the caller as [`Error::UploadPanicked`] (`f` gives back what it
-/// reserved as it unwinds); [`Error::UploadThread`] when the thread cannot be started or ended.
-pub(crate) fn on_upload_thread<R: Send + 'static>(
-    device: &Device,
-    name: &DeviceName,
-    f: impl FnOnce() -> R + Send + 'static,
-) -> Result<R> {
-    let what = "a task on the upload thread";
-    let unserved = |problem: String| Error::UploadThread { what: what.into(), device: name.to_string(), problem };
-    // On the upload thread itself (a task that uploads again) the work runs here: sending it to this thread's own
-    // queue and waiting would wait for ever. Its panic is the outer task's, reported to that task's waiter.
-    if std::thread::current().name() == Some(upload_thread_name(name).as_str()) {
-        return Ok(f());
-    }
-    let (sender, result) = mpsc::sync_channel(1);
-    let task: Task = Box::new(move || {
-        let _ = sender.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
-    });
-    device_uploads(device, name)
-        .map_err(|e| unserved(format!("it cannot be started: {e}")))?
-        .send(task)
-        .map_err(|_| unserved("it has ended".into()))?;
-    match result.recv() {
-        Ok(Ok(value)) => Ok(value),
-        Ok(Err(payload)) => {
-            let message = crate::device::panic_text(payload.as_ref());
-            tracing::error!(device = %name, "a task panicked on the upload thread ({message}); the thread goes on");
-            Err(Error::UploadPanicked { what: what.into(), device: name.to_string(), message })
-        }
-        Err(_) => Err(unserved("it ended before the task ran".into())),
     }
 }
 
@@ -170,20 +197,19 @@ mod tests {
     /// and ended the thread, and every engine on the device lost its prefetches).
     #[test]
     fn the_upload_thread_survives_a_panicking_task_and_reports_it_typed() {
-        let device = Device::flex();
-        let name = DeviceName::parse("cuda:7").expect("a device name");
+        let uploads = UploadThread::new(DeviceName::parse("cuda:7").expect("a device name"));
         let thread = || std::thread::current().id();
-        let before = on_upload_thread(&device, &name, thread).expect("runs");
-        let panicked = on_upload_thread(&device, &name, || -> u32 { panic!("a ledger bug") });
+        let before = uploads.run(thread).expect("runs");
+        let panicked = uploads.run(|| -> u32 { panic!("a ledger bug") });
         match panicked {
             Err(Error::UploadPanicked { message, device, .. }) => {
                 assert_eq!((message.as_str(), device.as_str()), ("a ledger bug", "cuda:7"));
             }
             other => panic!("expected a typed panic, got {other:?}"),
         }
-        let after = on_upload_thread(&device, &name, thread).expect("the thread goes on");
+        let after = uploads.run(thread).expect("the thread goes on");
         assert_eq!(before, after, "the same thread served the task after the panic");
-        let error = on_upload_thread(&device, &name, || -> u32 { panic!("again") }).expect_err("typed");
+        let error = uploads.run(|| -> u32 { panic!("again") }).expect_err("typed");
         assert_eq!(
             error.to_string(),
             "a task on the upload thread for cuda:7 panicked: again; nothing of it stays reserved on the device and \

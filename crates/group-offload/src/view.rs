@@ -21,6 +21,7 @@ use burn::module::Module;
 use crate::error::{Error, Result};
 use crate::model::{OffloadModel, Streamed, StreamedOne};
 use crate::parts::{BlockOffload, GroupGuard, LeafOffload, ModuleOffload};
+use crate::paths::{Found, under};
 
 /// One segment of a leaf's field path: a field name, or an index into a `Vec` field. Written by
 /// [`leaf!`](crate::leaf) and [`narrow!`](crate::narrow); a path is joined into a string only at leaf level.
@@ -176,11 +177,6 @@ impl<M: Module> LeafSource<M> for &LeafOffload<M> {
     }
 }
 
-/// Whether the dotted path `path` lies strictly inside the module at `prefix`.
-pub(crate) fn under(path: &str, prefix: &str) -> bool {
-    path.strip_prefix(prefix).is_some_and(|rest| rest.starts_with('.'))
-}
-
 /// A dotted path as the field path `leaf!` and `narrow!` take (`resnets.0.conv1` as `resnets[0].conv1`).
 fn field_syntax(path: &str) -> String {
     let mut out = String::new();
@@ -195,63 +191,6 @@ fn field_syntax(path: &str) -> String {
         }
     }
     out
-}
-
-/// What a module holds at a dotted path, read from its structure without touching a weight.
-#[derive(Default)]
-struct Found<'p> {
-    path: &'p str,
-    stack: Vec<String>,
-    /// A module (a field burn visits: an optional layer, `None` or not, a list, a layer) is at the path.
-    module: bool,
-    /// A float parameter is at or under the path.
-    weights: bool,
-}
-
-impl<'p> Found<'p> {
-    fn at<M: Module>(module: &M, path: &'p str) -> Self {
-        let mut found = Found { path, ..Found::default() };
-        module.visit(&mut found);
-        found
-    }
-}
-
-/// The leaf group of `leaves` (a module's, as leaf level cuts it) that [`leaf!`](crate::leaf) takes for the field
-/// path `path`: the group at the path, or the group its weights travel with (a norm's, under no leaf of its own);
-/// `None` where the module holds no weights at the path (an optional layer that is `None`), or where the path is a
-/// module of several leaves (which `leaf!` refuses).
-pub(crate) fn leaf_group_of<'g, M: Module>(module: &M, leaves: &'g [(String, u64)], path: &str) -> Option<&'g str> {
-    let groups = leaves.iter().map(|(group, _)| group.as_str());
-    if !path.is_empty() && groups.clone().any(|group| under(group, path)) {
-        return None;
-    }
-    if let Some(exact) = groups.clone().find(|group| *group == path) {
-        return Some(exact);
-    }
-    if !Found::at(module, path).weights {
-        return None;
-    }
-    groups.filter(|group| group.is_empty() || under(path, group)).max_by_key(|group| group.len())
-}
-
-impl burn::module::ModuleVisitor for Found<'_> {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.stack.push(name.to_string());
-        if self.stack.join(".") == self.path {
-            self.module = true;
-        }
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.stack.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, _param: &burn::module::Param<burn::tensor::Tensor<D>>) {
-        let here = self.stack.join(".");
-        if here == self.path || under(&here, self.path) {
-            self.weights = true;
-        }
-    }
 }
 
 /// A leaf-level layer narrowed to the sub-module at `prefix` of its parent.

@@ -8,7 +8,7 @@
 //! in the [`FileTable`], rather than random numbers). Shapes and dtypes are checked, the key set reported
 //! ([`BindReport`]: applied, missing, unused), and no tensor data is read. The [`FileTable`] maps each bound
 //! parameter to its file tensor: the sizes of a bound model come from it without reading a byte
-//! ([`crate::whole::module_tensor_sizes_with`], [`crate::model::measure_layout_with`]), and group offload's host
+//! (`whole::module_tensor_sizes_with`, `model::measure_layout_with`), and group offload's host
 //! copy of a bound parameter is its file tensor, read with positioned reads (`FileExt::read_exact_at`, no
 //! `unsafe`, no map) each time its group is uploaded ([`crate::ModelHandle::register_files`]).
 //!
@@ -383,9 +383,9 @@ impl BoundTensor {
     }
 
     /// The bytes it takes as `exec` holds it (`None`: as the model holds it): what its group charges and moves,
-    /// with no read ([`crate::whole::bytes_of`]).
+    /// with no read ([`crate::quant::bytes_of`]).
     pub fn bytes_on(&self, exec: Option<&Device>) -> u64 {
-        crate::whole::bytes_of(&Shape::from(self.tensor.shape.clone()), self.dtype, exec)
+        crate::quant::bytes_of(&Shape::from(self.tensor.shape.clone()), self.dtype, exec)
     }
 
     /// The place a transform decides on.
@@ -569,7 +569,7 @@ pub fn materialize<M: Module>(model: M, table: &FileTable, device: &Device) -> R
 /// Register the bound model with [`ModelHandle::register_files`](crate::ModelHandle::register_files), never with
 /// `ModelHandle::register`: a model moved whole by burn's `to_device` (and sized without the table) reads every
 /// parameter into memory, which is what the file tier exists to avoid. Measure it with the table
-/// ([`crate::whole::module_bytes_with`], [`crate::model::measure_layout_with`]); the functions without it read it.
+/// (`whole::module_bytes_with`, `model::measure_layout_with`); the functions without it read it.
 ///
 /// Refused with [`Error::WeightShape`] when a tensor's shape is not the parameter's, [`Error::WeightDType`] when
 /// its dtype is not one a parameter of that kind holds; with [`Error::PartialBind`] when parameters are missing or file tensors unused,

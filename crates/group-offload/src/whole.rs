@@ -1,6 +1,6 @@
 //! Whole-component moves: a burn module as an `offload-core` component ([`BurnComponent`]), moved between the
 //! host and the execution device by the `ComponentsManager`, with every byte reported to a [`DeviceLedger`] (a
-//! simulated card, or nothing on a real device), and the [`Placement`] that says where it computes.
+//! simulated card, or nothing on a real device), on the [`OffloadDevice`] it computes on.
 //!
 //! On a real accelerator `onload` is `Module::to_device(accelerator)` followed by a sync, which is where burn's
 //! cubecl backends report an out-of-memory ([`crate::device::check_device`] types it); `offload` drops the device
@@ -15,11 +15,12 @@ use crate::device::{
     CallMeasure, DeviceOutput, catch_device_panic, check_device, check_outputs, measure_call, run_call,
 };
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::quantization::quantized_data_len;
-use burn::tensor::{DType, Device, Shape, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 
+use crate::OffloadDevice;
+pub use crate::quant::bytes_of;
 use crate::weights::{BoundTensor, FileTable};
-use offload_core::link::{LinkMeter, LinkSample};
+use offload_core::link::LinkSample;
 use offload_core::plan::CallPages;
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, Offloadable};
 
@@ -105,19 +106,6 @@ pub fn tensor_bytes_on<const D: usize>(tensor: &Tensor<D>, exec: Option<&Device>
     bytes_of(&tensor.shape(), tensor.dtype(), exec)
 }
 
-/// The bytes of a tensor of `shape` and `dtype` as `exec` holds it ([`tensor_bytes_on`]'s rule, for a tensor
-/// known only by its shape and dtype: a parameter bound to its file).
-pub fn bytes_of(shape: &Shape, dtype: DType, exec: Option<&Device>) -> u64 {
-    let bytes = match dtype {
-        DType::QFloat(scheme) => {
-            let stored = exec.and_then(|exec| crate::quant::device_scheme(&scheme, exec)).unwrap_or(scheme);
-            quantized_data_len(&stored, shape)
-        }
-        dtype => shape.num_elements() * dtype.size(),
-    };
-    bytes as u64
-}
-
 /// Whether any of a module's float parameters is a burn quantized tensor.
 pub fn module_is_quantized<M: Module>(module: &M) -> bool {
     module_is_quantized_with(module, None)
@@ -158,78 +146,6 @@ impl<M: Module> DeviceOutput for Parameters<'_, M> {
     }
 }
 
-/// Where a component executes: the burn device that computes, the name the manager knows it by, the ledger
-/// that accounts for it and the readings of its memory.
-#[derive(Clone)]
-pub struct Placement {
-    /// The burn device that runs the component (`Device::cuda(0)`, or `Device::flex()` under a simulated card).
-    pub exec: Device,
-    /// The burn device offloaded weights live on.
-    pub host: Device,
-    /// The execution device's name in the manager (`cuda:0`).
-    pub name: DeviceName,
-    /// Accounting of the execution device.
-    pub ledger: Arc<dyn DeviceLedger>,
-    /// Readings of the execution device's memory (a real device's pool, a cap over it, a simulated card), for
-    /// the available bytes an out-of-memory reports; `None` where nothing reads it.
-    pub memory: Option<Arc<dyn DeviceMemory>>,
-    /// The clock on the link to the execution device: every whole onload and every group upload onto it notes
-    /// its bytes and wall time here ([`Placement::link_rate`]).
-    pub link: Arc<LinkMeter>,
-}
-
-impl Placement {
-    /// The link rate the moves onto this placement's device reached, measured by the clock; `None` before the
-    /// first. Under a simulated card this is a host copy's rate, not the card's simulated link.
-    pub fn link_rate(&self) -> Option<offload_core::link::LinkRate> {
-        self.link.rate()
-    }
-
-    /// Everything on the host's CPU backend: nothing moves, nothing is accounted.
-    pub fn host_only() -> Self {
-        Self {
-            exec: Device::flex(),
-            host: Device::flex(),
-            name: DeviceName::cpu(),
-            ledger: Arc::new(offload_core::NoLedger),
-            memory: None,
-            link: Arc::default(),
-        }
-    }
-
-    /// A simulated card on the CPU: the weights stay in host memory (burn's `flex` backend), the card (anything
-    /// that is both the ledger and the readings: `memory_sim::SimCard`) accounts for them, and the components
-    /// are known by the card's device name.
-    pub fn simulated<C: DeviceLedger + DeviceMemory + 'static>(card: Arc<C>) -> Self {
-        Self {
-            exec: Device::flex(),
-            host: Device::flex(),
-            name: offload_core::DeviceMemory::device(&*card),
-            ledger: card.clone(),
-            memory: Some(card),
-            link: Arc::default(),
-        }
-    }
-
-    /// `exec` computes (a real device, or the CPU under a card of the caller's), offloaded weights live on the CPU
-    /// backend, the device is known as `name`, and `ledger` and `memory` are its one account (`NoLedger` and
-    /// `PoolReadings` on an uncapped device, a `CappedDevice` for both under a cap, a `SimCard` on the CPU).
-    pub fn on_device(
-        exec: Device,
-        name: DeviceName,
-        ledger: Arc<dyn DeviceLedger>,
-        memory: Option<Arc<dyn DeviceMemory>>,
-    ) -> Self {
-        Self { exec, host: Device::flex(), name, ledger, memory, link: Arc::default() }
-    }
-}
-
-impl std::fmt::Debug for Placement {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Placement").field("exec", &self.exec).field("name", &self.name).finish()
-    }
-}
-
 /// A burn module the manager can move: its weights, its size and where it is.
 ///
 /// The host copy stays while the component is on a device: inference never changes weights, so an offload drops
@@ -245,7 +161,7 @@ pub struct BurnComponent<M: Module> {
     bytes: u64,
     /// The size of each parameter, for a ledger that counts in pages.
     sizes: Vec<u64>,
-    placement: Placement,
+    placement: OffloadDevice,
     device: DeviceName,
     class_name: &'static str,
     /// The pages its weights took at its first whole onload onto a device that pages (`None` before).
@@ -261,10 +177,10 @@ impl<M: Module> std::fmt::Debug for BurnComponent<M> {
 }
 
 impl<M: Module + 'static> BurnComponent<M> {
-    /// Wraps a module that is on `placement.host`; its sizes are those the execution device holds it in
+    /// Wraps a module that is on `placement.host()`; its sizes are those the execution device holds it in
     /// ([`module_tensor_sizes_on`]).
-    pub fn new(module: M, class_name: &'static str, placement: Placement) -> Self {
-        let sizes = module_tensor_sizes_on(&module, Some(&placement.exec));
+    pub fn new(module: M, class_name: &'static str, placement: OffloadDevice) -> Self {
+        let sizes = module_tensor_sizes_on(&module, Some(placement.exec()));
         let bytes = sizes.iter().sum();
         Self {
             module,
@@ -286,7 +202,7 @@ impl<M: Module + 'static> BurnComponent<M> {
 
     /// The burn device the module computes on now.
     pub fn burn_device(&self) -> &Device {
-        if self.device.is_cpu() { &self.placement.host } else { &self.placement.exec }
+        if self.device.is_cpu() { self.placement.host() } else { self.placement.exec() }
     }
 
     /// Runs `f` on the module with `activation_bytes` accounted on the ledger for the call: the entry point the
@@ -306,10 +222,10 @@ impl<M: Module + 'static> BurnComponent<M> {
         let placement = &self.placement;
         // The copy that computes now: the device copy while resident on a device, the host copy otherwise.
         let module = self.resident.as_ref().unwrap_or(&self.module);
-        let memory = placement.memory.as_deref();
+        let memory = placement.memory().as_deref();
         // The weights are all on the device before the call: its second call at an estimate measures its pages.
         measure_call(&device, memory, &mut self.calls, activation_bytes, || {
-            run_call(&device, &placement.name, placement.ledger.as_ref(), memory, activation_bytes, || {
+            run_call(&device, placement.name(), placement.ledger().as_ref(), memory, activation_bytes, || {
                 f(module, &device).map_err(Into::into)
             })
         })
@@ -321,7 +237,7 @@ impl<M: Module + 'static> BurnComponent<M> {
     }
 
     fn same_burn_device(&self) -> bool {
-        self.placement.exec == self.placement.host
+        self.placement.exec() == self.placement.host()
     }
 }
 
@@ -335,7 +251,7 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
     }
 
     fn onload(&mut self, device: &DeviceName) -> Result<(), ComponentError> {
-        let ledger = self.placement.ledger.clone();
+        let ledger = self.placement.ledger().clone();
         // Each parameter is its own allocation on the device: a ledger in pages rounds each one.
         ledger.allocate_tensors(&self.sizes)?;
         // From here every way out but success gives the reservation back: an error, and a panic that is not the
@@ -343,8 +259,8 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
         let reservation = Reservation { ledger: ledger.as_ref(), sizes: &self.sizes, kept: false };
         ledger.transfer(self.bytes, Direction::HostToDevice)?;
         if !self.same_burn_device() {
-            let exec = &self.placement.exec;
-            let memory = self.placement.memory.as_deref();
+            let exec = self.placement.exec();
+            let memory = self.placement.memory().as_deref();
             let held = || memory.and_then(|m| m.held().ok().flatten());
             // The first onload onto a device that allocates in pages measures the footprint: the pool's pages
             // after the onload less before, its cache released first so that the weights take pages of their own.
@@ -359,16 +275,15 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
                 // On a cubecl runtime the copy runs on the device's upload thread, whose stream holds the groups
                 // streamed on that device too: the footprint measured here is then in the pools those groups use.
                 let (module, exec, name, what) = (self.module.clone(), exec.clone(), device.clone(), self.class_name);
-                let memory = self.placement.memory.clone();
-                crate::uploads::on_upload_thread(&exec.clone(), device, move || {
-                    copy_checked(module, &exec, &name, what, memory.as_deref())
-                })
-                .unwrap_or_else(|error| {
-                    Err(ComponentError::Transfer {
-                        what: format!("{} to {device}", self.class_name),
-                        message: error.to_string(),
+                let memory = self.placement.memory().clone();
+                self.placement
+                    .on_upload_thread(move || copy_checked(module, &exec, &name, what, memory.as_deref()))
+                    .unwrap_or_else(|error| {
+                        Err(ComponentError::Transfer {
+                            what: format!("{} to {device}", self.class_name),
+                            message: error.to_string(),
+                        })
                     })
-                })
             } else {
                 copy_checked(self.module.clone(), exec, device, self.class_name, memory)
             };
@@ -377,7 +292,7 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
                     reservation.keep();
                     // From the first copy to the synced read-back: the whole onload's time on the link.
                     let seconds = copy_started.elapsed().as_secs_f64();
-                    self.placement.link.note(LinkSample { bytes: self.bytes, seconds, page_locked: false });
+                    self.placement.link().note(LinkSample { bytes: self.bytes, seconds, page_locked: false });
                     self.resident = Some(moved);
                     // The read-back probes (one small tensor per parameter) each took a page of the pool: give
                     // them back, so the component's call starts from its weights (measured on wgpu: about a
@@ -408,13 +323,13 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
     }
 
     fn offload(&mut self) -> Result<(), ComponentError> {
-        self.placement.ledger.transfer(self.bytes, Direction::DeviceToHost)?;
+        self.placement.ledger().transfer(self.bytes, Direction::DeviceToHost)?;
         if self.resident.take().is_some() {
             // As diffusers clears the device cache after an offload: the pages the weights held go back to the
             // device, so the next component (or a capped device's next call) can have them.
-            self.placement.exec.memory_cleanup();
+            self.placement.exec().memory_cleanup();
         }
-        self.placement.ledger.free_tensors(&self.sizes);
+        self.placement.ledger().free_tensors(&self.sizes);
         self.device = DeviceName::cpu();
         Ok(())
     }
@@ -474,36 +389,5 @@ fn copy_checked<M: Module>(
             .and_then(|()| check_outputs(&Parameters(&moved), exec, device, "onload", memory))
             .map(|()| moved),
         Err(panic) => Err(panic.with_device(device, "onload", memory)),
-    }
-}
-
-/// Readings of a device treated as large enough for everything: with auto offload enabled on it, every
-/// component is onloaded on its first run and never evicted. It is how a pipeline keeps everything resident on
-/// a real device while every move still goes through the manager and its record.
-#[derive(Debug, Clone)]
-pub struct Unbounded {
-    /// The device the readings stand for.
-    pub device: DeviceName,
-}
-
-impl offload_core::DeviceMemory for Unbounded {
-    fn device(&self) -> DeviceName {
-        self.device.clone()
-    }
-
-    fn total(&self) -> u64 {
-        u64::MAX / 2
-    }
-
-    fn available(&self) -> u64 {
-        u64::MAX / 2
-    }
-
-    fn allocated(&self) -> u64 {
-        0
-    }
-
-    fn peak(&self) -> u64 {
-        0
     }
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::tensor::Device;
 use common::{Model, hard_card};
-use group_offload::{Placement, whole::BurnComponent};
+use group_offload::{OffloadDevice, whole::BurnComponent};
 use memory_sim::SimCard;
 use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, Offloadable};
 
@@ -51,7 +51,7 @@ fn a_whole_onload_that_panics_mid_upload_gives_its_reservation_back() {
     let card = hard_card(1 << 20);
     let ledger = Arc::new(PanicsInTransfer { card: card.clone(), panics: AtomicBool::new(true) });
     let name = DeviceName::parse("cuda").unwrap();
-    let placement = Placement::on_device(Device::flex(), name.clone(), ledger.clone(), Some(card.clone()));
+    let placement = OffloadDevice::on_device(Device::flex(), name.clone(), ledger.clone(), Some(card.clone()));
     let mut component = BurnComponent::new(Model::new(&Device::flex()), "model", placement);
     let before = card.allocated();
     let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| component.onload(&name)));

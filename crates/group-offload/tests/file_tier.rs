@@ -187,9 +187,14 @@ fn a_bound_model_streams_from_its_file_bit_for_bit_and_reads_nothing_into_memory
             let probe = model.clone();
             let card = card();
             let manager = Arc::new(ComponentsManager::new());
-            let mut handle =
-                ModelHandle::register_files(&manager, "toy", model, table.clone(), Placement::simulated(card.clone()))
-                    .expect("it registers");
+            let mut handle = ModelHandle::register_files(
+                &manager,
+                "toy",
+                model,
+                table.clone(),
+                OffloadDevice::simulated(card.clone()),
+            )
+            .expect("it registers");
             // Moved whole from its file until it streams: one group, onloaded by the manager.
             let whole_out = handle.run(0, |weights, _| weights.forward(ids(&device), "fc2")).expect("whole run");
             assert_eq!(bits(whole_out), want, "{dtype:?}: the whole component differs from the loaded model");
@@ -249,7 +254,7 @@ fn the_sizes_and_layout_of_a_bound_model_come_from_its_table_without_reading_it(
         let layout = group_offload::model::measure_layout_with(&model, Some(&device), &table);
         assert_eq!(layout, group_offload::model::measure_layout_on(&reference, &device));
         let manager = Arc::new(ComponentsManager::new());
-        let handle = ModelHandle::register_files(&manager, "toy", model, table.clone(), Placement::host_only())
+        let handle = ModelHandle::register_files(&manager, "toy", model, table.clone(), OffloadDevice::host_only())
             .expect("it registers");
         assert_eq!(handle.layout().expect("measured"), layout);
         assert!(!handle.is_quantized());
@@ -275,7 +280,7 @@ fn a_weight_touched_outside_its_group_reads_the_right_bytes_and_is_counted() {
     let (model, table) = bound(&path);
     let manager = Arc::new(ComponentsManager::new());
     let mut handle =
-        ModelHandle::register_files(&manager, "toy", model, table, Placement::host_only()).expect("it registers");
+        ModelHandle::register_files(&manager, "toy", model, table, OffloadDevice::host_only()).expect("it registers");
     handle.enable_group_offload(&GroupOptions::leaf()).expect("it streams");
     let out = handle.run(0, |weights, _| weights.forward(ids(&device), "fc1")).expect("a forward");
     assert_eq!(bits(out), want, "a stray load read other bytes than the file's");
@@ -407,7 +412,7 @@ fn a_file_truncated_under_a_running_model_is_a_typed_error_when_a_group_reads_it
     let (model, table) = bound(&path);
     let manager = Arc::new(ComponentsManager::new());
     let card = card();
-    let mut handle = ModelHandle::register_files(&manager, "toy", model, table, Placement::simulated(card.clone()))
+    let mut handle = ModelHandle::register_files(&manager, "toy", model, table, OffloadDevice::simulated(card.clone()))
         .expect("it registers");
     handle.enable_group_offload(&GroupOptions::default()).expect("it streams");
     handle.run(0, |weights, _| weights.forward(ids(&device), "fc2")).expect("a forward");
@@ -490,7 +495,7 @@ fn a_transform_quantizes_tensor_by_tensor_as_groups_are_taken_apart() {
     let sizes = group_offload::whole::module_tensor_sizes_with(&model, Some(&device), Some(&table));
     assert_eq!(sizes, module_tensor_sizes(&reference));
     let manager = Arc::new(ComponentsManager::new());
-    let mut handle = ModelHandle::register_files(&manager, "toy", model, table.clone(), Placement::host_only())
+    let mut handle = ModelHandle::register_files(&manager, "toy", model, table.clone(), OffloadDevice::host_only())
         .expect("it registers");
     assert!(handle.is_quantized());
     handle.enable_group_offload(&GroupOptions::default()).expect("it streams");
@@ -530,7 +535,7 @@ fn a_bound_model_streams_from_the_disk_store_written_tensor_by_tensor_from_its_f
     let (model, table) = bound(&path);
     let manager = Arc::new(ComponentsManager::new());
     let mut handle =
-        ModelHandle::register_files(&manager, "toy", model, table, Placement::host_only()).expect("it registers");
+        ModelHandle::register_files(&manager, "toy", model, table, OffloadDevice::host_only()).expect("it registers");
     let store = dir.path().join("store");
     handle
         .enable_group_offload(&GroupOptions { disk_store: Some(store.clone()), ..GroupOptions::default() })
@@ -566,8 +571,9 @@ fn a_model_with_no_parts_moves_whole_from_its_file() {
     let (model, table, _) = bind(head(), &index, &BindOptions::new()).expect("it binds");
     let card = card();
     let manager = Arc::new(ComponentsManager::new());
-    let mut handle = ModelHandle::register_files(&manager, "head", model, table, Placement::simulated(card.clone()))
-        .expect("it registers");
+    let mut handle =
+        ModelHandle::register_files(&manager, "head", model, table, OffloadDevice::simulated(card.clone()))
+            .expect("it registers");
     manager.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
     let out = handle.run(0, |head, _| Ok(head.norm.forward(head.fc.forward(x.clone())))).expect("a run");
     assert_eq!(out.into_data(), want);
@@ -591,7 +597,7 @@ fn every_group_read_is_a_file_read_span_on_the_thread_that_uploads_it() {
     let timeline = offload_core::Timeline::enabled();
     manager.set_timeline(timeline.clone());
     let mut handle =
-        ModelHandle::register_files(&manager, "toy", model, table, Placement::host_only()).expect("it registers");
+        ModelHandle::register_files(&manager, "toy", model, table, OffloadDevice::host_only()).expect("it registers");
     handle.enable_group_offload(&GroupOptions::default()).expect("it streams");
     let offload = handle.group_offload().expect("grouped").clone();
     let before = offload.host_checksums();
@@ -624,7 +630,7 @@ fn a_bound_model_rewritten_in_place_is_split_again_and_holds_only_what_was_writt
     let x = ids(&device);
     let (model, table) = bound(&path);
     let manager = Arc::new(ComponentsManager::new());
-    let mut handle = ModelHandle::register_files(&manager, "toy", model, table.clone(), Placement::host_only())
+    let mut handle = ModelHandle::register_files(&manager, "toy", model, table.clone(), OffloadDevice::host_only())
         .expect("it registers");
     handle.enable_group_offload(&GroupOptions::default()).expect("it streams");
     let old_id = handle.id().to_string();

@@ -116,7 +116,7 @@ fn anonymous() -> u64 {
 #[test]
 fn a_checkpoint_four_times_the_bound_streams_within_it() {
     let card = SimCard::new(CardSpec::parse("64MiB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0));
-    stream_within_bound(Placement::simulated(card.clone()), Some(card));
+    stream_within_bound(OffloadDevice::simulated(card.clone()), Some(card));
 }
 
 #[cfg(feature = "wgpu")]
@@ -124,14 +124,14 @@ fn a_checkpoint_four_times_the_bound_streams_within_it() {
 fn a_checkpoint_four_times_the_bound_streams_within_it_on_wgpu() {
     let name = offload_core::DeviceName::parse("wgpu").expect("a device name");
     let device = group_offload::device::open_device(&name).expect("a wgpu device (Vulkan: mesa-vulkan-drivers)");
-    let placement = Placement::on_device(device, name, Arc::new(offload_core::NoLedger), None);
+    let placement = OffloadDevice::on_device(device, name, Arc::new(offload_core::NoLedger), None);
     stream_within_bound(placement, None);
 }
 
 /// Streams the wide checkpoint from its file on `placement`'s device three times and holds the anonymous memory's
 /// growth within a quarter of the file; `card` is the simulated card the placement charges, if any.
-fn stream_within_bound(placement: Placement, card: Option<Arc<SimCard>>) {
-    let device = placement.exec.clone();
+fn stream_within_bound(placement: OffloadDevice, card: Option<Arc<SimCard>>) {
+    let device = placement.exec().clone();
     let host = Device::flex();
     let dir = tempfile::tempdir().expect("a temporary directory");
     let path = dir.path().join("wide.safetensors");

@@ -8,7 +8,7 @@ use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Distribution, Tensor};
 use group_offload::{
-    Blocks, Error, GroupLevel, GroupOptions, Layer, ModelHandle, OffloadModel, Placement, Shell, check_streaming,
+    Blocks, Error, GroupLevel, GroupOptions, Layer, ModelHandle, OffloadDevice, OffloadModel, Shell, check_streaming,
     model::Census, model::Split, model::Streamed, model::measure_layout, parts::ModuleOffload,
 };
 use offload_core::{Action, ComponentsManager, Reason};
@@ -140,7 +140,8 @@ fn a_handle_runs_the_one_forward_whole_then_streamed_and_records_the_group_moves
     let device = Device::flex();
     let manager = Arc::new(ComponentsManager::new());
     let x = input(&device);
-    let mut handle = ModelHandle::register(&manager, "net", net(&device), Placement::host_only()).expect("registers");
+    let mut handle =
+        ModelHandle::register(&manager, "net", net(&device), OffloadDevice::host_only()).expect("registers");
     let whole = handle.run(0, |weights, _| forward(weights, x.clone(), "fc2")).expect("runs whole");
     assert!(!handle.is_grouped());
     assert_eq!(handle.layout().expect("whole").expect("blocks").block_bytes.len(), 4);
@@ -192,7 +193,7 @@ fn a_model_without_blocks_is_refused_group_offload_and_stays_registered() {
     let device = Device::flex();
     let manager = Arc::new(ComponentsManager::new());
     let head = Head { fc: LinearConfig::new(8, 2).init(&device) };
-    let mut handle = ModelHandle::register(&manager, "head", head, Placement::host_only()).expect("registers");
+    let mut handle = ModelHandle::register(&manager, "head", head, OffloadDevice::host_only()).expect("registers");
     let id = handle.id().to_string();
     let error = handle.enable_group_offload(&GroupOptions::default()).expect_err("refused");
     assert!(matches!(error, Error::RouteUnsupported { .. }), "{error}");
@@ -254,8 +255,9 @@ fn a_forward_that_takes_parts_twice_is_captured_whole_with_no_miss_at_both_level
     for options in [GroupOptions::default(), GroupOptions::leaf()] {
         let manager = Arc::new(ComponentsManager::new());
         let card = memory_sim::SimCard::new(memory_sim::CardSpec::parse("1GB").expect("a size"));
-        let mut handle = ModelHandle::register(&manager, "repeats", model.clone(), Placement::simulated(card.clone()))
-            .expect("registers");
+        let mut handle =
+            ModelHandle::register(&manager, "repeats", model.clone(), OffloadDevice::simulated(card.clone()))
+                .expect("registers");
         handle.enable_group_offload(&options).expect("streams");
         manager.enable_auto_offload(card, 0, true).expect("auto offload");
         for _ in 0..3 {

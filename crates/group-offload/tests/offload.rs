@@ -12,20 +12,25 @@ use burn::nn::Linear;
 use burn::tensor::{Device, Tensor};
 use common::{BLOCKS, Block, Model, Top, hard_card, input, max_abs_diff, slow_card};
 use group_offload::{
-    Error, LeafPredicate, component::GroupOffloadedModel, config::GroupOffloadConfig, parts::BlockOffload,
-    parts::GroupOffload, parts::LeafOffload, parts::ModuleOffload, parts::Residency,
+    Error, LeafPredicate, OffloadDevice, component::GroupOffloadedModel, config::GroupOffloadConfig,
+    parts::BlockOffload, parts::GroupOffload, parts::LeafOffload, parts::ModuleOffload, parts::Residency,
 };
 use memory_sim::SimCard;
-use offload_core::{Action, ComponentsManager, DeviceMemory, DeviceName, OffloadRecord, Offloadable, Reason};
+use offload_core::{
+    Action, ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, OffloadRecord, Offloadable, Reason,
+};
 
 const GIB: u64 = 1 << 30;
 
 fn config(card: &Arc<SimCard>, prefetch: bool) -> GroupOffloadConfig {
-    GroupOffloadConfig::new("m", Device::flex())
-        .with_prefetch(prefetch)
-        .with_ledger(card.clone())
-        .with_memory(card.clone())
-        .with_device_name(DeviceName::parse("cuda").unwrap())
+    config_with(card, prefetch, card.clone())
+}
+
+/// [`config`] with every move charged to `ledger` (a wrapper of the card's) and the card read.
+fn config_with(card: &Arc<SimCard>, prefetch: bool, ledger: Arc<dyn DeviceLedger>) -> GroupOffloadConfig {
+    let device =
+        OffloadDevice::on_device(Device::flex(), DeviceName::parse("cuda").unwrap(), ledger, Some(card.clone()));
+    GroupOffloadConfig::new("m", device).with_prefetch(prefetch)
 }
 
 /// A model under block-level offload: top-level layers resident (or streamed), blocks streamed.
@@ -299,9 +304,8 @@ fn a_late_prefetch_still_fills_the_window_before_the_group_before_it_leaves() {
     let expected = model.forward(x.clone());
     for depth in [1, 2] {
         let card = hard_card(GIB);
-        let config = config(&card, true)
-            .with_prefetch_depth(depth)
-            .with_ledger(on_the_worker_ledger(&card, WorkerAct::Sleep(Duration::from_millis(20))));
+        let ledger = on_the_worker_ledger(&card, WorkerAct::Sleep(Duration::from_millis(20)));
+        let config = config_with(&card, true, ledger).with_prefetch_depth(depth);
         let offloaded = BlockModel::new(model.clone(), config, 1, Residency::Resident);
         let peak = steady_peak(&card, || {
             let out = offloaded.forward(x.clone()).unwrap();
@@ -960,8 +964,7 @@ fn forwards_with_a_panicking_worker(depth: usize) -> (Vec<f32>, group_offload::e
         let x = input(&device);
         let expected = model.forward(x.clone());
         let card = hard_card(GIB);
-        let config =
-            config(&card, true).with_prefetch_depth(depth).with_ledger(on_the_worker_ledger(&card, WorkerAct::Panic));
+        let config = config_with(&card, true, on_the_worker_ledger(&card, WorkerAct::Panic)).with_prefetch_depth(depth);
         let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
         let diffs: Vec<f32> = (0..3).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
         offloaded.offload.wait_idle();
@@ -1042,7 +1045,7 @@ fn a_refused_take_waits_for_the_prefetch_in_flight_then_gives_it_back_and_loads(
             Ok(())
         },
     };
-    let config = config(&card, true).with_prefetch_depth(2).with_ledger(Arc::new(ledger)).with_record(record.clone());
+    let config = config_with(&card, true, Arc::new(ledger)).with_prefetch_depth(2).with_record(record.clone());
     let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
     for forward in 0..3 {
         let out = offloaded.forward(x.clone()).unwrap_or_else(|e| panic!("forward {forward}: {e}"));
@@ -1084,8 +1087,7 @@ fn a_synchronous_upload_that_panics_leaves_its_group_offloaded() {
                 Ok(())
             },
         };
-        let offloaded =
-            BlockModel::new(model, config(&card, false).with_ledger(Arc::new(ledger)), 1, Residency::Resident);
+        let offloaded = BlockModel::new(model, config_with(&card, false, Arc::new(ledger)), 1, Residency::Resident);
         let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| offloaded.forward(x.clone())));
         let diffs: Vec<f32> = (0..2).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
         (first.is_err(), diffs, offloaded.offload.on_device())
@@ -1143,7 +1145,7 @@ fn a_prefetch_that_panics_after_reserving_gives_the_room_back_and_the_worker_goe
         let card = hard_card(GIB);
         let record = OffloadRecord::new();
         let ledger = PanicsInATransfer { card: card.clone(), panics_on: on_the_worker, panicked: Default::default() };
-        let config = config(&card, true).with_ledger(Arc::new(ledger)).with_record(record.clone());
+        let config = config_with(&card, true, Arc::new(ledger)).with_record(record.clone());
         let offloaded = BlockModel::new(model, config, 1, Residency::Resident);
         let diffs: Vec<f32> = (0..4).map(|_| max_abs_diff(&offloaded.forward(x.clone()).unwrap(), &expected)).collect();
         offloaded.offload.wait_idle();
@@ -1175,7 +1177,7 @@ fn a_synchronous_upload_that_panics_after_reserving_gives_the_room_back() {
     let expected = model.forward(x.clone());
     let card = hard_card(GIB);
     let ledger = PanicsInATransfer { card: card.clone(), panics_on: || true, panicked: Default::default() };
-    let offloaded = BlockModel::new(model, config(&card, false).with_ledger(Arc::new(ledger)), 1, Residency::Resident);
+    let offloaded = BlockModel::new(model, config_with(&card, false, Arc::new(ledger)), 1, Residency::Resident);
     let before = card.allocated();
     let first = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| offloaded.forward(x.clone())));
     assert!(first.is_err(), "the ledger's panic went on to the caller");

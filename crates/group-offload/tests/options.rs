@@ -95,7 +95,7 @@ fn a_handle_given_a_prefetch_depth_past_the_bound_refuses_it_and_still_runs_whol
     let (model, x) = (net(&device), input(&device));
     let resident = group_offload::whole(model.weights().forward(x.clone()));
     let manager = Arc::new(ComponentsManager::new());
-    let mut handle = ModelHandle::register(&manager, "net", model, Placement::host_only()).expect("registers");
+    let mut handle = ModelHandle::register(&manager, "net", model, OffloadDevice::host_only()).expect("registers");
     // Before the bound, this depth reached the engine and panicked (`capacity overflow`) when the capture ended.
     let options = GroupOptions { prefetch_depth: usize::MAX, ..GroupOptions::default() };
     let error = handle.enable_group_offload(&options).expect_err("refused");
@@ -111,7 +111,7 @@ fn blocks_per_group_of_usize_max_is_one_group_of_every_block() {
     let (model, x) = (net(&device), input(&device));
     let resident = group_offload::whole(model.weights().forward(x.clone()));
     let manager = Arc::new(ComponentsManager::new());
-    let mut handle = ModelHandle::register(&manager, "net", model, Placement::host_only()).expect("registers");
+    let mut handle = ModelHandle::register(&manager, "net", model, OffloadDevice::host_only()).expect("registers");
     let options = GroupOptions { level: GroupLevel::Block { blocks_per_group: usize::MAX }, ..GroupOptions::default() };
     handle.enable_group_offload(&options).expect("streams");
     for _ in 0..2 {

@@ -10,7 +10,7 @@ use burn::tensor::quantization::{QuantScheme, QuantStore, QuantValue, ScaleDtype
 use burn::tensor::{DType, Device, Distribution, Tensor};
 use group_offload::whole::tensor_bytes;
 use group_offload::{
-    GroupLevel, GroupOptions, Layer, ModelHandle, OffloadModel, Placement, check_streaming, leaf, module_bytes,
+    GroupLevel, GroupOptions, Layer, ModelHandle, OffloadDevice, OffloadModel, check_streaming, leaf, module_bytes,
 };
 use offload_core::{Action, ComponentsManager};
 
@@ -152,7 +152,7 @@ fn a_quantized_model_streams_its_quantized_bytes_as_the_layout_predicts() {
                 .with_context_overhead(0),
         );
         let mut handle =
-            ModelHandle::register(&manager, "net", model, Placement::simulated(card.clone())).expect("registers");
+            ModelHandle::register(&manager, "net", model, OffloadDevice::simulated(card.clone())).expect("registers");
         let layout = handle.layout().expect("whole").expect("blocks");
         let options = GroupOptions { level, ..GroupOptions::default() };
         handle.enable_group_offload(&options).expect("a quantized model streams");
@@ -199,7 +199,7 @@ fn the_disk_store_keeps_quantized_groups_and_reuses_their_files() {
         let model = model.clone();
         let resident = group_offload::whole(model.weights().forward(x.clone()));
         let manager = Arc::new(ComponentsManager::new());
-        let mut handle = ModelHandle::register(&manager, "net", model, Placement::host_only()).expect("registers");
+        let mut handle = ModelHandle::register(&manager, "net", model, OffloadDevice::host_only()).expect("registers");
         let options = GroupOptions { disk_store: Some(dir.clone()), ..GroupOptions::default() };
         handle.enable_group_offload(&options).expect("streams from disk");
         for _ in 0..2 {
@@ -241,7 +241,7 @@ fn on_a_cubecl_runtime_weights_quantized_there_stream_bit_for_bit() {
         assert_eq!(check.max_relative_difference, 0.0, "{scheme:?}: {check:?}");
         let layout = group_offload::model::measure_layout(&model).expect("blocks");
         let manager = Arc::new(ComponentsManager::new());
-        let placement = Placement::on_device(device.clone(), name.clone(), Arc::new(offload_core::NoLedger), None);
+        let placement = OffloadDevice::on_device(device.clone(), name.clone(), Arc::new(offload_core::NoLedger), None);
         let mut handle = ModelHandle::register(&manager, "net", model, placement).expect("registers");
         handle.enable_group_offload(&GroupOptions::default()).expect("streams");
         let groups = handle.group_offload().expect("grouped").groups();

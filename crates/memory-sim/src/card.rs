@@ -162,6 +162,11 @@ pub struct CardSpec {
     pub device: DeviceName,
 }
 
+/// The catalogue's names, comma-separated, for an error that lists them.
+fn catalogue_names() -> String {
+    CATALOGUE.iter().map(|c| c.name).collect::<Vec<_>>().join(", ")
+}
+
 impl CardSpec {
     /// A card from a size (`"16GB"`, `"13.5GiB"`, any form [`parse_size`] reads) or a catalogue name
     /// (case-insensitive). Soft mode, a CUDA context's overhead, generic timing for sized cards.
@@ -175,7 +180,7 @@ impl CardSpec {
                 Err(size) if trimmed.starts_with(|c: char| c.is_ascii_digit() || c == '.') => {
                     return Err(SimError::Size(size));
                 }
-                Err(_) => return Err(SimError::UnknownCard { name: trimmed.to_string() }),
+                Err(_) => return Err(SimError::UnknownCard { name: trimmed.to_string(), known: catalogue_names() }),
             },
         };
         if capacity == 0 {
@@ -190,7 +195,8 @@ impl CardSpec {
             context_overhead: CUDA_CONTEXT_OVERHEAD.min(capacity),
             mode: Mode::Soft,
             timing,
-            device: DeviceName::parse("cuda:0").map_err(|_| SimError::UnknownCard { name: "cuda:0".into() })?,
+            device: DeviceName::parse("cuda:0")
+                .map_err(|_| SimError::UnknownCard { name: "cuda:0".into(), known: catalogue_names() })?,
         })
     }
 
@@ -383,6 +389,12 @@ impl SimCard {
     /// A soft card from a size or catalogue name; see [`CardSpec::parse`].
     pub fn parse(label: &str) -> Result<Arc<Self>, SimError> {
         CardSpec::parse(label).map(Self::new)
+    }
+
+    /// A hard card from a size or catalogue name, with no context overhead: every byte of it is for the
+    /// library, and an allocation past it fails as a real device's would. What a model's tests stream on.
+    pub fn hard(label: &str) -> Result<Arc<Self>, SimError> {
+        CardSpec::parse(label).map(|spec| Self::new(spec.with_mode(Mode::Hard).with_context_overhead(0)))
     }
 
     /// The card's spec.

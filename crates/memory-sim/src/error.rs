@@ -2,21 +2,17 @@
 
 use offload_core::SizeError;
 
-use crate::card::CATALOGUE;
-
-fn catalogue_names() -> String {
-    CATALOGUE.iter().map(|c| c.name).collect::<Vec<_>>().join(", ")
-}
-
 /// Everything `memory-sim` can fail with.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SimError {
     /// A card label that is neither a size nor a catalogue name.
-    #[error("unknown card {name:?}: give a size such as \"16GB\" or \"13.5GiB\", or one of: {}", catalogue_names())]
+    #[error("unknown card {name:?}: give a size such as \"16GB\" or \"13.5GiB\", or one of: {known}")]
     UnknownCard {
         /// The label as given.
         name: String,
+        /// The catalogue's names, comma-separated.
+        known: String,
     },
 
     /// A size that could not be read.

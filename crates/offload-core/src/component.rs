@@ -2,7 +2,7 @@
 
 use std::any::Any;
 
-use crate::device::DeviceName;
+use crate::name::DeviceName;
 use crate::size::format_size;
 
 /// An error raised by a component while it moves or runs.

@@ -24,6 +24,7 @@ pub mod error;
 pub mod link;
 pub mod manager;
 pub mod measured;
+mod name;
 pub mod plan;
 pub mod record;
 pub mod size;
@@ -38,6 +39,6 @@ pub use plan::{
     ComponentPlan, ComponentSpec, HostMemory, Machine, Plan, PlanError, Preset, Route, Settings, enable_offload,
     plan_pipeline,
 };
-pub use record::{Action, FileRead, OffloadEvent, OffloadRecord, Reason, RecordRow, Refusals};
+pub use record::{Action, DeviceRecords, FileRead, OffloadEvent, OffloadRecord, Reason, RecordRow, Refusals};
 pub use size::{Size, SizeError, format_size, parse_size};
 pub use timeline::{Span, Timeline};

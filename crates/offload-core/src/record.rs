@@ -492,19 +492,19 @@ pub fn format_table(headers: &[&str], rows: &[Vec<String>]) -> Vec<String> {
     lines
 }
 
-impl fmt::Display for OffloadRecord {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let events = self.events();
-        if events.is_empty() {
-            return f.write_str("Offload record: nothing recorded yet");
-        }
+/// The headers of the record's table, the anchor's.
+const HEADERS: [&str; 6] = ["#", "Onload", "Offloaded", "Available", "Peak", "Reason"];
+
+impl OffloadRecord {
+    /// The cells of the record's table, one row per decision or group move, numbered from 1.
+    fn table_cells(&self, events: &[OffloadEvent]) -> Vec<Vec<String>> {
         // The last size seen for an id labels it everywhere, as the anchor does.
         let mut sizes: HashMap<&str, u64> = HashMap::new();
-        for event in &events {
+        for event in events {
             sizes.insert(event.id.as_str(), event.bytes);
         }
         let size = |b: Option<u64>| b.map_or_else(|| "-".to_string(), format_size);
-        let cells: Vec<Vec<String>> = rows_of(&events)
+        rows_of(events)
             .into_iter()
             .enumerate()
             .map(|(i, row)| {
@@ -524,20 +524,100 @@ impl fmt::Display for OffloadRecord {
                     },
                 ]
             })
-            .collect();
-        let lines = format_table(&["#", "Onload", "Offloaded", "Available", "Peak", "Reason"], &cells);
-        writeln!(f, "{}", lines[0])?;
-        write!(f, "{}", "-".repeat(lines[0].chars().count()))?;
-        for line in &lines[1..] {
-            write!(f, "\n{line}")?;
+            .collect()
+    }
+}
+
+/// Writes a table's lines with the dash line under the header, as the anchor prints it.
+fn write_table(f: &mut fmt::Formatter<'_>, lines: &[String]) -> fmt::Result {
+    writeln!(f, "{}", lines[0])?;
+    write!(f, "{}", "-".repeat(lines[0].chars().count()))?;
+    for line in &lines[1..] {
+        write!(f, "\n{line}")?;
+    }
+    Ok(())
+}
+
+impl fmt::Display for OffloadRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let events = self.events();
+        if events.is_empty() {
+            return f.write_str("Offload record: nothing recorded yet");
         }
-        Ok(())
+        write_table(f, &format_table(&HEADERS, &self.table_cells(&events)))
+    }
+}
+
+/// The records of several devices as one table, a `Device` column first: each device's rows in its own order
+/// (numbered per device), device after device. Each device has its own manager and record
+/// ([`crate::ComponentsManager::offload_record`]); this is how a run over several devices is shown at once.
+#[derive(Clone, Default)]
+pub struct DeviceRecords {
+    records: Vec<(crate::DeviceName, OffloadRecord)>,
+}
+
+impl DeviceRecords {
+    /// The records, each with the device its moves were onto, in the order to print them.
+    pub fn new(records: impl IntoIterator<Item = (crate::DeviceName, OffloadRecord)>) -> Self {
+        Self { records: records.into_iter().collect() }
+    }
+
+    /// The same devices' records of the managers' decisions alone ([`OffloadRecord::decisions`]).
+    pub fn decisions(&self) -> Self {
+        Self { records: self.records.iter().map(|(device, record)| (device.clone(), record.decisions())).collect() }
+    }
+
+    /// Each device with its record.
+    pub fn records(&self) -> &[(crate::DeviceName, OffloadRecord)] {
+        &self.records
+    }
+}
+
+impl fmt::Display for DeviceRecords {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut cells: Vec<Vec<String>> = Vec::new();
+        for (device, record) in &self.records {
+            let events = record.events();
+            cells.extend(record.table_cells(&events).into_iter().map(|row| {
+                let mut row = row;
+                row.insert(0, device.to_string());
+                row
+            }));
+        }
+        if cells.is_empty() {
+            return f.write_str("Offload record: nothing recorded yet on any device");
+        }
+        let mut headers = vec!["Device"];
+        headers.extend(HEADERS);
+        write_table(f, &format_table(&headers, &cells))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two devices' records as one table: a device column first, each device's rows numbered in its own order.
+    #[test]
+    fn several_devices_records_print_as_one_table_with_a_device_column() {
+        let card = OffloadRecord::new();
+        card.add(event(Action::Onload, "transformer_2", 3 << 20, None, 5 << 20, 0));
+        card.add(event(Action::Onload, "vae_3", 1 << 20, None, 2 << 20, 3 << 20));
+        let second = OffloadRecord::new();
+        second.add(event(Action::Onload, "text_encoder_1", 2 << 20, None, 4 << 20, 0));
+        let devices = DeviceRecords::new([
+            (crate::DeviceName::parse("cuda:0").unwrap(), card),
+            (crate::DeviceName::parse("cuda:1").unwrap(), second),
+        ]);
+        expect_test::expect![[r#"
+            Device | # | Onload                   | Offloaded | Available | Peak    | Reason
+            --------------------------------------------------------------------------------
+            cuda:0 | 1 | transformer_2 (3.00 MB)  | -         | 5.00 MB   | 0 B     |
+            cuda:0 | 2 | vae_3 (1.00 MB)          | -         | 2.00 MB   | 3.00 MB |
+            cuda:1 | 1 | text_encoder_1 (2.00 MB) | -         | 4.00 MB   | 0 B     |"#]]
+        .assert_eq(&devices.to_string());
+        assert_eq!(DeviceRecords::default().to_string(), "Offload record: nothing recorded yet on any device");
+    }
 
     const GIB: f64 = (1u64 << 30) as f64;
 

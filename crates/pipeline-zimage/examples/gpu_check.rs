@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use burn::tensor::{DType, Device, Distribution, FloatDType, Tensor};
-use group_offload::{GroupLevel, GroupOptions, handle::GroupedModel};
+use group_offload::{GroupLevel, GroupOptions, OffloadDevice, handle::GroupedModel};
 use group_offload::{config::GroupOffloadConfig, device::CappedDevice, device::PoolReadings};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, DeviceName, parse_size};
@@ -133,7 +133,7 @@ fn golden(name: &str, tensor: &str) -> anyhow::Result<Tensor<4>> {
 }
 
 fn parity(args: &Args) -> anyhow::Result<()> {
-    use group_offload::{Placement, whole::Unbounded};
+    use group_offload::OffloadDevice;
     use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
     let exec = device(&args.device)?;
     let name = DeviceName::parse(&args.device)?;
@@ -144,10 +144,10 @@ fn parity(args: &Args) -> anyhow::Result<()> {
         let total = args.total.as_deref().map(parse_size).transpose()?;
         Some(readings_of(&exec, &args.device, total)?)
     };
-    let placement = Placement::on_device(exec, name.clone(), Arc::new(offload_core::NoLedger), memory);
+    let placement = OffloadDevice::on_device(exec, name.clone(), Arc::new(offload_core::NoLedger), memory);
     let pipeline = ZImagePipeline::load(&weights, placement, &pipeline_zimage::loading::LoadOptions::new())?;
     if !name.is_cpu() {
-        pipeline.enable_auto_offload(Arc::new(Unbounded { device: name }), 0, true)?;
+        pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true)?;
     }
     // (golden file, steps, guidance, negative prompt, noise tensor, image-to-image)
     type Case<'a> = (&'a str, usize, f32, Option<&'a str>, &'a str, bool);
@@ -179,7 +179,7 @@ fn parity(args: &Args) -> anyhow::Result<()> {
 
 /// The tiny pipeline under auto offload on the device's own readings, then under a hard cap over them.
 fn readings(args: &Args) -> anyhow::Result<()> {
-    use group_offload::Placement;
+    use group_offload::OffloadDevice;
     use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
     let exec = device(&args.device)?;
     let name = DeviceName::parse(&args.device)?;
@@ -194,7 +194,7 @@ fn readings(args: &Args) -> anyhow::Result<()> {
             Some(capped) => (capped.clone(), capped.clone()),
             None => (readings.clone(), Arc::new(offload_core::NoLedger)),
         };
-        let placement = Placement::on_device(exec.clone(), name.clone(), ledger, Some(memory.clone()));
+        let placement = OffloadDevice::on_device(exec.clone(), name.clone(), ledger, Some(memory.clone()));
         let pipeline = ZImagePipeline::load(&weights, placement, &pipeline_zimage::loading::LoadOptions::new())?;
         pipeline.enable_auto_offload(memory.clone(), parse_size("1MB")?, true)?;
         let mut opts = GenerateOptions::turbo("a red fox in the snow");
@@ -281,10 +281,13 @@ fn bench(args: &Args) -> anyhow::Result<()> {
             (capped.clone(), capped, readings)
         };
         let model = ZImageTransformer2DModel::new(&config, &exec);
-        let offload = GroupOffloadConfig::new("transformer", exec.clone())
-            .with_device_name(DeviceName::parse(&args.device)?)
-            .with_ledger(ledger.clone())
-            .with_memory(memory.clone());
+        let on = OffloadDevice::on_device(
+            exec.clone(),
+            DeviceName::parse(&args.device)?,
+            ledger.clone(),
+            Some(memory.clone()),
+        );
+        let offload = GroupOffloadConfig::new("transformer", on);
         let options = GroupOptions {
             level,
             prefetch: prefetch > 0,
@@ -293,7 +296,7 @@ fn bench(args: &Args) -> anyhow::Result<()> {
             pinned_budget: if pinned { u64::MAX } else { 0 },
             ..GroupOptions::default()
         };
-        let grouped = GroupedModel::<ZImageTransformer2DModel>::new(model, offload, &options, ledger)?;
+        let grouped = GroupedModel::<ZImageTransformer2DModel>::new(model, offload, &options)?;
         let (x, t, cap) = inputs(&exec);
         let timing = time(&exec, args, || {
             grouped.call(|w| w.forward(x.clone(), t.clone(), cap.clone()))?;

@@ -24,7 +24,7 @@ use anyhow::{Context, bail};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{DType, Device, Distribution, Tensor};
 use group_offload::device::{CappedDevice, DeviceChecks, PagePolicy, PoolReadings, device_checks, open_device_with};
-use group_offload::{GroupLevel, GroupOptions, ModelHandle, Placement};
+use group_offload::{GroupLevel, GroupOptions, ModelHandle, OffloadDevice};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{DeviceFacts, HostMemory, Settings, SettingsLayer, Workload};
 use offload_core::{
@@ -129,7 +129,7 @@ struct Target {
 
 impl Target {
     /// A placement with `cap` bytes on a hard account (`None`: the device's own size).
-    fn placement(&self, cap: Option<u64>, weights: u64) -> anyhow::Result<(Placement, Arc<dyn DeviceMemory>)> {
+    fn placement(&self, cap: Option<u64>, weights: u64) -> anyhow::Result<(OffloadDevice, Arc<dyn DeviceMemory>)> {
         match &self.readings {
             Some(readings) => {
                 let memory: Arc<dyn DeviceMemory> = readings.clone();
@@ -140,13 +140,16 @@ impl Target {
                     }
                     None => (Arc::new(NoLedger), memory),
                 };
-                Ok((Placement::on_device(self.exec.clone(), self.name.clone(), ledger, Some(memory.clone())), memory))
+                Ok((
+                    OffloadDevice::on_device(self.exec.clone(), self.name.clone(), ledger, Some(memory.clone())),
+                    memory,
+                ))
             }
             None => {
                 let size = cap.unwrap_or(4 * weights);
                 let card =
                     SimCard::new(CardSpec::parse(&size.to_string())?.with_mode(Mode::Hard).with_context_overhead(0));
-                Ok((Placement::simulated(card.clone()), card))
+                Ok((OffloadDevice::simulated(card.clone()), card))
             }
         }
     }
@@ -217,7 +220,7 @@ fn main() -> anyhow::Result<()> {
             exec.memory_cleanup();
             let cap = (route == "auto").then(|| weights * 7 / 10);
             let (placement, memory) = target.placement(cap, weights)?;
-            let computes_on = placement.name.clone();
+            let computes_on = placement.name().clone();
             let manager = Arc::new(ComponentsManager::new());
             let timeline = args.trace.as_ref().map(|_| offload_core::Timeline::enabled());
             if let Some(timeline) = &timeline {

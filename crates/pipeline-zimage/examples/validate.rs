@@ -14,7 +14,7 @@
 //! `--preset NAME` runs one preset; `--calls-only` skips the table.
 
 use anyhow::Context;
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use offload_core::DeviceName;
 use offload_core::plan::Preset;
 use pipeline_zimage::loading::LoadOptions;
@@ -28,7 +28,7 @@ fn checkpoint() -> std::path::PathBuf {
     std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-z-image-turbo")
 }
 
-fn load(placement: Placement) -> pipeline_zimage::Result<ZImagePipeline> {
+fn load(placement: OffloadDevice) -> pipeline_zimage::Result<ZImagePipeline> {
     ZImagePipeline::load(checkpoint(), placement, &LoadOptions::new())
 }
 
@@ -61,7 +61,7 @@ fn main() -> anyhow::Result<()> {
         }
         Target::Device { device: burn, name, total: TOTAL, footprints: measured.weights, calls: measured.calls }
     };
-    let probe = load(Placement::host_only())?;
+    let probe = load(OffloadDevice::host_only())?;
     let cards = validation_cards(&probe, &opts)?;
     drop(probe);
     println!(
@@ -117,7 +117,7 @@ fn main() -> anyhow::Result<()> {
 
     if let Target::Device { device: burn, name, total, .. } = &target {
         println!("\nactivation pages per call, every component resident: estimate, measured pages (in use, sampled)");
-        let probe = load(Placement::host_only())?;
+        let probe = load(OffloadDevice::host_only())?;
         for (size, tokens, guidance) in [
             (64, 32, 0.0),
             (64, 32, 0.0),

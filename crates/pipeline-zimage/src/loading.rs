@@ -44,9 +44,7 @@ use group_offload::weights::{BindOptions, FileTable, TensorPlace, TensorTransfor
 
 use crate::config::{ModelIndex, TransformerConfig};
 use crate::error::{Error, Result};
-use crate::text_encoder::{TextEncoder, TextEncoderConfig};
 use crate::transformer::{KEY_REMAP, ZImageTransformer2DModel};
-use crate::vae::{AutoencoderKl, VaeConfig};
 
 /// How to load a component's weights.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -267,7 +265,7 @@ fn is_plain_file_name(name: &str) -> bool {
         && !name.contains(['/', '\\'])
 }
 
-fn component_name(dir: &Path) -> String {
+pub(crate) fn component_name(dir: &Path) -> String {
     dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| dir.display().to_string())
 }
 
@@ -612,53 +610,6 @@ impl Checkpoint {
         let opts = opts.clone().with_key_remap(KEY_REMAP);
         let files = self.weight_files("transformer")?.files();
         bind_files(model, "transformer", &files, &opts, transform)
-    }
-
-    /// Reads `text_encoder/config.json` and binds the text encoder to its files: the file tier's
-    /// [`TextEncoder::load`], with its rules (its renames, [`crate::text_encoder::KEY_REMAP`]; the last decoder
-    /// layer and the final norm skipped by design and reported in `skipped`; a causal LM's `lm_head` reported in
-    /// `ignored`, refused under [`LoadOptions::strict`]; any other missing or unused tensor refused unless
-    /// [`LoadOptions::allow_partial`]).
-    pub fn bind_text_encoder(
-        &self,
-        device: &Device,
-        opts: &LoadOptions,
-        transform: Option<Arc<dyn TensorTransform>>,
-    ) -> Result<(TextEncoderConfig, BoundComponent<TextEncoder>)> {
-        let dir = self.component_dir("text_encoder")?;
-        let config_path = dir.join("config.json");
-        if !config_path.is_file() {
-            return Err(Error::MissingFile {
-                component: "text_encoder".to_owned(),
-                what: "config.json".to_owned(),
-                path: config_path,
-            });
-        }
-        let config = TextEncoderConfig::from_file(&config_path)?;
-        let model = TextEncoder::new(&config, device);
-        let bind_opts = opts.clone().with_key_remap(crate::text_encoder::KEY_REMAP).with_allow_partial(true);
-        let files = WeightFiles::find(&dir)?.files();
-        let mut bound = bind_files(model, &component_name(&dir), &files, &bind_opts, transform)?;
-        TextEncoder::sort_report(&mut bound.report, &config, opts)?;
-        Ok((config, bound))
-    }
-
-    /// Reads `vae/config.json` and binds the VAE to its files: the file tier's [`AutoencoderKl::load`]. A VAE
-    /// declares no blocks, so registered from its files it moves whole (one group read from the file at each
-    /// onload).
-    pub fn bind_vae(&self, device: &Device, opts: &LoadOptions) -> Result<(VaeConfig, BoundComponent<AutoencoderKl>)> {
-        let dir = self.component_dir("vae")?;
-        let config_path = dir.join("config.json");
-        if !config_path.is_file() {
-            return Err(Error::MissingFile {
-                component: "vae".to_owned(),
-                what: "config.json".to_owned(),
-                path: config_path,
-            });
-        }
-        let config = VaeConfig::from_file(&config_path)?;
-        let model = AutoencoderKl::new(&config, device);
-        Ok((config, bind_component(model, &dir, opts)?))
     }
 
     /// Builds the transformer from its config on `device` and loads its weights, adding

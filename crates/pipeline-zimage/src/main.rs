@@ -22,7 +22,7 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use clap::{Parser, Subcommand, ValueEnum};
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use group_offload::device::describe_device;
 use group_offload::{device::CappedDevice, device::PagePolicy, device::PoolReadings, device::open_device_with};
 use memory_sim::{CardSpec, Mode, SimCard};
@@ -196,9 +196,11 @@ struct Generate {
     /// Components on devices of their own, as COMPONENT=DEVICE pairs separated by commas (`text_encoder=cpu`):
     /// the component runs there, with its own account, and its output crosses to the execution device at its
     /// boundary (diffusers' device_map with whole components). DEVICE is `cpu` (the host's CPU backend, flex:
-    /// nothing moves, nothing is planned for it) or the execution device's own name. COMPONENT is text_encoder,
-    /// transformer or vae.
-    #[arg(long, value_name = "COMPONENT=DEVICE")]
+    /// nothing moves, nothing is planned for it), the execution device's own name, or a second simulated card's
+    /// (`cuda:1` for the second --card). COMPONENT is text_encoder, transformer or vae. `balanced` deals the
+    /// components over the execution device and the other cards by size, largest first, as diffusers'
+    /// device_map="balanced" does (the transformer's device then executes).
+    #[arg(long, value_name = "COMPONENT=DEVICE|balanced")]
     device_map: Option<String>,
     /// The device's total memory, overriding the runtime's reading (on wgpu the adapter's largest device-local
     /// Vulkan heap); CUDA's comes from the driver and is not overridden.
@@ -206,9 +208,10 @@ struct Generate {
     device_memory: Option<String>,
     /// A card of this size (or a catalogue name). On the CPU a simulated card gives the readings; on a real
     /// device it caps the device's own readings (hard mode by default: an allocation or a call past it fails
-    /// with out-of-memory, as diffusers' simulate_accelerator_memory does on a real GPU).
+    /// with out-of-memory, as diffusers' simulate_accelerator_memory does on a real GPU). Given again on the CPU,
+    /// each further card is another simulated device (`cuda:1`, `cuda:2`, ..) for --device-map.
     #[arg(long)]
-    card: Option<String>,
+    card: Vec<String>,
     /// Whether allocations past --card fail (hard) or only the readings change (soft).
     #[arg(long, value_enum, default_value = "hard")]
     card_mode: CardMode,
@@ -352,6 +355,17 @@ enum ArgumentError {
         /// The device's total.
         total: u64,
     },
+    /// More than one `--card` on a real device.
+    #[error(
+        "--card is given {cards} times with --device {device}: on a real device one --card caps it; further cards are \
+         simulated devices beside a simulated card on the CPU (--device cpu): give one --card"
+    )]
+    Cards {
+        /// How many were given.
+        cards: usize,
+        /// The real device.
+        device: DeviceName,
+    },
     /// A `--device-map` entry that names no component, names one twice, or places it on a device the run has not.
     #[error("--device-map {entry:?}: {reason}")]
     DeviceMap {
@@ -362,13 +376,22 @@ enum ArgumentError {
     },
 }
 
-/// `--device-map`'s pairs, checked: each names one of the pipeline's components once, on `cpu` or on `device`.
-fn parse_device_map(text: &str, device: &DeviceName) -> Result<Vec<(String, DeviceName)>, ArgumentError> {
+/// `--device-map`'s pairs, checked: each names one of the pipeline's components once, on `cpu` or on one of
+/// `devices` (the execution device, then the other cards). `balanced` gives no pairs: [`DeviceMap::balanced`]
+/// places every component once the sizes are known.
+fn parse_device_map(text: &str, devices: &[DeviceName]) -> Result<Vec<(String, DeviceName)>, ArgumentError> {
+    if text.trim() == "balanced" {
+        return Ok(Vec::new());
+    }
     let mut pairs: Vec<(String, DeviceName)> = Vec::new();
     for entry in text.split(',').map(str::trim).filter(|entry| !entry.is_empty()) {
         let wrong = |reason: String| ArgumentError::DeviceMap { entry: entry.to_string(), reason };
         let Some((component, target)) = entry.split_once('=') else {
-            return Err(wrong("write each entry as COMPONENT=DEVICE, for example text_encoder=cpu".into()));
+            return Err(wrong(
+                "write each entry as COMPONENT=DEVICE, for example text_encoder=cpu, or the whole \
+                              map as balanced"
+                    .into(),
+            ));
         };
         let component = component.trim();
         if !pipeline_zimage::pipeline::COMPONENTS.contains(&component) {
@@ -379,14 +402,40 @@ fn parse_device_map(text: &str, device: &DeviceName) -> Result<Vec<(String, Devi
             return Err(wrong(format!("{component} is placed twice; give each component one device")));
         }
         let target = DeviceName::parse(target.trim()).map_err(|error| wrong(format!("{error}")))?;
-        if !target.is_cpu() && target != *device {
+        if !target.is_cpu() && !devices.contains(&target) {
+            let names: Vec<String> = devices.iter().map(DeviceName::to_string).collect();
             return Err(wrong(format!(
-                "this run has the execution device {device} and the host's CPU: place {component} on cpu or {device}"
+                "this run has the devices {} and the host's CPU: place {component} on cpu or {} (a further --card \
+                 adds a simulated device)",
+                names.join(", "),
+                names.join(" or ")
             )));
         }
         pairs.push((component.to_string(), target));
     }
     Ok(pairs)
+}
+
+/// The simulated devices `--card` names on the CPU, the execution device's first: the first card is `cuda:0`
+/// (the card's default name) and each further one `cuda:N`. On a real device only one card is allowed: it caps that
+/// device.
+fn card_devices(args: &Generate) -> Result<Vec<DeviceName>, ArgumentError> {
+    let exec = DeviceName::parse(&args.device)
+        .map_err(|error| ArgumentError::DeviceMap { entry: args.device.clone(), reason: format!("{error}") })?;
+    if !exec.is_cpu() && args.card.len() > 1 {
+        return Err(ArgumentError::Cards { cards: args.card.len(), device: exec });
+    }
+    if !exec.is_cpu() || args.card.is_empty() {
+        return Ok(vec![exec]);
+    }
+    (0..args.card.len())
+        .map(|index| {
+            DeviceName::parse(&format!("cuda:{index}")).map_err(|error| ArgumentError::DeviceMap {
+                entry: format!("cuda:{index}"),
+                reason: format!("{error}"),
+            })
+        })
+        .collect()
 }
 
 /// Checks the arguments that need no device and no weights and that only the CLI has: the number of images and
@@ -407,13 +456,14 @@ fn check_arguments(args: &Generate) -> Result<(), ArgumentError> {
 /// CLI's numeric arguments: for any arguments it returns, never panics.
 fn preflight(args: &Generate) -> anyhow::Result<()> {
     check_arguments(args)?;
+    let devices = card_devices(args)?;
     if let Some(map) = &args.device_map {
-        parse_device_map(map, &DeviceName::parse(&args.device)?)?;
+        parse_device_map(map, &devices)?;
     }
     options(args).check_counts()?;
     let reserve = args.reserve.as_deref().map(parse_size).transpose().context("--reserve")?;
     let total = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?;
-    if let Some(label) = &args.card {
+    for label in &args.card {
         let spec = CardSpec::parse(label)?.with_context_overhead(0).with_pageable_fraction(args.pageable_fraction)?;
         if let Some(reserve) = reserve {
             spec.check_reserve(reserve)?;
@@ -755,14 +805,14 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     // Under a card, the pool takes one page per allocation (where the runtime lets it choose), so a cap on its
     // pages is a cap on what the calls allocate rather than on cubecl's page sizes; under the planner too, so that
     // what a component's onload adds to the pool is its own (its footprint, which later plans count it as).
-    let pages = if args.card.is_some() || planner { PagePolicy::Exclusive } else { PagePolicy::Adaptive };
+    let pages = if !args.card.is_empty() || planner { PagePolicy::Exclusive } else { PagePolicy::Adaptive };
     let exec = open_device_with(&name, pages)?;
     if let Some(description) = describe_device(&name) {
         println!("device {name}: {description}");
     }
     let spec = args
         .card
-        .as_deref()
+        .first()
         .map(|label| -> anyhow::Result<CardSpec> {
             let mode = if args.card_mode == CardMode::Hard { Mode::Hard } else { Mode::Soft };
             let spec = CardSpec::parse(label)?
@@ -845,11 +895,39 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         Target::Host { card: Some(card) } => card.device(),
         _ => name.clone(),
     };
-    let placement = Placement::on_device(exec.clone(), device_name, target.ledger(), target.memory());
+    let placement = OffloadDevice::on_device(exec.clone(), device_name, target.ledger(), target.memory());
+    // Each further --card is a simulated device of its own beside the first (cuda:1, cuda:2, ..), for the map.
+    let mode = if args.card_mode == CardMode::Hard { Mode::Hard } else { Mode::Soft };
+    let mut others: Vec<(Arc<SimCard>, OffloadDevice)> = Vec::new();
+    for (label, device) in args.card.iter().zip(card_devices(args)?).skip(1) {
+        let mut spec = CardSpec::parse(label)?.with_mode(mode).with_context_overhead(0);
+        spec.device = device;
+        let card = SimCard::new(spec);
+        others.push((card.clone(), OffloadDevice::simulated(card)));
+    }
+    let map_text = args.device_map.as_deref().unwrap_or("");
     let mut map = DeviceMap::single(placement.clone());
-    for (component, device) in parse_device_map(args.device_map.as_deref().unwrap_or(""), &name)? {
-        if device.is_cpu() {
-            map = map.with(&component, Placement::host_only())?;
+    if map_text.trim() == "balanced" {
+        let devices: Vec<OffloadDevice> =
+            std::iter::once(placement.clone()).chain(others.iter().map(|(_, device)| device.clone())).collect();
+        let sizes = pipeline_zimage::pipeline::component_weight_bytes(&weights, args.dtype.load_dtype())?;
+        let (balanced, placed) = DeviceMap::balanced(&devices, &sizes, explicit_reserve.unwrap_or(0))?;
+        println!("device map balanced over {} device(s), largest first:", devices.len());
+        for assignment in &placed.assignments {
+            let device = assignment.device.map_or_else(
+                || "cpu (larger than its turn's device had left)".to_string(),
+                |i| devices[i].name().to_string(),
+            );
+            println!("  {} ({}) -> {device}", assignment.component, format_size(assignment.bytes));
+        }
+        map = balanced;
+    } else {
+        for (component, device) in parse_device_map(map_text, &card_devices(args)?)? {
+            if device.is_cpu() {
+                map = map.with(&component, OffloadDevice::host_only())?;
+            } else if let Some((_, other)) = others.iter().find(|(_, other)| *other.name() == device) {
+                map = map.with(&component, other.clone())?;
+            }
         }
     }
     let anonymous = args
@@ -874,9 +952,14 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     for (component, placement) in &pipeline.device_map().components {
         println!(
             "device map: {component} runs on {}, with its own account: nothing is planned for it or charged to {}",
-            placement.name,
-            pipeline.placement().name
+            placement.name(),
+            pipeline.placement().name()
         );
+    }
+    // A further card the map uses onloads its components at their first run, on its own account, and keeps them.
+    others.retain(|(_, other)| pipeline.device_map().components.iter().any(|(_, placed)| placed.is(other)));
+    for (_, other) in &others {
+        other.enable_auto_offload(0)?;
     }
     if !exec.supports_dtype(pipeline.dtype()) {
         bail!(
@@ -1058,11 +1141,10 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         }
         pipeline.enable_auto_offload(memory, manual_reserve, true)?;
         pipeline.manager().set_offload_strategy(strategy.first_image())?;
-    } else if !pipeline.placement().name.is_cpu() {
+    } else if !pipeline.placement().name().is_cpu() {
         // No offload: every component is onloaded on its first run and stays (weights load on the host; on a
         // device this is what moves them there). The moves still go through the manager's record.
-        let device = pipeline.placement().name.clone();
-        pipeline.enable_auto_offload(Arc::new(group_offload::whole::Unbounded { device }), 0, true)?;
+        pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true)?;
     }
 
     let bar = indicatif::ProgressBar::new(args.steps as u64);
@@ -1152,7 +1234,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     }
     // Each move onto the device, whole or by group, from its first copy to its synced read-back; on the CPU
     // backend a host copy, whatever a simulated card's link is said to take.
-    let link = pipeline.placement().link.clone();
+    let link = pipeline.placement().link().clone();
     if let Some(rate) = link.rate() {
         println!("link to {name}: {rate}");
     }
@@ -1206,6 +1288,14 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 format_size(stats.bytes_pinned_to_device),
                 stats.transfer_seconds
             );
+            for (other, device) in &others {
+                println!(
+                    "peak on the simulated {} card {}: {}",
+                    other.spec().label,
+                    device.name(),
+                    format_size(other.peak())
+                );
+            }
         }
         Target::Real { readings: Some(readings), cap } => {
             print_record(&pipeline);
@@ -1283,17 +1373,16 @@ fn print_record(pipeline: &ZImagePipeline) {
             moves.iter().filter(|e| e.action == offload_core::Action::Offload).count()
         );
     }
-    // The other devices of a --device-map, each with its own manager and record.
-    for manager in pipeline.managers().skip(1) {
-        let placed = manager.placement();
-        let Some((_, device)) = placed.first().cloned() else { continue };
-        let ids: Vec<String> = placed.into_iter().map(|(id, _)| id).collect();
-        let record = manager.offload_record();
-        if record.events().is_empty() {
-            println!("on {device}: {} ran where its weights live: no moves to record", ids.join(", "));
-        } else {
-            println!("\non {device}:\n{}", record.decisions());
+    // Several devices (a --device-map): every device's decisions in one table, a column naming the device.
+    let map = pipeline.device_map();
+    if !map.components.is_empty() {
+        let mut devices = vec![(map.default.name().clone(), pipeline.manager().offload_record())];
+        for (_, placed) in &map.components {
+            if !devices.iter().any(|(name, _)| name == placed.name()) {
+                devices.push((placed.name().clone(), placed.manager().offload_record()));
+            }
         }
+        println!("\nevery device's decisions:\n{}", offload_core::DeviceRecords::new(devices).decisions());
     }
 }
 
@@ -1611,7 +1700,7 @@ mod tests {
     #[test]
     fn a_device_map_is_checked_before_anything_loads() {
         let wgpu = DeviceName::parse("wgpu").expect("a name");
-        let pairs = parse_device_map("text_encoder=cpu, vae=wgpu", &wgpu).expect("a map");
+        let pairs = parse_device_map("text_encoder=cpu, vae=wgpu", std::slice::from_ref(&wgpu)).expect("a map");
         assert_eq!(pairs, [("text_encoder".to_string(), DeviceName::cpu()), ("vae".to_string(), wgpu.clone())]);
         for (map, says) in [
             ("unet=cpu", "\"unet\" is not a component; use one of: text_encoder, transformer, vae"),
@@ -1619,9 +1708,20 @@ mod tests {
             ("text_encoder", "write each entry as COMPONENT=DEVICE"),
             ("text_encoder=cuda:1", "place text_encoder on cpu or wgpu"),
         ] {
-            let error = parse_device_map(map, &wgpu).expect_err(map);
+            let error = parse_device_map(map, std::slice::from_ref(&wgpu)).expect_err(map);
             assert!(matches!(error, ArgumentError::DeviceMap { .. }) && error.to_string().contains(says), "{error}");
         }
+        // Further cards are further simulated devices on the CPU, by index; `balanced` is a whole map.
+        let cards = card_devices(&args(&["--card", "8GB", "--card", "4GB"])).expect("two cards");
+        assert_eq!(cards.iter().map(DeviceName::to_string).collect::<Vec<_>>(), ["cuda:0", "cuda:1"]);
+        let pairs = parse_device_map("text_encoder=cuda:1", &cards).expect("the second card");
+        assert_eq!(pairs, [("text_encoder".to_string(), cards[1].clone())]);
+        assert_eq!(parse_device_map("balanced", &cards).expect("balanced"), []);
+        let error = parse_device_map("vae=cuda:2", &cards).expect_err("no third card");
+        assert!(error.to_string().contains("place vae on cpu or cuda:0 or cuda:1"), "{error}");
+        let error = card_devices(&args(&["--device", "wgpu", "--card", "8GB", "--card", "4GB"])).expect_err("caps");
+        assert!(matches!(error, ArgumentError::Cards { cards: 2, .. }), "{error}");
+        assert!(error.to_string().contains("with --device wgpu:0: on a real device one --card caps it"), "{error}");
         // Through generate, before the weights would load (a directory that is no checkpoint).
         let missing = std::env::temp_dir().join("pipeline-zimage-no-checkpoint-here");
         let weights = missing.display().to_string();

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 use group_offload::{
-    GroupLevel, GroupOptions, ModelHandle, Placement, engine::GroupStats, handle::Component, parts::GroupOffload,
+    GroupLevel, GroupOptions, ModelHandle, OffloadDevice, engine::GroupStats, handle::Component, parts::GroupOffload,
 };
 use offload_core::plan::{PhaseReport, Phases};
 use offload_core::timeline::{Timeline, category};
@@ -292,7 +292,7 @@ pub struct ZImagePipeline {
     tokenizer: PromptTokenizer,
     /// The components' configs, checked against each other.
     configs: CheckpointConfigs,
-    placement: Placement,
+    placement: OffloadDevice,
     reports: Vec<LoadReport>,
     transformer_dtype: DType,
     /// Called with each phase's name once it finished ([`set_phase_observer`](Self::set_phase_observer)).
@@ -327,20 +327,20 @@ pub const COMPONENTS: [&str; 3] = ["text_encoder", "transformer", "vae"];
 #[derive(Debug, Clone)]
 pub struct DeviceMap {
     /// The placement of every component the map does not name: the execution device, the one the latents live on.
-    pub default: Placement,
+    pub default: OffloadDevice,
     /// Components placed elsewhere, by name (one of [`COMPONENTS`]).
-    pub components: Vec<(String, Placement)>,
+    pub components: Vec<(String, OffloadDevice)>,
 }
 
 impl DeviceMap {
     /// Every component on one placement.
-    pub fn single(placement: Placement) -> Self {
+    pub fn single(placement: OffloadDevice) -> Self {
         Self { default: placement, components: Vec::new() }
     }
 
     /// The same map with `component` on `placement`. Fails on a name that is not one of [`COMPONENTS`], or one
     /// already placed.
-    pub fn with(mut self, component: &str, placement: Placement) -> Result<Self> {
+    pub fn with(mut self, component: &str, placement: OffloadDevice) -> Result<Self> {
         if !COMPONENTS.contains(&component) {
             return Err(unknown_component(component));
         }
@@ -355,30 +355,101 @@ impl DeviceMap {
     }
 
     /// Where `component` runs.
-    pub fn placement(&self, component: &str) -> &Placement {
+    pub fn placement(&self, component: &str) -> &OffloadDevice {
         self.components.iter().find(|(name, _)| name == component).map_or(&self.default, |(_, placement)| placement)
+    }
+
+    /// diffusers' `device_map="balanced"` over `devices`: the components, largest first, dealt to the devices in a
+    /// back-and-forth cycle by their free bytes ([`offload_core::plan::balance`]); one larger than what its turn's
+    /// device has left runs on the host ([`OffloadDevice::host_only`]). `sizes` are the components' weight bytes
+    /// ([`component_weight_bytes`]); a device's free bytes are its readings' available bytes less `reserve`. The
+    /// first device is the execution device, where the latents live: a component dealt elsewhere takes its inputs
+    /// there and gives its output back at its boundary. Returns the map and the placement, for printing. Fails on no device, or on a name in `sizes` that is not one of [`COMPONENTS`].
+    pub fn balanced(
+        devices: &[OffloadDevice],
+        sizes: &[(&str, u64)],
+        reserve: u64,
+    ) -> Result<(Self, offload_core::plan::Balanced)> {
+        if devices.is_empty() {
+            return Err(Error::InvalidArgument {
+                name: "device map",
+                reason: "a balanced map needs at least one device; give the execution device".into(),
+            });
+        }
+        if let Some((name, _)) = sizes.iter().find(|(name, _)| !COMPONENTS.contains(name)) {
+            return Err(unknown_component(name));
+        }
+        let free: Vec<u64> =
+            devices.iter().map(|device| device.readings().available().saturating_sub(reserve)).collect();
+        let balanced = offload_core::plan::balance(sizes, &free);
+        let host = OffloadDevice::host_only();
+        let mut map = Self::single(devices[0].clone());
+        for (component, _) in sizes {
+            let device = match balanced.device_of(component).flatten() {
+                Some(index) => &devices[index],
+                None => &host,
+            };
+            if !device.is(&devices[0]) {
+                map = map.with(component, device.clone())?;
+            }
+        }
+        Ok((map, balanced))
     }
 
     /// Whether `component` runs on the execution device (the map names it nowhere else, or names that device).
     pub fn on_default(&self, component: &str) -> bool {
-        self.placement(component).name == self.default.name
+        self.placement(component).name() == self.default.name()
     }
 
-    /// One manager for the execution device, and one for each other device the map names (components on one
-    /// device share its manager), each with `timeline`.
-    fn managers(&self, timeline: &Timeline) -> (Arc<ComponentsManager>, Vec<(DeviceName, Arc<ComponentsManager>)>) {
-        let main = Arc::new(ComponentsManager::new());
-        main.set_timeline(timeline.clone());
+    /// The execution device's manager, and the manager of each other device the map names (components on one
+    /// device share its manager): every device's own ([`OffloadDevice::manager`]), each given `timeline` when
+    /// there is one.
+    fn managers(
+        &self,
+        timeline: Option<&Timeline>,
+    ) -> (Arc<ComponentsManager>, Vec<(DeviceName, Arc<ComponentsManager>)>) {
+        let main = self.default.manager().clone();
+        let with_timeline = |manager: &Arc<ComponentsManager>| {
+            if let Some(timeline) = timeline {
+                manager.set_timeline(timeline.clone());
+            }
+        };
+        with_timeline(&main);
         let mut others: Vec<(DeviceName, Arc<ComponentsManager>)> = Vec::new();
         for (_, placement) in &self.components {
-            if placement.name != self.default.name && !others.iter().any(|(name, _)| *name == placement.name) {
-                let manager = Arc::new(ComponentsManager::new());
-                manager.set_timeline(timeline.clone());
-                others.push((placement.name.clone(), manager));
+            if placement.name() != self.default.name() && !others.iter().any(|(name, _)| name == placement.name()) {
+                let manager = placement.manager().clone();
+                with_timeline(&manager);
+                others.push((placement.name().clone(), manager));
             }
         }
         (main, others)
     }
+}
+
+/// The weight bytes of each of the checkpoint's components ([`COMPONENTS`]' order), read from no weight: at
+/// `dtype`, from their configs' parameter counts; `None` (the dtype the files store), the sizes of their
+/// safetensors files (headers included, a few KB). What [`DeviceMap::balanced`] deals out: an estimate, since a
+/// device's pages round each tensor up.
+pub fn component_weight_bytes(dir: impl AsRef<Path>, dtype: Option<DType>) -> Result<[(&'static str, u64); 3]> {
+    let checkpoint = Checkpoint::open(dir)?;
+    let [te, tr, vae] = COMPONENTS;
+    let Some(dtype) = dtype else {
+        let stored = |component: &'static str| -> Result<(&'static str, u64)> {
+            let mut bytes = 0;
+            for file in checkpoint.weight_files(component)?.files() {
+                bytes += std::fs::metadata(&file).map_err(|source| Error::Io { path: file.clone(), source })?.len();
+            }
+            Ok((component, bytes))
+        };
+        return Ok([stored(te)?, stored(tr)?, stored(vae)?]);
+    };
+    let configs = CheckpointConfigs::read(&checkpoint)?;
+    Ok([
+        (te, configs.text_encoder.bytes_used(dtype.size())),
+        (tr, configs.transformer.bytes(dtype)),
+        (vae, configs.vae.bytes(dtype.size())),
+    ])
 }
 
 /// The manager `component` registers in: the execution device's, or its own device's.
@@ -388,15 +459,15 @@ fn manager_for<'a>(
     main: &'a Arc<ComponentsManager>,
     others: &'a [(DeviceName, Arc<ComponentsManager>)],
 ) -> &'a Arc<ComponentsManager> {
-    let name = &map.placement(component).name;
-    others.iter().find(|(device, _)| device == name).map_or(main, |(_, manager)| manager)
+    let name = &map.placement(component).name();
+    others.iter().find(|(device, _)| device == *name).map_or(main, |(_, manager)| manager)
 }
 
 impl ZImagePipeline {
-    /// Loads a diffusers checkpoint directory onto `placement.host` and registers its components in a new
+    /// Loads a diffusers checkpoint directory onto `placement.host()` and registers its components in a new
     /// manager. Auto offload is not enabled: call [`enable_auto_offload`](Self::enable_auto_offload), or run
     /// everything where it is.
-    pub fn load(dir: impl AsRef<Path>, placement: Placement, opts: &LoadOptions) -> Result<Self> {
+    pub fn load(dir: impl AsRef<Path>, placement: OffloadDevice, opts: &LoadOptions) -> Result<Self> {
         Self::load_mapped(dir, DeviceMap::single(placement), opts)
     }
 
@@ -409,11 +480,11 @@ impl ZImagePipeline {
         let [te, tr, va] = COMPONENTS;
         let tokenizer = PromptTokenizer::from_dir(checkpoint.component_dir("tokenizer")?, 512)?;
         let (text_encoder_config, text_encoder, te_report) =
-            TextEncoder::load(checkpoint.component_dir("text_encoder")?, &map.placement(te).host, opts)?;
-        let (transformer, tr_report) = checkpoint.load_transformer(&map.placement(tr).host, opts)?;
+            TextEncoder::load(checkpoint.component_dir("text_encoder")?, map.placement(te).host(), opts)?;
+        let (transformer, tr_report) = checkpoint.load_transformer(map.placement(tr).host(), opts)?;
         let transformer_config = transformer.config.clone();
         let (vae_config, vae, vae_report) =
-            AutoencoderKl::load(checkpoint.component_dir("vae")?, &map.placement(va).host, opts)?;
+            AutoencoderKl::load(checkpoint.component_dir("vae")?, map.placement(va).host(), opts)?;
         let reports = vec![te_report, tr_report, vae_report];
         Self::from_parts_mapped(
             Parts {
@@ -445,7 +516,7 @@ impl ZImagePipeline {
     /// with it); `Timeline::disabled()` records nothing.
     pub fn bind(
         dir: impl AsRef<Path>,
-        placement: Placement,
+        placement: OffloadDevice,
         opts: &LoadOptions,
         quantize: Option<&burn::tensor::quantization::QuantScheme>,
         timeline: Timeline,
@@ -469,13 +540,13 @@ impl ZImagePipeline {
             Arc::new(crate::loading::QuantizeLinearWeights { scheme: *scheme })
                 as Arc<dyn group_offload::weights::TensorTransform>
         });
-        let (_, text_encoder) = checkpoint.bind_text_encoder(&map.placement(te).host, opts, transform.clone())?;
-        let transformer = checkpoint.bind_transformer(&map.placement(tr).host, opts, transform)?;
-        let (_, vae) = checkpoint.bind_vae(&map.placement(va).host, opts)?;
+        let (_, text_encoder) = checkpoint.bind_text_encoder(map.placement(te).host(), opts, transform.clone())?;
+        let transformer = checkpoint.bind_transformer(map.placement(tr).host(), opts, transform)?;
+        let (_, vae) = checkpoint.bind_vae(map.placement(va).host(), opts)?;
         // The dtype the transformer computes in, from its table: asking the bound model would read a weight.
         let dtype = transformer.files.get(transformer.model.x_pad_token.id).map_or(DType::F32, |entry| entry.dtype());
         let reports = vec![text_encoder.report, transformer.report, vae.report];
-        let (manager, others) = map.managers(&timeline);
+        let (manager, others) = map.managers(Some(&timeline));
         let on = |component| manager_for(&map, component, &manager, &others);
         let at = |component| map.placement(component).clone();
         Ok(Self {
@@ -496,7 +567,7 @@ impl ZImagePipeline {
     }
 
     /// Assembles a pipeline from loaded parts.
-    pub fn from_parts(parts: Parts, placement: Placement, reports: Vec<LoadReport>) -> Result<Self> {
+    pub fn from_parts(parts: Parts, placement: OffloadDevice, reports: Vec<LoadReport>) -> Result<Self> {
         Self::from_parts_mapped(parts, DeviceMap::single(placement), reports)
     }
 
@@ -509,7 +580,7 @@ impl ZImagePipeline {
             scheduler: parts.scheduler,
         };
         configs.check()?;
-        let (manager, others) = map.managers(&Timeline::disabled());
+        let (manager, others) = map.managers(None);
         let on = |component| manager_for(&map, component, &manager, &others);
         let at = |component| map.placement(component).clone();
         let dtype = parts.transformer.dtype();
@@ -723,7 +794,7 @@ impl ZImagePipeline {
 
     /// The execution device: where the components the device map leaves there execute, what accounts for them,
     /// and where the latents live.
-    pub fn placement(&self) -> &Placement {
+    pub fn placement(&self) -> &OffloadDevice {
         &self.placement
     }
 
@@ -811,12 +882,12 @@ impl ZImagePipeline {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Generated> {
         self.validate(opts)?;
-        let device = self.placement.exec.clone();
+        let device = self.placement.exec().clone();
         let release_device = device.clone();
         let observer = self.phase_observer.clone();
         let timeline = self.manager.timeline();
         let release_timeline = timeline.clone();
-        let memory = self.placement.memory.clone();
+        let memory = self.placement.memory().clone();
         let sample = move |timeline: &Timeline| {
             if let Some(memory) = &memory {
                 timeline.sample_memory(memory.as_ref());
@@ -851,7 +922,7 @@ impl ZImagePipeline {
                 Some(latents) => latents.clone().cast(DType::F32).to_device(&device),
                 None => {
                     let channels = self.configs.vae.latent_channels;
-                    initial_noise(opts.seed, [1, channels, h, w], &self.placement.host).to_device(&device)
+                    initial_noise(opts.seed, [1, channels, h, w], self.placement.host()).to_device(&device)
                 }
             };
             let full = self.configs.scheduler.schedule(opts.steps, (h / 2) * (w / 2))?;

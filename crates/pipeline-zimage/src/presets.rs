@@ -181,7 +181,7 @@ fn plan_and_apply(
     // A run with components on other devices is another workload for this device's capacity profile.
     let elsewhere: Vec<String> = (pipeline.device_map().components.iter())
         .filter(|(component, _)| !pipeline.device_map().on_default(component))
-        .map(|(component, placement)| format!("{component}={}", placement.name))
+        .map(|(component, placement)| format!("{component}={}", placement.name()))
         .collect();
     let workload = if elsewhere.is_empty() { workload } else { workload.with("device_map", elsewhere.join(",")) };
     let manager = pipeline.manager().clone();

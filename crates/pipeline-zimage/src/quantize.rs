@@ -199,12 +199,12 @@ pub fn quantize_with<M: group_offload::OffloadModel + Clone>(
     // The weights are quantized where the component's host copy lives (its placement's host device, the CPU
     // backend), and run on its execution device, which must hold what the host made of the scheme.
     let placement = component.placement();
-    group_offload::quant::check_placement(component.name(), scheme, &placement.host, &placement.exec)?;
+    group_offload::quant::check_placement(component.name(), scheme, placement.host(), placement.exec())?;
     if let Some((weight, shape)) = component.inspect(|module| untiled_weight(module, scheme))? {
         return Err(group_offload::Error::SchemeUnsupported {
             component: component.name().to_string(),
             scheme: group_offload::quant::scheme_name(scheme),
-            device: format!("{:?}", component.placement().exec),
+            device: format!("{:?}", component.placement().exec()),
             reason: format!("its blocks do not tile {weight} of shape {shape:?}"),
             supported: "a block size that divides every linear weight's dimensions, or one scale per tensor".into(),
         }
@@ -212,8 +212,8 @@ pub fn quantize_with<M: group_offload::OffloadModel + Clone>(
     }
     // Where the execution device packs what the host stores one a byte, a weight whose rows are not a whole
     // number of words stays float (as diffusers' quantizers leave the layers they cannot convert).
-    let produced = group_offload::quant::produced_scheme(scheme, &placement.host);
-    let per_word = group_offload::quant::device_scheme(&produced, &placement.exec)
+    let produced = group_offload::quant::produced_scheme(scheme, placement.host());
+    let per_word = group_offload::quant::device_scheme(&produced, placement.exec())
         .filter(|stored| *stored != produced)
         .map(|stored| 32 / stored.value.size_bits());
     // A copy of the handles is quantized first, so nothing is unregistered until the quantized module exists.

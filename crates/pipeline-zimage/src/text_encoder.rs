@@ -22,9 +22,13 @@ use serde::Deserialize;
 
 use group_offload::{Layer, OffloadModel, leaf, narrow, whole};
 
-use crate::loading::{LoadOptions, LoadReport, load_component};
+use crate::loading::{
+    BoundComponent, LoadOptions, LoadReport, WeightFiles, bind_files, component_name, load_component,
+};
 use crate::nn::{PtLinear, RmsNorm};
 use crate::{Error, Result};
+use group_offload::weights::TensorTransform;
+use std::sync::Arc;
 
 /// The RoPE block of transformers 5 configs (`rope_parameters`); older configs use a top-level `rope_theta`.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -635,6 +639,39 @@ impl TextEncoder {
             });
         }
         Ok(())
+    }
+}
+
+/// The text encoder's binding to its checkpoint files, as a method of the checkpoint (written here, beside the
+/// model, so that the loader knows no model of its own).
+impl crate::loading::Checkpoint {
+    /// Reads `text_encoder/config.json` and binds the text encoder to its files: the file tier's
+    /// [`TextEncoder::load`], with its rules (its renames, [`crate::text_encoder::KEY_REMAP`]; the last decoder
+    /// layer and the final norm skipped by design and reported in `skipped`; a causal LM's `lm_head` reported in
+    /// `ignored`, refused under [`LoadOptions::strict`]; any other missing or unused tensor refused unless
+    /// [`LoadOptions::allow_partial`]).
+    pub fn bind_text_encoder(
+        &self,
+        device: &Device,
+        opts: &LoadOptions,
+        transform: Option<Arc<dyn TensorTransform>>,
+    ) -> Result<(TextEncoderConfig, BoundComponent<TextEncoder>)> {
+        let dir = self.component_dir("text_encoder")?;
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            return Err(Error::MissingFile {
+                component: "text_encoder".to_owned(),
+                what: "config.json".to_owned(),
+                path: config_path,
+            });
+        }
+        let config = TextEncoderConfig::from_file(&config_path)?;
+        let model = TextEncoder::new(&config, device);
+        let bind_opts = opts.clone().with_key_remap(crate::text_encoder::KEY_REMAP).with_allow_partial(true);
+        let files = WeightFiles::find(&dir)?.files();
+        let mut bound = bind_files(model, &component_name(&dir), &files, &bind_opts, transform)?;
+        TextEncoder::sort_report(&mut bound.report, &config, opts)?;
+        Ok((config, bound))
     }
 }
 

@@ -18,7 +18,7 @@ use burn::tensor::ops::{AttentionModuleOptions, ConvOptions};
 use burn::tensor::{Device, Tensor};
 use serde::Deserialize;
 
-use crate::loading::{LoadOptions, LoadReport, load_component};
+use crate::loading::{BoundComponent, LoadOptions, LoadReport, bind_component, load_component};
 use crate::nn::{GroupNorm, PtLinear};
 use crate::{Error, Result};
 
@@ -628,6 +628,28 @@ impl AutoencoderKl {
         let mut module = Self::new(&config, device);
         let report = load_component(&mut module, dir, opts)?;
         Ok((config, module, report))
+    }
+}
+
+/// The VAE's binding to its checkpoint files, as a method of the checkpoint (written here, beside the model, so
+/// that the loader knows no model of its own).
+impl crate::loading::Checkpoint {
+    /// Reads `vae/config.json` and binds the VAE to its files: the file tier's [`AutoencoderKl::load`]. A VAE
+    /// declares no blocks, so registered from its files it moves whole (one group read from the file at each
+    /// onload).
+    pub fn bind_vae(&self, device: &Device, opts: &LoadOptions) -> Result<(VaeConfig, BoundComponent<AutoencoderKl>)> {
+        let dir = self.component_dir("vae")?;
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            return Err(Error::MissingFile {
+                component: "vae".to_owned(),
+                what: "config.json".to_owned(),
+                path: config_path,
+            });
+        }
+        let config = VaeConfig::from_file(&config_path)?;
+        let model = AutoencoderKl::new(&config, device);
+        Ok((config, bind_component(model, &dir, opts)?))
     }
 }
 

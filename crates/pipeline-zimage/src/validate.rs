@@ -39,7 +39,7 @@ use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direc
 use crate::error::Result;
 use crate::pipeline::{GenerateOptions, ZImagePipeline};
 use crate::presets::{PipelinePlan, component_specs, enable_pipeline_offload, exact_reserve};
-use group_offload::{Placement, whole::Unbounded};
+use group_offload::OffloadDevice;
 use offload_core::plan::DeviceFacts;
 
 /// What a [`Meter`] counted.
@@ -335,7 +335,7 @@ fn settings(preset: Preset, reserve: u64) -> Result<Settings> {
 /// [`validate`] for every preset but `off` on each of `cards`, card by card: the cases a validation table shows.
 pub fn validate_presets(
     target: &Target,
-    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    load: &dyn Fn(OffloadDevice) -> Result<ZImagePipeline>,
     cards: &[u64],
     opts: &GenerateOptions,
 ) -> Vec<Case> {
@@ -348,7 +348,7 @@ pub fn validate_presets(
 /// captures each streamed component's call order, without prefetch; later images repeat the second).
 pub fn validate(
     target: &Target,
-    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    load: &dyn Fn(OffloadDevice) -> Result<ZImagePipeline>,
     preset: Preset,
     card: u64,
     opts: &GenerateOptions,
@@ -361,7 +361,7 @@ pub fn validate(
 
 fn run_case(
     target: &Target,
-    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    load: &dyn Fn(OffloadDevice) -> Result<ZImagePipeline>,
     preset: Preset,
     card: u64,
     opts: &GenerateOptions,
@@ -374,7 +374,7 @@ fn run_case(
                 .with_context_overhead(0);
             let sim = SimCard::new(spec);
             let meter = Meter::on_card(sim.clone());
-            let placement = Placement { ledger: meter.clone(), ..Placement::simulated(sim.clone()) };
+            let placement = OffloadDevice::on_device(Device::flex(), sim.device(), meter.clone(), Some(sim.clone()));
             let mut pipeline = load(placement)?;
             let facts = sim.device_facts(validation_host());
             let settings = settings(preset, exact_reserve(&pipeline, opts))?;
@@ -403,7 +403,7 @@ fn run_case(
             // the meter keeps).
             let meter = Meter::probing(Arc::new(offload_core::NoLedger), readings.clone());
             let mut pipeline =
-                load(Placement::on_device(device.clone(), name.clone(), meter.clone(), Some(cap.clone())))?;
+                load(OffloadDevice::on_device(device.clone(), name.clone(), meter.clone(), Some(cap.clone())))?;
             let facts = DeviceFacts::new(cap.clone(), validation_host())
                 .with_footprints(footprints.iter().cloned())
                 .with_call_footprints(calls.iter().cloned());
@@ -525,7 +525,7 @@ pub fn measure_calls(
     device: &Device,
     name: &DeviceName,
     total: u64,
-    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    load: &dyn Fn(OffloadDevice) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
 ) -> Result<Vec<CallReading>> {
     run_resident(
@@ -548,7 +548,7 @@ fn run_resident<L: DeviceLedger + 'static, T>(
     device: &Device,
     name: &DeviceName,
     total: u64,
-    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    load: &dyn Fn(OffloadDevice) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
     images: usize,
     ledger: impl FnOnce(Arc<PoolReadings>) -> Arc<L>,
@@ -557,8 +557,8 @@ fn run_resident<L: DeviceLedger + 'static, T>(
     device.memory_cleanup();
     let readings = PoolReadings::open(device.clone(), name.clone(), Some(total))?;
     let ledger = ledger(readings.clone());
-    let pipeline = load(Placement::on_device(device.clone(), name.clone(), ledger.clone(), Some(readings)))?;
-    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true)?;
+    let pipeline = load(OffloadDevice::on_device(device.clone(), name.clone(), ledger.clone(), Some(readings)))?;
+    pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true)?;
     for _ in 0..images {
         pipeline.generate(opts, &mut |_, _| {})?;
     }
@@ -585,7 +585,7 @@ pub fn measure_footprints(
     device: &Device,
     name: &DeviceName,
     total: u64,
-    load: &dyn Fn(Placement) -> Result<ZImagePipeline>,
+    load: &dyn Fn(OffloadDevice) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
 ) -> Result<Footprints> {
     run_resident(

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use common::{load_tiny, max_abs_diff, turbo_options, values};
 use group_offload::device::{CappedDevice, PagePolicy, PoolReadings, open_device_with};
-use group_offload::{GroupLevel, GroupOptions, Placement};
+use group_offload::{GroupLevel, GroupOptions, OffloadDevice};
 use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, Reason};
 
 /// The size given as the lavapipe device's total: it reports none, and advertises a heap it does not enforce.
@@ -34,8 +34,8 @@ fn placement(
     name: &DeviceName,
     ledger: Arc<dyn DeviceLedger>,
     memory: Arc<dyn DeviceMemory>,
-) -> Placement {
-    Placement::on_device(device.clone(), name.clone(), ledger, Some(memory))
+) -> OffloadDevice {
+    OffloadDevice::on_device(device.clone(), name.clone(), ledger, Some(memory))
 }
 
 /// The device account under contention: a hard cap over the device, the transformer under block-level group

@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::DeviceMemory;
 use offload_core::plan::{HostMemory, Preset};
@@ -36,13 +36,13 @@ fn resident_bytes(pipeline: &ZImagePipeline, component: &str) -> u64 {
 fn the_text_encoder_on_the_cpu_beside_a_card_gives_the_one_device_image() {
     let (opts, _) = turbo_options();
     let one_card = card();
-    let one = load_tiny(Placement::simulated(one_card.clone()));
+    let one = load_tiny(OffloadDevice::simulated(one_card.clone()));
     one.enable_auto_offload(one_card.clone(), 0, true).expect("auto offload");
     let expected = values(one.generate(&opts, &mut |_, _| {}).expect("one device"));
 
     let two_card = card();
-    let map = DeviceMap::single(Placement::simulated(two_card.clone()))
-        .with("text_encoder", Placement::host_only())
+    let map = DeviceMap::single(OffloadDevice::simulated(two_card.clone()))
+        .with("text_encoder", OffloadDevice::host_only())
         .expect("a component");
     let two = ZImagePipeline::load_mapped(fixtures().join("tiny-z-image-turbo"), map, &LoadOptions::new())
         .expect("the tiny checkpoint loads over two devices");
@@ -65,8 +65,8 @@ fn the_text_encoder_on_the_cpu_beside_a_card_gives_the_one_device_image() {
 #[test]
 fn a_plan_for_the_card_leaves_out_the_component_placed_elsewhere() {
     let card = card_of("1GiB");
-    let map = DeviceMap::single(Placement::simulated(card.clone()))
-        .with("text_encoder", Placement::host_only())
+    let map = DeviceMap::single(OffloadDevice::simulated(card.clone()))
+        .with("text_encoder", OffloadDevice::host_only())
         .expect("a component");
     let mut pipeline = ZImagePipeline::load_mapped(fixtures().join("tiny-z-image-turbo"), map, &LoadOptions::new())
         .expect("the tiny checkpoint loads over two devices");
@@ -76,18 +76,101 @@ fn a_plan_for_the_card_leaves_out_the_component_placed_elsewhere() {
     let planned: Vec<&str> = plan.plan.components.iter().map(|c| c.component.as_str()).collect();
     assert_eq!(planned, ["transformer", "vae"]);
     let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("planned run"));
-    let resident = values(load_tiny(Placement::host_only()).generate(&opts, &mut |_, _| {}).expect("resident"));
+    let resident = values(load_tiny(OffloadDevice::host_only()).generate(&opts, &mut |_, _| {}).expect("resident"));
     assert_eq!(image, resident);
 }
 
 #[test]
 fn a_map_names_each_component_once() {
-    let map = DeviceMap::single(Placement::host_only());
+    let map = DeviceMap::single(OffloadDevice::host_only());
     assert!(matches!(
-        map.clone().with("unet", Placement::host_only()),
+        map.clone().with("unet", OffloadDevice::host_only()),
         Err(Error::InvalidArgument { name: "component", .. })
     ));
-    let once = map.with("vae", Placement::host_only()).expect("a component");
-    let err = once.with("vae", Placement::host_only()).unwrap_err();
+    let once = map.with("vae", OffloadDevice::host_only()).expect("a component");
+    let err = once.with("vae", OffloadDevice::host_only()).unwrap_err();
     assert!(err.to_string().contains("vae is placed twice"), "{err}");
+}
+
+/// A second simulated card, named `cuda:1`.
+fn second_card(label: &str) -> Arc<SimCard> {
+    let mut spec = CardSpec::parse(label).expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
+    spec.device = offload_core::DeviceName::parse("cuda:1").expect("a name");
+    SimCard::new(spec)
+}
+
+/// Two accelerators in one run: the text encoder on a second card, the transformer and the VAE on the first, each
+/// card with its own device object, manager, account and record. The image is the one-device image, the first
+/// card held everything but the text encoder, and the second exactly the text encoder and its call's activations.
+#[test]
+fn two_cards_in_one_pipeline_each_hold_their_components() {
+    let (opts, _) = turbo_options();
+    let one_card = card();
+    let one = load_tiny(OffloadDevice::simulated(one_card.clone()));
+    one.enable_auto_offload(one_card.clone(), 0, true).expect("auto offload");
+    let expected = values(one.generate(&opts, &mut |_, _| {}).expect("one device"));
+
+    let (first, second) = (card(), second_card("64MiB"));
+    let (gpu0, gpu1) = (OffloadDevice::simulated(first.clone()), OffloadDevice::simulated(second.clone()));
+    let map = DeviceMap::single(gpu0.clone()).with("text_encoder", gpu1.clone()).expect("a component");
+    let two = ZImagePipeline::load_mapped(fixtures().join("tiny-z-image-turbo"), map, &LoadOptions::new())
+        .expect("the tiny checkpoint loads over two cards");
+    gpu0.enable_auto_offload(0).expect("auto offload on the first card");
+    gpu1.enable_auto_offload(0).expect("auto offload on the second card");
+    let image = values(two.generate(&opts, &mut |_, _| {}).expect("two cards"));
+    assert_eq!(image, expected, "the same image bit for bit");
+
+    let text_encoder = resident_bytes(&one, "text_encoder");
+    let activations = two.activation_estimates(&opts)[0];
+    assert_eq!(second.peak(), text_encoder + activations, "the second card held the text encoder and its call alone");
+    assert_eq!(one_card.peak() - first.peak(), text_encoder, "the first card held everything but the text encoder");
+    // Each card's record names its own moves; the pipeline's managers are the two devices' own.
+    let on_second: Vec<String> = gpu1.manager().offload_record().events().into_iter().map(|e| e.id).collect();
+    assert!(!on_second.is_empty() && on_second.iter().all(|id| id.starts_with("text_encoder")), "{on_second:?}");
+    assert!(gpu0.manager().offload_record().events().iter().all(|e| !e.id.starts_with("text_encoder")));
+    let managers: Vec<_> = two.managers().collect();
+    assert!(Arc::ptr_eq(managers[0], gpu0.manager()) && Arc::ptr_eq(managers[1], gpu1.manager()));
+    let table = offload_core::DeviceRecords::new([
+        (gpu0.name().clone(), gpu0.manager().offload_record()),
+        (gpu1.name().clone(), gpu1.manager().offload_record()),
+    ])
+    .to_string();
+    assert!(table.lines().any(|line| line.starts_with("cuda:1 | 1 | text_encoder")), "{table}");
+}
+
+/// `balanced` over two cards, diffusers' rule: the largest component on the first card, the next on the second, the
+/// third on the second again (the cycle turns back), the image the one-device image, and each card's peak within
+/// its size. A card too small for its turn's component sends it to the host.
+#[test]
+fn a_balanced_map_deals_the_components_over_two_cards_largest_first() {
+    let dir = fixtures().join("tiny-z-image-turbo");
+    let sizes = pipeline_zimage::pipeline::component_weight_bytes(&dir, None).expect("sizes from the files");
+    let mut by_size = sizes.to_vec();
+    by_size.sort_by_key(|&(_, bytes)| std::cmp::Reverse(bytes));
+    let (first, second) = (card(), second_card("64MiB"));
+    let devices = [OffloadDevice::simulated(first.clone()), OffloadDevice::simulated(second.clone())];
+    let (map, placed) = DeviceMap::balanced(&devices, &sizes, 0).expect("a map");
+    let expected = [Some(0), Some(1), Some(1)];
+    for ((component, _), device) in by_size.iter().zip(expected) {
+        assert_eq!(placed.device_of(component), Some(device), "{placed}");
+        assert_eq!(map.placement(component).name(), devices[device.expect("a card")].name());
+    }
+    let pipeline = ZImagePipeline::load_mapped(&dir, map, &LoadOptions::new()).expect("loads over two cards");
+    for device in &devices {
+        device.enable_auto_offload(0).expect("auto offload");
+    }
+    let (opts, _) = turbo_options();
+    let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("balanced"));
+    let resident = values(load_tiny(OffloadDevice::host_only()).generate(&opts, &mut |_, _| {}).expect("resident"));
+    assert_eq!(image, resident);
+    let largest = resident_bytes(&pipeline, by_size[0].0);
+    assert!(first.peak() >= largest && second.peak() > 0, "{} {}", first.peak(), second.peak());
+
+    // A second card smaller than the second-largest component: that one goes to the host, the next to the card.
+    let tiny = second_card(&(by_size[1].1 / 2).to_string());
+    let small = [OffloadDevice::simulated(card()), OffloadDevice::simulated(tiny)];
+    let (map, placed) = DeviceMap::balanced(&small, &sizes, 0).expect("a map");
+    assert_eq!(placed.device_of(by_size[1].0), Some(None), "{placed}");
+    assert!(map.placement(by_size[1].0).name().is_cpu());
+    assert!(DeviceMap::balanced(&[], &sizes, 0).is_err(), "no device is refused");
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
-use group_offload::{GroupOptions, ModelHandle, Placement};
+use group_offload::{GroupOptions, ModelHandle, OffloadDevice};
 use memory_sim::{CardSpec, Mode, SimCard};
 use pipeline_zimage::loading::{BoundComponent, Checkpoint, LoadOptions, LoadReport, QuantizeLinearWeights};
 use pipeline_zimage::pipeline::ZImagePipeline;
@@ -136,7 +136,7 @@ fn the_text_encoder_and_the_transformer_stream_from_their_files_to_the_ram_paths
     let block = GroupOptions { releasable: true, ..GroupOptions::default() };
 
     let card_ram = card();
-    let mut ram = load_tiny(Placement::simulated(card_ram.clone()));
+    let mut ram = load_tiny(OffloadDevice::simulated(card_ram.clone()));
     for component in ["text_encoder", "transformer"] {
         ram.enable_group_offload_with(component, &block).expect("group offload");
     }
@@ -146,7 +146,7 @@ fn the_text_encoder_and_the_transformer_stream_from_their_files_to_the_ram_paths
     let device = Device::flex();
     let checkpoint = checkpoint();
     let card = card();
-    let mut pipeline = load_tiny(Placement::simulated(card.clone()));
+    let mut pipeline = load_tiny(OffloadDevice::simulated(card.clone()));
     let (_, text_encoder) = checkpoint.bind_text_encoder(&device, &LoadOptions::new(), None).expect("it binds");
     let transformer = checkpoint.bind_transformer(&device, &LoadOptions::new(), None).expect("it binds");
     let tables = [text_encoder.files.clone(), transformer.files.clone()];
@@ -190,7 +190,7 @@ fn a_transformer_quantized_as_it_is_read_equals_the_one_quantized_in_memory() {
     let bound = checkpoint.bind_transformer(&device, &LoadOptions::new(), Some(transform)).expect("it binds");
     let manager = Arc::new(offload_core::ComponentsManager::new());
     let mut handle =
-        ModelHandle::register_files(&manager, "transformer", bound.model, bound.files, Placement::host_only())
+        ModelHandle::register_files(&manager, "transformer", bound.model, bound.files, OffloadDevice::host_only())
             .expect("it registers");
     assert!(handle.is_quantized());
     handle.enable_group_offload(&GroupOptions::default()).expect("it streams");

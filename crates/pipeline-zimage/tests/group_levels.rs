@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use group_offload::config::GroupOffloadConfig;
 use group_offload::{GroupLevel, GroupOptions, handle::GroupedModel};
 use memory_sim::{CardSpec, Mode, SimCard};
@@ -39,10 +39,7 @@ fn card() -> Arc<SimCard> {
 }
 
 fn config(model: &str, card: &Arc<SimCard>) -> GroupOffloadConfig {
-    GroupOffloadConfig::new(model, Device::flex())
-        .with_device_name(card.device())
-        .with_ledger(card.clone())
-        .with_memory(card.clone())
+    GroupOffloadConfig::new(model, OffloadDevice::simulated(card.clone()))
 }
 
 fn options(level: GroupLevel) -> GroupOptions {
@@ -76,13 +73,9 @@ fn the_transformer_gives_the_resident_output_at_every_level_and_leaf_level_holds
     let mut peaks = Vec::new();
     for level in LEVELS {
         let card = card();
-        let mut grouped = GroupedModel::<ZImageTransformer2DModel>::new(
-            transformer(),
-            config("transformer", &card),
-            &options(level),
-            card.clone(),
-        )
-        .expect("groups");
+        let mut grouped =
+            GroupedModel::<ZImageTransformer2DModel>::new(transformer(), config("transformer", &card), &options(level))
+                .expect("groups");
         grouped.onload(&card.device()).expect("the shell uploads");
         for pass in 0..3 {
             let out = values(grouped.call(|w| w.forward(x.clone(), t.clone(), cap.clone())).expect("forward"));
@@ -145,13 +138,9 @@ fn the_text_encoder_gives_the_resident_embeddings_at_every_level() {
 
     for level in LEVELS {
         let card = card();
-        let mut grouped = GroupedModel::<TextEncoder>::new(
-            text_encoder(),
-            config("text_encoder", &card),
-            &options(level),
-            card.clone(),
-        )
-        .expect("groups");
+        let mut grouped =
+            GroupedModel::<TextEncoder>::new(text_encoder(), config("text_encoder", &card), &options(level))
+                .expect("groups");
         grouped.onload(&card.device()).expect("the embedding uploads");
         for pass in 0..2 {
             let embeds = grouped.call(|w| w.encode(ids.clone(), mask.clone())).expect("encode");
@@ -174,11 +163,11 @@ fn the_text_encoder_gives_the_resident_embeddings_at_every_level() {
 #[test]
 fn the_pipeline_streams_both_encoders_at_leaf_level_and_gives_the_golden_image() {
     let (opts, golden_image) = turbo_options();
-    let resident_placement = Placement::host_only();
+    let resident_placement = OffloadDevice::host_only();
     let resident = values(load_tiny(resident_placement).generate(&opts, &mut |_, _| {}).expect("resident run"));
 
     let card = card();
-    let placement = Placement::simulated(card.clone());
+    let placement = OffloadDevice::simulated(card.clone());
     let mut pipeline = load_tiny(placement);
     let leaf = GroupOptions { releasable: true, ..GroupOptions::leaf() };
     for component in ["text_encoder", "transformer"] {
@@ -209,7 +198,7 @@ fn the_pipeline_streams_both_encoders_at_leaf_level_and_gives_the_golden_image()
 #[test]
 fn bad_group_options_are_typed_errors_that_leave_the_component_registered() {
     let card = card();
-    let placement = Placement::simulated(card.clone());
+    let placement = OffloadDevice::simulated(card.clone());
     let mut pipeline = load_tiny(placement);
     let bad = [
         GroupOptions { level: GroupLevel::Block { blocks_per_group: 0 }, ..GroupOptions::default() },

@@ -8,7 +8,7 @@ mod common;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
 use common::{fixtures, golden, load_tiny, max_abs_diff, tensor4, values};
-use group_offload::{GroupLevel, GroupOptions, Placement};
+use group_offload::{GroupLevel, GroupOptions, OffloadDevice};
 use memory_sim::{CardSpec, Mode, SimCard};
 use pipeline_zimage::Error;
 use pipeline_zimage::lora::{LoraMode, LoraSpec, LoraTarget};
@@ -86,7 +86,7 @@ fn pipeline_bits(pipeline: &ZImagePipeline) -> (WeightBits, WeightBits) {
 #[test]
 fn every_case_matches_diffusers_load_lora_weights_in_both_modes() {
     let base = golden("lora.safetensors");
-    let mut pipeline = load_tiny(Placement::host_only());
+    let mut pipeline = load_tiny(OffloadDevice::host_only());
     assert!(max_abs_diff(&image(&pipeline), &base["base"].1) <= 1e-3, "the base image matches diffusers'");
     for (name, specs) in cases() {
         for mode in MODES {
@@ -109,7 +109,7 @@ fn every_case_matches_diffusers_load_lora_weights_in_both_modes() {
 
 #[test]
 fn removing_or_changing_a_lora_restores_the_base_weights_bit_for_bit() {
-    let mut pipeline = load_tiny(Placement::host_only());
+    let mut pipeline = load_tiny(OffloadDevice::host_only());
     let base = pipeline_bits(&pipeline);
     let base_image = image(&pipeline);
     let peft = [LoraSpec::new(lora_file("peft.safetensors"), 0.75)];
@@ -155,7 +155,8 @@ fn route_image(
     store: &std::path::Path,
 ) -> (Vec<f32>, Option<offload_core::OffloadRecord>) {
     let card = SimCard::new(CardSpec::parse("1GiB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0));
-    let placement = if route == "resident" { Placement::host_only() } else { Placement::simulated(card.clone()) };
+    let placement =
+        if route == "resident" { OffloadDevice::host_only() } else { OffloadDevice::simulated(card.clone()) };
     let mut pipeline = load_tiny(placement);
     pipeline.set_loras(specs, mode).expect("applies");
     let grouped = |level: GroupLevel| GroupOptions { level, ..GroupOptions::default() };
@@ -281,7 +282,7 @@ fn write_lora(name: &str, tensors: &[(&str, Vec<usize>)], metadata: Option<&str>
 
 #[test]
 fn bad_files_are_typed_errors_naming_the_key_and_change_nothing() {
-    let mut pipeline = load_tiny(Placement::host_only());
+    let mut pipeline = load_tiny(OffloadDevice::host_only());
     let good = LoraSpec::new(lora_file("peft.safetensors"), 1.0);
     pipeline.set_loras(std::slice::from_ref(&good), LoraMode::Fused).expect("a good LoRA first");
     let before = pipeline_bits(&pipeline);
@@ -370,7 +371,7 @@ fn assert_refused_and_unchanged(
 
 #[test]
 fn non_finite_factors_alphas_and_scales_are_refused_by_name_in_both_modes() {
-    let mut pipeline = load_tiny(Placement::host_only());
+    let mut pipeline = load_tiny(OffloadDevice::host_only());
     let good = [LoraSpec::new(lora_file("peft.safetensors"), 1.0)];
     pipeline.set_loras(&good, LoraMode::Fused).expect("a good LoRA first");
     let before = pipeline_bits(&pipeline);
@@ -460,7 +461,7 @@ fn non_finite_factors_alphas_and_scales_are_refused_by_name_in_both_modes() {
 
 #[test]
 fn a_module_given_a_factor_twice_is_refused_naming_both_keys() {
-    let mut pipeline = load_tiny(Placement::host_only());
+    let mut pipeline = load_tiny(OffloadDevice::host_only());
     let good = [LoraSpec::new(lora_file("peft.safetensors"), 1.0)];
     pipeline.set_loras(&good, LoraMode::Fused).expect("a good LoRA first");
     let before = pipeline_bits(&pipeline);
@@ -523,7 +524,7 @@ fn a_module_given_a_factor_twice_is_refused_naming_both_keys() {
 
 #[test]
 fn comfyui_and_original_tree_files_fuse_the_weights_of_their_diffusers_equivalents() {
-    let mut pipeline = load_tiny(Placement::host_only());
+    let mut pipeline = load_tiny(OffloadDevice::host_only());
     let goldens = golden("lora.safetensors");
     // (file, the equivalent file in a layout checked against diffusers, the scale, the golden case)
     for (file, equivalent, scale, case) in [
@@ -558,8 +559,9 @@ fn a_fused_update_that_overflows_is_undone_bit_for_bit_and_named() {
     use pipeline_zimage::lora::{self, AppliedLoras, ComponentLayers, LoraFile};
     for dtype in [burn::tensor::DType::F32, burn::tensor::DType::F16] {
         let options = pipeline_zimage::loading::LoadOptions::new().with_dtype(Some(dtype));
-        let pipeline = ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), Placement::host_only(), &options)
-            .expect("the tiny checkpoint loads");
+        let pipeline =
+            ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), OffloadDevice::host_only(), &options)
+                .expect("the tiny checkpoint loads");
         let mut model = pipeline.transformer().inspect(Clone::clone).expect("whole");
         let layers = ComponentLayers::transformer(&model);
         let base = model_bits(&model);
@@ -606,7 +608,7 @@ fn a_fused_update_that_overflows_is_undone_bit_for_bit_and_named() {
 /// before, bit for bit.
 #[test]
 fn set_loras_refuses_an_overflowing_fuse_and_keeps_the_loras_before() {
-    let mut pipeline = load_tiny(Placement::host_only());
+    let mut pipeline = load_tiny(OffloadDevice::host_only());
     let good = [LoraSpec::new(lora_file("peft.safetensors"), 0.75)];
     pipeline.set_loras(&good, LoraMode::Fused).expect("a good LoRA first");
     let before = pipeline_bits(&pipeline);
@@ -645,8 +647,9 @@ fn set_loras_refuses_an_overflowing_fuse_and_keeps_the_loras_before() {
 #[test]
 fn the_removal_record_never_exceeds_a_plain_copy_and_bf16_comes_back_bit_for_bit() {
     let options = pipeline_zimage::loading::LoadOptions::new().with_dtype(Some(burn::tensor::DType::BF16));
-    let mut pipeline = ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), Placement::host_only(), &options)
-        .expect("the tiny checkpoint loads in bf16");
+    let mut pipeline =
+        ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), OffloadDevice::host_only(), &options)
+            .expect("the tiny checkpoint loads in bf16");
     let base = pipeline_bits(&pipeline);
     // The fixtures' factors are as large as the weights (update σ about the weights' σ): the worst case.
     for scale in [1.0, 0.1, 0.01] {
@@ -773,7 +776,7 @@ fn the_lora_reader_never_panics_on_mutated_files() {
 
 #[test]
 fn a_run_that_keeps_its_loras_gives_back_the_removal_records_and_then_refuses_a_change() {
-    let mut pipeline = load_tiny(Placement::host_only());
+    let mut pipeline = load_tiny(OffloadDevice::host_only());
     let specs = [LoraSpec::new(lora_file("peft.safetensors"), 0.75)];
     pipeline.set_loras(&specs, LoraMode::Fused).expect("applied");
     let fused = pipeline_bits(&pipeline);

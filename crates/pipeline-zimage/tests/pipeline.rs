@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Tensor};
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::{DeviceMemory, Reason};
 use pipeline_zimage::loading::LoadOptions;
@@ -21,11 +21,11 @@ fn max_abs_diff(a: &Tensor<4>, expected: &[f32]) -> f32 {
     got.iter().zip(expected).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-fn resident_placement() -> Placement {
-    Placement::host_only()
+fn resident_placement() -> OffloadDevice {
+    OffloadDevice::host_only()
 }
 
-fn load(placement: Placement) -> ZImagePipeline {
+fn load(placement: OffloadDevice) -> ZImagePipeline {
     ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new())
         .expect("the tiny checkpoint loads")
 }
@@ -103,7 +103,7 @@ fn simulated(group: bool, card_bytes: u64, reserve: u64) -> (ZImagePipeline, Arc
     let card = SimCard::new(
         CardSpec::parse(&card_bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0),
     );
-    let placement = Placement::simulated(card.clone());
+    let placement = OffloadDevice::simulated(card.clone());
     let mut pipeline = load(placement);
     if group {
         pipeline.enable_group_offload(1, 1).expect("group offload");

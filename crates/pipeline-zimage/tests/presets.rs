@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::DeviceMemory;
 use offload_core::plan::{HostMemory, Outcome, Preset, Route, Settings, SettingsLayer, WarningKind};
@@ -22,7 +22,7 @@ mod common;
 use common::{load_tiny as load, max_abs_diff, turbo_options, values};
 
 fn resident_image(opts: &GenerateOptions) -> Vec<f32> {
-    let placement = Placement::host_only();
+    let placement = OffloadDevice::host_only();
     values(load(placement).generate(opts, &mut |_, _| {}).expect("resident run"))
 }
 
@@ -35,7 +35,7 @@ fn host() -> HostMemory {
 fn on_card(bytes: u64) -> (ZImagePipeline, Arc<SimCard>) {
     let spec = CardSpec::parse(&bytes.to_string()).expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
     let card = SimCard::new(spec);
-    let placement = Placement::simulated(card.clone());
+    let placement = OffloadDevice::simulated(card.clone());
     (load(placement), card)
 }
 
@@ -225,7 +225,7 @@ fn auto_picks_resident_component_or_block_offload_by_the_card() {
 #[test]
 fn generation_reports_three_phases_in_order() {
     let (opts, _) = turbo_options();
-    let placement = Placement::host_only();
+    let placement = OffloadDevice::host_only();
     let generated = load(placement).generate_with_report(&opts, &mut |_, _| {}).expect("runs");
     let names: Vec<&str> = generated.phases.phases.iter().map(|p| p.name.as_str()).collect();
     assert_eq!(names, PHASES);
@@ -411,7 +411,7 @@ fn pinned_host_copies_are_staged_and_priced_as_pinned_copies_on_the_card() {
             .with_pageable_fraction(0.5)
             .expect("a fraction");
         let card = SimCard::new(spec);
-        let placement = Placement::simulated(card.clone());
+        let placement = OffloadDevice::simulated(card.clone());
         let mut pipeline = load(placement);
         let facts = card.device_facts(host());
         let pairs = [

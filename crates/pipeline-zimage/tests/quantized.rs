@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use burn::tensor::quantization::QuantScheme;
 use group_offload::GroupOptions;
-use group_offload::{Placement, whole::BurnComponent};
+use group_offload::{OffloadDevice, whole::BurnComponent};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{Action, DeviceMemory, Reason};
@@ -26,8 +26,8 @@ fn options() -> GenerateOptions {
     turbo_options().0
 }
 
-fn resident() -> Placement {
-    Placement::host_only()
+fn resident() -> OffloadDevice {
+    OffloadDevice::host_only()
 }
 
 /// A pipeline on a hard simulated card of `bytes`, its text encoder and transformer quantized.
@@ -39,7 +39,7 @@ fn quantized_on_card(bytes: u64) -> (ZImagePipeline, Arc<SimCard>) {
 fn quantized_on(bytes: u64, mode: Mode) -> (ZImagePipeline, Arc<SimCard>) {
     let card =
         SimCard::new(CardSpec::parse(&bytes.to_string()).expect("a size").with_mode(mode).with_context_overhead(0));
-    let placement = Placement::simulated(card.clone());
+    let placement = OffloadDevice::simulated(card.clone());
     let mut pipeline = load(placement);
     quantize(pipeline.text_encoder_mut()).expect("quantizes");
     quantize(pipeline.transformer_mut()).expect("quantizes");
@@ -207,7 +207,7 @@ fn a_card_too_small_for_the_quantized_transformer_whole_streams_it_as_the_plan_p
 #[test]
 fn every_preset_predicts_a_quantized_pipelines_bytes_and_moves_exactly() {
     let opts = options();
-    let load = |placement: Placement| -> pipeline_zimage::Result<ZImagePipeline> {
+    let load = |placement: OffloadDevice| -> pipeline_zimage::Result<ZImagePipeline> {
         let mut pipeline = load(placement);
         quantize(pipeline.text_encoder_mut())?;
         quantize(pipeline.transformer_mut())?;
@@ -309,7 +309,7 @@ fn a_scheme_the_cpu_backend_does_not_compute_is_refused_by_name_and_changes_noth
 fn measure(scheme: Option<QuantScheme>, checked: bool, streaming: &GroupOptions) -> (Vec<f32>, u64, u64) {
     let opts = options();
     let card = SimCard::new(CardSpec::parse("1GiB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0));
-    let mut pipeline = load(Placement::simulated(card.clone()));
+    let mut pipeline = load(OffloadDevice::simulated(card.clone()));
     if let Some(scheme) = scheme {
         if checked {
             quantize_with(pipeline.text_encoder_mut(), &scheme).expect("quantizes");

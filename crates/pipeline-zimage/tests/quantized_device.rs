@@ -23,7 +23,7 @@ use burn::tensor::quantization::{QuantScheme, QuantStore, QuantValue};
 use burn::tensor::{DType, Tensor};
 use common::{component_bytes, fixtures, load_tiny, max_abs_diff, turbo_options, values};
 use group_offload::device::{PagePolicy, open_device_with};
-use group_offload::{GroupLevel, GroupOptions, Placement, whole::Unbounded};
+use group_offload::{GroupLevel, GroupOptions, OffloadDevice};
 use offload_core::{DeviceName, NoLedger};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::pipeline::ZImagePipeline;
@@ -48,8 +48,8 @@ fn wgpu() -> (burn::tensor::Device, DeviceName, MutexGuard<'static, ()>) {
 
 /// The tiny pipeline on the wgpu device, every component resident through the manager.
 fn on_device(device: &burn::tensor::Device, name: &DeviceName) -> ZImagePipeline {
-    let pipeline = load_tiny(Placement::on_device(device.clone(), name.clone(), Arc::new(NoLedger), None));
-    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true).expect("auto offload");
+    let pipeline = load_tiny(OffloadDevice::on_device(device.clone(), name.clone(), Arc::new(NoLedger), None));
+    pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true).expect("auto offload");
     pipeline
 }
 
@@ -111,7 +111,7 @@ fn eight_bit_weights_quantized_on_the_cpu_host_run_and_stream_on_wgpu_and_the_re
     let (opts, _) = turbo_options();
     let float = values(on_device(&device, &name).generate(&opts, &mut |_, _| {}).expect("f32 on wgpu"));
     let flex_q8s = {
-        let mut pipeline = load_tiny(Placement::host_only());
+        let mut pipeline = load_tiny(OffloadDevice::host_only());
         quantize_with(pipeline.text_encoder_mut(), &int8_scheme()).expect("q8s on flex");
         quantize_with(pipeline.transformer_mut(), &int8_scheme()).expect("q8s on flex");
         values(pipeline.generate(&opts, &mut |_, _| {}).expect("q8s on flex"))
@@ -290,7 +290,7 @@ fn every_preset_predicts_a_quantized_pipelines_bytes_and_moves_exactly_on_wgpu()
     // sizes hold only if every count is in the device's store.
     for value in [QuantValue::Q8S, QuantValue::Q4S] {
         let scheme = QuantScheme::default().with_value(value).with_store(QuantStore::Native);
-        let load = |placement: Placement| -> pipeline_zimage::Result<ZImagePipeline> {
+        let load = |placement: OffloadDevice| -> pipeline_zimage::Result<ZImagePipeline> {
             let mut pipeline =
                 ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new())?;
             quantize_with(pipeline.text_encoder_mut(), &scheme)?;
@@ -298,7 +298,7 @@ fn every_preset_predicts_a_quantized_pipelines_bytes_and_moves_exactly_on_wgpu()
             Ok(pipeline)
         };
         // The cards are sized on the host (4-bit weights there are a byte a value: larger cards than wgpu needs).
-        let probe = load(Placement::host_only()).expect("loads");
+        let probe = load(OffloadDevice::host_only()).expect("loads");
         // As on the simulated card (`tests/quantized.rs`): the float VAE is larger than the quantized transformer
         // and decodes on every card beside its activations.
         // On the device the cap also holds the pool's pages left from earlier runs and the rounding of each

@@ -23,7 +23,7 @@ use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use common::{component_bytes as bytes, fixtures, golden, load_tiny, max_abs_diff, tensor4, turbo_options, values};
 use group_offload::{GroupLevel, GroupOptions, handle::GroupedModel};
-use group_offload::{Placement, whole::BurnComponent, whole::Unbounded};
+use group_offload::{OffloadDevice, whole::BurnComponent};
 use group_offload::{
     config::GroupOffloadConfig, device::CappedDevice, device::PagePolicy, device::PoolReadings,
     device::open_device_with,
@@ -65,8 +65,8 @@ fn placement(
     name: &DeviceName,
     ledger: Arc<dyn DeviceLedger>,
     memory: Arc<dyn DeviceMemory>,
-) -> Placement {
-    Placement::on_device(device.clone(), name.clone(), ledger, Some(memory))
+) -> OffloadDevice {
+    OffloadDevice::on_device(device.clone(), name.clone(), ledger, Some(memory))
 }
 
 fn in_use(device: &Device) -> u64 {
@@ -77,7 +77,7 @@ fn in_use(device: &Device) -> u64 {
 fn resident(device: &Device, name: &DeviceName) -> ZImagePipeline {
     let memory = readings(device, name, TOTAL);
     let pipeline = load_tiny(placement(device, name, Arc::new(NoLedger), memory));
-    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true).expect("auto offload");
     pipeline
 }
 
@@ -119,11 +119,11 @@ fn the_text_encoder_on_the_cpu_beside_the_device_gives_the_one_device_image() {
 
     let memory = readings(&device, &name, TOTAL);
     let map = DeviceMap::single(placement(&device, &name, Arc::new(NoLedger), memory))
-        .with("text_encoder", Placement::host_only())
+        .with("text_encoder", OffloadDevice::host_only())
         .expect("a component");
     let two = ZImagePipeline::load_mapped(fixtures().join("tiny-z-image-turbo"), map, &LoadOptions::new())
         .expect("the tiny checkpoint loads over two devices");
-    two.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true).expect("auto offload");
+    two.enable_auto_offload(two.placement().readings(), 0, true).expect("auto offload");
     let image = values(two.generate(&opts, &mut |_, _| {}).expect("cpu and wgpu"));
     let against_one = max_abs_diff(&image, &one);
     let against_diffusers = max_abs_diff(&image, &expected);
@@ -148,7 +148,7 @@ fn one_seed_gives_one_image_on_the_host_and_on_the_device() {
     opts.latents = None;
     opts.seed = 42;
     let on_device = values(resident(&device, &name).generate(&opts, &mut |_, _| {}).expect("wgpu"));
-    let on_host = values(load_tiny(Placement::host_only()).generate(&opts, &mut |_, _| {}).expect("flex"));
+    let on_host = values(load_tiny(OffloadDevice::host_only()).generate(&opts, &mut |_, _| {}).expect("flex"));
     // The noise is drawn on the host from the seed, then moved: only the arithmetic differs.
     let difference = max_abs_diff(&on_device, &on_host);
     println!("seed 42, wgpu against flex: max abs difference {difference:.2e}");
@@ -161,7 +161,7 @@ fn auto_offload_decides_from_the_devices_own_readings() {
     let baseline = in_use(&device);
     // Load first (on the host) to size the device: the transformer fits, the transformer and the text encoder
     // together do not, so the strategy must evict on the device's own numbers.
-    let probe = load_tiny(Placement::host_only());
+    let probe = load_tiny(OffloadDevice::host_only());
     let (te, tr) = (bytes(&probe, "text_encoder"), bytes(&probe, "transformer"));
     drop(probe);
     let total = baseline + tr + te / 2;
@@ -241,12 +241,10 @@ fn group_offload_streams_within_the_ring_bound_and_returns_every_groups_memory()
     {
         let options =
             GroupOptions { level, prefetch: true, prefetch_depth: depth, pinned_budget, ..GroupOptions::default() };
-        let config = GroupOffloadConfig::new("transformer", device.clone())
-            .with_device_name(name.clone())
-            .with_memory(memory.clone());
+        let on = OffloadDevice::on_device(device.clone(), name.clone(), Arc::new(NoLedger), Some(memory.clone()));
+        let config = GroupOffloadConfig::new("transformer", on);
         let mut grouped =
-            GroupedModel::<ZImageTransformer2DModel>::new(model.clone(), config, &options, Arc::new(NoLedger))
-                .expect("group offload");
+            GroupedModel::<ZImageTransformer2DModel>::new(model.clone(), config, &options).expect("group offload");
         let offload = grouped.offload().clone();
         let inputs = in_use(&device);
 
@@ -335,10 +333,12 @@ fn models_on_one_device_prefetch_on_its_one_upload_thread_and_a_dropped_one_leav
         ..GroupOptions::default()
     };
     let grouped = |id: &str| {
-        let config =
-            GroupOffloadConfig::new(id, device.clone()).with_device_name(name.clone()).with_timeline(timeline.clone());
-        GroupedModel::<ZImageTransformer2DModel>::new(model.clone(), config, &options, Arc::new(NoLedger))
-            .expect("group offload")
+        let config = GroupOffloadConfig::new(
+            id,
+            OffloadDevice::on_device(device.clone(), name.clone(), Arc::new(NoLedger), None),
+        )
+        .with_timeline(timeline.clone());
+        GroupedModel::<ZImageTransformer2DModel>::new(model.clone(), config, &options).expect("group offload")
     };
     let (mut first, mut second) = (grouped("first"), grouped("second"));
     for _ in 0..2 {
@@ -417,7 +417,7 @@ fn the_decode_oom_recovers_under_a_hard_cap_over_the_real_device() {
     // component resident (exclusive pages follow the allocations, and are the same for the same calls).
     let memory = readings(&device, &name, TOTAL);
     let pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
-    pipeline.enable_auto_offload(Arc::new(Unbounded { device: name.clone() }), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true).expect("auto offload");
     let reference = values(pipeline.generate(&opts, &mut |_, _| {}).expect("resident"));
     device.memory_cleanup();
     let before = memory.observe().expect("a reading").reserved;

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
-use group_offload::{Placement, whole::BurnComponent};
+use group_offload::{OffloadDevice, whole::BurnComponent};
 use memory_sim::{CardSpec, Faults, Mode, SimCard};
 use offload_core::{Action, ComponentError, DeviceLedger, DeviceMemory, Direction, OffloadRecord, Offloadable, Reason};
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
@@ -326,7 +326,7 @@ fn pipeline_on_card(
         SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
     card.set_faults(faults);
     let traced = Arc::new(Traced { card: card.clone(), record: OnceLock::new(), log: Mutex::new(Vec::new()) });
-    let placement = Placement::on_device(Device::flex(), card.device(), traced.clone(), None);
+    let placement = OffloadDevice::on_device(Device::flex(), card.device(), traced.clone(), None);
     let mut pipeline = load(placement);
     let _ = traced.record.set(pipeline.manager().offload_record());
     let enabled = (|| {
@@ -348,7 +348,7 @@ fn pipeline_on_card(
 /// A card too small to hold the transformer with its activations beside the text encoder: the flow needs the
 /// manager to offload.
 fn card_capacity(setup: Setup) -> u64 {
-    let resident = Placement::host_only();
+    let resident = OffloadDevice::host_only();
     let probe = load(resident);
     let ids = ids(&probe);
     let bytes = |id: &str| probe.manager().component_info(id).unwrap().bytes;
@@ -532,14 +532,14 @@ fn enabling_group_offload_loses_nothing() {
     let capacity = card_capacity(Setup::Block);
     let card =
         SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
-    let placement = Placement::simulated(card.clone());
+    let placement = OffloadDevice::simulated(card.clone());
     let mut pipeline = load(placement);
     pipeline.enable_group_offload(1, 1).unwrap();
     assert_eq!(card.stats().allocations, 0, "building the groups allocates nothing on the device");
 
     let card =
         SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
-    let placement = Placement::simulated(card.clone());
+    let placement = OffloadDevice::simulated(card.clone());
     let mut pipeline = load(placement);
     // A file where the store's directory should be: the store cannot be created.
     let blocked = std::env::temp_dir().join(format!("zimage-blocked-store-{}", std::process::id()));
@@ -594,7 +594,7 @@ fn contention_runs(runs: usize) -> Contention {
             .try_run(activation, |weights, _| weights.forward_items(xs.clone(), t.clone(), caps.clone()))
     };
     let (reference, capacity, activation) = {
-        let mut probe = load(Placement::host_only());
+        let mut probe = load(OffloadDevice::host_only());
         let reference = values(forward(&probe, 0).unwrap().remove(0));
         probe.enable_group_offload(1, 2).unwrap();
         let offload = probe.group_offload("transformer").unwrap();
@@ -615,7 +615,7 @@ fn contention_runs(runs: usize) -> Contention {
         let card = SimCard::new(
             CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0),
         );
-        let mut pipeline = load(Placement::simulated(card.clone()));
+        let mut pipeline = load(OffloadDevice::simulated(card.clone()));
         pipeline.enable_group_offload(1, 2).unwrap();
         pipeline.enable_auto_offload(card.clone(), 0, true).unwrap();
         // The text encoder first, so the OOM retry has something to evict.
@@ -678,7 +678,7 @@ fn a_disk_group_removed_while_the_model_runs_is_a_typed_error_and_nothing_else_i
     let capacity = card_capacity(Setup::Block);
     let card =
         SimCard::new(CardSpec::parse(&capacity.to_string()).unwrap().with_mode(Mode::Hard).with_context_overhead(0));
-    let mut pipeline = load(Placement::simulated(card.clone()));
+    let mut pipeline = load(OffloadDevice::simulated(card.clone()));
     let options_with_store = group_offload::GroupOptions {
         disk_store: Some(dir.clone()),
         prefetch: false,

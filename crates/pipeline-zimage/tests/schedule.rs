@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{load_tiny, turbo_options};
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::DeviceMemory;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
@@ -29,9 +29,9 @@ fn card_for(pipeline: &ZImagePipeline, opts: &GenerateOptions) -> CardSpec {
 /// number of uses.
 fn run(strategy: StrategyChoice) -> (ZImagePipeline, Arc<SimCard>, usize, GenerateOptions) {
     let (mut opts, _) = turbo_options();
-    let sizing = load_tiny(Placement::host_only());
+    let sizing = load_tiny(OffloadDevice::host_only());
     let card = SimCard::new(card_for(&sizing, &opts));
-    let pipeline = load_tiny(Placement::simulated(card.clone()));
+    let pipeline = load_tiny(OffloadDevice::simulated(card.clone()));
     pipeline.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
     pipeline.manager().set_offload_strategy(strategy.first_image()).expect("enabled");
     let mut first = 0;

@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{Action, DeviceMemory, OffloadRecord, Reason, Timeline};
@@ -27,7 +27,7 @@ fn traced_run() -> (ZImagePipeline, Arc<SimCard>, Timeline) {
     let (opts, _) = turbo_options();
     let spec = CardSpec::parse("8MB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
     let card = SimCard::new(spec);
-    let mut pipeline = load_tiny(Placement::simulated(card.clone()));
+    let mut pipeline = load_tiny(OffloadDevice::simulated(card.clone()));
     let timeline = Timeline::enabled();
     pipeline.set_timeline(timeline.clone()).expect("no group offload yet");
     let mut explicit = SettingsLayer::default();
@@ -190,7 +190,7 @@ fn the_memory_plot_of_the_run_is_a_png_of_the_asked_size_with_the_memory_line_dr
 fn a_timeline_set_after_group_offload_is_refused() {
     let spec = CardSpec::parse("8MB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
     let card = SimCard::new(spec);
-    let mut pipeline = load_tiny(Placement::simulated(card.clone()));
+    let mut pipeline = load_tiny(OffloadDevice::simulated(card.clone()));
     pipeline.enable_group_offload(1, 1).expect("group offload");
     let error = pipeline.set_timeline(Timeline::enabled()).expect_err("refused");
     assert!(error.to_string().contains("set the timeline before enabling group offload"), "{error}");

@@ -3,7 +3,7 @@
 //! component's phase within 1% below to 10% above, a prefetched one's included), and its bytes moved and moves per
 //! image are the ones the ledger counted, exactly (`docs/benchmarks.md`, "Predicted beside measured").
 
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use pipeline_zimage::pipeline::ZImagePipeline;
 use pipeline_zimage::validate::{Case, Table, Target, validate_presets, validation_cards};
 
@@ -11,7 +11,7 @@ mod common;
 
 use common::{fixtures, turbo_options};
 
-fn load(placement: Placement) -> pipeline_zimage::Result<ZImagePipeline> {
+fn load(placement: OffloadDevice) -> pipeline_zimage::Result<ZImagePipeline> {
     ZImagePipeline::load(
         fixtures().join("tiny-z-image-turbo"),
         placement,
@@ -22,7 +22,7 @@ fn load(placement: Placement) -> pipeline_zimage::Result<ZImagePipeline> {
 #[test]
 fn every_preset_predicts_the_simulated_cards_peak_within_ten_percent_and_its_moves_exactly() {
     let (opts, _) = turbo_options();
-    let cards = validation_cards(&load(Placement::host_only()).expect("loads"), &opts).expect("cards");
+    let cards = validation_cards(&load(OffloadDevice::host_only()).expect("loads"), &opts).expect("cards");
     let cases = validate_presets(&Target::Simulated, &load, &cards, &opts);
     let table = Table(&cases).to_string();
     println!("{table}");

@@ -14,7 +14,7 @@
 mod common;
 
 use common::fixtures;
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use group_offload::{device::PagePolicy, device::open_device_with};
 use offload_core::DeviceName;
 use pipeline_zimage::loading::LoadOptions;
@@ -26,7 +26,7 @@ use pipeline_zimage::validate::{
 /// The size given as the lavapipe device's total: it reports none.
 const TOTAL: u64 = 1 << 30;
 
-fn load(placement: Placement) -> pipeline_zimage::Result<ZImagePipeline> {
+fn load(placement: OffloadDevice) -> pipeline_zimage::Result<ZImagePipeline> {
     ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new())
 }
 
@@ -88,7 +88,7 @@ fn every_preset_on_the_real_device_moves_what_the_plan_predicts_and_peaks_near_i
     }
     assert_eq!(measured.weights.len(), 3, "every component measured its footprint: {measured:?}");
     assert_eq!(measured.calls.len(), 3, "every component measured its call: {measured:?}");
-    let probe = load(Placement::host_only()).expect("loads");
+    let probe = load(OffloadDevice::host_only()).expect("loads");
     let cards = validation_cards_on(&probe, &opts, &measured.weights).expect("cards");
     let (footprints, calls) = (measured.weights, measured.calls);
     let target = Target::Device { device: device.clone(), name: name.clone(), total: TOTAL, footprints, calls };

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::DType;
 use common::{fixtures, golden, max_abs_diff, tensor4, values};
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use pipeline_zimage::Error;
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
@@ -58,7 +58,7 @@ fn options(name: &str) -> (GenerateOptions, Vec<f32>) {
 }
 
 fn load(dir: &Path, opts: &LoadOptions) -> ZImagePipeline {
-    ZImagePipeline::load(dir, Placement::host_only(), opts).expect("the variant loads")
+    ZImagePipeline::load(dir, OffloadDevice::host_only(), opts).expect("the variant loads")
 }
 
 /// Generates the variant's image and returns its largest difference from diffusers'.
@@ -147,7 +147,7 @@ fn a_text_encoder_saved_with_its_lm_head_reports_the_head_and_strict_loading_ref
     assert!(report.to_string().contains("1 ignored as the reference ignores them"), "{report}");
     assert!(error_against_diffusers(&pipeline, "lm-head") <= 1e-3);
 
-    let strict = ZImagePipeline::load(&dir, Placement::host_only(), &LoadOptions::new().with_strict(true));
+    let strict = ZImagePipeline::load(&dir, OffloadDevice::host_only(), &LoadOptions::new().with_strict(true));
     match strict {
         Err(Error::PartialLoad { component, unused, .. }) => {
             assert_eq!(component, "text_encoder");

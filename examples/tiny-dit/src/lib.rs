@@ -246,7 +246,7 @@ impl EncoderWeights<'_> {
 pub struct TinyDitPipeline {
     manager: Arc<ComponentsManager>,
     config: Config,
-    placement: Placement,
+    placement: OffloadDevice,
     /// The condition encoder.
     pub encoder: ModelHandle<Encoder>,
     /// The DiT.
@@ -256,8 +256,8 @@ pub struct TinyDitPipeline {
 }
 
 impl TinyDitPipeline {
-    /// Registers `models` (on `placement.host`) with a new manager.
-    pub fn new(models: Models, config: Config, placement: Placement) -> group_offload::Result<Self> {
+    /// Registers `models` (on `placement.host()`) with a new manager.
+    pub fn new(models: Models, config: Config, placement: OffloadDevice) -> group_offload::Result<Self> {
         let manager = Arc::new(ComponentsManager::new());
         // offload: begin
         let encoder = ModelHandle::register(&manager, "encoder", models.encoder, placement.clone())?;
@@ -311,7 +311,7 @@ impl TinyDitPipeline {
     /// Euler steps of the flow from deterministic noise.
     pub fn generate(&self, prompt: &[i64], steps: usize) -> group_offload::Result<Tensor<3>> {
         let c = &self.config;
-        let host = &self.placement.host;
+        let host = self.placement.host();
         // offload: begin (each call goes through its handle, which the manager onloads, charges and retries)
         let [encoder, dit, decoder] = self.activation_estimates(prompt.len());
         // offload: end

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use group_offload::{GroupLevel, GroupOptions, OffloadModel, Placement, check_streaming};
+use group_offload::{GroupLevel, GroupOptions, OffloadDevice, OffloadModel, check_streaming};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Route, Settings, SettingsLayer};
 use offload_core::{Action, DeviceMemory, Reason};
@@ -19,7 +19,7 @@ fn models() -> Models {
     Models::random(&Config::small(), &Device::flex())
 }
 
-fn pipeline(models: &Models, placement: Placement) -> TinyDitPipeline {
+fn pipeline(models: &Models, placement: OffloadDevice) -> TinyDitPipeline {
     TinyDitPipeline::new(models.clone(), Config::small(), placement).expect("registers")
 }
 
@@ -45,7 +45,7 @@ fn sizes(pipeline: &TinyDitPipeline) -> [u64; 3] {
 }
 
 fn resident_image(models: &Models) -> Vec<f32> {
-    values(pipeline(models, Placement::host_only()).generate(&PROMPT, STEPS).expect("runs resident"))
+    values(pipeline(models, OffloadDevice::host_only()).generate(&PROMPT, STEPS).expect("runs resident"))
 }
 
 #[test]
@@ -68,14 +68,14 @@ fn the_dit_and_the_encoder_stream_as_they_run_resident() {
 fn auto_offload_on_a_hard_card_smaller_than_the_pipeline_gives_the_resident_image() {
     let models = models();
     let resident = resident_image(&models);
-    let probe = pipeline(&models, Placement::host_only());
+    let probe = pipeline(&models, OffloadDevice::host_only());
     let [encoder, dit, decoder] = sizes(&probe);
     let [_, dit_activations, _] = probe.activation_estimates(PROMPT.len());
     // The DiT and its activations fit, the encoder does not fit beside them.
     let capacity = dit + dit_activations + encoder / 2;
     assert!(capacity < encoder + dit + decoder + dit_activations);
     let card = hard_card(capacity);
-    let pipeline = pipeline(&models, Placement::simulated(card.clone()));
+    let pipeline = pipeline(&models, OffloadDevice::simulated(card.clone()));
     pipeline.manager().enable_auto_offload(card.clone(), dit_activations, true).expect("auto offload");
     assert_same(&values(pipeline.generate(&PROMPT, STEPS).expect("runs")), &resident, "auto offload");
     assert!(card.peak() <= capacity, "peak {} over the card's {capacity}", card.peak());
@@ -89,7 +89,7 @@ fn auto_offload_on_a_hard_card_smaller_than_the_pipeline_gives_the_resident_imag
 fn the_oom_retry_recovers_a_call_whose_activations_do_not_fit() {
     let models = models();
     let resident = resident_image(&models);
-    let probe = pipeline(&models, Placement::host_only());
+    let probe = pipeline(&models, OffloadDevice::host_only());
     let [encoder, dit, _] = sizes(&probe);
     let [_, dit_activations, _] = probe.activation_estimates(PROMPT.len());
     // Both weights fit, so auto offload (no reserve) keeps the encoder; the DiT's activations beside it do not,
@@ -98,7 +98,7 @@ fn the_oom_retry_recovers_a_call_whose_activations_do_not_fit() {
     assert!(encoder >= dit_activations / 2, "the recipe needs an encoder of at least half the DiT's activations");
     let capacity = encoder + dit + dit_activations / 2;
     let card = hard_card(capacity);
-    let pipeline = pipeline(&models, Placement::simulated(card.clone()));
+    let pipeline = pipeline(&models, OffloadDevice::simulated(card.clone()));
     pipeline.manager().enable_auto_offload(card.clone(), 0, true).expect("auto offload");
     assert_same(&values(pipeline.generate(&PROMPT, STEPS).expect("recovers")), &resident, "after the OOM retry");
     let record = pipeline.manager().offload_record();
@@ -112,7 +112,7 @@ fn block_and_leaf_group_offload_with_prefetch_give_the_resident_image() {
     let models = models();
     let resident = resident_image(&models);
     let card = hard_card(64 << 20);
-    let mut pipeline = pipeline(&models, Placement::simulated(card.clone()));
+    let mut pipeline = pipeline(&models, OffloadDevice::simulated(card.clone()));
     let block = GroupOptions { level: GroupLevel::Block { blocks_per_group: 2 }, ..GroupOptions::default() };
     pipeline.dit.enable_group_offload(&block).expect("the DiT streams by blocks");
     pipeline.encoder.enable_group_offload(&GroupOptions::leaf()).expect("leaves");
@@ -138,12 +138,12 @@ fn block_and_leaf_group_offload_with_prefetch_give_the_resident_image() {
 fn the_auto_preset_streams_the_dit_on_a_card_too_small_for_it() {
     let models = models();
     let resident = resident_image(&models);
-    let probe = pipeline(&models, Placement::host_only());
+    let probe = pipeline(&models, OffloadDevice::host_only());
     let [_, dit, _] = sizes(&probe);
     let reserve = probe.activation_estimates(PROMPT.len()).into_iter().max().unwrap_or(0);
     let capacity = dit * 3 / 4;
     let card = hard_card(capacity);
-    let mut pipeline = pipeline(&models, Placement::simulated(card.clone()));
+    let mut pipeline = pipeline(&models, OffloadDevice::simulated(card.clone()));
     let mut explicit = SettingsLayer::default();
     explicit.set("preset", "auto").expect("a preset");
     explicit.set("reserve", &reserve.to_string()).expect("a size");

@@ -306,10 +306,10 @@ pub struct TinyUnetPipeline {
 }
 
 impl TinyUnetPipeline {
-    /// Registers `encoder` and `unet` (on `placement.host`) with a new manager.
-    pub fn new(encoder: Encoder, unet: UNet, placement: Placement) -> Result<Self> {
+    /// Registers `encoder` and `unet` (on `placement.host()`) with a new manager.
+    pub fn new(encoder: Encoder, unet: UNet, placement: OffloadDevice) -> Result<Self> {
         let manager = Arc::new(ComponentsManager::new());
-        let host = placement.host.clone();
+        let host = placement.host().clone();
         // offload: begin
         let encoder = ModelHandle::register(&manager, "encoder", encoder, placement.clone())?;
         let unet = ModelHandle::register(&manager, "unet", unet, placement)?;

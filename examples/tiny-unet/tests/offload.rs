@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use burn::tensor::{Device, Tensor};
-use group_offload::{GroupLevel, GroupOptions, OffloadModel, Placement, check_streaming, module_bytes};
+use group_offload::{GroupLevel, GroupOptions, OffloadDevice, OffloadModel, check_streaming, module_bytes};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer, Workload};
 use offload_core::{Action, DeviceMemory, OffloadRecord, Reason};
@@ -22,7 +22,7 @@ fn models() -> (Encoder, UNet) {
     MODELS.get_or_init(|| (Encoder::random(1000, &device), UNet::random(&device))).clone()
 }
 
-fn pipeline(placement: Placement) -> TinyUnetPipeline {
+fn pipeline(placement: OffloadDevice) -> TinyUnetPipeline {
     let (encoder, unet) = models();
     TinyUnetPipeline::new(encoder, unet, placement).expect("registers")
 }
@@ -42,7 +42,7 @@ fn assert_same(a: &[f32], b: &[f32], context: &str) {
 }
 
 fn resident() -> Vec<f32> {
-    values(pipeline(Placement::host_only()).generate(CLASS, STEPS).expect("runs resident"))
+    values(pipeline(OffloadDevice::host_only()).generate(CLASS, STEPS).expect("runs resident"))
 }
 
 fn unet_bytes() -> u64 {
@@ -72,7 +72,7 @@ fn block_and_leaf_level_run_on_a_card_smaller_than_the_unet_with_no_miss() {
     let capacity = unet * 3 / 4;
     for level in [GroupLevel::Block { blocks_per_group: 1 }, GroupLevel::Leaf] {
         let card = hard_card(capacity);
-        let mut pipeline = pipeline(Placement::simulated(card.clone()));
+        let mut pipeline = pipeline(OffloadDevice::simulated(card.clone()));
         let options = GroupOptions { level, ..GroupOptions::default() };
         pipeline.unet.enable_group_offload(&options).expect("the UNet streams");
         // The reserve is the call's activations alone: the manager counts the UNet's window (the group it computes
@@ -107,13 +107,13 @@ fn block_and_leaf_level_run_on_a_card_smaller_than_the_unet_with_no_miss() {
 #[test]
 fn auto_offload_evicts_the_encoder_for_the_unet_on_a_hard_card() {
     let resident = resident();
-    let probe = pipeline(Placement::host_only());
+    let probe = pipeline(OffloadDevice::host_only());
     let info = |id: &str| probe.manager().component_info(id).expect("registered").bytes;
     let (encoder, unet) = (info(probe.encoder.id()), info(probe.unet.id()));
     let activations = TinyUnetPipeline::unet_activations();
     let capacity = unet + activations + encoder / 2;
     let card = hard_card(capacity);
-    let pipeline = pipeline(Placement::simulated(card.clone()));
+    let pipeline = pipeline(OffloadDevice::simulated(card.clone()));
     pipeline.manager().enable_auto_offload(card.clone(), activations, true).expect("auto offload");
     assert_same(&values(pipeline.generate(CLASS, STEPS).expect("runs")), &resident, "auto offload");
     assert!(card.peak() <= capacity);
@@ -126,7 +126,7 @@ fn auto_offload_evicts_the_encoder_for_the_unet_on_a_hard_card() {
 #[test]
 fn the_oom_retry_recovers_a_call_whose_activations_do_not_fit() {
     let resident = resident();
-    let probe = pipeline(Placement::host_only());
+    let probe = pipeline(OffloadDevice::host_only());
     let info = |id: &str| probe.manager().component_info(id).expect("registered").bytes;
     let (encoder, unet) = (info(probe.encoder.id()), info(probe.unet.id()));
     let activations = TinyUnetPipeline::unet_activations();
@@ -135,7 +135,7 @@ fn the_oom_retry_recovers_a_call_whose_activations_do_not_fit() {
     assert!(encoder > activations / 2, "the recipe needs an encoder of at least half the activations");
     let capacity = encoder + unet + activations / 2;
     let card = hard_card(capacity);
-    let pipeline = pipeline(Placement::simulated(card.clone()));
+    let pipeline = pipeline(OffloadDevice::simulated(card.clone()));
     pipeline.manager().enable_auto_offload(card.clone(), 0, true).expect("auto offload");
     assert_same(&values(pipeline.generate(CLASS, STEPS).expect("recovers")), &resident, "after the OOM retry");
     let record = pipeline.manager().offload_record();
@@ -151,7 +151,7 @@ fn the_auto_preset_streams_the_unet_on_a_card_too_small_for_it() {
     let activations = TinyUnetPipeline::unet_activations();
     let capacity = unet * 3 / 4;
     let card = hard_card(capacity);
-    let mut pipeline = pipeline(Placement::simulated(card.clone()));
+    let mut pipeline = pipeline(OffloadDevice::simulated(card.clone()));
     let mut explicit = SettingsLayer::default();
     explicit.set("preset", "auto").expect("a preset");
     explicit.set("reserve", &activations.to_string()).expect("a size");
@@ -194,7 +194,7 @@ fn the_offload_specific_lines_are_those_the_readme_counts() {
 fn three_block_level_images(capacity: u64) -> (Vec<(u64, u64)>, OffloadRecord, String) {
     let resident = resident();
     let card = hard_card(capacity);
-    let mut pipeline = pipeline(Placement::simulated(card.clone()));
+    let mut pipeline = pipeline(OffloadDevice::simulated(card.clone()));
     let options = GroupOptions { level: GroupLevel::Block { blocks_per_group: 1 }, ..GroupOptions::default() };
     pipeline.unet.enable_group_offload(&options).expect("the UNet streams");
     let reserve = TinyUnetPipeline::unet_activations();
@@ -257,7 +257,7 @@ fn block_level_beside_the_encoder_refuses_no_prefetch_after_the_first_image() {
 #[test]
 fn refusals_the_card_cannot_avoid_are_rows_and_one_line_per_image() {
     let card = hard_card(unet_bytes() * 55 / 100);
-    let mut pipeline = pipeline(Placement::simulated(card.clone()));
+    let mut pipeline = pipeline(OffloadDevice::simulated(card.clone()));
     let options = GroupOptions { level: GroupLevel::Block { blocks_per_group: 1 }, ..GroupOptions::default() };
     pipeline.unet.enable_group_offload(&options).expect("the UNet streams");
     pipeline.manager().enable_auto_offload(card.clone(), TinyUnetPipeline::unet_activations(), true).expect("auto");
@@ -292,7 +292,7 @@ fn refusals_the_card_cannot_avoid_are_rows_and_one_line_per_image() {
 fn a_unet_too_large_for_the_card_whole_fails_typed_through_the_one_error_type() {
     let unet = unet_bytes();
     let card = hard_card(unet * 3 / 4);
-    let pipeline = pipeline(Placement::simulated(card.clone()));
+    let pipeline = pipeline(OffloadDevice::simulated(card.clone()));
     pipeline.manager().enable_auto_offload(card.clone(), 0, true).expect("auto offload");
     let error: group_offload::Error = pipeline.generate(CLASS, STEPS).expect_err("the UNet does not fit whole");
     match &error {

@@ -23,6 +23,7 @@
 //! group offload. A quantized component is routed as a float one of its (quantized) sizes: its weights keep
 //! their own kernels and stream as they are, and its explanation says it is quantized.
 
+pub mod balanced;
 pub mod budget;
 pub mod capacity;
 pub mod component;
@@ -37,6 +38,7 @@ pub mod planner;
 pub mod preset;
 pub mod settings;
 
+pub use balanced::{Assignment, Balanced, balance};
 #[cfg(feature = "io")]
 pub use capacity::ProfileStore;
 pub use capacity::{

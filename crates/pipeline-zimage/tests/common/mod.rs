@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use group_offload::Placement;
+use group_offload::OffloadDevice;
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::pipeline::{GenerateOptions, ZImagePipeline};
 
@@ -41,7 +41,7 @@ pub fn tensor4(golden: &Golden, name: &str) -> Tensor<4> {
 }
 
 /// The tiny checkpoint loaded onto `placement`.
-pub fn load_tiny(placement: Placement) -> ZImagePipeline {
+pub fn load_tiny(placement: OffloadDevice) -> ZImagePipeline {
     ZImagePipeline::load(fixtures().join("tiny-z-image-turbo"), placement, &LoadOptions::new())
         .expect("the tiny checkpoint loads")
 }

@@ -1,0 +1,266 @@
+//! The device object: one [`OffloadDevice`] per execution device, created once and handed over once. It owns what
+//! runs on the device: its account (the ledger every move is charged to and the readings of its memory), its upload
+//! thread, the clock on its link, and a manager its models are registered in, whose record and timeline every move
+//! onto the device is written to.
+
+use std::sync::Arc;
+
+use burn::tensor::Device;
+use offload_core::link::{LinkMeter, LinkRate};
+use offload_core::{ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, NoLedger};
+
+use crate::error::Result;
+use crate::uploads::{Task, UploadThread};
+
+/// One execution device and everything that runs on it: the burn device that computes, the host device offloaded
+/// weights live on, the device's name, its account (ledger and readings), its upload thread, its link's clock and
+/// its manager. Cloning it clones a handle to the same device (one account, one thread, one meter).
+///
+/// The run side of a model crate is this type and [`ModelHandle`]:
+///
+/// ```
+/// use burn::module::Module;
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::tensor::{Device, Tensor};
+/// use group_offload::prelude::*;
+///
+/// #[derive(Module, Debug)]
+/// struct Block { fc: Linear }
+///
+/// #[derive(Module, Debug, OffloadModel)]
+/// struct Net { #[offload(blocks)] blocks: Vec<Block> }
+///
+/// let net = Net { blocks: (0..3).map(|_| Block { fc: LinearConfig::new(4, 4).init(&Device::flex()) }).collect() };
+/// // The card is handed over once: the device owns its account, its upload thread and its manager.
+/// let device = OffloadDevice::simulated(memory_sim::SimCard::new(memory_sim::CardSpec::parse("1MB")?));
+/// let mut net = device.register("net", net)?;
+/// net.enable_group_offload(&GroupOptions::default())?;
+/// device.enable_auto_offload(0)?;
+/// let y = net.run(0, |weights, exec| {
+///     let x = Tensor::<2>::ones([1, 4], exec);
+///     weights.blocks.fold(x, |block, x| Ok(leaf!(block, fc).forward(x)))
+/// })?;
+/// assert_eq!(y.dims(), [1, 4]);
+/// assert!(!device.manager().offload_record().is_empty(), "every move is in the device's record");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct OffloadDevice(Arc<Shared>);
+
+/// What one device owns, behind every handle to it.
+struct Shared {
+    exec: Device,
+    host: Device,
+    name: DeviceName,
+    ledger: Arc<dyn DeviceLedger>,
+    memory: Option<Arc<dyn DeviceMemory>>,
+    link: Arc<LinkMeter>,
+    uploads: UploadThread,
+    manager: Arc<ComponentsManager>,
+}
+
+impl OffloadDevice {
+    /// `exec` computes (a real device, or the CPU under a card of the caller's), offloaded weights live on the CPU
+    /// backend, the device is known as `name`, and `ledger` and `memory` are its one account (`NoLedger` and
+    /// `PoolReadings` on an uncapped device, a `CappedDevice` for both under a cap, a `SimCard` on the CPU).
+    pub fn on_device(
+        exec: Device,
+        name: DeviceName,
+        ledger: Arc<dyn DeviceLedger>,
+        memory: Option<Arc<dyn DeviceMemory>>,
+    ) -> Self {
+        Self(Arc::new(Shared {
+            exec,
+            host: Device::flex(),
+            uploads: UploadThread::new(name.clone()),
+            name,
+            ledger,
+            memory,
+            link: Arc::default(),
+            manager: Arc::new(ComponentsManager::new()),
+        }))
+    }
+
+    /// Everything on the host's CPU backend: nothing moves, nothing is accounted.
+    pub fn host_only() -> Self {
+        Self::on_device(Device::flex(), DeviceName::cpu(), Arc::new(NoLedger), None)
+    }
+
+    /// A simulated card on the CPU: the weights stay in host memory (burn's `flex` backend), the card (anything
+    /// that is both the ledger and the readings: `memory_sim::SimCard`) accounts for them, and the components
+    /// are known by the card's device name.
+    pub fn simulated<C: DeviceLedger + DeviceMemory + 'static>(card: Arc<C>) -> Self {
+        let name = DeviceMemory::device(&*card);
+        Self::on_device(Device::flex(), name, card.clone(), Some(card))
+    }
+
+    /// The burn device that computes (`Device::cuda(0)`, or `Device::flex()` under a simulated card).
+    pub fn exec(&self) -> &Device {
+        &self.0.exec
+    }
+
+    /// The burn device offloaded weights live on.
+    pub fn host(&self) -> &Device {
+        &self.0.host
+    }
+
+    /// The device's name in managers, records and errors (`cuda:0`).
+    pub fn name(&self) -> &DeviceName {
+        &self.0.name
+    }
+
+    /// The account every allocation, transfer and free on the device is charged to.
+    pub fn ledger(&self) -> &Arc<dyn DeviceLedger> {
+        &self.0.ledger
+    }
+
+    /// Readings of the device's memory (a real device's pool, a cap over it, a simulated card), for the available
+    /// bytes an out-of-memory reports and the samples of the timeline; `None` where nothing reads it.
+    pub fn memory(&self) -> &Option<Arc<dyn DeviceMemory>> {
+        &self.0.memory
+    }
+
+    /// The readings auto offload decides by: the device's own, or, on a device nothing reads, readings of a device
+    /// large enough for everything (every component onloaded at its first run and never evicted, each move still
+    /// going through the manager and its record).
+    pub fn readings(&self) -> Arc<dyn DeviceMemory> {
+        match &self.0.memory {
+            Some(memory) => memory.clone(),
+            None => Arc::new(Unbounded { device: self.0.name.clone() }),
+        }
+    }
+
+    /// The clock on the link to the device: every whole onload and every group upload onto it notes its bytes and
+    /// wall time here.
+    pub fn link(&self) -> &Arc<LinkMeter> {
+        &self.0.link
+    }
+
+    /// The link rate the moves onto this device reached, measured by the clock; `None` before the first. Under a
+    /// simulated card this is a host copy's rate, not the card's simulated link.
+    pub fn link_rate(&self) -> Option<LinkRate> {
+        self.0.link.rate()
+    }
+
+    /// The device's manager: the models registered on the device ([`OffloadDevice::register`], in `handle`), its auto offload, OOM retry
+    /// and record ([`ComponentsManager::offload_record`]).
+    pub fn manager(&self) -> &Arc<ComponentsManager> {
+        &self.0.manager
+    }
+
+    /// Enables auto offload and the OOM retry in the device's manager, deciding by the device's own
+    /// [`readings`](Self::readings) with `reserve` bytes kept free.
+    pub fn enable_auto_offload(&self, reserve: u64) -> Result<()> {
+        Ok(self.0.manager.enable_auto_offload(self.readings(), reserve, true)?)
+    }
+
+    /// Whether `other` is a handle to this same device object (not merely a device of the same name).
+    pub fn is(&self, other: &OffloadDevice) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// The device's upload thread's queue, started at its first use.
+    pub(crate) fn upload_queue(&self) -> std::io::Result<std::sync::mpsc::Sender<Task>> {
+        self.0.uploads.sender()
+    }
+
+    /// Runs `f` on the device's upload thread and waits for it ([`UploadThread::run`]).
+    pub(crate) fn on_upload_thread<R: Send + 'static>(&self, f: impl FnOnce() -> R + Send + 'static) -> Result<R> {
+        self.0.uploads.run(f)
+    }
+}
+
+impl From<Device> for OffloadDevice {
+    /// A device with nothing accounted and nothing read: `cpu` for a CPU backend, `cuda:0` otherwise (name another
+    /// device with [`OffloadDevice::on_device`]).
+    fn from(exec: Device) -> Self {
+        let debug = format!("{exec:?}").to_ascii_lowercase();
+        let name = if debug.contains("cuda") { DeviceName::parse("cuda") } else { Ok(DeviceName::cpu()) }
+            .unwrap_or_else(|_| DeviceName::cpu());
+        Self::on_device(exec, name, Arc::new(NoLedger), None)
+    }
+}
+
+impl std::fmt::Debug for OffloadDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OffloadDevice")
+            .field("exec", &self.0.exec)
+            .field("name", &self.0.name)
+            .field("memory", &self.0.memory.is_some())
+            .finish()
+    }
+}
+
+/// Readings of a device treated as large enough for everything ([`OffloadDevice::readings`] of a device nothing
+/// reads).
+#[derive(Debug, Clone)]
+struct Unbounded {
+    device: DeviceName,
+}
+
+impl DeviceMemory for Unbounded {
+    fn device(&self) -> DeviceName {
+        self.device.clone()
+    }
+
+    fn total(&self) -> u64 {
+        u64::MAX / 2
+    }
+
+    fn available(&self) -> u64 {
+        u64::MAX / 2
+    }
+
+    fn allocated(&self) -> u64 {
+        0
+    }
+
+    fn peak(&self) -> u64 {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The device owns its upload thread: two device objects over the same burn device have a thread each, a clone
+    /// shares its device's, and the thread ends when the device's last handle is dropped (no process-wide registry
+    /// keeps it).
+    #[test]
+    fn each_device_object_owns_its_upload_thread_and_ends_it() {
+        let name = DeviceName::parse("cuda:3").expect("a device name");
+        let first = OffloadDevice::on_device(Device::flex(), name.clone(), Arc::new(NoLedger), None);
+        let second = OffloadDevice::on_device(Device::flex(), name, Arc::new(NoLedger), None);
+        let thread = || std::thread::current().id();
+        let a = first.on_upload_thread(thread).expect("runs");
+        let b = second.on_upload_thread(thread).expect("runs");
+        let a_again = first.clone().on_upload_thread(thread).expect("runs");
+        assert_ne!(a, b, "two device objects, two threads");
+        assert_eq!(a, a_again, "a clone is the same device");
+        assert!(first.is(&first.clone()) && !first.is(&second));
+        // The thread ends once the device's last handle and every queue taken from it are gone: a value it holds
+        // in a thread local is dropped at its exit and says so.
+        struct SaysWhenDropped(std::sync::mpsc::Sender<()>);
+        impl Drop for SaysWhenDropped {
+            fn drop(&mut self) {
+                let _ = self.0.send(());
+            }
+        }
+        thread_local!(static MARK: std::cell::RefCell<Option<SaysWhenDropped>> = const { std::cell::RefCell::new(None) });
+        let (ended, thread_ended) = std::sync::mpsc::channel();
+        first
+            .on_upload_thread(move || MARK.with(|mark| *mark.borrow_mut() = Some(SaysWhenDropped(ended))))
+            .expect("runs");
+        drop(first);
+        thread_ended.recv_timeout(std::time::Duration::from_secs(10)).expect("the thread ended with its device");
+    }
+
+    /// A device nothing reads decides by unbounded readings named after it; a simulated card by the card.
+    #[test]
+    fn readings_are_the_devices_own_or_unbounded() {
+        let host = OffloadDevice::host_only();
+        assert_eq!(host.readings().device(), DeviceName::cpu());
+        assert!(host.readings().available() > 1 << 60);
+    }
+}
