@@ -414,3 +414,13 @@ impl From<Error> for ComponentError {
 
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A panic's message: its payload's text when it is a `String` or a `&str` (what `panic!` and `unwrap` give),
+/// empty otherwise.
+pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_string()))
+        .unwrap_or_default()
+}

@@ -160,8 +160,7 @@ impl<M: OffloadModel> GroupedModel<M> {
         // Activations the device refuses are first made room for with the groups prefetched for this call that
         // it has not taken yet: the worker must never starve the call it prefetches for.
         let make_room = || offload.release_idle_prefetches() > 0;
-        let (ledger, memory) = (device.ledger().as_ref(), device.memory().as_deref());
-        run_call_making_room(exec, device.name(), ledger, memory, activation_bytes, make_room, || {
+        run_call_making_room(device, exec, activation_bytes, make_room, || {
             offload.run(|| {
                 let out = match parts {
                     Layout::Parts(parts) => f(M::streamed(parts), exec).map_err(Into::into),
@@ -261,6 +260,19 @@ struct FileTier<M> {
     table: FileTable,
     /// The options it streams with since [`ModelHandle::enable_group_offload`]; `None` while it moves whole.
     options: Option<GroupOptions>,
+}
+
+/// Dropping the handle removes its component from its manager (moved to the host first, so the device's account
+/// gives its bytes back). A device's manager lives as long as the device object, and every component holds the
+/// device: without this, a dropped pipeline's components would stay registered, and on the device, for as long as
+/// anything holds the device, and a component that holds the device it is registered on would keep it alive for
+/// ever.
+impl<M: OffloadModel> Drop for ModelHandle<M> {
+    fn drop(&mut self) {
+        if let Err(error) = self.manager.remove(&self.id) {
+            tracing::warn!(component = %self.id, "the dropped handle's component stays registered: {error}");
+        }
+    }
 }
 
 impl<M: OffloadModel> std::fmt::Debug for ModelHandle<M> {

@@ -55,7 +55,7 @@ struct Shared {
     ledger: Arc<dyn DeviceLedger>,
     memory: Option<Arc<dyn DeviceMemory>>,
     link: Arc<LinkMeter>,
-    uploads: UploadThread,
+    uploads: Arc<UploadThread>,
     manager: Arc<ComponentsManager>,
 }
 
@@ -72,11 +72,28 @@ impl OffloadDevice {
         Self(Arc::new(Shared {
             exec,
             host: Device::flex(),
-            uploads: UploadThread::new(name.clone()),
+            uploads: Arc::new(UploadThread::new(name.clone())),
             name,
             ledger,
             memory,
             link: Arc::default(),
+            manager: Arc::new(ComponentsManager::new()),
+        }))
+    }
+
+    /// The same device under another account: the same burn device, name, upload thread and link meter, with
+    /// `ledger` and `memory` as its account and a manager of its own. How a cap over a real device is laid over it
+    /// (`device.with_account(cap.clone(), Some(cap))`, a `CappedDevice`) without a second upload thread: a new
+    /// thread is a new cubecl stream, whose pools size their first pages far above small tensors.
+    pub fn with_account(&self, ledger: Arc<dyn DeviceLedger>, memory: Option<Arc<dyn DeviceMemory>>) -> Self {
+        Self(Arc::new(Shared {
+            exec: self.0.exec.clone(),
+            host: self.0.host.clone(),
+            name: self.0.name.clone(),
+            ledger,
+            memory,
+            link: self.0.link.clone(),
+            uploads: self.0.uploads.clone(),
             manager: Arc::new(ComponentsManager::new()),
         }))
     }
@@ -239,6 +256,11 @@ mod tests {
         assert_ne!(a, b, "two device objects, two threads");
         assert_eq!(a, a_again, "a clone is the same device");
         assert!(first.is(&first.clone()) && !first.is(&second));
+        // Another account over the same device keeps its upload thread.
+        let capped = first.with_account(Arc::new(NoLedger), None);
+        assert_eq!(capped.on_upload_thread(thread).expect("runs"), a, "the same device, the same thread");
+        assert!(!capped.is(&first) && !Arc::ptr_eq(capped.manager(), first.manager()));
+        drop(capped);
         // The thread ends once the device's last handle and every queue taken from it are gone: a value it holds
         // in a thread local is dropped at its exit and says so.
         struct SaysWhenDropped(std::sync::mpsc::Sender<()>);

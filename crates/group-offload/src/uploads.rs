@@ -92,7 +92,7 @@ impl UploadThread {
         match result.recv() {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(payload)) => {
-                let message = crate::device::panic_text(payload.as_ref());
+                let message = crate::error::panic_text(payload.as_ref());
                 tracing::error!(device = %name, "a task panicked on the upload thread ({message}); the thread goes on");
                 Err(Error::UploadPanicked { what: what.into(), device: name.to_string(), message })
             }
@@ -121,7 +121,7 @@ fn upload_thread_name(name: &DeviceName) -> String {
 /// failure, [`UploadThread::run`] as [`Error::UploadPanicked`]); one that still unwinds this far is logged here.
 pub(crate) fn serve(thread: &str, task: impl FnOnce()) {
     if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)) {
-        let message = crate::device::panic_text(payload.as_ref());
+        let message = crate::error::panic_text(payload.as_ref());
         tracing::error!(thread, "a task on the upload thread panicked ({message}); the thread goes on");
     }
 }
@@ -174,17 +174,6 @@ impl DeviceTensor {
                 ));
             }
         })
-    }
-}
-
-impl crate::device::DeviceOutput for DeviceTensor {
-    /// A float tensor's one-value probe; none for a quantized one, which is read back by its own kernels (its
-    /// upload is still synced by `check_device` before the group is published).
-    fn probes(&self) -> Vec<Tensor<1>> {
-        match self {
-            Self::Flat(tensor) => tensor.probes(),
-            Self::Shaped(_) => Vec::new(),
-        }
     }
 }
 

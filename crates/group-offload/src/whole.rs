@@ -225,9 +225,7 @@ impl<M: Module + 'static> BurnComponent<M> {
         let memory = placement.memory().as_deref();
         // The weights are all on the device before the call: its second call at an estimate measures its pages.
         measure_call(&device, memory, &mut self.calls, activation_bytes, || {
-            run_call(&device, placement.name(), placement.ledger().as_ref(), memory, activation_bytes, || {
-                f(module, &device).map_err(Into::into)
-            })
+            run_call(placement, &device, activation_bytes, || f(module, &device).map_err(Into::into))
         })
     }
 

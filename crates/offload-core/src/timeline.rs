@@ -41,8 +41,14 @@ use crate::device::DeviceMemory;
 /// The most events a timeline keeps; later ones are counted and dropped (the file says how many).
 pub const MAX_TIMELINE_EVENTS: usize = 1_000_000;
 
-/// The name of the counter track of device memory samples.
+/// The name of the counter track of device memory samples (of the first device sampled; every other device has a
+/// track of its own, [`memory_track`]).
 pub const MEMORY_COUNTER: &str = "device memory";
+
+/// The counter track of a device other than the first one sampled: `device memory cuda:1`.
+pub fn memory_track(device: &crate::DeviceName) -> String {
+    format!("{MEMORY_COUNTER} {device}")
+}
 
 /// The name of the counter track of the link rate the trace file derives from its group uploads: one sample at
 /// the end of each upload span that carries its `bytes`, with `GB/s` = those bytes ÷ the span's duration (the
@@ -313,6 +319,9 @@ struct State {
     /// The number of each thread that recorded itself. A run records from a few threads (the caller's, the
     /// prefetch workers', the sampler's), so a scan is quicker than hashing.
     by_id: Vec<(ThreadId, u64)>,
+    /// The device of the first memory sample: its samples are the [`MEMORY_COUNTER`] track, every other device's a
+    /// track of its own ([`memory_track`]).
+    first_device: Option<crate::DeviceName>,
 }
 
 impl State {
@@ -437,15 +446,17 @@ impl Timeline {
     /// read at all.
     pub fn sample_memory(&self, memory: &dyn DeviceMemory) {
         let Some(inner) = &self.inner else { return };
-        let (allocated, available) = (memory.allocated(), memory.available());
+        let (allocated, available, device) = (memory.allocated(), memory.available(), memory.device());
         let start_ns = elapsed_ns(inner.origin);
         let thread = std::thread::current();
         let mut state = inner.state.lock();
         let tid = state.tid(&thread);
+        let first = state.first_device.get_or_insert_with(|| device.clone());
+        let name = if *first == device { Label::Static(MEMORY_COUNTER) } else { Label::text(&memory_track(&device)) };
         state.push(Recorded {
             kind: EventKind::Counter,
             category: Label::Static(category::MEMORY),
-            name: Label::Static(MEMORY_COUNTER),
+            name,
             start_ns,
             thread: tid,
             args: vec![(Label::Static("allocated"), allocated.into()), (Label::Static("available"), available.into())],
@@ -518,8 +529,27 @@ impl Timeline {
         self.inner.as_ref().map_or(0, |inner| inner.state.lock().dropped)
     }
 
-    /// The device memory samples, oldest first.
+    /// The device memory samples of the first device sampled (a pipeline's execution device), oldest first.
     pub fn memory_samples(&self) -> Vec<MemorySample> {
+        self.samples_of(MEMORY_COUNTER)
+    }
+
+    /// Every device's memory samples, one track each, oldest first: the first device sampled under
+    /// [`MEMORY_COUNTER`], then each other device under its own track's name ([`memory_track`]), in the order
+    /// they were first sampled. A run over several devices (a device map) shows each device apart.
+    pub fn memory_tracks(&self) -> Vec<(String, Vec<MemorySample>)> {
+        let mut names: Vec<String> = Vec::new();
+        for event in self.events().iter().filter(|e| e.kind == EventKind::Counter && e.category == category::MEMORY) {
+            if !names.contains(&event.name) {
+                names.push(event.name.clone());
+            }
+        }
+        names.sort_by_key(|name| name != MEMORY_COUNTER);
+        names.into_iter().map(|name| (name.clone(), self.samples_of(&name))).collect()
+    }
+
+    /// The samples of the counter track `track`, oldest first.
+    fn samples_of(&self, track: &str) -> Vec<MemorySample> {
         let number = |event: &TimelineEvent, key: &str| match event.arg(key) {
             Some(ArgValue::Number(n)) => *n,
             _ => 0,
@@ -527,7 +557,7 @@ impl Timeline {
         let mut samples: Vec<MemorySample> = self
             .events()
             .iter()
-            .filter(|e| e.kind == EventKind::Counter && e.name == MEMORY_COUNTER)
+            .filter(|e| e.kind == EventKind::Counter && e.name == track)
             .map(|e| MemorySample {
                 at_ns: e.start_ns,
                 allocated: number(e, "allocated"),
@@ -771,6 +801,40 @@ mod tests {
         fn peak(&self) -> u64 {
             40
         }
+    }
+
+    /// Two devices sampled on one timeline: the first device's samples are the `device memory` track, the second
+    /// device's a track of its own named after it, never mixed into the first.
+    #[test]
+    fn each_device_has_a_memory_track_of_its_own() {
+        struct Card(&'static str, u64);
+        impl DeviceMemory for Card {
+            fn device(&self) -> crate::DeviceName {
+                crate::DeviceName::parse(self.0).expect("a name")
+            }
+            fn total(&self) -> u64 {
+                100
+            }
+            fn available(&self) -> u64 {
+                100 - self.1
+            }
+            fn allocated(&self) -> u64 {
+                self.1
+            }
+            fn peak(&self) -> u64 {
+                self.1
+            }
+        }
+        let timeline = Timeline::enabled();
+        timeline.sample_memory(&Card("cuda:0", 10));
+        timeline.sample_memory(&Card("cuda:1", 70));
+        timeline.sample_memory(&Card("cuda:0", 20));
+        let tracks = timeline.memory_tracks();
+        let names: Vec<&str> = tracks.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(names, ["device memory", "device memory cuda:1"]);
+        let allocated = |track: usize| tracks[track].1.iter().map(|s| s.allocated).collect::<Vec<_>>();
+        assert_eq!((allocated(0), allocated(1)), (vec![10, 20], vec![70]));
+        assert_eq!(timeline.memory_samples(), tracks[0].1);
     }
 
     #[test]

@@ -49,17 +49,19 @@ fn main() -> anyhow::Result<()> {
     } else {
         let name = DeviceName::parse(&device)?;
         let burn = group_offload::device::open_device_with(&name, group_offload::device::PagePolicy::Exclusive)?;
+        // The one device object of the run: every measurement and case lays its account over it.
+        let device = OffloadDevice::on_device(burn, name, std::sync::Arc::new(offload_core::NoLedger), None);
         // The process's first calls compile kernels and take the runtime's first buffers: not what a call needs.
-        pipeline_zimage::validate::measure_calls(&burn, &name, TOTAL, &load, &opts)?;
+        pipeline_zimage::validate::measure_calls(&device, TOTAL, &load, &opts)?;
         // What each component's weights take in the pool's pages, which the plans count them as.
-        let measured = pipeline_zimage::validate::measure_footprints(&burn, &name, TOTAL, &load, &opts)?;
+        let measured = pipeline_zimage::validate::measure_footprints(&device, TOTAL, &load, &opts)?;
         for footprint in &measured.weights {
             println!("footprint: {footprint}");
         }
         for call in &measured.calls {
             println!("call footprint: {call}");
         }
-        Target::Device { device: burn, name, total: TOTAL, footprints: measured.weights, calls: measured.calls }
+        Target::Device { device, total: TOTAL, footprints: measured.weights, calls: measured.calls }
     };
     let probe = load(OffloadDevice::host_only())?;
     let cards = validation_cards(&probe, &opts)?;
@@ -115,7 +117,7 @@ fn main() -> anyhow::Result<()> {
         .fold((f64::INFINITY, 0f64), |(lo, hi), r| (lo.min(r), hi.max(r)));
     println!("peak ratio from {:.3} to {:.3}", worst.0, worst.1);
 
-    if let Target::Device { device: burn, name, total, .. } = &target {
+    if let Target::Device { device, total, .. } = &target {
         println!("\nactivation pages per call, every component resident: estimate, measured pages (in use, sampled)");
         let probe = load(OffloadDevice::host_only())?;
         for (size, tokens, guidance) in [
@@ -135,7 +137,7 @@ fn main() -> anyhow::Result<()> {
             let prompts = vec![opts.prompt.clone()];
             let caption = probe.tokenizer().with_max_sequence_length(tokens).encode(&prompts)?.lengths()[0];
             let image = probe.transformer_config().image_tokens(size, size, probe.vae_scale_factor());
-            let calls = pipeline_zimage::validate::measure_calls(burn, name, *total, &load, &opts)?;
+            let calls = pipeline_zimage::validate::measure_calls(device, *total, &load, &opts)?;
             for (i, call) in calls.iter().enumerate() {
                 let component = match i {
                     0 => "text_encoder",

@@ -116,31 +116,14 @@ impl WeightDtype {
     }
 }
 
-/// Where components execute and what reads its memory.
+/// What backs the execution device's account, for the reports only: the account itself is the device object built
+/// from it once ([`execution_device`]).
 enum Target {
     /// The CPU: weights stay in host memory; a simulated card, when given, gives the readings and the account.
     Host { card: Option<Arc<SimCard>> },
     /// A real device: its pool's readings (none for a resident run on a runtime that reports no total and was
     /// given none), capped by `--card` when given.
     Real { readings: Option<Arc<PoolReadings>>, cap: Option<Arc<CappedDevice>> },
-}
-
-impl Target {
-    fn memory(&self) -> Option<Arc<dyn DeviceMemory>> {
-        match self {
-            Target::Host { card } => card.clone().map(|card| card as Arc<dyn DeviceMemory>),
-            Target::Real { cap: Some(cap), .. } => Some(cap.clone()),
-            Target::Real { readings, cap: None } => readings.clone().map(|r| r as Arc<dyn DeviceMemory>),
-        }
-    }
-
-    fn ledger(&self) -> Arc<dyn DeviceLedger> {
-        match self {
-            Target::Host { card: Some(card) } => card.clone(),
-            Target::Real { cap: Some(cap), .. } => cap.clone(),
-            _ => Arc::new(NoLedger),
-        }
-    }
 }
 
 #[derive(clap::Args)]
@@ -631,9 +614,23 @@ fn write_outputs(image: Tensor<4>, out: &Path, out_tensor: Option<&Path>) -> any
     Ok(())
 }
 
-/// Writes the `--trace` file and draws the `--memory-plot` of the run recorded in `timeline`.
-fn write_timeline(args: &Generate, timeline: &Timeline, target: &Target) -> anyhow::Result<()> {
-    let memory = target.memory();
+/// The execution device's one object, its account built from `target` once: a simulated card (its ledger and
+/// readings), a cap over a real device, a real device's readings, or the host with nothing accounted.
+fn execution_device(target: &Target, exec: &Device, name: &DeviceName) -> OffloadDevice {
+    let (ledger, memory): (Arc<dyn DeviceLedger>, Option<Arc<dyn DeviceMemory>>) = match target {
+        Target::Host { card: Some(card) } => return OffloadDevice::simulated(card.clone()),
+        Target::Host { card: None } => (Arc::new(NoLedger), None),
+        Target::Real { cap: Some(cap), .. } => (cap.clone(), Some(cap.clone())),
+        Target::Real { readings, cap: None } => {
+            (Arc::new(NoLedger), readings.clone().map(|r| r as Arc<dyn DeviceMemory>))
+        }
+    };
+    OffloadDevice::on_device(exec.clone(), name.clone(), ledger, memory)
+}
+
+/// Writes the `--trace` file and draws the `--memory-plot` of the run recorded in `timeline`, on `device`.
+fn write_timeline(args: &Generate, timeline: &Timeline, target: &Target, device: &OffloadDevice) -> anyhow::Result<()> {
+    let memory = device.memory().clone();
     if let Some(path) = &args.trace {
         write_atomic(path, |out| timeline.write_chrome_trace(out))?;
         println!(
@@ -866,6 +863,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         }
         Target::Real { readings, cap }
     };
+    let placement = execution_device(&target, &exec, &name);
     if (offload != Offload::None || planner) && matches!(target, Target::Host { card: None }) {
         bail!(
             "{} needs an execution device to offload to, but --device cpu runs everything in host memory: pass \
@@ -879,7 +877,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             }
         );
     }
-    if args.memory_plot.is_some() && target.memory().is_none() {
+    if args.memory_plot.is_some() && placement.memory().is_none() {
         bail!(
             "--memory-plot draws the device's memory readings, but --device {name} has none here: pass --card SIZE \
              to simulate a card on the CPU, or --device-memory SIZE on a runtime that reports no total"
@@ -891,11 +889,6 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             group_offload::quant::check_placement(component, scheme, &Device::flex(), &exec)?;
         }
     }
-    let device_name = match &target {
-        Target::Host { card: Some(card) } => card.device(),
-        _ => name.clone(),
-    };
-    let placement = OffloadDevice::on_device(exec.clone(), device_name, target.ledger(), target.memory());
     // Each further --card is a simulated device of its own beside the first (cuda:1, cuda:2, ..), for the map.
     let mode = if args.card_mode == CardMode::Hard { Mode::Hard } else { Mode::Soft };
     let mut others: Vec<(Arc<SimCard>, OffloadDevice)> = Vec::new();
@@ -1083,7 +1076,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     // planner's exact reserve), checked against the card and the device before anything runs.
     let manual_reserve = explicit_reserve.unwrap_or_else(|| exact_reserve(&pipeline, &opts));
     if offload != Offload::None && !planner {
-        check_manual_reserve(manual_reserve, card_spec.as_ref(), target.memory().as_deref())?;
+        check_manual_reserve(manual_reserve, card_spec.as_ref(), placement.memory().as_deref())?;
         if explicit_reserve.is_none() {
             println!(
                 "reserve: {} (the workload's largest activation estimate; pass --reserve to change it)",
@@ -1113,7 +1106,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         let facts = match &target {
             Target::Host { card: Some(card) } => card.device_facts(host),
             Target::Real { cap, .. } => {
-                let memory = target.memory().context("a real device has readings")?;
+                let memory = placement.memory().clone().context("a real device has readings")?;
                 // The link speed earlier runs measured on this device, in place of the generic assumption.
                 let store = ProfileStore::from_settings(&settings)?;
                 let measured = store.measured_link(name.as_str())?;
@@ -1135,7 +1128,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         let applied = enable_pipeline_offload(&mut pipeline, settings, &facts, &opts)?;
         println!("{applied}");
         plan = Some(applied);
-    } else if let (Some(memory), true) = (target.memory(), offload != Offload::None) {
+    } else if let (Some(memory), true) = (placement.memory().clone(), offload != Offload::None) {
         if offload == Offload::Group {
             pipeline.enable_group_offload(1, 1)?;
         }
@@ -1157,7 +1150,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         bar.set_position(step as u64);
     };
     // Between the samples taken at each move, one every millisecond shows what each call holds while it runs.
-    let sampler = target.memory().map(|memory| timeline.sample_every(memory, std::time::Duration::from_millis(1)));
+    let sampler =
+        placement.memory().clone().map(|memory| timeline.sample_every(memory, std::time::Duration::from_millis(1)));
     let mut record = None;
     let mut first_image_uses = 0;
     // Per image: its wall time and what the record shows moving during it, for the images-after-the-first line.
@@ -1186,7 +1180,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 bar.finish();
                 drop(sampler);
                 // A failed run is written too: its trace shows what led to the failure.
-                if let Err(write_error) = write_timeline(args, &timeline, &target) {
+                if let Err(write_error) = write_timeline(args, &timeline, &target, &placement) {
                     eprintln!("{write_error:#}");
                 }
                 return Err(error.into());
@@ -1272,7 +1266,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             }
         }
     }
-    write_timeline(args, &timeline, &target)?;
+    write_timeline(args, &timeline, &target, &placement)?;
     match &target {
         Target::Host { card: Some(card) } => {
             print_record(&pipeline);
@@ -1330,7 +1324,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         Target::Host { card: None } | Target::Real { readings: None, .. } => {}
     }
     if offload != Offload::None
-        && let Some(memory) = target.memory()
+        && let Some(memory) = placement.memory().clone()
     {
         // Bytes moved beside auto's on the same schedule, and the optimum: replayed on the simulated card that
         // charged the run, or predicted on a card of the real device's size.

@@ -43,6 +43,8 @@ const OFFLOAD_COLOUR: RGBColor = RGBColor(214, 39, 40);
 const UPLOAD_COLOUR: RGBColor = RGBColor(148, 103, 189);
 const RELEASE_COLOUR: RGBColor = RGBColor(255, 127, 14);
 const PHASE_COLOURS: [RGBColor; 2] = [RGBColor(240, 240, 240), RGBColor(225, 232, 240)];
+/// The allocated lines of the other devices of a device map, in the order they were first sampled.
+pub const OTHER_DEVICE_COLOURS: [RGBColor; 3] = [RGBColor(140, 86, 75), RGBColor(23, 190, 207), RGBColor(188, 189, 34)];
 
 /// How to draw the plot.
 #[derive(Debug, Clone)]
@@ -68,8 +70,10 @@ impl Default for PlotOptions {
 /// What a drawn plot holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlotSummary {
-    /// Memory samples drawn.
+    /// Memory samples drawn (of every device).
     pub samples: usize,
+    /// Devices drawn: one allocated line each (the first device sampled, then every other device of a device map).
+    pub devices: usize,
     /// Moves marked: whole-component onloads and offloads, group uploads and releases.
     pub marks: usize,
     /// Group uploads drawn in the link panel below the memory plot (none: no panel). Each is its bytes ÷ its
@@ -150,7 +154,16 @@ pub fn draw_memory_plot(timeline: &Timeline, path: &Path, options: &PlotOptions)
         .max()
         .unwrap_or(0);
     let x_max = seconds(end_ns).max(1e-6) * 1.02;
-    let top = samples.iter().map(|s| s.allocated).max().unwrap_or(0).max(options.capacity.unwrap_or(0));
+    // Every other device of a device map is a line of its own (its own track of the timeline).
+    let others: Vec<(String, Vec<offload_core::timeline::MemorySample>)> =
+        timeline.memory_tracks().into_iter().filter(|(track, _)| track != MEMORY_COUNTER).collect();
+    let top = samples
+        .iter()
+        .chain(others.iter().flat_map(|(_, samples)| samples))
+        .map(|s| s.allocated)
+        .max()
+        .unwrap_or(0)
+        .max(options.capacity.unwrap_or(0));
     let y_max = (top as f64 / MB).max(1e-3) * 1.1;
     let labelled = register_font(options.font.as_deref());
     let rates = link_rates(&events);
@@ -273,22 +286,33 @@ pub fn draw_memory_plot(timeline: &Timeline, path: &Path, options: &PlotOptions)
         }
 
         // A reading holds until the next one: a step line.
-        let mut steps = Vec::with_capacity(samples.len() * 2 + 1);
-        for (i, sample) in samples.iter().enumerate() {
-            let (x, y) = (seconds(sample.at_ns), sample.allocated as f64 / MB);
-            if i > 0 {
-                steps.push((x, steps.last().map_or(y, |p: &(f64, f64)| p.1)));
+        let step_line = |samples: &[offload_core::timeline::MemorySample]| {
+            let mut steps = Vec::with_capacity(samples.len() * 2 + 1);
+            for (i, sample) in samples.iter().enumerate() {
+                let (x, y) = (seconds(sample.at_ns), sample.allocated as f64 / MB);
+                if i > 0 {
+                    steps.push((x, steps.last().map_or(y, |p: &(f64, f64)| p.1)));
+                }
+                steps.push((x, y));
             }
-            steps.push((x, y));
-        }
-        if let Some(last) = steps.last().copied() {
-            steps.push((seconds(end_ns), last.1));
-        }
+            if let Some(last) = steps.last().copied() {
+                steps.push((seconds(end_ns), last.1));
+            }
+            steps
+        };
         chart
-            .draw_series(LineSeries::new(steps, ALLOCATED_COLOUR.stroke_width(2)))
+            .draw_series(LineSeries::new(step_line(&samples), ALLOCATED_COLOUR.stroke_width(2)))
             .map_err(|e| drawing(&e))?
             .label(format!("allocated ({MEMORY_COUNTER} samples)"))
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], ALLOCATED_COLOUR.stroke_width(2)));
+        for (i, (track, samples)) in others.iter().enumerate() {
+            let colour = OTHER_DEVICE_COLOURS[i % OTHER_DEVICE_COLOURS.len()];
+            chart
+                .draw_series(LineSeries::new(step_line(samples), colour.stroke_width(2)))
+                .map_err(|e| drawing(&e))?
+                .label(format!("allocated ({track} samples)"))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(2)));
+        }
 
         if labelled {
             chart
@@ -330,5 +354,6 @@ pub fn draw_memory_plot(timeline: &Timeline, path: &Path, options: &PlotOptions)
         .write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
         .map_err(|e| plot_error(format!("cannot encode it: {e}")))?;
     crate::output::write_bytes_atomic(path, &png)?;
-    Ok(PlotSummary { samples: samples.len(), marks, link_samples: rates.len(), labelled })
+    let drawn = samples.len() + others.iter().map(|(_, samples)| samples.len()).sum::<usize>();
+    Ok(PlotSummary { samples: drawn, devices: 1 + others.len(), marks, link_samples: rates.len(), labelled })
 }

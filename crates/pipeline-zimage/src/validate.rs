@@ -34,7 +34,7 @@ use burn::tensor::Device;
 use group_offload::{device::CappedDevice, device::PoolReadings};
 use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::plan::{CallFootprint, Footprint, HostMemory, Preset, Route, Settings, SettingsLayer};
-use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName, Direction, format_size};
+use offload_core::{ComponentError, DeviceLedger, DeviceMemory, Direction, format_size};
 
 use crate::error::Result;
 use crate::pipeline::{GenerateOptions, ZImagePipeline};
@@ -304,11 +304,11 @@ pub enum Target {
     /// A real device (its pool read through [`PoolReadings`]), under a soft cap of the case's size; `total` is
     /// the device's capacity where the runtime reports none (wgpu).
     Device {
-        /// The burn device, opened with [`PagePolicy::Exclusive`](group_offload::device::PagePolicy) for page figures
-        /// that follow the allocations.
-        device: Device,
-        /// Its name.
-        name: DeviceName,
+        /// The device object (its burn device opened with
+        /// [`PagePolicy::Exclusive`](group_offload::device::PagePolicy) for page figures that follow the
+        /// allocations): every case lays its cap over it ([`OffloadDevice::with_account`]), so every case uploads
+        /// on its one upload thread, into one stream's pools.
+        device: OffloadDevice,
         /// Its capacity where the runtime reports none.
         total: u64,
         /// The components' footprints measured on it ([`measure_footprints`]), which each case's plan counts
@@ -393,7 +393,8 @@ fn run_case(
             validation.phases = phases(&plan, opts, &meter.call_peaks());
             Ok(validation)
         }
-        Target::Device { device, name, total, footprints, calls } => {
+        Target::Device { device: on, total, footprints, calls } => {
+            let (device, name) = (on.exec(), on.name());
             device.memory_cleanup();
             let readings = PoolReadings::open(device.clone(), name.clone(), Some(*total))?;
             let before = readings.observe().map_err(group_offload::Error::from)?.reserved;
@@ -402,8 +403,7 @@ fn run_case(
             // before each call and reads its pages (a soft cap's ledger would only keep a call window, which
             // the meter keeps).
             let meter = Meter::probing(Arc::new(offload_core::NoLedger), readings.clone());
-            let mut pipeline =
-                load(OffloadDevice::on_device(device.clone(), name.clone(), meter.clone(), Some(cap.clone())))?;
+            let mut pipeline = load(on.with_account(meter.clone(), Some(cap.clone())))?;
             let facts = DeviceFacts::new(cap.clone(), validation_host())
                 .with_footprints(footprints.iter().cloned())
                 .with_call_footprints(calls.iter().cloned());
@@ -522,15 +522,13 @@ pub fn validation_cards_on(
 /// call takes from a released cache, beside its estimate, in call order (the text encoder, then the
 /// transformer once per step, then the VAE's decode).
 pub fn measure_calls(
-    device: &Device,
-    name: &DeviceName,
+    device: &OffloadDevice,
     total: u64,
     load: &dyn Fn(OffloadDevice) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
 ) -> Result<Vec<CallReading>> {
     run_resident(
         device,
-        name,
         total,
         load,
         opts,
@@ -541,12 +539,12 @@ pub fn measure_calls(
 }
 
 /// `images` images of `opts` on a real device from a released cache, every component resident under the ledger
-/// that `ledger` makes of the pool's readings; `read` takes its figures from the pipeline and the ledger before
+/// that `ledger` makes of the pool's readings, laid over `on` ([`OffloadDevice::with_account`]: its upload thread,
+/// so the pages are those of the stream later runs on the device use); `read` takes its figures from the pipeline and the ledger before
 /// the pipeline is dropped and the cache released again.
 #[allow(clippy::too_many_arguments)]
 fn run_resident<L: DeviceLedger + 'static, T>(
-    device: &Device,
-    name: &DeviceName,
+    on: &OffloadDevice,
     total: u64,
     load: &dyn Fn(OffloadDevice) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
@@ -554,10 +552,11 @@ fn run_resident<L: DeviceLedger + 'static, T>(
     ledger: impl FnOnce(Arc<PoolReadings>) -> Arc<L>,
     read: impl FnOnce(&ZImagePipeline, &L) -> T,
 ) -> Result<T> {
+    let (device, name) = (on.exec(), on.name());
     device.memory_cleanup();
     let readings = PoolReadings::open(device.clone(), name.clone(), Some(total))?;
     let ledger = ledger(readings.clone());
-    let pipeline = load(OffloadDevice::on_device(device.clone(), name.clone(), ledger.clone(), Some(readings)))?;
+    let pipeline = load(on.with_account(ledger.clone(), Some(readings)))?;
     pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true)?;
     for _ in 0..images {
         pipeline.generate(opts, &mut |_, _| {})?;
@@ -582,15 +581,13 @@ pub struct Footprints {
 /// component resident, each measuring its pages at its whole onload and at its second call (the first takes the
 /// runtime's first buffers). What [`Target::Device`]'s plans then count the weights and the calls as.
 pub fn measure_footprints(
-    device: &Device,
-    name: &DeviceName,
+    device: &OffloadDevice,
     total: u64,
     load: &dyn Fn(OffloadDevice) -> Result<ZImagePipeline>,
     opts: &GenerateOptions,
 ) -> Result<Footprints> {
     run_resident(
         device,
-        name,
         total,
         load,
         opts,

@@ -72,7 +72,10 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
     // Calibration: the same setup uncapped, its image and the pages it reached.
     let memory = readings(&device, &name);
     let before = memory.observe().expect("a reading").reserved;
-    let mut pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
+    // One device object for the whole test: every capped run lays its cap over it (`with_account`), so every run
+    // uploads on the same thread, the same stream's pools, as one process on one device does.
+    let base = placement(&device, &name, Arc::new(NoLedger), memory.clone());
+    let mut pipeline = load_tiny(base.clone());
     pipeline.enable_group_offload_with("transformer", &streamed).expect("group offload");
     pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload");
     let reference = values(pipeline.generate(&opts, &mut |_, _| {}).expect("uncapped"));
@@ -95,7 +98,7 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
     }
     let capped = |capacity: u64| {
         let cap = CappedDevice::new(readings(&device, &name), capacity, true, "cap");
-        let mut pipeline = load_tiny(placement(&device, &name, cap.clone(), cap.clone()));
+        let mut pipeline = load_tiny(base.with_account(cap.clone(), Some(cap.clone())));
         pipeline.enable_group_offload_with("transformer", &streamed).expect("group offload");
         pipeline.enable_auto_offload(cap.clone(), 0, true).expect("auto offload under the cap");
         let outcome = pipeline.generate(&opts, &mut |_, _| {}).map(values);

@@ -309,8 +309,7 @@ fn every_preset_predicts_a_quantized_pipelines_bytes_and_moves_exactly_on_wgpu()
         cards.dedup();
         drop(probe);
         let target = Target::Device {
-            device: device.clone(),
-            name: name.clone(),
+            device: OffloadDevice::on_device(device.clone(), name.clone(), Arc::new(NoLedger), None),
             total: TOTAL,
             footprints: Vec::new(),
             calls: Vec::new(),

@@ -60,13 +60,23 @@ fn readings(device: &Device, name: &DeviceName, total: u64) -> Arc<PoolReadings>
     PoolReadings::open(device.clone(), name.clone(), Some(total)).expect("the wgpu device has a memory pool")
 }
 
+/// The one device object of this test process, created at first use, as a program creates its device once: every
+/// test lays its own account over it ([`OffloadDevice::with_account`]), so every test uploads on its one upload
+/// thread, into one cubecl stream's pools. A device object per test would start each test on a new stream, whose
+/// pools size their first pages far above small tensors and shrink toward the requests as it runs, so a test's
+/// calibration and its capped run would see different pages.
+fn the_device(device: &Device, name: &DeviceName) -> OffloadDevice {
+    static DEVICE: std::sync::OnceLock<OffloadDevice> = std::sync::OnceLock::new();
+    DEVICE.get_or_init(|| OffloadDevice::on_device(device.clone(), name.clone(), Arc::new(NoLedger), None)).clone()
+}
+
 fn placement(
     device: &Device,
     name: &DeviceName,
     ledger: Arc<dyn DeviceLedger>,
     memory: Arc<dyn DeviceMemory>,
 ) -> OffloadDevice {
-    OffloadDevice::on_device(device.clone(), name.clone(), ledger, Some(memory))
+    the_device(device, name).with_account(ledger, Some(memory))
 }
 
 fn in_use(device: &Device) -> u64 {
@@ -241,7 +251,7 @@ fn group_offload_streams_within_the_ring_bound_and_returns_every_groups_memory()
     {
         let options =
             GroupOptions { level, prefetch: true, prefetch_depth: depth, pinned_budget, ..GroupOptions::default() };
-        let on = OffloadDevice::on_device(device.clone(), name.clone(), Arc::new(NoLedger), Some(memory.clone()));
+        let on = the_device(&device, &name).with_account(Arc::new(NoLedger), Some(memory.clone()));
         let config = GroupOffloadConfig::new("transformer", on);
         let mut grouped =
             GroupedModel::<ZImageTransformer2DModel>::new(model.clone(), config, &options).expect("group offload");
@@ -332,12 +342,10 @@ fn models_on_one_device_prefetch_on_its_one_upload_thread_and_a_dropped_one_leav
         prefetch_depth: 2,
         ..GroupOptions::default()
     };
+    // Both models on one device object: its one upload thread.
+    let on = the_device(&device, &name);
     let grouped = |id: &str| {
-        let config = GroupOffloadConfig::new(
-            id,
-            OffloadDevice::on_device(device.clone(), name.clone(), Arc::new(NoLedger), None),
-        )
-        .with_timeline(timeline.clone());
+        let config = GroupOffloadConfig::new(id, on.clone()).with_timeline(timeline.clone());
         GroupedModel::<ZImageTransformer2DModel>::new(model.clone(), config, &options).expect("group offload")
     };
     let (mut first, mut second) = (grouped("first"), grouped("second"));
@@ -416,7 +424,10 @@ fn the_decode_oom_recovers_under_a_hard_cap_over_the_real_device() {
     // Calibration on the uncapped device: the image, and the pages the decode adds to the pool with every
     // component resident (exclusive pages follow the allocations, and are the same for the same calls).
     let memory = readings(&device, &name, TOTAL);
-    let pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
+    // One device object for the test: the capped run lays its cap over it (`with_account`) and uploads on the same
+    // thread, into the same stream's pools, as the calibration.
+    let base = placement(&device, &name, Arc::new(NoLedger), memory.clone());
+    let pipeline = load_tiny(base.clone());
     pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true).expect("auto offload");
     let reference = values(pipeline.generate(&opts, &mut |_, _| {}).expect("resident"));
     device.memory_cleanup();
@@ -435,7 +446,7 @@ fn the_decode_oom_recovers_under_a_hard_cap_over_the_real_device() {
     // third decode fits.
     let capacity = before + decode / 2;
     let cap = CappedDevice::new(readings(&device, &name, TOTAL), capacity, true, "cap");
-    let pipeline = load_tiny(placement(&device, &name, cap.clone(), cap.clone()));
+    let pipeline = load_tiny(base.with_account(cap.clone(), Some(cap.clone())));
     pipeline.enable_auto_offload(cap.clone(), 0, true).expect("auto offload under the cap");
     let generated = pipeline.generate(&opts, &mut |_, _| {});
     let record = pipeline.manager().offload_record();
@@ -712,8 +723,9 @@ fn out_of_memory_child() {
     assert!(limited.success(), "prlimit could not limit the address space");
     let mut kept = Vec::new();
     let mut typed = None;
+    let on = the_device(&device, &name).with_account(Arc::new(NoLedger), Some(memory.clone()));
     for _ in 0..32 {
-        let run = group_offload::device::run_call(&device, &name, &NoLedger, Some(&*memory), 0, || {
+        let run = group_offload::device::run_call(&on, &device, 0, || {
             Ok::<_, ComponentError>(Tensor::<1>::zeros([16usize << 20], (&device, DType::F32)) + 1.0)
         });
         match run {
@@ -730,7 +742,7 @@ fn out_of_memory_child() {
     assert!(lifted.is_ok_and(|status| status.success()), "prlimit could not lift the limit");
     drop(kept);
     device.memory_cleanup();
-    let again = group_offload::device::run_call(&device, &name, &NoLedger, Some(&*memory), 0, || {
+    let again = group_offload::device::run_call(&on, &device, 0, || {
         Ok::<_, ComponentError>(Tensor::<1>::ones([4], &device) * 2.0)
     });
     assert!(again.is_ok(), "{again:?}");

@@ -196,3 +196,49 @@ fn a_timeline_set_after_group_offload_is_refused() {
     assert!(error.to_string().contains("set the timeline before enabling group offload"), "{error}");
     assert!(!pipeline.timeline().is_enabled());
 }
+
+/// Two cards in one run (the text encoder on `cuda:1`): each card's memory is a track of its own in the trace
+/// (`device memory` for the execution device, `device memory cuda:1` for the other), never one track mixing both,
+/// and the memory plot draws a line for each.
+#[test]
+fn each_card_of_a_device_map_has_its_own_memory_track_and_line() {
+    use pipeline_zimage::loading::LoadOptions;
+    use pipeline_zimage::pipeline::DeviceMap;
+    use pipeline_zimage::plot::OTHER_DEVICE_COLOURS;
+    let (opts, _) = turbo_options();
+    let first = SimCard::new(CardSpec::parse("64MiB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0));
+    let mut spec = CardSpec::parse("64MiB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
+    spec.device = offload_core::DeviceName::parse("cuda:1").expect("a name");
+    let second = SimCard::new(spec);
+    let (gpu0, gpu1) = (OffloadDevice::simulated(first.clone()), OffloadDevice::simulated(second.clone()));
+    let map = DeviceMap::single(gpu0.clone()).with("text_encoder", gpu1.clone()).expect("a component");
+    let dir = common::fixtures().join("tiny-z-image-turbo");
+    let mut pipeline = ZImagePipeline::load_mapped(dir, map, &LoadOptions::new()).expect("loads over two cards");
+    let timeline = Timeline::enabled();
+    pipeline.set_timeline(timeline.clone()).expect("no group offload yet");
+    gpu0.enable_auto_offload(0).expect("auto offload");
+    gpu1.enable_auto_offload(0).expect("auto offload");
+    pipeline.generate(&opts, &mut |_, _| {}).expect("the run succeeds");
+
+    let tracks = timeline.memory_tracks();
+    let names: Vec<&str> = tracks.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(names, ["device memory", "device memory cuda:1"]);
+    // The second card's track holds only its own readings: at most what it held, and it held the text encoder.
+    let second_max = tracks[1].1.iter().map(|s| s.allocated).max().expect("samples of cuda:1");
+    assert!(second_max > 0 && second_max <= second.peak(), "{second_max} against a peak of {}", second.peak());
+    assert!(tracks[0].1.iter().all(|s| s.allocated <= first.peak()));
+    let events = chrome_trace(&timeline);
+    let counters: HashSet<&str> = events.iter().filter(|e| e["ph"] == "C").map(|e| text(e, "name")).collect();
+    assert_eq!(counters, HashSet::from(["device memory", "device memory cuda:1"]));
+
+    let out = std::env::temp_dir().join(format!("pipeline-zimage-two-cards-{}", std::process::id()));
+    std::fs::create_dir_all(&out).expect("a temporary directory");
+    let path = out.join("memory.png");
+    let summary = draw_memory_plot(&timeline, &path, &PlotOptions::default()).expect("drawn");
+    assert_eq!(summary.devices, 2, "{summary:?}");
+    let image = image::open(&path).expect("the PNG decodes").to_rgb8();
+    let colour = OTHER_DEVICE_COLOURS[0];
+    let drawn = image.pixels().filter(|p| **p == image::Rgb([colour.0, colour.1, colour.2])).count();
+    assert!(drawn > 100, "only {drawn} pixels of the second card's line");
+    std::fs::remove_dir_all(&out).ok();
+}

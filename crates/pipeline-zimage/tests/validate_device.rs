@@ -42,8 +42,10 @@ fn every_preset_on_the_real_device_moves_what_the_plan_predicts_and_peaks_near_i
     let device = open_device_with(&name, PagePolicy::Exclusive)
         .unwrap_or_else(|error| panic!("{error} (this suite needs a Vulkan driver)"));
     let opts = options(64);
+    // One device object for every run of the test: each lays its account over it, on its one upload thread.
+    let on = OffloadDevice::on_device(device.clone(), name.clone(), std::sync::Arc::new(offload_core::NoLedger), None);
     // The process's first calls compile kernels and take the runtime's first buffers.
-    measure_calls(&device, &name, TOTAL, &load, &opts).expect("a warm-up run");
+    measure_calls(&on, TOTAL, &load, &opts).expect("a warm-up run");
 
     // Each call's pages against its estimate, at two image sizes: the text encoder's are within the runtime's
     // per-call buffers at this size, and a pipeline's first step takes its first buffers (up to 16% off), so the
@@ -58,7 +60,7 @@ fn every_preset_on_the_real_device_moves_what_the_plan_predicts_and_peaks_near_i
     // against each call's least pages over three runs: what the call takes when that race goes its usual way.
     for size in [64, 128] {
         let runs = (0..3)
-            .map(|_| measure_calls(&device, &name, TOTAL, &load, &options(size)).expect("a resident run"))
+            .map(|_| measure_calls(&on, TOTAL, &load, &options(size)).expect("a resident run"))
             .collect::<Vec<_>>();
         for calls in &runs {
             assert_eq!(calls.len(), 6, "the text encoder, four steps, the decode");
@@ -79,7 +81,7 @@ fn every_preset_on_the_real_device_moves_what_the_plan_predicts_and_peaks_near_i
 
     // What each component's weights take in the pool's pages, measured at their whole onloads, and what their
     // first calls took.
-    let measured = measure_footprints(&device, &name, TOTAL, &load, &opts).expect("a resident run");
+    let measured = measure_footprints(&on, TOTAL, &load, &opts).expect("a resident run");
     for footprint in &measured.weights {
         println!("footprint: {footprint}");
     }
@@ -91,7 +93,7 @@ fn every_preset_on_the_real_device_moves_what_the_plan_predicts_and_peaks_near_i
     let probe = load(OffloadDevice::host_only()).expect("loads");
     let cards = validation_cards_on(&probe, &opts, &measured.weights).expect("cards");
     let (footprints, calls) = (measured.weights, measured.calls);
-    let target = Target::Device { device: device.clone(), name: name.clone(), total: TOTAL, footprints, calls };
+    let target = Target::Device { device: on, total: TOTAL, footprints, calls };
     let cases = validate_presets(&target, &load, &cards, &opts);
     let table = Table(&cases).to_string();
     println!("{table}");

@@ -3,7 +3,9 @@
 
 use burn::tensor::Device;
 use offload_core::plan::CallPages;
-use offload_core::{ComponentError, DeviceLedger, DeviceMemory, DeviceName};
+use offload_core::{ComponentError, DeviceLedger, DeviceMemory};
+
+use crate::OffloadDevice;
 
 use super::probe::{DeviceOutput, check_device, check_outputs};
 
@@ -31,8 +33,10 @@ impl Drop for OpenCall<'_> {
     }
 }
 
-/// Runs one call of a component (a forward, an encode, a decode) on `device`, named `name`, with its
-/// activations accounted on `ledger` ([`DeviceLedger::begin_call`] and [`end_call`](DeviceLedger::end_call)),
+/// Runs one call of a component (a forward, an encode, a decode) computing on `burn` (the device object's
+/// execution device while the component is resident there, the host otherwise), with its activations accounted
+/// on `on`'s ledger ([`DeviceLedger::begin_call`] and [`end_call`](DeviceLedger::end_call)) and its failures read
+/// through `on`'s readings and named after it,
 /// and reports success only once the device has done the call's work: a failed sync ([`check_device`]), an
 /// output that cannot be read back ([`check_outputs`]) and a call the ledger refuses afterwards (a hard cap's
 /// high-water) are errors here, so nothing surfaces later when the result is read. An out-of-memory stays
@@ -42,14 +46,12 @@ impl Drop for OpenCall<'_> {
 /// the caller, with the call's account closed on the way. Only the library's own device operations (the sync
 /// and the read-back here, uploads and onloads elsewhere) are guarded against a runtime that panics.
 pub fn run_call<R: DeviceOutput>(
-    device: &Device,
-    name: &DeviceName,
-    ledger: &dyn DeviceLedger,
-    memory: Option<&dyn DeviceMemory>,
+    on: &OffloadDevice,
+    burn: &Device,
     estimate: u64,
     f: impl FnOnce() -> std::result::Result<R, ComponentError>,
 ) -> std::result::Result<R, ComponentError> {
-    run_call_making_room(device, name, ledger, memory, estimate, || false, f)
+    run_call_making_room(on, burn, estimate, || false, f)
 }
 
 /// [`run_call`] for a component that can give memory back before its call runs: when the ledger refuses the
@@ -58,14 +60,13 @@ pub fn run_call<R: DeviceOutput>(
 /// anything, the reservation is tried again. Nothing has run at that point, so this is no retry of the call: an
 /// out-of-memory that remains is the manager's to handle, as before.
 pub fn run_call_making_room<R: DeviceOutput>(
-    device: &Device,
-    name: &DeviceName,
-    ledger: &dyn DeviceLedger,
-    memory: Option<&dyn DeviceMemory>,
+    on: &OffloadDevice,
+    burn: &Device,
     estimate: u64,
     make_room: impl FnOnce() -> bool,
     f: impl FnOnce() -> std::result::Result<R, ComponentError>,
 ) -> std::result::Result<R, ComponentError> {
+    let (device, name, ledger, memory) = (burn, on.name(), on.ledger().as_ref(), on.memory().as_deref());
     match ledger.begin_call(estimate) {
         Err(refused) if refused.is_out_of_memory() => {
             if !make_room() {

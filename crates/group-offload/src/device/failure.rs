@@ -38,15 +38,7 @@ impl std::fmt::Display for DevicePanic {
     }
 }
 
-/// A panic's message: its payload's text when it is a `String` or a `&str` (what `panic!` and `unwrap` give),
-/// empty otherwise.
-pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_string()))
-        .unwrap_or_default()
-}
+pub use crate::error::panic_text;
 
 /// Runs `f`, catching a panic of the device runtime as a [`DevicePanic`]: a read of a tensor whose computation
 /// failed on the device (burn's `into_data` panics with the runtime's error), or a runtime that panics on a failed

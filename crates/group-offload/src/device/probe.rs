@@ -151,3 +151,14 @@ pub fn check_device(
 pub(crate) fn defers_failures(device: &Device) -> bool {
     *device != Device::flex()
 }
+
+impl DeviceOutput for crate::uploads::DeviceTensor {
+    /// A float tensor's one-value probe; none for a quantized one, which is read back by its own kernels (its
+    /// upload is still synced by `check_device` before the group is published).
+    fn probes(&self) -> Vec<Tensor<1>> {
+        match self {
+            crate::uploads::DeviceTensor::Flat(tensor) => tensor.probes(),
+            crate::uploads::DeviceTensor::Shaped(_) => Vec::new(),
+        }
+    }
+}

@@ -219,17 +219,18 @@ fn a_users_forward_that_panics_is_never_caught_and_its_call_is_closed() {
             Ok(())
         }
     }
-    let ledger = Calls(Mutex::new((0, 0)));
+    let ledger = Arc::new(Calls(Mutex::new((0, 0))));
     let device = Device::flex();
+    let on = crate::OffloadDevice::on_device(device.clone(), DeviceName::cpu(), ledger.clone(), None);
     // Even a panic in the runtime's own words is the forward's: run_call does not catch it.
     let unwound = std::panic::catch_unwind(AssertUnwindSafe(|| {
-        run_call(&device, &DeviceName::cpu(), &ledger, None, 10, || -> std::result::Result<(), ComponentError> {
+        run_call(&on, &device, 10, || -> std::result::Result<(), ComponentError> {
             panic!("out of device memory allocating 12 bytes")
         })
     }));
     assert!(unwound.is_err(), "the forward's panic reached the caller");
     assert_eq!(*ledger.0.lock(), (1, 1), "begin_call and end_call matched");
-    let ran = run_call(&device, &DeviceName::cpu(), &ledger, None, 10, || Ok(()));
+    let ran = run_call(&on, &device, 10, || Ok(()));
     assert!(ran.is_ok());
     assert_eq!(*ledger.0.lock(), (2, 2));
 }
