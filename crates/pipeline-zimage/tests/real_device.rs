@@ -176,7 +176,10 @@ fn auto_offload_decides_from_the_devices_own_readings() {
     drop(probe);
     let total = baseline + tr + te / 2;
     let memory = readings(&device, &name, total);
-    let pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
+    // A device object of its own: its link meter then holds this run's onloads alone (the process's one device
+    // object, which the other tests share, keeps every test's).
+    let on = OffloadDevice::on_device(device.clone(), name.clone(), Arc::new(NoLedger), Some(memory.clone()));
+    let pipeline = load_tiny(on);
     pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload on real readings");
     let (opts, expected) = turbo_options();
     let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("generate"));
@@ -198,7 +201,7 @@ fn auto_offload_decides_from_the_devices_own_readings() {
     assert!(evicted.available.expect("a reading") <= total - baseline - te, "{record}");
     assert!(evicted.peak.expect("a reading") >= baseline + te, "{record}");
     assert!(memory.peak() >= baseline + tr, "the transformer was on the device: peak {}", memory.peak());
-    // Every whole onload was timed on the placement's link meter, once, with the bytes the record shows.
+    // Every whole onload was timed on the device's link meter, once, with the bytes the record shows.
     let onloads: Vec<_> = events.iter().filter(|e| e.action == Action::Onload).collect();
     let link = pipeline.placement().link_rate().expect("the onloads were timed");
     assert_eq!(link.uploads, onloads.len(), "{link}\n{record}");
