@@ -265,6 +265,17 @@ fn is_plain_file_name(name: &str) -> bool {
         && !name.contains(['/', '\\'])
 }
 
+/// The `config.json` of the component in `dir` (its name, `component`, for the error): its path, or
+/// [`Error::MissingFile`] naming the file the checkpoint lacks. Read before any weight, by a model's load and by
+/// its file binding alike.
+pub(crate) fn config_file(dir: &Path, component: &str) -> Result<PathBuf> {
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        return Err(Error::MissingFile { component: component.to_owned(), what: "config.json".to_owned(), path });
+    }
+    Ok(path)
+}
+
 pub(crate) fn component_name(dir: &Path) -> String {
     dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| dir.display().to_string())
 }

@@ -600,14 +600,7 @@ impl TextEncoder {
         if !dir.is_dir() {
             return Err(Error::MissingDirectory { path: dir.to_owned() });
         }
-        let config_path = dir.join("config.json");
-        if !config_path.is_file() {
-            return Err(Error::MissingFile {
-                component: "text_encoder".to_owned(),
-                what: "config.json".to_owned(),
-                path: config_path,
-            });
-        }
+        let config_path = crate::loading::config_file(dir, "text_encoder")?;
         let config = TextEncoderConfig::from_file(&config_path)?;
         let mut module = Self::new(&config, device);
         let load_opts = opts.clone().with_key_remap(KEY_REMAP).with_allow_partial(true);
@@ -657,14 +650,7 @@ impl crate::loading::Checkpoint {
         transform: Option<Arc<dyn TensorTransform>>,
     ) -> Result<(TextEncoderConfig, BoundComponent<TextEncoder>)> {
         let dir = self.component_dir("text_encoder")?;
-        let config_path = dir.join("config.json");
-        if !config_path.is_file() {
-            return Err(Error::MissingFile {
-                component: "text_encoder".to_owned(),
-                what: "config.json".to_owned(),
-                path: config_path,
-            });
-        }
+        let config_path = crate::loading::config_file(&dir, "text_encoder")?;
         let config = TextEncoderConfig::from_file(&config_path)?;
         let model = TextEncoder::new(&config, device);
         let bind_opts = opts.clone().with_key_remap(crate::text_encoder::KEY_REMAP).with_allow_partial(true);

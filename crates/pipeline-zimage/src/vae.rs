@@ -616,14 +616,7 @@ impl AutoencoderKl {
         if !dir.is_dir() {
             return Err(Error::MissingDirectory { path: dir.to_owned() });
         }
-        let config_path = dir.join("config.json");
-        if !config_path.is_file() {
-            return Err(Error::MissingFile {
-                component: "vae".to_owned(),
-                what: "config.json".to_owned(),
-                path: config_path,
-            });
-        }
+        let config_path = crate::loading::config_file(dir, "vae")?;
         let config = VaeConfig::from_file(&config_path)?;
         let mut module = Self::new(&config, device);
         let report = load_component(&mut module, dir, opts)?;
@@ -639,14 +632,7 @@ impl crate::loading::Checkpoint {
     /// onload).
     pub fn bind_vae(&self, device: &Device, opts: &LoadOptions) -> Result<(VaeConfig, BoundComponent<AutoencoderKl>)> {
         let dir = self.component_dir("vae")?;
-        let config_path = dir.join("config.json");
-        if !config_path.is_file() {
-            return Err(Error::MissingFile {
-                component: "vae".to_owned(),
-                what: "config.json".to_owned(),
-                path: config_path,
-            });
-        }
+        let config_path = crate::loading::config_file(&dir, "vae")?;
         let config = VaeConfig::from_file(&config_path)?;
         let model = AutoencoderKl::new(&config, device);
         Ok((config, bind_component(model, &dir, opts)?))
