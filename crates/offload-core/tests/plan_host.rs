@@ -84,14 +84,14 @@ fn a_resident_component_is_loaded_from_its_file_and_keeps_no_host_copy() {
 #[test]
 fn file_backed_copies_leave_ram_for_their_files_when_the_copies_do_not_fit() {
     // 16 GB of RAM: 11.41 GB usable for 19.11 GB of copies. The transformer must leave RAM (the others together
-    // are 7.65 GB, so freeing them alone cannot make room); the text encoder leaves too, because then the page
-    // cache holds the transformer's 6.07 GB a step and only its first step reads the disk.
+    // are 7.65 GB, so freeing them alone cannot make room); the text encoder leaves too, because then the RAM
+    // left holds the transformer's 6.07 GB of streamed groups, placed there by cost.
     let plan = plan_pipeline(&z_image_turbo(), Preset::Auto, &machine(8, 16)).expect("plans instead of warning");
     check(
         tiers(&plan),
         expect![[r#"
             text_encoder: file (0 B in RAM, 7.49 GB in its tier)
-            transformer: file (0 B in RAM, 11.46 GB in its tier)
+            transformer: file (6.07 GB in RAM, 11.46 GB in its tier)
             vae: ram (159.87 MB in RAM, 159.87 MB in its tier)
         "#]],
     );
@@ -102,7 +102,15 @@ fn file_backed_copies_leave_ram_for_their_files_when_the_copies_do_not_fit() {
     assert!(!transformer.on_disk, "on_disk is the disk store only");
     assert!(transformer.why.contains("its host copy is the checkpoint file"), "{}", transformer.why);
     assert!(transformer.why.contains("at 2.00 GB/s (assumed"), "{}", transformer.why);
-    assert!(transformer.why.contains("from the page cache"), "{}", transformer.why);
+    // The RAM the other copies leave holds its streamed groups after their first read (a split): its first step
+    // reads only the resident groups from the file, and no later step reads the file.
+    assert_eq!(transformer.ram_streamed_bytes, transformer.host_bytes, "{}", transformer.why);
+    assert!(
+        transformer.why.contains("18 of its 18 streamed groups (6.07 GB) keep their host copy in RAM"),
+        "{}",
+        transformer.why
+    );
+    assert!(transformer.why.contains("each later step its 6.07 GB from RAM"), "{}", transformer.why);
 
     // With more RAM only the copy that is cheapest to read from its file leaves: the text encoder, read once per
     // image, rather than the larger transformer, read at every step.
@@ -131,7 +139,9 @@ fn a_copy_that_differs_from_its_file_goes_to_the_disk_store() {
     assert!(plan.warnings.is_empty(), "{plan}");
     let transformer = plan.component("transformer").expect("planned");
     assert_eq!(transformer.host_tier, HostTier::DiskStore, "{}", transformer.why);
-    assert!(transformer.on_disk && transformer.host_bytes == 0, "{}", transformer.why);
+    // Its streamed groups keep a copy in RAM after their first read (a split): the only RAM it takes.
+    assert!(transformer.on_disk && transformer.host_bytes == transformer.ram_streamed_bytes, "{}", transformer.why);
+    assert!(transformer.why.contains("keep their host copy in RAM after their first read"), "{}", transformer.why);
     assert!(
         transformer.why.contains("its host copy is in the disk store under /tmp/offload-store"),
         "{}",
@@ -273,14 +283,14 @@ fn the_plan_shows_host_bytes_per_tier() {
             plan for preset auto: device 6.84 GB available of 7.45 GB; host 13.41 GB available of 14.90 GB (11.41 GB usable)
             link: 31.50 GB/s from pinned memory, 15.75 GB/s pageable (assumed, not measured: a run on this device measures it)
             disk: 2.00 GB/s read (assumed, not measured: a run that reads from the files measures it)
-            component     route                 host   resident  pinned  streamed/step  time/step     peak
-            text_encoder  leaf, prefetch        file  741.88 MB     0 B        7.49 GB    4.536 s  1.25 GB
-            transformer   block x1, prefetch 1  file    5.40 GB     0 B        6.74 GB    1.390 s  6.58 GB
-            vae           component offload     ram   159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
-            per image (8 steps): 15.75 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 159.87 MB in RAM of 11.41 GB usable, 0 B pinned, 18.96 GB in checkpoint files
+            component     route                 host       resident  pinned  streamed/step  time/step     peak
+            text_encoder  leaf, prefetch        file      741.88 MB     0 B        7.49 GB    4.536 s  1.25 GB
+            transformer   block x1, prefetch 1  file+ram    5.40 GB     0 B        6.74 GB    0.983 s  6.58 GB
+            vae           component offload     ram       159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+            per image (8 steps): 12.50 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 6.22 GB in RAM of 11.41 GB usable, 0 B pinned, 18.96 GB in checkpoint files
             why:
               text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); its one call reads 7.49 GB from the file at 2.00 GB/s (assumed); predicted 4.536 s per call (copies 4.536 s, compute 0.043 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 0.51 s per image before its host tier and pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image
-              transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); the first step reads 11.46 GB from the file at 2.00 GB/s (assumed), each later step 6.07 GB from the page cache, which keeps 11.25 GB beside the copies in RAM; predicted 1.390 s per step (copies 0.414 s, compute 0.597 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 4.96 s per image before its host tier and pinning, over component does not fit (needs 12.22 GB), leaf 6.26 s per image
+              transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); 18 of its 18 streamed groups (6.07 GB) keep their host copy in RAM after their first read: the 11.25 GB of RAM the other copies leave is placed over the streamed groups by cost, RAM at 0.063 s per GB against 0.563 s per GB from disk, each group counted once per copy (8 an image), which saves 3.26 s per image over leaving that RAM to the page cache; the first step reads 5.40 GB from the file at 2.00 GB/s (assumed), the rest of its 11.46 GB from RAM, each later step its 6.07 GB from RAM (6.07 GB kept there); predicted 0.983 s per step (copies 0.414 s, compute 0.597 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 4.96 s per image before its host tier and pinning, over component does not fit (needs 12.22 GB), leaf 6.26 s per image
               vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); its host copy stays in RAM (159.87 MB): with text_encoder and transformer read from disk, the copies kept in RAM (159.87 MB) fit in the 11.41 GB of usable RAM; predicted 0.099 s per call (copies 0.011 s, compute 0.088 s); nothing pinned: it crosses the link once per image
         "#]],
     );
@@ -305,4 +315,32 @@ fn the_host_tier_setting_keeps_every_copy_in_ram_or_reads_every_file_backed_one_
     let plan = plan_pipeline(&z_image_turbo(), settings(Preset::LowRamSafe, &[("host_tier", "ram")]), &machine(8, 32))
         .expect("plans");
     assert!(plan.components.iter().all(|c| c.host_tier == HostTier::Ram), "{plan}");
+}
+
+#[test]
+fn a_short_host_keeps_the_streamed_groups_that_fit_in_ram_and_reads_the_rest_from_the_file() {
+    // 9 GB of RAM: 5.54 GB usable. Every copy that can leave RAM leaves; the RAM left holds most of the
+    // transformer's streamed groups (a split, placed by cost over RAM and the file), where leaving it to the page
+    // cache, which cannot hold a step's 6.07 GB, would read every step from the disk.
+    let plan = plan_pipeline(&z_image_turbo(), Preset::Auto, &machine(8, 9)).expect("plans");
+    let transformer = plan.component("transformer").expect("planned");
+    assert_eq!(transformer.host_tier, HostTier::File);
+    assert_eq!(transformer.host_bytes, transformer.ram_streamed_bytes);
+    assert!(plan.host_bytes() <= plan.usable_host, "{plan}");
+    assert!(plan.table().contains("file+ram"), "{plan}");
+    // The groups are whole: 15 of the 18 streamed ones, the rest read from the file at every step.
+    assert!(transformer.why.contains("15 of its 18 streamed groups (5.05 GB) keep their host copy in RAM"), "{plan}");
+    assert!(transformer.why.contains("each later step 1.01 GB from the file again"), "{plan}");
+
+    // The same plan with the split undone (the RAM left to the page cache) is predicted slower.
+    let all_file = plan_pipeline(&z_image_turbo(), settings(Preset::Auto, &[("host_tier", "file")]), &machine(8, 9))
+        .expect("plans");
+    let unsplit = all_file.component("transformer").expect("planned");
+    assert_eq!(unsplit.ram_streamed_bytes, 0, "a host_tier setting reads every file-backed copy from its file");
+    assert!(
+        transformer.seconds_per_image < unsplit.seconds_per_image * 0.5,
+        "{:.2} s split against {:.2} s from the file",
+        transformer.seconds_per_image,
+        unsplit.seconds_per_image
+    );
 }

@@ -58,11 +58,11 @@ fn auto_over_cards_and_host_ram() {
     check(
         matrix(Preset::Auto),
         expect![[r#"
-            == 8GB card, 16GB RAM: 15.75 s/image, peak 6.58 GB of 6.84 GB, host 159.87 MB of 11.41 GB usable, 0 B pinned, 0 warning(s)
-            component     route                 host   resident  pinned  streamed/step  time/step     peak
-            text_encoder  leaf, prefetch        file  741.88 MB     0 B        7.49 GB    4.536 s  1.25 GB
-            transformer   block x1, prefetch 1  file    5.40 GB     0 B        6.74 GB    1.390 s  6.58 GB
-            vae           component offload     ram   159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+            == 8GB card, 16GB RAM: 12.50 s/image, peak 6.58 GB of 6.84 GB, host 6.22 GB of 11.41 GB usable, 0 B pinned, 0 warning(s)
+            component     route                 host       resident  pinned  streamed/step  time/step     peak
+            text_encoder  leaf, prefetch        file      741.88 MB     0 B        7.49 GB    4.536 s  1.25 GB
+            transformer   block x1, prefetch 1  file+ram    5.40 GB     0 B        6.74 GB    0.983 s  6.58 GB
+            vae           component offload     ram       159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
             == 8GB card, 32GB RAM: 5.57 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
             component     route                 host   resident  pinned  streamed/step  time/step     peak
             text_encoder  leaf, prefetch        ram   741.88 MB     0 B        7.49 GB    0.513 s  1.25 GB
@@ -73,11 +73,11 @@ fn auto_over_cards_and_host_ram() {
             text_encoder  leaf, prefetch        ram   741.88 MB     0 B        7.49 GB    0.513 s  1.25 GB
             transformer   block x1, prefetch 1  ram     5.40 GB     0 B        6.74 GB    0.620 s  6.58 GB
             vae           component offload     ram   159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
-            == 12GB card, 16GB RAM: 11.73 s/image, peak 10.29 GB of 10.57 GB, host 7.65 GB of 11.41 GB usable, 0 B pinned, 0 warning(s)
-            component     route                 host   resident  pinned  streamed/step  time/step      peak
-            text_encoder  leaf, prefetch        ram   741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
-            transformer   block x1, prefetch 1  file    9.11 GB     0 B        3.50 GB    1.390 s  10.29 GB
-            vae           component offload     ram   159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
+            == 12GB card, 16GB RAM: 10.46 s/image, peak 10.29 GB of 10.57 GB, host 10.01 GB of 11.41 GB usable, 0 B pinned, 0 warning(s)
+            component     route                 host       resident  pinned  streamed/step  time/step      peak
+            text_encoder  leaf, prefetch        ram       741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
+            transformer   block x1, prefetch 1  file+ram    9.11 GB     0 B        3.50 GB    1.231 s  10.29 GB
+            vae           component offload     ram       159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
             == 12GB card, 32GB RAM: 5.57 s/image, peak 10.29 GB of 10.57 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)
             component     route                 host   resident  pinned  streamed/step  time/step      peak
             text_encoder  leaf, prefetch        ram   741.88 MB     0 B        7.49 GB    0.513 s   1.25 GB
@@ -127,11 +127,11 @@ fn one_shot_fast_over_cards_and_host_ram() {
     check(
         matrix(Preset::OneShotFast),
         expect![[r#"
-            == 8GB card, 16GB RAM: 15.75 s/image, peak 6.58 GB of 6.84 GB, host 159.87 MB of 11.41 GB usable, 0 B pinned, 0 warning(s)
-            component     route                 host   resident  pinned  streamed/step  time/step     peak
-            text_encoder  block x1, prefetch 1  file  741.88 MB     0 B        7.49 GB    4.534 s  1.53 GB
-            transformer   block x1, prefetch 1  file    5.40 GB     0 B        6.74 GB    1.390 s  6.58 GB
-            vae           component offload     ram   159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+            == 8GB card, 16GB RAM: 9.77 s/image, peak 6.58 GB of 6.84 GB, host 11.30 GB of 11.41 GB usable, 0 B pinned, 0 warning(s)
+            component     route                 host       resident  pinned  streamed/step  time/step     peak
+            text_encoder  block x1, prefetch 1  file+ram  741.88 MB     0 B        7.49 GB    1.808 s  1.53 GB
+            transformer   block x1, prefetch 1  file+ram    5.40 GB     0 B        6.74 GB    0.983 s  6.58 GB
+            vae           component offload     ram       159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
             == 8GB card, 32GB RAM: 5.39 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 6.07 GB pinned, 0 warning(s)
             component     route                 host   resident   pinned  streamed/step  time/step     peak
             text_encoder  block x1, prefetch 1  ram   741.88 MB      0 B        7.49 GB    0.511 s  1.53 GB
@@ -142,11 +142,11 @@ fn one_shot_fast_over_cards_and_host_ram() {
             text_encoder  block x1, prefetch 1  ram   741.88 MB      0 B        7.49 GB    0.511 s  1.53 GB
             transformer   block x1, prefetch 1  ram     5.40 GB  6.07 GB        6.74 GB    0.597 s  6.58 GB
             vae           component offload     ram   159.87 MB      0 B      159.87 MB    0.099 s  2.49 GB
-            == 12GB card, 16GB RAM: 11.77 s/image, peak 10.29 GB of 10.57 GB, host 7.65 GB of 11.41 GB usable, 0 B pinned, 0 warning(s)
-            component     route                 host   resident  pinned  streamed/step  time/step      peak
-            text_encoder  component offload     ram     7.49 GB     0 B        7.49 GB    0.554 s   7.92 GB
-            transformer   block x1, prefetch 1  file    9.11 GB     0 B        3.50 GB    1.390 s  10.29 GB
-            vae           component offload     ram   159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
+            == 12GB card, 16GB RAM: 10.50 s/image, peak 10.29 GB of 10.57 GB, host 10.01 GB of 11.41 GB usable, 0 B pinned, 0 warning(s)
+            component     route                 host       resident  pinned  streamed/step  time/step      peak
+            text_encoder  component offload     ram         7.49 GB     0 B        7.49 GB    0.554 s   7.92 GB
+            transformer   block x1, prefetch 1  file+ram    9.11 GB     0 B        3.50 GB    1.231 s  10.29 GB
+            vae           component offload     ram       159.87 MB     0 B      159.87 MB    0.099 s   2.49 GB
             == 12GB card, 32GB RAM: 5.53 s/image, peak 10.29 GB of 10.57 GB, host 19.11 GB of 23.10 GB usable, 2.36 GB pinned, 0 warning(s)
             component     route                 host   resident   pinned  streamed/step  time/step      peak
             text_encoder  component offload     ram     7.49 GB      0 B        7.49 GB    0.554 s   7.92 GB
@@ -432,7 +432,9 @@ fn short_host_ram_moves_streamed_copies_that_no_file_serves_to_a_disk_store() {
             .expect("plans");
     assert!(plan.host_bytes() <= plan.usable_host, "{plan}");
     let transformer = plan.component("transformer").expect("planned");
-    assert!(transformer.on_disk && transformer.host_bytes == 0, "{}", transformer.why);
+    // The RAM the other copies leave keeps its streamed groups once read from the store (a split).
+    assert!(transformer.on_disk && transformer.host_bytes == transformer.ram_streamed_bytes, "{}", transformer.why);
+    assert!(transformer.ram_streamed_bytes > 0, "{}", transformer.why);
     assert!(transformer.why.contains("on disk under /tmp/offload-store"), "{}", transformer.why);
     assert!(plan.warnings.is_empty(), "{plan}");
 
