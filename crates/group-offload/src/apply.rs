@@ -180,6 +180,7 @@ pub fn group_options(plan: &Plan, settings: &Settings, spec: &ComponentSpec) -> 
                 resident_budget: planned.resident_weight_bytes.saturating_sub(if keep_outside { outside } else { 0 }),
                 pinned_budget: planned.pinned_bytes,
                 disk_store,
+                ram_budget: planned.ram_streamed_bytes,
                 releasable: true,
                 keep_outside,
                 ..GroupOptions::default()
@@ -224,12 +225,27 @@ fn apply_group_offload(
         format_size(page_locked),
         format_size(outside),
         if options.keep_outside { "resident" } else { "streamed as one group" },
-        match &options.disk_store {
-            Some(dir) => format!("as files in {}", dir.display()),
-            None => "in host memory".to_string(),
-        }
+        host_copies(&options, component.is_file_tier())
     );
     Ok(Some((planned.route, how)))
+}
+
+/// Where a streamed component's host copies are, in the words of the applied plan: in host memory, its checkpoint
+/// files or the disk store, and the RAM budget its reads from files are kept in.
+fn host_copies(options: &GroupOptions, file_tier: bool) -> String {
+    let tier = match &options.disk_store {
+        Some(dir) => format!("as files in {}", dir.display()),
+        None if file_tier => "in its checkpoint files".to_string(),
+        None => "in host memory".to_string(),
+    };
+    if options.ram_budget == 0 {
+        return tier;
+    }
+    format!(
+        "{tier}, the reads of up to {} of streamed groups kept in host memory after their first read (the plan's \
+         split of its streamed groups over RAM and the file)",
+        format_size(options.ram_budget)
+    )
 }
 
 /// A pipeline's plan as applied: the planner's [`Plan`] (its `Display` is the table and one reason per

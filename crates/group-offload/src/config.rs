@@ -42,6 +42,12 @@ pub struct GroupOffloadConfig {
     /// Where to keep each group's host copy as a safetensors file instead of in host memory; `None` keeps it in
     /// memory.
     pub disk_dir: Option<PathBuf>,
+    /// Bytes of streamed groups read from a file (their checkpoint file, or the disk store) whose read is kept in
+    /// host memory, so later uploads copy it instead of reading the file again (0 by default): each group that
+    /// reads a file keeps its read while the budget has room, in the order the groups are uploaded, and gives
+    /// it back when it stays resident. The planner's split of the streamed groups over RAM and the file
+    /// ([`ComponentPlan::ram_streamed_bytes`](offload_core::plan::ComponentPlan::ram_streamed_bytes)).
+    pub ram_budget: u64,
     /// The record every move is added to, if any: the device manager's unless set.
     pub record: Option<OffloadRecord>,
     /// The timeline each group's upload, compute and release is recorded in, each on the thread it happens on
@@ -70,6 +76,7 @@ impl fmt::Debug for GroupOffloadConfig {
             .field("resident_budget", &self.resident_budget)
             .field("pinned_budget", &self.pinned_budget)
             .field("disk_dir", &self.disk_dir)
+            .field("ram_budget", &self.ram_budget)
             .field("record", &self.record.is_some())
             .field("timeline", &self.timeline.is_enabled())
             .field("files", &self.files)
@@ -93,6 +100,7 @@ impl GroupOffloadConfig {
             resident_budget: 0,
             pinned_budget: 0,
             disk_dir: None,
+            ram_budget: 0,
             check_uploads: true,
             files: None,
             disk: Arc::default(),
@@ -147,6 +155,13 @@ impl GroupOffloadConfig {
     /// Keeps host copies as safetensors files under `dir`.
     pub fn with_disk_store(mut self, dir: impl Into<PathBuf>) -> Self {
         self.disk_dir = Some(dir.into());
+        self
+    }
+
+    /// Keeps the reads of up to `bytes` of streamed groups from their files in host memory (see
+    /// [`ram_budget`](Self::ram_budget)).
+    pub fn with_ram_budget(mut self, bytes: u64) -> Self {
+        self.ram_budget = bytes;
         self
     }
 

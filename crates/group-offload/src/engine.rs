@@ -16,11 +16,11 @@
 //! the next groups to run.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
-use burn::tensor::Device;
+use burn::tensor::{Device, TensorData};
 use offload_core::link::{DiskSample, LinkSample};
 use offload_core::timeline::category;
 use offload_core::{Action, ComponentError, Direction, FileRead, OffloadEvent, Reason, Refusals};
@@ -196,6 +196,9 @@ pub(crate) struct Shared {
     /// Set when the engine is dropped: a prefetch still queued on the device's shared upload thread is then
     /// skipped, not uploaded for a model that is gone.
     closed: AtomicBool,
+    /// What is left of the configuration's RAM budget for reads kept in host memory
+    /// ([`GroupOffloadConfig::ram_budget`]).
+    ram_left: AtomicU64,
 }
 
 /// One prefetch, from the moment its group is marked `Loading` until it is published. Whatever happens to it, its
@@ -430,6 +433,22 @@ impl Shared {
         result
     }
 
+    /// Keeps the read a group's upload just made from its files in host memory, where the RAM budget has room for
+    /// it: later uploads copy it instead of reading the files.
+    fn keep_read(&self, host: &GroupHost, data: &[TensorData]) {
+        // A resident part (or a group already kept resident) is uploaded once and never read again.
+        let resident = self.state.lock().groups.iter().any(|g| std::ptr::eq(Arc::as_ptr(&g.host), host) && g.kept);
+        if resident {
+            return;
+        }
+        let bytes: u64 = data.iter().map(|d| d.as_bytes().len() as u64).sum();
+        let reserved = self.ram_left.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(bytes));
+        if reserved.is_ok() {
+            host.keep_read(data);
+            tracing::debug!(group = %host.id, bytes, "read kept in host memory within the RAM budget");
+        }
+    }
+
     /// The upload itself: allocate on the ledger, pay the transfer, build and check the device tensors.
     fn upload_bytes(
         &self,
@@ -463,6 +482,9 @@ impl Shared {
                 self.onload_error(host, ComponentError::Transfer { what: host.id.clone(), message })
             }
         })?;
+        if loaded.read.is_some() && self.config.ram_budget > 0 {
+            self.keep_read(host, &loaded.data);
+        }
         let read = loaded.read.map(|(bytes, seconds)| {
             self.config.disk.note(DiskSample { bytes, seconds });
             FileRead { bytes, nanos: (seconds * 1e9) as u64 }
@@ -599,6 +621,7 @@ impl Engine {
         config.validate()?;
         let model = config.model.clone();
         let shared = Arc::new(Shared {
+            ram_left: AtomicU64::new(config.ram_budget),
             config,
             state: Mutex::new(State {
                 groups: Vec::new(),
@@ -878,6 +901,9 @@ impl Engine {
             if state.kept_bytes + bytes <= shared.config.resident_budget {
                 state.kept_bytes += bytes;
                 state.groups[group].kept = true;
+                // A group that stays on the device is not read again: its kept read goes back to the RAM budget.
+                let given = state.groups[group].host.forget_read();
+                shared.ram_left.fetch_add(given, Ordering::AcqRel);
                 return;
             }
             let prefetching = !state.capturing && shared.config.prefetch;
@@ -1002,9 +1028,9 @@ impl Engine {
         state.cursor = None;
     }
 
-    /// The bytes of host copies held in host memory.
+    /// The bytes of host copies held in host memory, the reads kept within the RAM budget included.
     pub fn host_memory_bytes(&self) -> u64 {
-        self.shared.state.lock().groups.iter().map(|g| g.host.memory_bytes()).sum()
+        self.shared.state.lock().groups.iter().map(|g| g.host.memory_bytes() + g.host.kept_read_bytes()).sum()
     }
 
     /// The bytes of host copies read from checkpoint files at each upload.
@@ -1058,6 +1084,13 @@ impl Engine {
         let pinned = state.groups.iter().filter(|g| g.host.pinned).map(|g| g.host.bytes).sum();
         let locked = state.groups.iter().filter(|g| g.host.page_locked).map(|g| g.host.bytes).sum();
         (pinned, locked)
+    }
+
+    /// Bytes of groups' reads from their files kept in host memory within the RAM budget, and how many groups.
+    pub fn kept_read_bytes(&self) -> (u64, usize) {
+        let state = self.shared.state.lock();
+        let kept: Vec<u64> = state.groups.iter().map(|g| g.host.kept_read_bytes()).filter(|b| *b > 0).collect();
+        (kept.iter().sum(), kept.len())
     }
 
     /// The largest group's bytes, resident parts included.

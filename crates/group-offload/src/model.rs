@@ -155,6 +155,11 @@ pub struct GroupOptions {
     pub pinned_budget: u64,
     /// Keep the groups' host copies as files in this directory instead of in host memory.
     pub disk_store: Option<std::path::PathBuf>,
+    /// Bytes of streamed groups read from a file (the checkpoint file of a model registered from its files, or
+    /// the disk store) whose read stays in host memory for later uploads (0 by default): the split of the
+    /// streamed groups over RAM and the file that the planner places by cost
+    /// ([`GroupOffloadConfig::ram_budget`]).
+    pub ram_budget: u64,
     /// Whether the manager may release the component whole (every group, the resident ones included) when
     /// another component comes onto the device. Phase-staged plans set it, so the next phase gets the memory
     /// this component's resident groups held; with `false` the manager never evicts it (group offload's default).
@@ -180,6 +185,7 @@ impl Default for GroupOptions {
             resident_budget: 0,
             pinned_budget: 0,
             disk_store: None,
+            ram_budget: 0,
             releasable: false,
             keep_outside: true,
             check_uploads: true,
@@ -218,6 +224,7 @@ impl GroupOptions {
             .with_prefetch_depth(self.prefetch_depth)
             .with_resident_budget(self.resident_budget)
             .with_pinned_budget(self.pinned_budget)
+            .with_ram_budget(self.ram_budget)
             .with_upload_checks(self.check_uploads);
         match &self.disk_store {
             Some(dir) => config.with_disk_store(dir.clone()),

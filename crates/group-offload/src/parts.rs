@@ -247,7 +247,8 @@ impl GroupOffload {
     }
 
     /// The bytes of the groups' host copies held in host memory: 0 for a model streamed from its checkpoint file
-    /// (the file tier) or from the disk store, the model's weights for one held in memory.
+    /// (the file tier) or from the disk store, but for the reads kept within its RAM budget
+    /// ([`kept_read_bytes`](Self::kept_read_bytes)); the model's weights for one held in memory.
     pub fn host_memory_bytes(&self) -> u64 {
         self.engine.host_memory_bytes()
     }
@@ -374,6 +375,13 @@ impl GroupOffload {
     /// which has no page-locked memory.
     pub fn pinned_bytes(&self) -> (u64, u64) {
         self.engine.pinned_bytes()
+    }
+
+    /// Bytes of streamed groups' reads from their files kept in host memory within the RAM budget
+    /// ([`GroupOffloadConfig::ram_budget`]), and how many groups keep one: their uploads copy from host memory
+    /// and read no file.
+    pub fn kept_read_bytes(&self) -> (u64, usize) {
+        self.engine.kept_read_bytes()
     }
 
     /// The largest group's size: with resident bytes and prefetch depth `d`, the device holds at most

@@ -169,6 +169,12 @@ pub(crate) struct GroupHost {
     /// CUDA device, false on a CPU backend, which has no page-locked memory and leaves the bytes as they are.
     pub page_locked: bool,
     source: Source,
+    /// The bytes of a group read from a file (its checkpoint file or its disk-store file), kept in host memory
+    /// after a read within the offloader's RAM budget ([`GroupOffloadConfig::ram_budget`]): later uploads copy
+    /// them instead of reading the file again. `None` for a group that reads its file at every upload.
+    ///
+    /// [`GroupOffloadConfig::ram_budget`]: crate::GroupOffloadConfig::ram_budget
+    kept_read: parking_lot::Mutex<Option<Vec<Bytes>>>,
 }
 
 impl GroupHost {
@@ -223,7 +229,7 @@ impl GroupHost {
         }
         let page_locked = pinned
             && sources.iter().all(|s| matches!(s, HostTensor::Bytes(b) if b.property() == AllocationProperty::Pinned));
-        Self { id, tensors, bytes, pinned, page_locked, source: Source::Host(sources) }
+        Self { id, tensors, bytes, pinned, page_locked, source: Source::Host(sources), kept_read: Default::default() }
     }
 
     /// A group kept in a safetensors file under `dir`, written unless a file with the same content exists. The
@@ -252,7 +258,15 @@ impl GroupHost {
         } else {
             tracing::debug!(group = %id, path = %path.display(), "reusing group file with the same content hash");
         }
-        Ok(Self { id, tensors, bytes, pinned: false, page_locked: false, source: Source::Disk(path) })
+        Ok(Self {
+            id,
+            tensors,
+            bytes,
+            pinned: false,
+            page_locked: false,
+            source: Source::Disk(path),
+            kept_read: Default::default(),
+        })
     }
 
     /// The file backing the group, if it is on disk.
@@ -268,9 +282,34 @@ impl GroupHost {
         self.tensors.get(index).map_or_else(|| format!("{}#{index}", self.id), |t| format!("{}:{}", self.id, t.name))
     }
 
+    /// The bytes of this group's read kept in host memory (0 when none is kept).
+    pub fn kept_read_bytes(&self) -> u64 {
+        self.kept_read.lock().as_ref().map_or(0, |kept| kept.iter().map(|b| b.len() as u64).sum())
+    }
+
+    /// Keeps a copy of `data`, the tensors an upload just read from the files, in host memory: later uploads copy
+    /// it instead of reading the files. Returns the bytes kept.
+    pub fn keep_read(&self, data: &[TensorData]) -> u64 {
+        let kept: Vec<Bytes> = data.iter().map(|d| Bytes::from_bytes_vec(d.as_bytes().to_vec())).collect();
+        let bytes = kept.iter().map(|b| b.len() as u64).sum();
+        *self.kept_read.lock() = Some(kept);
+        bytes
+    }
+
+    /// Drops the kept read (the group stays resident, or the offloader ends): uploads read the files again.
+    /// Returns the bytes given back.
+    pub fn forget_read(&self) -> u64 {
+        self.kept_read.lock().take().map_or(0, |kept| kept.iter().map(|b| b.len() as u64).sum())
+    }
+
     /// Every tensor ready for upload ([`TensorMeta::upload_data`]: float tensors flat, quantized ones in shape),
-    /// and the read of its files, timed and shown on `timeline` as a `file_read` span of the thread that reads.
+    /// and the read of its files, timed and shown on `timeline` as a `file_read` span of the thread that reads. A
+    /// read kept in host memory ([`keep_read`](Self::keep_read)) is copied instead, with no read.
     pub fn load_upload(&self, timeline: &Timeline) -> Result<Loaded, HostReadError> {
+        if let Some(kept) = self.kept_read.lock().as_ref() {
+            let data = self.tensors.iter().zip(kept).map(|(meta, bytes)| meta.upload_data(bytes.clone())).collect();
+            return Ok(Loaded { data, read: None });
+        }
         match &self.source {
             Source::Host(sources) => {
                 let file_bytes = self.file_bytes();

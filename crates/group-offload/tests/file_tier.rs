@@ -653,3 +653,53 @@ fn a_bound_model_rewritten_in_place_is_split_again_and_holds_only_what_was_writt
     assert_eq!(offload.host_memory_bytes(), (WIDTH * 8 * 4) as u64, "only the rewritten weight is in memory");
     assert_eq!(table.materialised(), (1, vec!["head.weight".to_string()]));
 }
+
+/// The bytes of one toy block in `dtype`: fc1 and fc2 with their biases, and the norm's gamma and beta.
+fn block_bytes(dtype: DType) -> u64 {
+    ((WIDTH * HIDDEN + HIDDEN + HIDDEN * WIDTH + WIDTH + 2 * WIDTH) * dtype.size()) as u64
+}
+
+#[test]
+fn a_ram_budget_keeps_the_reads_of_the_streamed_groups_that_fit_and_the_rest_read_the_file() {
+    let device = Device::flex();
+    let (_dir, path) = checkpoint(DType::BF16);
+    let want = bits(whole(loaded(&path).weights().forward(ids(&device), "fc2")));
+    let block = block_bytes(DType::BF16);
+    // Room for two of the four blocks' reads: the first two uploaded keep theirs, the other two read the file
+    // at every upload. The first block stays resident (a resident budget of one block): its read goes back.
+    let options = GroupOptions {
+        resident_budget: block,
+        ram_budget: 2 * block + block / 2,
+        prefetch: false,
+        ..GroupOptions::default()
+    };
+    let (model, table) = bound(&path);
+    let manager = Arc::new(ComponentsManager::new());
+    let mut handle = ModelHandle::register_files(&manager, "toy", model, table, OffloadDevice::simulated(card()))
+        .expect("registers");
+    handle.enable_group_offload(&options).expect("it streams");
+    let reads = |offload: &group_offload::parts::GroupOffload| offload.disk_totals().reads;
+    let out = handle.run(0, |weights, _| weights.forward(ids(&device), "fc2")).expect("the first forward");
+    assert_eq!(bits(out), want, "the first forward differs from the loaded model");
+    let offload = handle.group_offload().expect("grouped").clone();
+    let (kept, groups) = offload.kept_read_bytes();
+    assert_eq!((kept, groups), (2 * block, 2), "blocks 1 and 2 keep their reads; block 0 stays resident");
+    // From now on a forward reads only the block whose read did not fit: blocks 1 and 2 copy from host memory.
+    for pass in 0..2 {
+        let before = reads(&offload);
+        let out = handle.run(0, |weights, _| weights.forward(ids(&device), "fc2")).expect("a forward");
+        assert_eq!(bits(out), want, "pass {pass}: differs from the loaded model");
+        assert_eq!(reads(&offload) - before, 1, "pass {pass}: only block 3 reads its file");
+    }
+    // The kept reads are the offloader's host memory now.
+    assert_eq!(offload.kept_read_bytes(), (2 * block, 2));
+    assert_eq!(offload.host_memory_bytes(), 2 * block);
+    let uploads: Vec<_> = manager
+        .offload_record()
+        .events()
+        .into_iter()
+        .filter(|e| e.action == Action::Onload && e.is_group_move() && e.id == "toy/blocks_3_3")
+        .collect();
+    assert_eq!(uploads.len(), 3, "one upload a forward: {uploads:?}");
+    assert!(uploads.iter().all(|e| e.read.is_some()), "block 3 reads its file at every upload: {uploads:?}");
+}

@@ -503,3 +503,61 @@ fn every_image_after_the_first_moves_the_same_and_reloads_nothing_the_plan_keeps
     }
     assert!(resident_checked > 0, "no plan kept a component resident: the check above held nothing");
 }
+
+/// A host with `usable` bytes the planner may fill (the 2 GiB margin on top).
+fn small_host(usable: u64) -> HostMemory {
+    HostMemory::new((2 << 30) + usable, (2 << 30) + usable)
+}
+
+/// Registered from its files on a card that must stream the transformer, with RAM for about half the
+/// transformer: the copies do not fit whole, so they read their files, and the RAM left is placed over the
+/// transformer's streamed groups (a split). The run keeps exactly the reads the plan placed in RAM, later images
+/// read only the other streamed groups from the file, and the image is the resident run's.
+#[test]
+fn a_short_host_keeps_the_streamed_groups_the_plan_places_in_ram_and_reads_the_rest_from_the_file() {
+    let (opts, _) = turbo_options();
+    let resident = resident_image(&opts);
+    let sizes = sizes(&opts);
+    let spec = CardSpec::parse(&sizes.streaming_card().to_string())
+        .expect("a size")
+        .with_mode(Mode::Hard)
+        .with_context_overhead(0);
+    let card = SimCard::new(spec);
+    let mut pipeline = ZImagePipeline::bind(
+        common::fixtures().join("tiny-z-image-turbo"),
+        OffloadDevice::simulated(card.clone()),
+        &pipeline_zimage::loading::LoadOptions::new(),
+        None,
+        offload_core::Timeline::disabled(),
+    )
+    .expect("it binds");
+    let scratch = Scratch::new("split");
+    let pairs = [
+        ("preset", "auto".to_string()),
+        ("reserve", sizes.reserve.to_string()),
+        ("profile_dir", scratch.0.display().to_string()),
+    ];
+    let facts = card.device_facts(small_host(sizes.transformer / 2));
+    let plan = enable_pipeline_offload(&mut pipeline, settings(&pairs), &facts, &opts).expect("plans");
+    let planned = plan.component("transformer").expect("planned").clone();
+    assert!(matches!(planned.route, Route::BlockGroupOffload { .. }), "{plan}");
+    assert!(planned.ram_streamed_bytes > 0 && planned.host_tier.reads_disk(), "no split:\n{plan}");
+    assert!(plan.plan.host_bytes() <= plan.plan.usable_host, "{plan}");
+    let how = &plan.applied("transformer").expect("applied").how;
+    assert!(how.contains("kept in host memory after their first read"), "{how}");
+
+    let offload = pipeline.group_offload("transformer").expect("the transformer streams").clone();
+    for image in 0..2 {
+        let reads = offload.disk_totals();
+        let out = pipeline.generate(&opts, &mut |_, _| {}).expect("runs");
+        assert!(max_abs_diff(&values(out), &resident) <= 1e-6, "image {image}");
+        let (kept, _) = offload.kept_read_bytes();
+        assert_eq!(kept, planned.ram_streamed_bytes, "image {image}: the run keeps what the plan placed in RAM");
+        if image > 0 {
+            // A later image reads the file for the streamed groups outside the RAM budget only.
+            let streamed = planned.streamed_per_image - planned.ram_streamed_bytes * u64::from(planned.calls_per_image);
+            let read = offload.disk_totals().bytes - reads.bytes;
+            assert!(read > 0 && read <= streamed, "image {image}: read {read} of at most {streamed} from the file");
+        }
+    }
+}
