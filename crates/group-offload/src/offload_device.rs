@@ -3,12 +3,15 @@
 //! thread, the clock on its link, and a manager its models are registered in, whose record and timeline every move
 //! onto the device is written to.
 
+use std::any::Any;
 use std::sync::Arc;
 
 use burn::tensor::Device;
 use offload_core::link::{LinkMeter, LinkRate};
 use offload_core::{ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, NoLedger};
 
+use crate::device::cap::CappedDevice;
+use crate::device::pool::PoolReadings;
 use crate::error::Result;
 use crate::uploads::{Task, UploadThread};
 
@@ -57,6 +60,9 @@ struct Shared {
     link: Arc<LinkMeter>,
     uploads: Arc<UploadThread>,
     manager: Arc<ComponentsManager>,
+    /// The object behind the account, where a constructor was given one (a simulated card, a real device's pool
+    /// readings, a cap over them): what a program's reports ask about ([`OffloadDevice::account`]).
+    account: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 impl OffloadDevice {
@@ -78,6 +84,7 @@ impl OffloadDevice {
             memory,
             link: Arc::default(),
             manager: Arc::new(ComponentsManager::new()),
+            account: None,
         }))
     }
 
@@ -95,7 +102,17 @@ impl OffloadDevice {
             link: self.0.link.clone(),
             uploads: self.0.uploads.clone(),
             manager: Arc::new(ComponentsManager::new()),
+            account: None,
         }))
+    }
+
+    /// The same device object with `account` as the object behind its account (set by the constructors that take
+    /// one).
+    fn with_account_object(self, account: Arc<dyn Any + Send + Sync>) -> Self {
+        let mut shared =
+            Arc::try_unwrap(self.0).unwrap_or_else(|_| unreachable!("a device object being built has one handle"));
+        shared.account = Some(account);
+        Self(Arc::new(shared))
     }
 
     /// Everything on the host's CPU backend: nothing moves, nothing is accounted.
@@ -106,9 +123,36 @@ impl OffloadDevice {
     /// A simulated card on the CPU: the weights stay in host memory (burn's `flex` backend), the card (anything
     /// that is both the ledger and the readings: `memory_sim::SimCard`) accounts for them, and the components
     /// are known by the card's device name.
-    pub fn simulated<C: DeviceLedger + DeviceMemory + 'static>(card: Arc<C>) -> Self {
+    pub fn simulated<C: DeviceLedger + DeviceMemory + Send + Sync + 'static>(card: Arc<C>) -> Self {
         let name = DeviceMemory::device(&*card);
-        Self::on_device(Device::flex(), name, card.clone(), Some(card))
+        Self::on_device(Device::flex(), name, card.clone(), Some(card.clone())).with_account_object(card)
+    }
+
+    /// A real device read through its pool: nothing is charged ([`NoLedger`]: the runtime allocates for itself),
+    /// and `readings` are what auto offload, the reports and the timeline read.
+    pub fn pooled(exec: Device, name: DeviceName, readings: Arc<PoolReadings>) -> Self {
+        Self::on_device(exec, name, Arc::new(NoLedger), Some(readings.clone())).with_account_object(readings)
+    }
+
+    /// A real device under a cap ([`CappedDevice`]): the cap is the ledger every move is charged to and the
+    /// readings everything decides by.
+    pub fn capped(exec: Device, name: DeviceName, cap: Arc<CappedDevice>) -> Self {
+        Self::on_device(exec, name, cap.clone(), Some(cap.clone())).with_account_object(cap)
+    }
+
+    /// The object behind the device's account, when it is a `T`: the simulated card of
+    /// [`simulated`](Self::simulated) (`device.account::<memory_sim::SimCard>()`), the [`PoolReadings`] of
+    /// [`pooled`](Self::pooled), the [`CappedDevice`] of [`capped`](Self::capped); `None` otherwise (a device built
+    /// from a ledger and readings with [`on_device`](Self::on_device) or [`with_account`](Self::with_account)).
+    /// What a program's reports read: the card's label and statistics, the pool's high-water, the cap.
+    pub fn account<T: Any + Send + Sync>(&self) -> Option<Arc<T>> {
+        self.0.account.clone()?.downcast::<T>().ok()
+    }
+
+    /// The real device's pool readings, also under a cap ([`CappedDevice::readings`]); `None` on a simulated card
+    /// or a device nothing reads.
+    pub fn pool_readings(&self) -> Option<Arc<PoolReadings>> {
+        self.account::<PoolReadings>().or_else(|| self.account::<CappedDevice>().map(|cap| cap.readings().clone()))
     }
 
     /// The burn device that computes (`Device::cuda(0)`, or `Device::flex()` under a simulated card).
@@ -284,5 +328,21 @@ mod tests {
         let host = OffloadDevice::host_only();
         assert_eq!(host.readings().device(), DeviceName::cpu());
         assert!(host.readings().available() > 1 << 60);
+    }
+
+    /// The object behind the account is what the constructor was given, asked for by its type: the reports of a
+    /// program read the card from the device object, not from a second copy of what backs it.
+    #[test]
+    fn the_account_is_the_object_the_device_was_built_on() {
+        let card = memory_sim::SimCard::new(memory_sim::CardSpec::parse("1MB").expect("a size"));
+        let device = OffloadDevice::simulated(card.clone());
+        let found = device.account::<memory_sim::SimCard>().expect("the card");
+        assert!(Arc::ptr_eq(&found, &card));
+        assert_eq!(device.readings().total(), card.total());
+        assert!(device.account::<PoolReadings>().is_none() && device.pool_readings().is_none());
+        assert!(device.clone().account::<memory_sim::SimCard>().is_some(), "a handle to the same device");
+        // Another account over the same device is not the card's.
+        assert!(device.with_account(Arc::new(NoLedger), None).account::<memory_sim::SimCard>().is_none());
+        assert!(OffloadDevice::host_only().account::<memory_sim::SimCard>().is_none());
     }
 }

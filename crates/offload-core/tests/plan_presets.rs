@@ -58,9 +58,9 @@ fn auto_over_cards_and_host_ram() {
     check(
         matrix(Preset::Auto),
         expect![[r#"
-            == 8GB card, 16GB RAM: 12.50 s/image, peak 6.58 GB of 6.84 GB, host 6.22 GB of 11.41 GB usable, 0 B pinned, 0 warning(s)
+            == 8GB card, 16GB RAM: 9.71 s/image, peak 6.58 GB of 6.84 GB, host 11.40 GB of 11.41 GB usable, 0 B pinned, 0 warning(s)
             component     route                 host       resident  pinned  streamed/step  time/step     peak
-            text_encoder  leaf, prefetch        file      741.88 MB     0 B        7.49 GB    4.536 s  1.25 GB
+            text_encoder  leaf, prefetch        file+ram  741.88 MB     0 B        7.49 GB    1.753 s  1.25 GB
             transformer   block x1, prefetch 1  file+ram    5.40 GB     0 B        6.74 GB    0.983 s  6.58 GB
             vae           component offload     ram       159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
             == 8GB card, 32GB RAM: 5.57 s/image, peak 6.58 GB of 6.84 GB, host 19.11 GB of 23.10 GB usable, 0 B pinned, 0 warning(s)

@@ -147,7 +147,7 @@ fn parity(args: &Args) -> anyhow::Result<()> {
     let placement = OffloadDevice::on_device(exec, name.clone(), Arc::new(offload_core::NoLedger), memory);
     let pipeline = ZImagePipeline::load(&weights, placement, &pipeline_zimage::loading::LoadOptions::new())?;
     if !name.is_cpu() {
-        pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true)?;
+        pipeline.enable_auto_offload(0, true)?;
     }
     // (golden file, steps, guidance, negative prompt, noise tensor, image-to-image)
     type Case<'a> = (&'a str, usize, f32, Option<&'a str>, &'a str, bool);
@@ -196,7 +196,7 @@ fn readings(args: &Args) -> anyhow::Result<()> {
         };
         let placement = OffloadDevice::on_device(exec.clone(), name.clone(), ledger, Some(memory.clone()));
         let pipeline = ZImagePipeline::load(&weights, placement, &pipeline_zimage::loading::LoadOptions::new())?;
-        pipeline.enable_auto_offload(memory.clone(), parse_size("1MB")?, true)?;
+        pipeline.enable_auto_offload(parse_size("1MB")?, true)?;
         let mut opts = GenerateOptions::turbo("a red fox in the snow");
         (opts.steps, opts.height, opts.width, opts.max_sequence_length) = (4, 64, 64, 32);
         opts.latents = Some(golden("pipeline_t2i_turbo.safetensors", "latents")?);

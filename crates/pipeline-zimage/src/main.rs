@@ -29,7 +29,7 @@ use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::Timeline;
 use offload_core::plan::{DeviceFacts, LinkRun, ProfileStore};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
-use offload_core::{DeviceLedger, DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
+use offload_core::{DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::lora::{LoraFile, LoraMode, LoraSpec, LoraTarget};
 use pipeline_zimage::output::{Format, Output, check_output_dir, check_outputs, write_atomic, write_bytes_atomic};
@@ -114,16 +114,6 @@ impl WeightDtype {
             WeightDtype::F16 => Some(DType::F16),
         }
     }
-}
-
-/// What backs the execution device's account, for the reports only: the account itself is the device object built
-/// from it once ([`execution_device`]).
-enum Target {
-    /// The CPU: weights stay in host memory; a simulated card, when given, gives the readings and the account.
-    Host { card: Option<Arc<SimCard>> },
-    /// A real device: its pool's readings (none for a resident run on a runtime that reports no total and was
-    /// given none), capped by `--card` when given.
-    Real { readings: Option<Arc<PoolReadings>>, cap: Option<Arc<CappedDevice>> },
 }
 
 #[derive(clap::Args)]
@@ -614,22 +604,8 @@ fn write_outputs(image: Tensor<4>, out: &Path, out_tensor: Option<&Path>) -> any
     Ok(())
 }
 
-/// The execution device's one object, its account built from `target` once: a simulated card (its ledger and
-/// readings), a cap over a real device, a real device's readings, or the host with nothing accounted.
-fn execution_device(target: &Target, exec: &Device, name: &DeviceName) -> OffloadDevice {
-    let (ledger, memory): (Arc<dyn DeviceLedger>, Option<Arc<dyn DeviceMemory>>) = match target {
-        Target::Host { card: Some(card) } => return OffloadDevice::simulated(card.clone()),
-        Target::Host { card: None } => (Arc::new(NoLedger), None),
-        Target::Real { cap: Some(cap), .. } => (cap.clone(), Some(cap.clone())),
-        Target::Real { readings, cap: None } => {
-            (Arc::new(NoLedger), readings.clone().map(|r| r as Arc<dyn DeviceMemory>))
-        }
-    };
-    OffloadDevice::on_device(exec.clone(), name.clone(), ledger, memory)
-}
-
 /// Writes the `--trace` file and draws the `--memory-plot` of the run recorded in `timeline`, on `device`.
-fn write_timeline(args: &Generate, timeline: &Timeline, target: &Target, device: &OffloadDevice) -> anyhow::Result<()> {
+fn write_timeline(args: &Generate, timeline: &Timeline, device: &OffloadDevice) -> anyhow::Result<()> {
     let memory = device.memory().clone();
     if let Some(path) = &args.trace {
         write_atomic(path, |out| timeline.write_chrome_trace(out))?;
@@ -643,12 +619,14 @@ fn write_timeline(args: &Generate, timeline: &Timeline, target: &Target, device:
     if let Some(path) = &args.memory_plot {
         let options = PlotOptions {
             capacity: memory.as_ref().map(|m| m.total()),
-            title: match (target, &memory) {
-                (Target::Host { card: Some(card) }, _) => {
+            title: match (device.account::<SimCard>(), &memory) {
+                (Some(card), _) => {
                     format!("device memory on the simulated {} card ({})", card.spec().label, format_size(card.total()))
                 }
-                (_, Some(memory)) => format!("device memory on {} ({})", memory.device(), format_size(memory.total())),
-                (_, None) => "device memory".into(),
+                (None, Some(memory)) => {
+                    format!("device memory on {} ({})", memory.device(), format_size(memory.total()))
+                }
+                (None, None) => "device memory".into(),
             },
             font: args.plot_font.clone(),
             ..PlotOptions::default()
@@ -825,8 +803,13 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         })
         .transpose()?;
     let card_spec = spec.clone();
-    let target = if name.is_cpu() {
-        Target::Host { card: spec.map(SimCard::new) }
+    // The execution device's one object, its account built once: a simulated card on the CPU, a real device's
+    // pool readings, a cap over them, or nothing accounted. Every later reading and report asks it.
+    let placement = if name.is_cpu() {
+        match spec {
+            Some(spec) => OffloadDevice::simulated(SimCard::new(spec)),
+            None => OffloadDevice::on_device(exec.clone(), name.clone(), Arc::new(NoLedger), None),
+        }
     } else {
         // A real device: the readings are its own; a card caps them and never stands in for them.
         let total = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?;
@@ -861,10 +844,14 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             // --device-memory): a reserve it cannot hold is refused now.
             check_manual_reserve(reserve, None, Some(readings.as_ref()))?;
         }
-        Target::Real { readings, cap }
+        match (cap, readings) {
+            (Some(cap), _) => OffloadDevice::capped(exec.clone(), name.clone(), cap),
+            (None, Some(readings)) => OffloadDevice::pooled(exec.clone(), name.clone(), readings),
+            (None, None) => OffloadDevice::on_device(exec.clone(), name.clone(), Arc::new(NoLedger), None),
+        }
     };
-    let placement = execution_device(&target, &exec, &name);
-    if (offload != Offload::None || planner) && matches!(target, Target::Host { card: None }) {
+    let simulated = placement.account::<SimCard>();
+    if (offload != Offload::None || planner) && name.is_cpu() && simulated.is_none() {
         bail!(
             "{} needs an execution device to offload to, but --device cpu runs everything in host memory: pass \
              --card SIZE to simulate a card on the CPU, or run on a device (--device cuda:0, --device wgpu)",
@@ -1003,8 +990,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     // The per-phase peaks are reset only under --memory-report; the run's own peak is kept beside them, so the
     // peak printed at the end is the whole run's.
     let run_peak = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let device_peak: Arc<dyn Fn() -> u64 + Send + Sync> = match &target {
-        Target::Host { card: Some(card) } => {
+    let device_peak: Arc<dyn Fn() -> u64 + Send + Sync> = match (&simulated, placement.pool_readings()) {
+        (Some(card), _) => {
             let (card, run_peak) = (card.clone(), run_peak.clone());
             Arc::new(move || {
                 let peak = card.peak();
@@ -1013,8 +1000,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 peak
             })
         }
-        Target::Real { readings: Some(readings), .. } => {
-            let (readings, run_peak) = (readings.clone(), run_peak.clone());
+        (None, Some(readings)) => {
+            let run_peak = run_peak.clone();
             Arc::new(move || {
                 let peak = readings.peak();
                 run_peak.fetch_max(peak, std::sync::atomic::Ordering::Relaxed);
@@ -1022,7 +1009,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 peak
             })
         }
-        _ => Arc::new(|| 0),
+        (None, None) => Arc::new(|| 0),
     };
     let whole_run_peak = |now: u64| now.max(run_peak.load(std::sync::atomic::Ordering::Relaxed));
     if let Some(anonymous) = &anonymous {
@@ -1087,8 +1074,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
 
     let mut plan = None;
     if planner {
-        let simulated = matches!(target, Target::Host { card: Some(_) });
-        let exact = simulated.then(|| exact_reserve(&pipeline, &opts));
+        let exact = simulated.is_some().then(|| exact_reserve(&pipeline, &opts));
         let (settings, exact_used) = resolve_settings(args, &env, exact)?;
         if exact_used {
             println!(
@@ -1103,9 +1089,10 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             (Err(_), Some(available)) => HostMemory::new(available, available),
             (Err(error), None) => return Err(error.into()),
         };
-        let facts = match &target {
-            Target::Host { card: Some(card) } => card.device_facts(host),
-            Target::Real { cap, .. } => {
+        let facts = match &simulated {
+            Some(card) => card.device_facts(host),
+            None if name.is_cpu() => bail!("the offload planner needs a device to offload to (refused above)"),
+            None => {
                 let memory = placement.memory().clone().context("a real device has readings")?;
                 // The link speed earlier runs measured on this device, in place of the generic assumption.
                 let store = ProfileStore::from_settings(&settings)?;
@@ -1115,12 +1102,11 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                     .with_measured_link(measured)
                     .with_footprints(store.footprints(name.as_str())?)
                     .with_call_footprints(store.call_footprints(name.as_str())?);
-                match cap {
+                match placement.account::<CappedDevice>() {
                     Some(cap) => DeviceFacts { label: format!("{name} capped at {}", cap.label()), ..facts },
                     None => facts,
                 }
             }
-            Target::Host { card: None } => bail!("the offload planner needs a device to offload to (refused above)"),
         };
         // The read rate earlier runs measured on the checkpoint's disk, in place of the assumed one.
         let measured_disk = ProfileStore::from_settings(&settings)?.measured_disk(&disk_label(&weights))?;
@@ -1128,16 +1114,16 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         let applied = enable_pipeline_offload(&mut pipeline, settings, &facts, &opts)?;
         println!("{applied}");
         plan = Some(applied);
-    } else if let (Some(memory), true) = (placement.memory().clone(), offload != Offload::None) {
+    } else if placement.memory().is_some() && offload != Offload::None {
         if offload == Offload::Group {
             pipeline.enable_group_offload(1, 1)?;
         }
-        pipeline.enable_auto_offload(memory, manual_reserve, true)?;
+        pipeline.enable_auto_offload(manual_reserve, true)?;
         pipeline.manager().set_offload_strategy(strategy.first_image())?;
     } else if !pipeline.placement().name().is_cpu() {
         // No offload: every component is onloaded on its first run and stays (weights load on the host; on a
         // device this is what moves them there). The moves still go through the manager's record.
-        pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true)?;
+        pipeline.enable_auto_offload(0, true)?;
     }
 
     let bar = indicatif::ProgressBar::new(args.steps as u64);
@@ -1180,7 +1166,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 bar.finish();
                 drop(sampler);
                 // A failed run is written too: its trace shows what led to the failure.
-                if let Err(write_error) = write_timeline(args, &timeline, &target, &placement) {
+                if let Err(write_error) = write_timeline(args, &timeline, &placement) {
                     eprintln!("{write_error:#}");
                 }
                 return Err(error.into());
@@ -1236,7 +1222,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
     if let Some(plan) = &plan {
         report_file_reads(&pipeline, plan, &weights, args.steps)?;
     }
-    if matches!(target, Target::Real { .. }) {
+    if !name.is_cpu() {
         // Kept beside the capacity profiles: the next plan on this device predicts from them.
         let store = match &plan {
             Some(plan) => plan.profile_store()?,
@@ -1266,9 +1252,9 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             }
         }
     }
-    write_timeline(args, &timeline, &target, &placement)?;
-    match &target {
-        Target::Host { card: Some(card) } => {
+    write_timeline(args, &timeline, &placement)?;
+    match (&simulated, placement.pool_readings()) {
+        (Some(card), _) => {
             print_record(&pipeline);
             println!(
                 "\npeak on the simulated {} card: {}",
@@ -1291,7 +1277,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 );
             }
         }
-        Target::Real { readings: Some(readings), cap } => {
+        (None, Some(readings)) => {
             print_record(&pipeline);
             let now = readings.observe().map_err(group_offload::Error::from)?;
             println!(
@@ -1312,7 +1298,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             {
                 println!("no heap budget read: {why}");
             }
-            if let Some(cap) = cap {
+            if let Some(cap) = placement.account::<CappedDevice>() {
                 println!(
                     "capped at {} ({}): available under the cap now {}",
                     cap.label(),
@@ -1321,16 +1307,18 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 );
             }
         }
-        Target::Host { card: None } | Target::Real { readings: None, .. } => {}
+        (None, None) => {}
     }
     if offload != Offload::None
         && let Some(memory) = placement.memory().clone()
     {
         // Bytes moved beside auto's on the same schedule, and the optimum: replayed on the simulated card that
         // charged the run, or predicted on a card of the real device's size.
-        let (card, exact) = match &target {
-            Target::Host { card: Some(card) } => (card.spec().clone(), true),
-            _ => (CardSpec::parse(&memory.total().to_string())?.with_mode(Mode::Hard).with_context_overhead(0), false),
+        let (card, exact) = match &simulated {
+            Some(card) => (card.spec().clone(), true),
+            None => {
+                (CardSpec::parse(&memory.total().to_string())?.with_mode(Mode::Hard).with_context_overhead(0), false)
+            }
         };
         let comparison = compare_moves(&pipeline, &opts, strategy, first_image_uses, card, manual_reserve, exact)?;
         println!("\n{comparison}");

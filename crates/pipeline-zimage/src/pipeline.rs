@@ -21,7 +21,7 @@ use group_offload::{
 };
 use offload_core::plan::{PhaseReport, Phases};
 use offload_core::timeline::{Timeline, category};
-use offload_core::{ComponentsManager, DeviceMemory, DeviceName};
+use offload_core::{ComponentsManager, DeviceName};
 
 use crate::config::TransformerConfig;
 use crate::error::{Error, Result};
@@ -825,9 +825,12 @@ impl ZImagePipeline {
         &self.configs.transformer
     }
 
-    /// Enables auto offload onto the execution device, read through `memory`.
-    pub fn enable_auto_offload(&self, memory: Arc<dyn DeviceMemory>, reserve: u64, retry_on_oom: bool) -> Result<()> {
-        Ok(self.manager.enable_auto_offload(memory, reserve, retry_on_oom)?)
+    /// Enables auto offload onto the execution device, deciding by the device object's own readings
+    /// ([`OffloadDevice::readings`]: a simulated card's, a real device's pool or its cap; unbounded where nothing
+    /// reads it), with `reserve` bytes kept free and, with `retry_on_oom`, a call that runs out of memory retried
+    /// after evicting. The device was handed over once, when the pipeline was loaded.
+    pub fn enable_auto_offload(&self, reserve: u64, retry_on_oom: bool) -> Result<()> {
+        Ok(self.manager.enable_auto_offload(self.placement.readings(), reserve, retry_on_oom)?)
     }
 
     /// Activation bytes each component's call holds beside its weights, for a generation: what a run charges

@@ -557,7 +557,7 @@ fn run_resident<L: DeviceLedger + 'static, T>(
     let readings = PoolReadings::open(device.clone(), name.clone(), Some(total))?;
     let ledger = ledger(readings.clone());
     let pipeline = load(on.with_account(ledger.clone(), Some(readings)))?;
-    pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true)?;
+    pipeline.enable_auto_offload(0, true)?;
     for _ in 0..images {
         pipeline.generate(opts, &mut |_, _| {})?;
     }

@@ -77,7 +77,7 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
     let base = placement(&device, &name, Arc::new(NoLedger), memory.clone());
     let mut pipeline = load_tiny(base.clone());
     pipeline.enable_group_offload_with("transformer", &streamed).expect("group offload");
-    pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     let reference = values(pipeline.generate(&opts, &mut |_, _| {}).expect("uncapped"));
     let uncapped = memory.reserved_peak().saturating_sub(before);
     // A `GroupOffload` is a handle on the engine and its device tensors: it is dropped here, with the pipeline,
@@ -100,7 +100,7 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
         let cap = CappedDevice::new(readings(&device, &name), capacity, true, "cap");
         let mut pipeline = load_tiny(base.with_account(cap.clone(), Some(cap.clone())));
         pipeline.enable_group_offload_with("transformer", &streamed).expect("group offload");
-        pipeline.enable_auto_offload(cap.clone(), 0, true).expect("auto offload under the cap");
+        pipeline.enable_auto_offload(0, true).expect("auto offload under the cap");
         let outcome = pipeline.generate(&opts, &mut |_, _| {}).map(values);
         if let Err(error) = &outcome
             && !matches!(error, pipeline_zimage::Error::Offload(offload_core::Error::DoesNotFit { .. }))

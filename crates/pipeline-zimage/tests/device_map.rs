@@ -37,7 +37,7 @@ fn the_text_encoder_on_the_cpu_beside_a_card_gives_the_one_device_image() {
     let (opts, _) = turbo_options();
     let one_card = card();
     let one = load_tiny(OffloadDevice::simulated(one_card.clone()));
-    one.enable_auto_offload(one_card.clone(), 0, true).expect("auto offload");
+    one.enable_auto_offload(0, true).expect("auto offload");
     let expected = values(one.generate(&opts, &mut |_, _| {}).expect("one device"));
 
     let two_card = card();
@@ -46,7 +46,7 @@ fn the_text_encoder_on_the_cpu_beside_a_card_gives_the_one_device_image() {
         .expect("a component");
     let two = ZImagePipeline::load_mapped(fixtures().join("tiny-z-image-turbo"), map, &LoadOptions::new())
         .expect("the tiny checkpoint loads over two devices");
-    two.enable_auto_offload(two_card.clone(), 0, true).expect("auto offload");
+    two.enable_auto_offload(0, true).expect("auto offload");
     let image = values(two.generate(&opts, &mut |_, _| {}).expect("two devices"));
     assert_eq!(image, expected, "flex computes both: the same image bit for bit");
 
@@ -107,7 +107,7 @@ fn two_cards_in_one_pipeline_each_hold_their_components() {
     let (opts, _) = turbo_options();
     let one_card = card();
     let one = load_tiny(OffloadDevice::simulated(one_card.clone()));
-    one.enable_auto_offload(one_card.clone(), 0, true).expect("auto offload");
+    one.enable_auto_offload(0, true).expect("auto offload");
     let expected = values(one.generate(&opts, &mut |_, _| {}).expect("one device"));
 
     let (first, second) = (card(), second_card("64MiB"));

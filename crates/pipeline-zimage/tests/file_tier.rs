@@ -140,7 +140,7 @@ fn the_text_encoder_and_the_transformer_stream_from_their_files_to_the_ram_paths
     for component in ["text_encoder", "transformer"] {
         ram.enable_group_offload_with(component, &block).expect("group offload");
     }
-    ram.enable_auto_offload(card_ram.clone(), 0, true).expect("auto offload");
+    ram.enable_auto_offload(0, true).expect("auto offload");
     let want = values(ram.generate(&opts, &mut |_, _| {}).expect("the RAM path runs"));
 
     let device = Device::flex();
@@ -155,7 +155,7 @@ fn the_text_encoder_and_the_transformer_stream_from_their_files_to_the_ram_paths
     for component in ["text_encoder", "transformer"] {
         pipeline.enable_group_offload_with(component, &block).expect("group offload");
     }
-    pipeline.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     for run in 0..2 {
         let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("the file tier runs"));
         let same = image.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());

@@ -181,7 +181,7 @@ fn the_pipeline_streams_both_encoders_at_leaf_level_and_gives_the_golden_image()
     );
     assert_eq!(pipeline.manager().placement().len(), 3, "every component is still registered");
 
-    pipeline.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("generate"));
     assert!(max_abs_diff(&image, &resident) <= 1e-6);
     assert!(max_abs_diff(&image, &golden_image) <= 1e-3);
@@ -218,6 +218,6 @@ fn bad_group_options_are_typed_errors_that_leave_the_component_registered() {
     assert_eq!(pipeline.manager().placement().len(), 3, "every component is still registered");
     assert_eq!(card.stats().allocations, 0, "nothing was placed on the card");
     let (opts, _) = turbo_options();
-    pipeline.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     pipeline.generate(&opts, &mut |_, _| {}).expect("the pipeline still runs");
 }

@@ -174,7 +174,7 @@ fn route_image(
         assert!(matches!(refused, Error::LoraUnsupported { .. }), "{refused:?}");
     }
     if route != "resident" {
-        pipeline.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
+        pipeline.enable_auto_offload(0, true).expect("auto offload");
     }
     let image = image(&pipeline);
     let record = (route != "resident").then(|| pipeline.manager().offload_record());

@@ -108,7 +108,7 @@ fn simulated(group: bool, card_bytes: u64, reserve: u64) -> (ZImagePipeline, Arc
     if group {
         pipeline.enable_group_offload(1, 1).expect("group offload");
     }
-    pipeline.enable_auto_offload(card.clone(), reserve, true).expect("auto offload");
+    pipeline.enable_auto_offload(reserve, true).expect("auto offload");
     (pipeline, card)
 }
 

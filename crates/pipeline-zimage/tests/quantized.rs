@@ -140,10 +140,10 @@ fn a_quantized_transformer_streams_by_blocks_and_leaves_with_the_quantized_resid
     let quantized_image = values(probe.generate(&opts, &mut |_, _| {}).expect("resident quantized run"));
     let transformer = bytes(&probe, "transformer");
     for options in [GroupOptions::default(), GroupOptions::leaf()] {
-        let (mut pipeline, card) = quantized_on_card(1 << 30);
+        let (mut pipeline, _card) = quantized_on_card(1 << 30);
         pipeline.enable_group_offload_with("transformer", &options).expect("a quantized transformer streams");
         pipeline.enable_group_offload_with("text_encoder", &GroupOptions::leaf()).expect("and a text encoder");
-        pipeline.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
+        pipeline.enable_auto_offload(0, true).expect("auto offload");
         let groups = pipeline.transformer().group_offload().expect("grouped").groups();
         assert_eq!(groups.iter().map(|(_, b)| b).sum::<u64>(), transformer, "the groups hold the quantized bytes");
         for image in 0..2 {
@@ -251,7 +251,7 @@ fn an_out_of_memory_retry_on_a_tight_hard_card_still_gives_the_quantized_image()
     let (mut pipeline, card) = quantized_on_card(card_bytes);
     let options = GroupOptions { releasable: true, ..GroupOptions::default() };
     pipeline.enable_group_offload_with("transformer", &options).expect("a quantized transformer streams");
-    pipeline.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     for image in 0..2 {
         let streamed = values(pipeline.generate(&opts, &mut |_, _| {}).expect("recovers and runs"));
         assert_eq!(streamed, quantized_image, "image {image} after the retry differs");
@@ -322,7 +322,7 @@ fn measure(scheme: Option<QuantScheme>, checked: bool, streaming: &GroupOptions)
     let resident = values(pipeline.generate(&opts, &mut |_, _| {}).expect("resident"));
     let transformer = bytes(&pipeline, "transformer");
     pipeline.enable_group_offload_with("transformer", streaming).expect("streams");
-    pipeline.enable_auto_offload(card, 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     pipeline.generate(&opts, &mut |_, _| {}).expect("first streamed image");
     let from = pipeline.manager().offload_record().events().len();
     let streamed = values(pipeline.generate(&opts, &mut |_, _| {}).expect("second streamed image"));

@@ -49,7 +49,7 @@ fn wgpu() -> (burn::tensor::Device, DeviceName, MutexGuard<'static, ()>) {
 /// The tiny pipeline on the wgpu device, every component resident through the manager.
 fn on_device(device: &burn::tensor::Device, name: &DeviceName) -> ZImagePipeline {
     let pipeline = load_tiny(OffloadDevice::on_device(device.clone(), name.clone(), Arc::new(NoLedger), None));
-    pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     pipeline
 }
 

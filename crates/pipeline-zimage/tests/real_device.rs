@@ -87,7 +87,7 @@ fn in_use(device: &Device) -> u64 {
 fn resident(device: &Device, name: &DeviceName) -> ZImagePipeline {
     let memory = readings(device, name, TOTAL);
     let pipeline = load_tiny(placement(device, name, Arc::new(NoLedger), memory));
-    pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     pipeline
 }
 
@@ -133,7 +133,7 @@ fn the_text_encoder_on_the_cpu_beside_the_device_gives_the_one_device_image() {
         .expect("a component");
     let two = ZImagePipeline::load_mapped(fixtures().join("tiny-z-image-turbo"), map, &LoadOptions::new())
         .expect("the tiny checkpoint loads over two devices");
-    two.enable_auto_offload(two.placement().readings(), 0, true).expect("auto offload");
+    two.enable_auto_offload(0, true).expect("auto offload");
     let image = values(two.generate(&opts, &mut |_, _| {}).expect("cpu and wgpu"));
     let against_one = max_abs_diff(&image, &one);
     let against_diffusers = max_abs_diff(&image, &expected);
@@ -180,7 +180,7 @@ fn auto_offload_decides_from_the_devices_own_readings() {
     // object, which the other tests share, keeps every test's).
     let on = OffloadDevice::on_device(device.clone(), name.clone(), Arc::new(NoLedger), Some(memory.clone()));
     let pipeline = load_tiny(on);
-    pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload on real readings");
+    pipeline.enable_auto_offload(0, true).expect("auto offload on real readings");
     let (opts, expected) = turbo_options();
     let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("generate"));
     assert!(max_abs_diff(&image, &expected) <= 1e-3);
@@ -409,7 +409,7 @@ fn the_pipeline_streams_both_encoders_on_the_device_and_gives_the_resident_image
     for (component, options) in [("transformer", &block), ("text_encoder", &leaf)] {
         pipeline.enable_group_offload_with(component, options).expect("group offload");
     }
-    pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("generate"));
     assert!(max_abs_diff(&image, &reference) <= 1e-6, "{}", max_abs_diff(&image, &reference));
     let stats = pipeline.group_stats("transformer").expect("grouped");
@@ -431,7 +431,7 @@ fn the_decode_oom_recovers_under_a_hard_cap_over_the_real_device() {
     // thread, into the same stream's pools, as the calibration.
     let base = placement(&device, &name, Arc::new(NoLedger), memory.clone());
     let pipeline = load_tiny(base.clone());
-    pipeline.enable_auto_offload(pipeline.placement().readings(), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     let reference = values(pipeline.generate(&opts, &mut |_, _| {}).expect("resident"));
     device.memory_cleanup();
     let before = memory.observe().expect("a reading").reserved;
@@ -450,7 +450,7 @@ fn the_decode_oom_recovers_under_a_hard_cap_over_the_real_device() {
     let capacity = before + decode / 2;
     let cap = CappedDevice::new(readings(&device, &name, TOTAL), capacity, true, "cap");
     let pipeline = load_tiny(base.with_account(cap.clone(), Some(cap.clone())));
-    pipeline.enable_auto_offload(cap.clone(), 0, true).expect("auto offload under the cap");
+    pipeline.enable_auto_offload(0, true).expect("auto offload under the cap");
     let generated = pipeline.generate(&opts, &mut |_, _| {});
     let record = pipeline.manager().offload_record();
     println!("{record}");
@@ -475,7 +475,7 @@ fn a_refused_allocation_is_a_typed_device_error_and_nothing_is_lost() {
     let (device, name, _turn) = device();
     let memory = readings(&device, &name, TOTAL);
     let pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), memory.clone()));
-    pipeline.enable_auto_offload(memory.clone(), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     let vae = pipeline.vae().id().to_string();
     // A buffer larger than the device can ever give: the runtime refuses it when it is read, not when asked.
     let error = pipeline

@@ -340,7 +340,7 @@ fn pipeline_on_card(
                 }
             }
         }
-        pipeline.enable_auto_offload(card.clone(), 0, true)
+        pipeline.enable_auto_offload(0, true)
     })();
     (enabled.map(|()| pipeline), card, traced)
 }
@@ -549,7 +549,7 @@ fn enabling_group_offload_loses_nothing() {
     let error = pipeline.enable_group_offload_with("transformer", &options_with_store).unwrap_err();
     assert!(matches!(error, pipeline_zimage::Error::GroupOffload(group_offload::Error::Disk { .. })), "{error:?}");
     assert_eq!(pipeline.manager().placement().len(), 3, "the transformer is still registered");
-    pipeline.enable_auto_offload(card.clone(), 0, true).unwrap();
+    pipeline.enable_auto_offload(0, true).unwrap();
     pipeline.generate(&options(), &mut |_, _| {}).expect("the pipeline still runs, without group offload");
     std::fs::remove_file(&blocked).ok();
 }
@@ -617,7 +617,7 @@ fn contention_runs(runs: usize) -> Contention {
         );
         let mut pipeline = load(OffloadDevice::simulated(card.clone()));
         pipeline.enable_group_offload(1, 2).unwrap();
-        pipeline.enable_auto_offload(card.clone(), 0, true).unwrap();
+        pipeline.enable_auto_offload(0, true).unwrap();
         // The text encoder first, so the OOM retry has something to evict.
         pipeline.encode_prompts(&["a red fox".to_string()], 32).unwrap();
         for call in 0..3 {
@@ -685,7 +685,7 @@ fn a_disk_group_removed_while_the_model_runs_is_a_typed_error_and_nothing_else_i
         ..group_offload::GroupOptions::default()
     };
     pipeline.enable_group_offload_with("transformer", &options_with_store).unwrap();
-    pipeline.enable_auto_offload(card.clone(), 0, true).unwrap();
+    pipeline.enable_auto_offload(0, true).unwrap();
     let reference = values(pipeline.generate(&options(), &mut |_, _| {}).unwrap());
 
     let files = pipeline.group_offload("transformer").unwrap().disk_files();

@@ -32,7 +32,7 @@ fn run(strategy: StrategyChoice) -> (ZImagePipeline, Arc<SimCard>, usize, Genera
     let sizing = load_tiny(OffloadDevice::host_only());
     let card = SimCard::new(card_for(&sizing, &opts));
     let pipeline = load_tiny(OffloadDevice::simulated(card.clone()));
-    pipeline.enable_auto_offload(card.clone(), 0, true).expect("auto offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
     pipeline.manager().set_offload_strategy(strategy.first_image()).expect("enabled");
     let mut first = 0;
     for index in 0..IMAGES {

@@ -66,10 +66,10 @@
 //! caught.
 
 mod call;
-mod cap;
+pub(crate) mod cap;
 mod failure;
 mod open;
-mod pool;
+pub(crate) mod pool;
 mod probe;
 #[cfg(test)]
 mod tests;

@@ -1145,8 +1145,8 @@ impl Planner<'_> {
         Ok(())
     }
 
-    /// Places `left` bytes of RAM over the streamed groups of the block-offloaded components whose copies read the
-    /// disk (a split): one [`DonorProblem`] over RAM (pageable copies, `left` bytes) and each component's tier (the
+    /// Places `left` bytes of RAM over the streamed groups of the group-offloaded components whose copies read the
+    /// disk (a split; at leaf level the leaves taken as equal): one [`DonorProblem`] over RAM (pageable copies, `left` bytes) and each component's tier (the
     /// read, then a pageable copy; unbounded), every group weighted by its copies per image, so the RAM goes where
     /// a byte is copied most. Group offload keeps the streamed groups it reads in RAM while they fit in the
     /// component's share, in call order, so each share is turned into the groups that rule keeps. The split is
@@ -1158,20 +1158,30 @@ impl Planner<'_> {
         // Each candidate's streamed groups in call order: the groups its resident budget does not keep.
         let mut streamed: Vec<(usize, Vec<u64>)> = Vec::new();
         for (i, (spec, choice)) in components.iter().zip(choices.iter()).enumerate() {
-            let Route::BlockGroupOffload { blocks_per_group, .. } = choice.shape.route else { continue };
             let Some(layout) = spec.layout.as_ref().filter(|_| choice.shape.host_tier.reads_disk()) else { continue };
-            let groups: Vec<u64> = layout.block_bytes.chunks(blocks_per_group.max(1)).map(|g| g.iter().sum()).collect();
-            let mut budget = choice.shape.resident_budget;
-            let not_kept: Vec<u64> = groups
-                .into_iter()
-                .filter(|&group| {
-                    let kept = group <= budget;
-                    if kept {
-                        budget -= group;
-                    }
-                    !kept
-                })
-                .collect();
+            let not_kept: Vec<u64> = match choice.shape.route {
+                Route::BlockGroupOffload { blocks_per_group, .. } => {
+                    let groups = layout.block_bytes.chunks(blocks_per_group.max(1)).map(|g| g.iter().sum::<u64>());
+                    let mut budget = choice.shape.resident_budget;
+                    groups
+                        .filter(|&group| {
+                            let kept = group <= budget;
+                            if kept {
+                                budget -= group;
+                            }
+                            !kept
+                        })
+                        .collect()
+                }
+                // The layout gives the leaves' count, not each one's size: they are taken as equal, and the run
+                // keeps whole leaves within the share, up to it.
+                Route::LeafGroupOffload { .. } if layout.leaf_count > 0 => {
+                    let streamed = spec.weight_bytes.saturating_sub(layout.outside_bytes);
+                    let count = layout.leaf_count as u64;
+                    (0..count).map(|leaf| streamed / count + u64::from(leaf < streamed % count)).collect()
+                }
+                _ => continue,
+            };
             if !not_kept.is_empty() {
                 streamed.push((i, not_kept));
             }
@@ -1246,6 +1256,9 @@ impl Planner<'_> {
         if taken == 0 || after >= before * (1.0 - 1e-9) {
             return notes;
         }
+        let split: Vec<&str> =
+            shares.iter().filter(|(_, kept, ..)| *kept > 0).map(|(i, ..)| components[*i].name.as_str()).collect();
+        let all = if split.len() > 1 { format!(" in all ({})", join_and(&split)) } else { String::new() };
         for &(i, kept, count, total) in &shares {
             choices[i].shape.ram_streamed = kept;
             if kept == 0 {
@@ -1255,7 +1268,7 @@ impl Planner<'_> {
                 "{count} of its {total} streamed groups ({}) keep their host copy in RAM after their first read: the \
                  {} of RAM the other copies leave is placed over the streamed groups by cost, RAM at {:.3} s per GB \
                  against {:.3} s per GB from disk, each group counted once per copy ({} an image), which saves {:.2} \
-                 s per image over leaving that RAM to the page cache",
+                 s per image{all} over leaving that RAM to the page cache",
                 fs(kept),
                 fs(left),
                 problem.donors[0].seconds_per_gb(),
