@@ -777,139 +777,15 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         _ => None,
     };
     let name = device_name;
-    // Under a card, the pool takes one page per allocation (where the runtime lets it choose), so a cap on its
-    // pages is a cap on what the calls allocate rather than on cubecl's page sizes; under the planner too, so that
-    // what a component's onload adds to the pool is its own (its footprint, which later plans count it as).
-    let pages = if !args.card.is_empty() || planner { PagePolicy::Exclusive } else { PagePolicy::Adaptive };
-    let exec = open_device_with(&name, pages)?;
-    if let Some(description) = describe_device(&name) {
-        println!("device {name}: {description}");
-    }
-    let spec = args
-        .card
-        .first()
-        .map(|label| -> anyhow::Result<CardSpec> {
-            let mode = if args.card_mode == CardMode::Hard { Mode::Hard } else { Mode::Soft };
-            let spec = CardSpec::parse(label)?
-                .with_mode(mode)
-                .with_context_overhead(0)
-                .with_pageable_fraction(args.pageable_fraction)?;
-            if offload != Offload::None
-                && let Some(reserve) = explicit_reserve
-            {
-                spec.check_reserve(reserve)?;
-            }
-            Ok(spec)
-        })
-        .transpose()?;
-    let card_spec = spec.clone();
-    // The execution device's one object, its account built once: a simulated card on the CPU, a real device's
-    // pool readings, a cap over them, or nothing accounted. Every later reading and report asks it.
-    let placement = if name.is_cpu() {
-        match spec {
-            Some(spec) => OffloadDevice::simulated(SimCard::new(spec)),
-            None => OffloadDevice::on_device(exec.clone(), name.clone(), Arc::new(NoLedger), None),
-        }
-    } else {
-        // A real device: the readings are its own; a card caps them and never stands in for them.
-        let total = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?;
-        let decides = offload != Offload::None || planner || spec.is_some();
-        let readings = match PoolReadings::open(exec.clone(), name.clone(), total) {
-            Ok(readings) => Some(readings),
-            // A resident run decides nothing from the readings: it runs without them rather than ask for a size.
-            Err(group_offload::Error::UnknownTotal { .. }) if !decides => None,
-            Err(error) => return Err(error.into()),
-        };
-        let cap = match (spec, &readings) {
-            (Some(spec), Some(readings)) => {
-                // A cap the device cannot hold is refused before the weights load.
-                let total = readings.try_reading().map_err(group_offload::Error::from)?.total;
-                if spec.capacity > total {
-                    return Err(ArgumentError::CapLargerThanDevice {
-                        label: spec.label,
-                        cap: spec.capacity,
-                        device: name.clone(),
-                        total,
-                    }
-                    .into());
-                }
-                Some(CappedDevice::new(readings.clone(), spec.capacity, spec.mode == Mode::Hard, spec.label))
-            }
-            _ => None,
-        };
-        if offload != Offload::None
-            && let (Some(reserve), Some(readings)) = (explicit_reserve, &readings)
-        {
-            // The device's size is known before anything loads (the driver, the runtime's heap or
-            // --device-memory): a reserve it cannot hold is refused now.
-            check_manual_reserve(reserve, None, Some(readings.as_ref()))?;
-        }
-        match (cap, readings) {
-            (Some(cap), _) => OffloadDevice::capped(exec.clone(), name.clone(), cap),
-            (None, Some(readings)) => OffloadDevice::pooled(exec.clone(), name.clone(), readings),
-            (None, None) => OffloadDevice::on_device(exec.clone(), name.clone(), Arc::new(NoLedger), None),
-        }
-    };
+    let (exec, placement, card_spec) = open_execution_device(args, &name, offload, planner, explicit_reserve)?;
     let simulated = placement.account::<SimCard>();
-    if (offload != Offload::None || planner) && name.is_cpu() && simulated.is_none() {
-        bail!(
-            "{} needs an execution device to offload to, but --device cpu runs everything in host memory: pass \
-             --card SIZE to simulate a card on the CPU, or run on a device (--device cuda:0, --device wgpu)",
-            if planner {
-                "the offload planner (--preset)"
-            } else if offload == Offload::Auto {
-                "--offload auto"
-            } else {
-                "--offload group"
-            }
-        );
-    }
-    if args.memory_plot.is_some() && placement.memory().is_none() {
-        bail!(
-            "--memory-plot draws the device's memory readings, but --device {name} has none here: pass --card SIZE \
-             to simulate a card on the CPU, or --device-memory SIZE on a runtime that reports no total"
-        );
-    }
     if let Some(scheme) = &args.quantize {
         // The scheme is checked for the host that quantizes and the device that runs it before the weights load.
         for component in ["text_encoder", "transformer"] {
             group_offload::quant::check_placement(component, scheme, &Device::flex(), &exec)?;
         }
     }
-    // Each further --card is a simulated device of its own beside the first (cuda:1, cuda:2, ..), for the map.
-    let mode = if args.card_mode == CardMode::Hard { Mode::Hard } else { Mode::Soft };
-    let mut others: Vec<(Arc<SimCard>, OffloadDevice)> = Vec::new();
-    for (label, device) in args.card.iter().zip(card_devices(args)?).skip(1) {
-        let mut spec = CardSpec::parse(label)?.with_mode(mode).with_context_overhead(0);
-        spec.device = device;
-        let card = SimCard::new(spec);
-        others.push((card.clone(), OffloadDevice::simulated(card)));
-    }
-    let map_text = args.device_map.as_deref().unwrap_or("");
-    let mut map = DeviceMap::single(placement.clone());
-    if map_text.trim() == "balanced" {
-        let devices: Vec<OffloadDevice> =
-            std::iter::once(placement.clone()).chain(others.iter().map(|(_, device)| device.clone())).collect();
-        let sizes = pipeline_zimage::pipeline::component_weight_bytes(&weights, args.dtype.load_dtype())?;
-        let (balanced, placed) = DeviceMap::balanced(&devices, &sizes, explicit_reserve.unwrap_or(0))?;
-        println!("device map balanced over {} device(s), largest first:", devices.len());
-        for assignment in &placed.assignments {
-            let device = assignment.device.map_or_else(
-                || "cpu (larger than its turn's device had left)".to_string(),
-                |i| devices[i].name().to_string(),
-            );
-            println!("  {} ({}) -> {device}", assignment.component, format_size(assignment.bytes));
-        }
-        map = balanced;
-    } else {
-        for (component, device) in parse_device_map(map_text, &card_devices(args)?)? {
-            if device.is_cpu() {
-                map = map.with(&component, OffloadDevice::host_only())?;
-            } else if let Some((_, other)) = others.iter().find(|(_, other)| *other.name() == device) {
-                map = map.with(&component, other.clone())?;
-            }
-        }
-    }
+    let (map, mut others) = device_map(args, &placement, &weights, explicit_reserve)?;
     let anonymous = args
         .memory_report
         .then(|| Arc::new(pipeline_zimage::host::AnonymousPeak::start(std::time::Duration::from_millis(10))));
@@ -952,65 +828,14 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         eprintln!("{report}");
     }
     if !inputs.loras.is_empty() {
-        let applied = pipeline.set_lora_files(inputs.loras, args.lora_mode.into())?;
-        eprintln!(
-            "lora ({}): {} file(s), {} transformer and {} text encoder layers updated{}{}",
-            applied.mode(),
-            applied.specs().len(),
-            applied.layers(LoraTarget::Transformer),
-            applied.layers(LoraTarget::TextEncoder),
-            if applied.skipped().is_empty() {
-                String::new()
-            } else {
-                format!(", {} keys skipped (layers the pipeline never runs)", applied.skipped().len())
-            },
-            if applied.fused_elements() == 0 {
-                String::new()
-            } else {
-                format!("; {} elements fused", applied.fused_elements())
-            }
-        );
-        if args.lora_mode == LoraModeArg::Fused && applied.mode() == LoraMode::Runtime {
-            eprintln!(
-                "lora: applied at run time, not fused: the components read their weights from their checkpoint files, \
-                 and fusing would copy every updated layer into host memory"
-            );
-        }
-        // A run applies its LoRAs once and never removes them: what removal would need is given back.
-        let freed = pipeline.keep_loras();
-        if freed > 0 {
-            eprintln!(
-                "lora: {} of removal records given back (this run never removes its LoRAs)",
-                format_size(freed as u64)
-            );
-        }
+        apply_loras(&mut pipeline, inputs.loras, args.lora_mode)?;
     }
     // The device's peak in use during each phase, for the host budget's lines: a simulated card's own, reset at
     // each phase's end; a real device's pool peak, reset the same way.
     // The per-phase peaks are reset only under --memory-report; the run's own peak is kept beside them, so the
     // peak printed at the end is the whole run's.
     let run_peak = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let device_peak: Arc<dyn Fn() -> u64 + Send + Sync> = match (&simulated, placement.pool_readings()) {
-        (Some(card), _) => {
-            let (card, run_peak) = (card.clone(), run_peak.clone());
-            Arc::new(move || {
-                let peak = card.peak();
-                run_peak.fetch_max(peak, std::sync::atomic::Ordering::Relaxed);
-                card.reset_peak();
-                peak
-            })
-        }
-        (None, Some(readings)) => {
-            let run_peak = run_peak.clone();
-            Arc::new(move || {
-                let peak = readings.peak();
-                run_peak.fetch_max(peak, std::sync::atomic::Ordering::Relaxed);
-                let _ = readings.reset_peak();
-                peak
-            })
-        }
-        (None, None) => Arc::new(|| 0),
-    };
+    let device_peak = phase_peak(&placement, run_peak.clone());
     let whole_run_peak = |now: u64| now.max(run_peak.load(std::sync::atomic::Ordering::Relaxed));
     if let Some(anonymous) = &anonymous {
         report_loaded(&pipeline, anonymous, device_peak());
@@ -1089,25 +914,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             (Err(_), Some(available)) => HostMemory::new(available, available),
             (Err(error), None) => return Err(error.into()),
         };
-        let facts = match &simulated {
-            Some(card) => card.device_facts(host),
-            None if name.is_cpu() => bail!("the offload planner needs a device to offload to (refused above)"),
-            None => {
-                let memory = placement.memory().clone().context("a real device has readings")?;
-                // The link speed earlier runs measured on this device, in place of the generic assumption.
-                let store = ProfileStore::from_settings(&settings)?;
-                let measured = store.measured_link(name.as_str())?;
-                // What earlier runs measured each component's weights to take in this device's pages.
-                let facts = DeviceFacts::new(memory, host)
-                    .with_measured_link(measured)
-                    .with_footprints(store.footprints(name.as_str())?)
-                    .with_call_footprints(store.call_footprints(name.as_str())?);
-                match placement.account::<CappedDevice>() {
-                    Some(cap) => DeviceFacts { label: format!("{name} capped at {}", cap.label()), ..facts },
-                    None => facts,
-                }
-            }
-        };
+        let facts = device_facts(&placement, &settings, host)?;
         // The read rate earlier runs measured on the checkpoint's disk, in place of the assumed one.
         let measured_disk = ProfileStore::from_settings(&settings)?.measured_disk(&disk_label(&weights))?;
         let facts = facts.with_measured_disk(measured_disk);
@@ -1223,39 +1030,247 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         report_file_reads(&pipeline, plan, &weights, args.steps)?;
     }
     if !name.is_cpu() {
-        // Kept beside the capacity profiles: the next plan on this device predicts from them.
-        let store = match &plan {
-            Some(plan) => plan.profile_store()?,
-            None => profile_store(args, None)?,
-        };
-        if let Some(run) = LinkRun::from_rates(link.rate(), link.rate_of(false), link.rate_of(true)) {
-            let measured = store.record_link(name.as_str(), run)?;
-            let path = store.link_path(name.as_str());
-            println!("link figures for later plans on {name}: {measured} ({})", path.display());
-        }
-        // What each component moved whole took in the device's pages, measured at its first onload.
-        let footprints = pipeline.manager().device_footprints();
-        if !footprints.is_empty() {
-            store.record_footprints(name.as_str(), &footprints)?;
-            println!("footprints for later plans on {name} ({}):", store.footprint_path(name.as_str()).display());
-            for footprint in &footprints {
-                println!("  {footprint}");
+        record_measurements(args, plan.as_ref(), &pipeline, &name)?;
+    }
+    write_timeline(args, &timeline, &placement)?;
+    report_devices(&pipeline, &others, &whole_run_peak)?;
+    if offload != Offload::None
+        && let Some(memory) = placement.memory().clone()
+    {
+        // Bytes moved beside auto's on the same schedule, and the optimum: replayed on the simulated card that
+        // charged the run, or predicted on a card of the real device's size.
+        let (card, exact) = match &simulated {
+            Some(card) => (card.spec().clone(), true),
+            None => {
+                (CardSpec::parse(&memory.total().to_string())?.with_mode(Mode::Hard).with_context_overhead(0), false)
             }
+        };
+        let comparison = compare_moves(&pipeline, &opts, strategy, first_image_uses, card, manual_reserve, exact)?;
+        println!("\n{comparison}");
+    }
+    if let Some(record) = record {
+        println!("capacity profile: {}", record.path.display());
+        if let Some(recommendation) = record.calibration {
+            println!(
+                "calibrated: peak {} of {} available, recommended resident budget {} for later runs",
+                format_size(recommendation.measured_peak),
+                format_size(recommendation.device_available),
+                format_size(recommendation.resident_budget)
+            );
         }
-        // What each component's first call took in them, where it ran whole.
-        let calls = pipeline.manager().call_footprints();
-        if !calls.is_empty() {
-            store.record_call_footprints(name.as_str(), &calls)?;
-            println!("call footprints for later plans on {name} ({}):", store.footprint_path(name.as_str()).display());
-            for call in &calls {
-                println!("  {call}");
+    }
+    Ok(())
+}
+
+/// Opens the execution device `name` and builds its one object, its account built once: a simulated card on the CPU
+/// (the first `--card`), a real device's pool readings, a cap over them (`--card` on a device), or nothing
+/// accounted. Refuses, before any weight loads, an offload or a plot with nothing to offload to or to read, and a
+/// cap or a reserve the device cannot hold. Returns the burn device, the device object and the first card's spec.
+fn open_execution_device(
+    args: &Generate,
+    name: &DeviceName,
+    offload: Offload,
+    planner: bool,
+    explicit_reserve: Option<u64>,
+) -> anyhow::Result<(Device, OffloadDevice, Option<CardSpec>)> {
+    let name = name.clone();
+    // Under a card, the pool takes one page per allocation (where the runtime lets it choose), so a cap on its
+    // pages is a cap on what the calls allocate rather than on cubecl's page sizes; under the planner too, so that
+    // what a component's onload adds to the pool is its own (its footprint, which later plans count it as).
+    let pages = if !args.card.is_empty() || planner { PagePolicy::Exclusive } else { PagePolicy::Adaptive };
+    let exec = open_device_with(&name, pages)?;
+    if let Some(description) = describe_device(&name) {
+        println!("device {name}: {description}");
+    }
+    let spec = args
+        .card
+        .first()
+        .map(|label| -> anyhow::Result<CardSpec> {
+            let mode = if args.card_mode == CardMode::Hard { Mode::Hard } else { Mode::Soft };
+            let spec = CardSpec::parse(label)?
+                .with_mode(mode)
+                .with_context_overhead(0)
+                .with_pageable_fraction(args.pageable_fraction)?;
+            if offload != Offload::None
+                && let Some(reserve) = explicit_reserve
+            {
+                spec.check_reserve(reserve)?;
+            }
+            Ok(spec)
+        })
+        .transpose()?;
+    // The execution device's one object, its account built once: a simulated card on the CPU, a real device's
+    // pool readings, a cap over them, or nothing accounted. Every later reading and report asks it.
+    let card_spec = spec.clone();
+    let placement = if name.is_cpu() {
+        match spec {
+            Some(spec) => OffloadDevice::simulated(SimCard::new(spec)),
+            None => OffloadDevice::on_device(exec.clone(), name.clone(), Arc::new(NoLedger), None),
+        }
+    } else {
+        // A real device: the readings are its own; a card caps them and never stands in for them.
+        let total = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?;
+        let decides = offload != Offload::None || planner || spec.is_some();
+        let readings = match PoolReadings::open(exec.clone(), name.clone(), total) {
+            Ok(readings) => Some(readings),
+            // A resident run decides nothing from the readings: it runs without them rather than ask for a size.
+            Err(group_offload::Error::UnknownTotal { .. }) if !decides => None,
+            Err(error) => return Err(error.into()),
+        };
+        let cap = match (spec, &readings) {
+            (Some(spec), Some(readings)) => {
+                // A cap the device cannot hold is refused before the weights load.
+                let total = readings.try_reading().map_err(group_offload::Error::from)?.total;
+                if spec.capacity > total {
+                    return Err(ArgumentError::CapLargerThanDevice {
+                        label: spec.label,
+                        cap: spec.capacity,
+                        device: name.clone(),
+                        total,
+                    }
+                    .into());
+                }
+                Some(CappedDevice::new(readings.clone(), spec.capacity, spec.mode == Mode::Hard, spec.label))
+            }
+            _ => None,
+        };
+        if offload != Offload::None
+            && let (Some(reserve), Some(readings)) = (explicit_reserve, &readings)
+        {
+            // The device's size is known before anything loads (the driver, the runtime's heap or
+            // --device-memory): a reserve it cannot hold is refused now.
+            check_manual_reserve(reserve, None, Some(readings.as_ref()))?;
+        }
+        match (cap, readings) {
+            (Some(cap), _) => OffloadDevice::capped(exec.clone(), name.clone(), cap),
+            (None, Some(readings)) => OffloadDevice::pooled(exec.clone(), name.clone(), readings),
+            (None, None) => OffloadDevice::on_device(exec.clone(), name.clone(), Arc::new(NoLedger), None),
+        }
+    };
+    if (offload != Offload::None || planner) && name.is_cpu() && placement.account::<SimCard>().is_none() {
+        bail!(
+            "{} needs an execution device to offload to, but --device cpu runs everything in host memory: pass \
+             --card SIZE to simulate a card on the CPU, or run on a device (--device cuda:0, --device wgpu)",
+            if planner {
+                "the offload planner (--preset)"
+            } else if offload == Offload::Auto {
+                "--offload auto"
+            } else {
+                "--offload group"
+            }
+        );
+    }
+    if args.memory_plot.is_some() && placement.memory().is_none() {
+        bail!(
+            "--memory-plot draws the device's memory readings, but --device {name} has none here: pass --card SIZE \
+             to simulate a card on the CPU, or --device-memory SIZE on a runtime that reports no total"
+        );
+    }
+    Ok((exec, placement, card_spec))
+}
+
+/// The further `--card`s, each a simulated card and its device object.
+type FurtherCards = Vec<(Arc<SimCard>, OffloadDevice)>;
+
+/// The device map of `--device-map` over the execution device and each further `--card` (a simulated device of its
+/// own, `cuda:1`, `cuda:2`, ...): `balanced` (diffusers' rule, printed), or `COMPONENT=DEVICE` pairs. Returns the
+/// map and the further cards with their device objects.
+fn device_map(
+    args: &Generate,
+    placement: &OffloadDevice,
+    weights: &Path,
+    explicit_reserve: Option<u64>,
+) -> anyhow::Result<(DeviceMap, FurtherCards)> {
+    // Each further --card is a simulated device of its own beside the first (cuda:1, cuda:2, ..), for the map.
+    let mode = if args.card_mode == CardMode::Hard { Mode::Hard } else { Mode::Soft };
+    let mut others: FurtherCards = Vec::new();
+    for (label, device) in args.card.iter().zip(card_devices(args)?).skip(1) {
+        let mut spec = CardSpec::parse(label)?.with_mode(mode).with_context_overhead(0);
+        spec.device = device;
+        let card = SimCard::new(spec);
+        others.push((card.clone(), OffloadDevice::simulated(card)));
+    }
+    let map_text = args.device_map.as_deref().unwrap_or("");
+    let mut map = DeviceMap::single(placement.clone());
+    if map_text.trim() == "balanced" {
+        let devices: Vec<OffloadDevice> =
+            std::iter::once(placement.clone()).chain(others.iter().map(|(_, device)| device.clone())).collect();
+        let sizes = pipeline_zimage::pipeline::component_weight_bytes(weights, args.dtype.load_dtype())?;
+        let (balanced, placed) = DeviceMap::balanced(&devices, &sizes, explicit_reserve.unwrap_or(0))?;
+        println!("device map balanced over {} device(s), largest first:", devices.len());
+        for assignment in &placed.assignments {
+            let device = assignment.device.map_or_else(
+                || "cpu (larger than its turn's device had left)".to_string(),
+                |i| devices[i].name().to_string(),
+            );
+            println!("  {} ({}) -> {device}", assignment.component, format_size(assignment.bytes));
+        }
+        map = balanced;
+    } else {
+        for (component, device) in parse_device_map(map_text, &card_devices(args)?)? {
+            if device.is_cpu() {
+                map = map.with(&component, OffloadDevice::host_only())?;
+            } else if let Some((_, other)) = others.iter().find(|(_, other)| *other.name() == device) {
+                map = map.with(&component, other.clone())?;
             }
         }
     }
-    write_timeline(args, &timeline, &placement)?;
-    match (&simulated, placement.pool_readings()) {
+    Ok((map, others))
+}
+
+/// Keeps what a run on a real device measured beside the capacity profiles, for the next plan on it: the link's
+/// rates, each component's footprint in the device's pages and its first call's.
+fn record_measurements(
+    args: &Generate,
+    plan: Option<&pipeline_zimage::presets::PipelinePlan>,
+    pipeline: &ZImagePipeline,
+    name: &DeviceName,
+) -> anyhow::Result<()> {
+    let link = pipeline.placement().link().clone();
+    // Kept beside the capacity profiles: the next plan on this device predicts from them.
+    let store = match &plan {
+        Some(plan) => plan.profile_store()?,
+        None => profile_store(args, None)?,
+    };
+    if let Some(run) = LinkRun::from_rates(link.rate(), link.rate_of(false), link.rate_of(true)) {
+        let measured = store.record_link(name.as_str(), run)?;
+        let path = store.link_path(name.as_str());
+        println!("link figures for later plans on {name}: {measured} ({})", path.display());
+    }
+    // What each component moved whole took in the device's pages, measured at its first onload.
+    let footprints = pipeline.manager().device_footprints();
+    if !footprints.is_empty() {
+        store.record_footprints(name.as_str(), &footprints)?;
+        println!("footprints for later plans on {name} ({}):", store.footprint_path(name.as_str()).display());
+        for footprint in &footprints {
+            println!("  {footprint}");
+        }
+    }
+    // What each component's first call took in them, where it ran whole.
+    let calls = pipeline.manager().call_footprints();
+    if !calls.is_empty() {
+        store.record_call_footprints(name.as_str(), &calls)?;
+        println!("call footprints for later plans on {name} ({}):", store.footprint_path(name.as_str()).display());
+        for call in &calls {
+            println!("  {call}");
+        }
+    }
+    Ok(())
+}
+
+/// The closing report on every device: the record, then a simulated card's peak and link (and each further
+/// card's peak), or a real device's pool (and its cap). `whole_run_peak` turns a peak read now into the whole
+/// run's (the per-phase peaks are reset as the run goes).
+fn report_devices(
+    pipeline: &ZImagePipeline,
+    others: &[(Arc<SimCard>, OffloadDevice)],
+    whole_run_peak: &dyn Fn(u64) -> u64,
+) -> anyhow::Result<()> {
+    let placement = pipeline.placement();
+    let name = placement.name();
+    match (placement.account::<SimCard>(), placement.pool_readings()) {
         (Some(card), _) => {
-            print_record(&pipeline);
+            print_record(pipeline);
             println!(
                 "\npeak on the simulated {} card: {}",
                 card.spec().label,
@@ -1268,7 +1283,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
                 format_size(stats.bytes_pinned_to_device),
                 stats.transfer_seconds
             );
-            for (other, device) in &others {
+            for (other, device) in others {
                 println!(
                     "peak on the simulated {} card {}: {}",
                     other.spec().label,
@@ -1278,7 +1293,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             }
         }
         (None, Some(readings)) => {
-            print_record(&pipeline);
+            print_record(pipeline);
             let now = readings.observe().map_err(group_offload::Error::from)?;
             println!(
                 "device memory on {name} (burn's pool{}): peak in use {} (sampled every {} µs), reserved \
@@ -1309,32 +1324,104 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         }
         (None, None) => {}
     }
-    if offload != Offload::None
-        && let Some(memory) = placement.memory().clone()
-    {
-        // Bytes moved beside auto's on the same schedule, and the optimum: replayed on the simulated card that
-        // charged the run, or predicted on a card of the real device's size.
-        let (card, exact) = match &simulated {
-            Some(card) => (card.spec().clone(), true),
-            None => {
-                (CardSpec::parse(&memory.total().to_string())?.with_mode(Mode::Hard).with_context_overhead(0), false)
-            }
-        };
-        let comparison = compare_moves(&pipeline, &opts, strategy, first_image_uses, card, manual_reserve, exact)?;
-        println!("\n{comparison}");
-    }
-    if let Some(record) = record {
-        println!("capacity profile: {}", record.path.display());
-        if let Some(recommendation) = record.calibration {
-            println!(
-                "calibrated: peak {} of {} available, recommended resident budget {} for later runs",
-                format_size(recommendation.measured_peak),
-                format_size(recommendation.device_available),
-                format_size(recommendation.resident_budget)
-            );
+    Ok(())
+}
+
+/// Applies `--lora` files to the pipeline in `mode`, says what they updated (and when a fused request ran at run
+/// time), and gives back what removing them would need: a run never removes its LoRAs.
+fn apply_loras(
+    pipeline: &mut ZImagePipeline,
+    loras: Vec<(LoraSpec, LoraFile)>,
+    mode: LoraModeArg,
+) -> anyhow::Result<()> {
+    let applied = pipeline.set_lora_files(loras, mode.into())?;
+    eprintln!(
+        "lora ({}): {} file(s), {} transformer and {} text encoder layers updated{}{}",
+        applied.mode(),
+        applied.specs().len(),
+        applied.layers(LoraTarget::Transformer),
+        applied.layers(LoraTarget::TextEncoder),
+        if applied.skipped().is_empty() {
+            String::new()
+        } else {
+            format!(", {} keys skipped (layers the pipeline never runs)", applied.skipped().len())
+        },
+        if applied.fused_elements() == 0 {
+            String::new()
+        } else {
+            format!("; {} elements fused", applied.fused_elements())
         }
+    );
+    if mode == LoraModeArg::Fused && applied.mode() == LoraMode::Runtime {
+        eprintln!(
+            "lora: applied at run time, not fused: the components read their weights from their checkpoint files, \
+             and fusing would copy every updated layer into host memory"
+        );
+    }
+    // A run applies its LoRAs once and never removes them: what removal would need is given back.
+    let freed = pipeline.keep_loras();
+    if freed > 0 {
+        eprintln!(
+            "lora: {} of removal records given back (this run never removes its LoRAs)",
+            format_size(freed as u64)
+        );
     }
     Ok(())
+}
+
+/// What the planner knows of the execution device: a simulated card's facts, or a real device's readings with the
+/// link rate and footprints earlier runs on it measured (and its cap's label).
+fn device_facts(placement: &OffloadDevice, settings: &Settings, host: HostMemory) -> anyhow::Result<DeviceFacts> {
+    let name = placement.name();
+    Ok(match placement.account::<SimCard>() {
+        Some(card) => card.device_facts(host),
+        None if name.is_cpu() => bail!("the offload planner needs a device to offload to (refused above)"),
+        None => {
+            let memory = placement.memory().clone().context("a real device has readings")?;
+            // The link speed earlier runs measured on this device, in place of the generic assumption.
+            let store = ProfileStore::from_settings(settings)?;
+            let measured = store.measured_link(name.as_str())?;
+            // What earlier runs measured each component's weights to take in this device's pages.
+            let facts = DeviceFacts::new(memory, host)
+                .with_measured_link(measured)
+                .with_footprints(store.footprints(name.as_str())?)
+                .with_call_footprints(store.call_footprints(name.as_str())?);
+            match placement.account::<CappedDevice>() {
+                Some(cap) => DeviceFacts { label: format!("{name} capped at {}", cap.label()), ..facts },
+                None => facts,
+            }
+        }
+    })
+}
+
+/// A reader of the device's peak in use since it last read, for each phase's host budget line: a simulated card's
+/// own peak, or a real device's pool high-water, each reset as it is read; `run_peak` keeps the highest reading,
+/// the whole run's. 0 where nothing reads the device.
+fn phase_peak(
+    placement: &OffloadDevice,
+    run_peak: Arc<std::sync::atomic::AtomicU64>,
+) -> Arc<dyn Fn() -> u64 + Send + Sync> {
+    match (placement.account::<SimCard>(), placement.pool_readings()) {
+        (Some(card), _) => {
+            let (card, run_peak) = (card.clone(), run_peak.clone());
+            Arc::new(move || {
+                let peak = card.peak();
+                run_peak.fetch_max(peak, std::sync::atomic::Ordering::Relaxed);
+                card.reset_peak();
+                peak
+            })
+        }
+        (None, Some(readings)) => {
+            let run_peak = run_peak.clone();
+            Arc::new(move || {
+                let peak = readings.peak();
+                run_peak.fetch_max(peak, std::sync::atomic::Ordering::Relaxed);
+                let _ = readings.reset_peak();
+                peak
+            })
+        }
+        (None, None) => Arc::new(|| 0),
+    }
 }
 
 /// Prints the manager's decisions as the anchor's table, then one line for the group offloaders' moves, which the
