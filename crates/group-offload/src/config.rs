@@ -48,6 +48,9 @@ pub struct GroupOffloadConfig {
     /// it back when it stays resident. The planner's split of the streamed groups over RAM and the file
     /// ([`ComponentPlan::ram_streamed_bytes`](offload_core::plan::ComponentPlan::ram_streamed_bytes)).
     pub ram_budget: u64,
+    /// A second device whose memory holds streamed groups between their uploads (a donor), if any: see
+    /// [`PeerDonor`].
+    pub donor: Option<PeerDonor>,
     /// The record every move is added to, if any: the device manager's unless set.
     pub record: Option<OffloadRecord>,
     /// The timeline each group's upload, compute and release is recorded in, each on the thread it happens on
@@ -77,6 +80,7 @@ impl fmt::Debug for GroupOffloadConfig {
             .field("pinned_budget", &self.pinned_budget)
             .field("disk_dir", &self.disk_dir)
             .field("ram_budget", &self.ram_budget)
+            .field("donor", &self.donor)
             .field("record", &self.record.is_some())
             .field("timeline", &self.timeline.is_enabled())
             .field("files", &self.files)
@@ -101,6 +105,7 @@ impl GroupOffloadConfig {
             pinned_budget: 0,
             disk_dir: None,
             ram_budget: 0,
+            donor: None,
             check_uploads: true,
             files: None,
             disk: Arc::default(),
@@ -165,6 +170,13 @@ impl GroupOffloadConfig {
         self
     }
 
+    /// Holds up to the donor's budget of streamed groups in the donor device's memory between their uploads (see
+    /// [`PeerDonor`]).
+    pub fn with_donor(mut self, donor: PeerDonor) -> Self {
+        self.donor = Some(donor);
+        self
+    }
+
     /// Adds every move to `record`.
     pub fn with_record(mut self, record: OffloadRecord) -> Self {
         self.record = Some(record);
@@ -186,7 +198,76 @@ impl GroupOffloadConfig {
             let problem = format!("the model name {:?} must be non-empty and contain no '/'", self.model);
             return Err(Error::InvalidConfig { model: self.model.clone(), problem });
         }
+        if let Some(donor) = &self.donor
+            && !(donor.bytes_per_second.is_finite()
+                && donor.bytes_per_second > 0.0
+                && donor.latency_seconds.is_finite()
+                && donor.latency_seconds >= 0.0)
+        {
+            let problem = format!(
+                "the donor {}'s link is {} bytes/s with {} s of latency; give a finite positive rate (measured, or \
+                 a datasheet's) and a finite, non-negative latency",
+                donor.device.name(),
+                donor.bytes_per_second,
+                donor.latency_seconds
+            );
+            return Err(Error::InvalidConfig { model: self.model.clone(), problem });
+        }
+        if let Some(donor) = &self.donor
+            && donor.device.is(&self.device)
+        {
+            let problem = format!(
+                "the donor is the execution device {} itself; give a second device (a streamed group is already \
+                 on the execution device while it runs)",
+                self.device.name()
+            );
+            return Err(Error::InvalidConfig { model: self.model.clone(), problem });
+        }
         check_prefetch(&self.model, self.prefetch, self.prefetch_depth)
+    }
+}
+
+/// A second device that holds streamed groups between their uploads (ComfyUI-MultiGPU's "donor"): a group that
+/// streams keeps a copy in the donor's memory once it has been uploaded, while the donor's budget has room, in the
+/// order the groups are uploaded, and later uploads copy it from the donor over the link between the cards instead
+/// of from the host. Every byte it holds is charged to the donor's own ledger (its account, so a donor card that
+/// runs out refuses it and the group keeps streaming from the host), and every copy from it to the execution
+/// device's ledger as a copy from a peer ([`DeviceLedger::transfer_from_peer`](offload_core::DeviceLedger::transfer_from_peer)),
+/// priced at this link. A group that stays resident gives its copy back. Float groups only: a quantized group
+/// streams from the host. The planner's donor search ([`DonorProblem`](offload_core::plan::DonorProblem)) says which
+/// budget pays: `cargo xtask plan --donor`.
+#[derive(Clone)]
+pub struct PeerDonor {
+    /// The donor device: its burn device holds the copies, its ledger is charged for them.
+    pub device: OffloadDevice,
+    /// The most bytes of groups it holds.
+    pub budget: u64,
+    /// The rate of a copy from it to the execution device, bytes per second (NVLink, PCIe between the cards).
+    pub bytes_per_second: f64,
+    /// The fixed cost of one such copy, seconds.
+    pub latency_seconds: f64,
+}
+
+impl PeerDonor {
+    /// A donor of `budget` bytes on `device`, reached at `bytes_per_second` with no latency.
+    pub fn new(device: OffloadDevice, budget: u64, bytes_per_second: f64) -> Self {
+        Self { device, budget, bytes_per_second, latency_seconds: 0.0 }
+    }
+
+    /// Seconds one copy of `bytes` from the donor takes.
+    pub fn seconds(&self, bytes: u64) -> f64 {
+        bytes as f64 / self.bytes_per_second + self.latency_seconds
+    }
+}
+
+impl fmt::Debug for PeerDonor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PeerDonor")
+            .field("device", &self.device.name().as_str())
+            .field("budget", &self.budget)
+            .field("bytes_per_second", &self.bytes_per_second)
+            .field("latency_seconds", &self.latency_seconds)
+            .finish()
     }
 }
 

@@ -29,7 +29,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::config::GroupOffloadConfig;
 use crate::device::{catch_device_panic, check_device, check_outputs};
 use crate::error::{Error, Result};
-use crate::store::{GroupHost, HostReadError};
+use crate::store::{DonorCopy, GroupHost, HostReadError};
 use crate::uploads::{DeviceTensor, Task, serve};
 
 /// Counters of one offloader since it was built. Read them with [`GroupOffload::stats`](crate::parts::GroupOffload::stats).
@@ -199,6 +199,8 @@ pub(crate) struct Shared {
     /// What is left of the configuration's RAM budget for reads kept in host memory
     /// ([`GroupOffloadConfig::ram_budget`]).
     ram_left: AtomicU64,
+    /// What is left of the donor's budget ([`GroupOffloadConfig::donor`]).
+    donor_left: AtomicU64,
 }
 
 /// One prefetch, from the moment its group is marked `Loading` until it is published. Whatever happens to it, its
@@ -433,6 +435,49 @@ impl Shared {
         result
     }
 
+    /// Copies a group just uploaded from the host onto the donor, where the donor's budget has room for it and its
+    /// ledger takes it: later uploads copy it from there. A resident group (uploaded once) and a quantized one stay
+    /// with the host; a donor card that refuses the allocation leaves the group streaming from the host.
+    fn place_on_donor(&self, host: &GroupHost, tensors: &[DeviceTensor]) {
+        let Some(donor) = &self.config.donor else { return };
+        let resident = self.state.lock().groups.iter().any(|g| std::ptr::eq(Arc::as_ptr(&g.host), host) && g.kept);
+        if resident || tensors.iter().any(DeviceTensor::is_quantized) {
+            return;
+        }
+        let bytes = host.bytes;
+        let reserved =
+            self.donor_left.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(bytes));
+        if reserved.is_err() {
+            return;
+        }
+        let ledger = donor.device.ledger().clone();
+        let sizes = host.tensor_sizes();
+        let placed = ledger.allocate_tensors(&sizes).and_then(|()| {
+            ledger.transfer_from_peer(bytes, donor.seconds(bytes)).inspect_err(|_| ledger.free_tensors(&sizes))
+        });
+        let copied = placed.ok().and_then(|()| {
+            let on_donor = catch_device_panic(|| {
+                tensors.iter().map(|t| t.to_device(donor.device.exec())).collect::<std::result::Result<Vec<_>, _>>()
+            });
+            match on_donor {
+                Ok(Ok(tensors)) => Some(tensors),
+                _ => {
+                    ledger.free_tensors(&sizes);
+                    None
+                }
+            }
+        });
+        match copied {
+            Some(tensors) => {
+                host.keep_on_donor(DonorCopy { tensors, ledger, sizes });
+                tracing::debug!(group = %host.id, bytes, donor = %donor.device.name(), "group kept on the donor");
+            }
+            None => {
+                self.donor_left.fetch_add(bytes, Ordering::AcqRel);
+            }
+        }
+    }
+
     /// Keeps the read a group's upload just made from its files in host memory, where the RAM budget has room for
     /// it: later uploads copy it instead of reading the files.
     fn keep_read(&self, host: &GroupHost, data: &[TensorData]) {
@@ -469,27 +514,34 @@ impl Shared {
         if !pages {
             placed();
         }
-        let copied = if host.pinned {
-            ledger.transfer_pinned(host.bytes)
-        } else {
-            ledger.transfer(host.bytes, Direction::HostToDevice)
+        // A group with a copy on the donor comes from there, over the donor's link; any other from its host copy.
+        let from_donor = self.config.donor.as_ref().and_then(|donor| Some((donor, host.donor_tensors()?)));
+        let copied = match &from_donor {
+            Some((donor, _)) => ledger.transfer_from_peer(host.bytes, donor.seconds(host.bytes)),
+            None if host.pinned => ledger.transfer_pinned(host.bytes),
+            None => ledger.transfer(host.bytes, Direction::HostToDevice),
         };
         copied.map_err(|e| self.onload_error(host, e))?;
-        let loaded = host.load_upload(&self.config.timeline).map_err(|error| match error {
-            // A checkpoint file that cannot be read is its own error: freeing memory would not help.
-            HostReadError::File(error) => error,
-            HostReadError::Disk(message) => {
-                self.onload_error(host, ComponentError::Transfer { what: host.id.clone(), message })
+        let (data, read) = match &from_donor {
+            Some(_) => (Vec::new(), None),
+            None => {
+                let loaded = host.load_upload(&self.config.timeline).map_err(|error| match error {
+                    // A checkpoint file that cannot be read is its own error: freeing memory would not help.
+                    HostReadError::File(error) => error,
+                    HostReadError::Disk(message) => {
+                        self.onload_error(host, ComponentError::Transfer { what: host.id.clone(), message })
+                    }
+                })?;
+                if loaded.read.is_some() && self.config.ram_budget > 0 {
+                    self.keep_read(host, &loaded.data);
+                }
+                let read = loaded.read.map(|(bytes, seconds)| {
+                    self.config.disk.note(DiskSample { bytes, seconds });
+                    FileRead { bytes, nanos: (seconds * 1e9) as u64 }
+                });
+                (loaded.data, read)
             }
-        })?;
-        if loaded.read.is_some() && self.config.ram_budget > 0 {
-            self.keep_read(host, &loaded.data);
-        }
-        let read = loaded.read.map(|(bytes, seconds)| {
-            self.config.disk.note(DiskSample { bytes, seconds });
-            FileRead { bytes, nanos: (seconds * 1e9) as u64 }
-        });
-        let data = loaded.data;
+        };
         let device = self.config.device.exec();
         let memory = self.config.device.memory().as_deref();
         if self.config.check_uploads {
@@ -503,11 +555,16 @@ impl Shared {
                 .map_err(|error| self.onload_error(host, error))?;
         }
         let copy_started = std::time::Instant::now();
-        let built = catch_device_panic(|| {
-            data.into_iter()
+        let donor_tensors = from_donor.map(|(_, tensors)| tensors);
+        let built = catch_device_panic(|| match donor_tensors {
+            Some(tensors) => {
+                tensors.iter().map(|tensor| tensor.to_device(device)).collect::<std::result::Result<Vec<_>, String>>()
+            }
+            None => data
+                .into_iter()
                 .zip(&host.tensors)
                 .map(|(d, meta)| DeviceTensor::upload(d, device, meta.dtype))
-                .collect::<std::result::Result<Vec<_>, String>>()
+                .collect::<std::result::Result<Vec<_>, String>>(),
         });
         let built = match built {
             Ok(Ok(tensors)) => Ok(tensors),
@@ -532,7 +589,11 @@ impl Shared {
         };
         let tensors = checked.map_err(|error| self.onload_error(host, error))?;
         reservation.keep();
-        if self.config.check_uploads {
+        let came_from_donor = host.is_on_donor();
+        if !came_from_donor && self.config.donor.is_some() {
+            self.place_on_donor(host, &tensors);
+        }
+        if self.config.check_uploads && !came_from_donor {
             // Unchecked, the copies were only queued: their time is not the link's, and is not noted.
             let seconds = copy_started.elapsed().as_secs_f64();
             self.config.device.link().note(LinkSample { bytes: host.bytes, seconds, page_locked: host.page_locked });
@@ -622,6 +683,7 @@ impl Engine {
         let model = config.model.clone();
         let shared = Arc::new(Shared {
             ram_left: AtomicU64::new(config.ram_budget),
+            donor_left: AtomicU64::new(config.donor.as_ref().map_or(0, |donor| donor.budget)),
             config,
             state: Mutex::new(State {
                 groups: Vec::new(),
@@ -901,9 +963,12 @@ impl Engine {
             if state.kept_bytes + bytes <= shared.config.resident_budget {
                 state.kept_bytes += bytes;
                 state.groups[group].kept = true;
-                // A group that stays on the device is not read again: its kept read goes back to the RAM budget.
+                // A group that stays on the device is not read again: its kept read goes back to the RAM budget,
+                // and its copy on the donor to the donor.
                 let given = state.groups[group].host.forget_read();
                 shared.ram_left.fetch_add(given, Ordering::AcqRel);
+                let given = state.groups[group].host.leave_donor();
+                shared.donor_left.fetch_add(given, Ordering::AcqRel);
                 return;
             }
             let prefetching = !state.capturing && shared.config.prefetch;
@@ -1084,6 +1149,13 @@ impl Engine {
         let pinned = state.groups.iter().filter(|g| g.host.pinned).map(|g| g.host.bytes).sum();
         let locked = state.groups.iter().filter(|g| g.host.page_locked).map(|g| g.host.bytes).sum();
         (pinned, locked)
+    }
+
+    /// Bytes of groups held on the donor, and how many groups.
+    pub fn donor_bytes(&self) -> (u64, usize) {
+        let state = self.shared.state.lock();
+        let held: Vec<u64> = state.groups.iter().filter(|g| g.host.is_on_donor()).map(|g| g.host.bytes).collect();
+        (held.iter().sum(), held.len())
     }
 
     /// Bytes of groups' reads from their files kept in host memory within the RAM budget, and how many groups.

@@ -249,6 +249,8 @@ pub struct ModelHandle<M: OffloadModel> {
     grouped: Option<GroupOffload>,
     /// The model bound to its checkpoint files, when its host copy is the files (the file tier).
     files: Option<FileTier<M>>,
+    /// The second device that holds streamed groups between their uploads, once set ([`ModelHandle::set_donor`]).
+    donor: Option<crate::config::PeerDonor>,
     model: PhantomData<fn() -> M>,
 }
 
@@ -299,6 +301,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
             placement,
             grouped: None,
             files: None,
+            donor: None,
             model: PhantomData,
         })
     }
@@ -328,6 +331,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
             placement,
             grouped: None,
             files: None,
+            donor: None,
             model: PhantomData,
         };
         let grouped = handle.split_files(model.clone(), &files, None)?;
@@ -365,9 +369,29 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
     /// The offloader's configuration for this handle's device, recorded in the handle's manager (its record and
     /// timeline).
     fn group_config(&self) -> GroupOffloadConfig {
-        GroupOffloadConfig::new(self.name.as_str(), self.placement.clone())
+        let config = GroupOffloadConfig::new(self.name.as_str(), self.placement.clone())
             .with_record(self.manager.offload_record())
-            .with_timeline(self.manager.timeline())
+            .with_timeline(self.manager.timeline());
+        match &self.donor {
+            Some(donor) => config.with_donor(donor.clone()),
+            None => config,
+        }
+    }
+
+    /// Gives the model a donor: a second device whose memory holds its streamed groups between their uploads, up
+    /// to the donor's budget, each later upload copied from there over the donor's link
+    /// ([`PeerDonor`](crate::config::PeerDonor)). Set it before [`enable_group_offload`](Self::enable_group_offload);
+    /// refused once the model streams ([`Error::AlreadyApplied`]), whose groups were placed without it.
+    pub fn set_donor(&mut self, donor: crate::config::PeerDonor) -> Result<()> {
+        if self.grouped.is_some() && self.files.as_ref().is_none_or(|files| files.options.is_some()) {
+            return Err(Error::AlreadyApplied {
+                component: self.name.clone(),
+                action: "set a donor".into(),
+                reason: "it already streams; set the donor before enable_group_offload".into(),
+            });
+        }
+        self.donor = Some(donor);
+        Ok(())
     }
 
     /// Takes a bound `model` apart with its host copies in `files`: with `options`, into its parts; without, into

@@ -377,6 +377,12 @@ impl GroupOffload {
         self.engine.pinned_bytes()
     }
 
+    /// Bytes of streamed groups held in the donor's memory ([`GroupOffloadConfig::donor`]), and how many groups:
+    /// their uploads copy from the donor over its link.
+    pub fn donor_bytes(&self) -> (u64, usize) {
+        self.engine.donor_bytes()
+    }
+
     /// Bytes of streamed groups' reads from their files kept in host memory within the RAM budget
     /// ([`GroupOffloadConfig::ram_budget`]), and how many groups keep one: their uploads copy from host memory
     /// and read no file.

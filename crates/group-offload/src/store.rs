@@ -33,6 +33,8 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::tensor::{AllocationProperty, Bytes, DType, Device, TensorData};
+
+use crate::uploads::DeviceTensor;
 use offload_core::Timeline;
 use offload_core::timeline::category;
 
@@ -175,6 +177,31 @@ pub(crate) struct GroupHost {
     ///
     /// [`GroupOffloadConfig::ram_budget`]: crate::GroupOffloadConfig::ram_budget
     kept_read: parking_lot::Mutex<Option<Vec<Bytes>>>,
+    /// The group's copy in a donor device's memory ([`GroupOffloadConfig::donor`]): later uploads copy it from there.
+    /// `None` for a group that uploads from the host.
+    ///
+    /// [`GroupOffloadConfig::donor`]: crate::GroupOffloadConfig::donor
+    on_donor: parking_lot::Mutex<Option<DonorCopy>>,
+}
+
+/// A group's tensors in a donor device's memory, charged to the donor's ledger, which this gives back when it is
+/// dropped (the group stays resident, or its offloader ends).
+pub(crate) struct DonorCopy {
+    pub tensors: Vec<DeviceTensor>,
+    pub ledger: std::sync::Arc<dyn offload_core::DeviceLedger>,
+    pub sizes: Vec<u64>,
+}
+
+impl Drop for DonorCopy {
+    fn drop(&mut self) {
+        self.ledger.free_tensors(&self.sizes);
+    }
+}
+
+impl std::fmt::Debug for DonorCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DonorCopy").field("tensors", &self.tensors.len()).field("sizes", &self.sizes).finish()
+    }
 }
 
 impl GroupHost {
@@ -229,7 +256,16 @@ impl GroupHost {
         }
         let page_locked = pinned
             && sources.iter().all(|s| matches!(s, HostTensor::Bytes(b) if b.property() == AllocationProperty::Pinned));
-        Self { id, tensors, bytes, pinned, page_locked, source: Source::Host(sources), kept_read: Default::default() }
+        Self {
+            id,
+            tensors,
+            bytes,
+            pinned,
+            page_locked,
+            source: Source::Host(sources),
+            kept_read: Default::default(),
+            on_donor: Default::default(),
+        }
     }
 
     /// A group kept in a safetensors file under `dir`, written unless a file with the same content exists. The
@@ -266,6 +302,7 @@ impl GroupHost {
             page_locked: false,
             source: Source::Disk(path),
             kept_read: Default::default(),
+            on_donor: Default::default(),
         })
     }
 
@@ -280,6 +317,26 @@ impl GroupHost {
     /// The name of tensor `index`, for messages.
     pub fn tensor_name(&self, index: usize) -> String {
         self.tensors.get(index).map_or_else(|| format!("{}#{index}", self.id), |t| format!("{}:{}", self.id, t.name))
+    }
+
+    /// The group's tensors on its donor, if it has a copy there (handles to the donor's tensors, not a copy).
+    pub fn donor_tensors(&self) -> Option<Vec<DeviceTensor>> {
+        self.on_donor.lock().as_ref().map(|copy| copy.tensors.clone())
+    }
+
+    /// Whether the group has a copy on its donor.
+    pub fn is_on_donor(&self) -> bool {
+        self.on_donor.lock().is_some()
+    }
+
+    /// Keeps `copy` as the group's copy on its donor.
+    pub fn keep_on_donor(&self, copy: DonorCopy) {
+        *self.on_donor.lock() = Some(copy);
+    }
+
+    /// Drops the group's copy on its donor (given back to the donor's ledger); returns its bytes.
+    pub fn leave_donor(&self) -> u64 {
+        self.on_donor.lock().take().map_or(0, |copy| copy.sizes.iter().sum())
     }
 
     /// The bytes of this group's read kept in host memory (0 when none is kept).

@@ -147,6 +147,22 @@ pub(crate) enum DeviceTensor {
 }
 
 impl DeviceTensor {
+    /// Whether it is a quantized parameter (kept in its shape).
+    pub fn is_quantized(&self) -> bool {
+        matches!(self, Self::Shaped(_))
+    }
+
+    /// The same parameter copied to `device` (a donor's copy to the execution device, or back); a quantized one,
+    /// whose rank is behind `Any`, is not moved this way.
+    pub fn to_device(&self, device: &Device) -> Result<Self, String> {
+        match self {
+            Self::Flat(tensor) => Ok(Self::Flat(tensor.clone().to_device(device))),
+            Self::Shaped(_) => {
+                Err("a quantized parameter is not copied between devices; it streams from the host".into())
+            }
+        }
+    }
+
     /// Builds the device tensor of `data` ([`TensorMeta::upload_data`](crate::store::TensorMeta::upload_data)'s
     /// output) on `device`, converted there to `target` when that is another float dtype (a file tensor read in
     /// the file's dtype for a model that runs in another); a quantized tensor is rebuilt from its bytes by the

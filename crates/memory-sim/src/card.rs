@@ -276,6 +276,9 @@ pub struct CardStats {
     pub bytes_to_host: u64,
     /// Of `bytes_to_device`, those copied from pinned host memory.
     pub bytes_pinned_to_device: u64,
+    /// Of `bytes_to_device`, those copied from another card's memory ([`DeviceLedger::transfer_from_peer`]), priced
+    /// at the donor's link rather than this card's.
+    pub bytes_from_peers: u64,
     /// Simulated seconds spent on the link.
     pub transfer_seconds: f64,
     /// Simulated seconds spent computing.
@@ -515,12 +518,28 @@ impl DeviceLedger for SimCard {
     fn transfer_pinned(&self, bytes: u64) -> Result<(), ComponentError> {
         self.copy(bytes, Direction::HostToDevice, true)
     }
+
+    fn transfer_from_peer(&self, bytes: u64, seconds: f64) -> Result<(), ComponentError> {
+        self.copy_priced(bytes, Direction::HostToDevice, false, Some(seconds))
+    }
 }
 
 impl SimCard {
     /// One copy across the simulated link: counted, failed when injected, priced at the link rate (pinned, or
     /// back to the host) or at the pageable rate, and slept for when real time is asked for.
     fn copy(&self, bytes: u64, direction: Direction, pinned: bool) -> Result<(), ComponentError> {
+        self.copy_priced(bytes, direction, pinned, None)
+    }
+
+    /// [`copy`](Self::copy), at `peer_seconds` when the copy comes from another card's memory over the donor's
+    /// link (counted in [`CardStats::bytes_from_peers`]).
+    fn copy_priced(
+        &self,
+        bytes: u64,
+        direction: Direction,
+        pinned: bool,
+        peer_seconds: Option<f64>,
+    ) -> Result<(), ComponentError> {
         let sleep = {
             let mut state = self.state.lock();
             state.stats.transfers += 1;
@@ -533,9 +552,10 @@ impl SimCard {
                 });
             }
             let timing = &self.spec.timing;
-            let seconds = match direction {
-                Direction::HostToDevice if !pinned => timing.pageable_transfer_seconds(bytes),
-                _ => timing.transfer_seconds(bytes),
+            let seconds = match (peer_seconds, direction) {
+                (Some(seconds), _) => seconds,
+                (None, Direction::HostToDevice) if !pinned => timing.pageable_transfer_seconds(bytes),
+                (None, _) => timing.transfer_seconds(bytes),
             } * state.faults.link_slowdown.unwrap_or(1.0);
             state.stats.transfer_seconds += seconds;
             match direction {
@@ -544,6 +564,9 @@ impl SimCard {
             }
             if pinned {
                 state.stats.bytes_pinned_to_device += bytes;
+            }
+            if peer_seconds.is_some() {
+                state.stats.bytes_from_peers += bytes;
             }
             state.faults.real_time_scale.map(|scale| Duration::from_secs_f64(seconds * scale))
         };

@@ -148,6 +148,13 @@ pub trait DeviceLedger: Send + Sync {
     fn transfer_pinned(&self, bytes: u64) -> Result<(), crate::ComponentError> {
         self.transfer(bytes, Direction::HostToDevice)
     }
+    /// Pays for a copy of `bytes` onto this device from another device's memory (a second card holding a streamed
+    /// group, a donor), over a link of the donor's that takes `seconds` for it (NVLink, PCIe between the cards).
+    /// Priced as a host-to-device [`transfer`](Self::transfer) unless the ledger models the difference.
+    fn transfer_from_peer(&self, bytes: u64, seconds: f64) -> Result<(), crate::ComponentError> {
+        let _ = seconds;
+        self.transfer(bytes, Direction::HostToDevice)
+    }
     /// Takes one allocation per size in `sizes` (a component's parameters, a group's tensors), all or none: a
     /// ledger that counts in a runtime's pages rounds each one up. By default, one [`allocate`](Self::allocate)
     /// of their sum.

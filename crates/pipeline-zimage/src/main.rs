@@ -23,9 +23,10 @@ use anyhow::{Context, bail};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use clap::{Parser, Subcommand, ValueEnum};
 use group_offload::OffloadDevice;
+use group_offload::config::PeerDonor;
 use group_offload::device::describe_device;
 use group_offload::{device::CappedDevice, device::PagePolicy, device::PoolReadings, device::open_device_with};
-use memory_sim::{CardSpec, Mode, SimCard};
+use memory_sim::{CardSpec, Mode, SimCard, SimLink};
 use offload_core::Timeline;
 use offload_core::plan::{DeviceFacts, LinkRun, ProfileStore};
 use offload_core::plan::{HostMemory, Settings, SettingsLayer};
@@ -175,6 +176,13 @@ struct Generate {
     /// device_map="balanced" does (the transformer's device then executes).
     #[arg(long, value_name = "COMPONENT=DEVICE|balanced")]
     device_map: Option<String>,
+    /// A second simulated card that holds the transformer's streamed groups between their uploads (a donor, as
+    /// ComfyUI-MultiGPU's DisTorch has them), as DEVICE@LINK: DEVICE is a further --card (`cuda:1` for the second),
+    /// which holds as many groups as its memory takes; LINK is how its copies reach the execution card: nvlink,
+    /// pcie4x16 or pcie3x8 (memory-sim's links, at DisTorch's measured costs). Groups it holds are copied from it,
+    /// the others from the host; `cargo xtask plan --donor` says which donor pays.
+    #[arg(long, value_name = "DEVICE@LINK")]
+    donor: Option<String>,
     /// The device's total memory, overriding the runtime's reading (on wgpu the adapter's largest device-local
     /// Vulkan heap); CUDA's comes from the driver and is not overridden.
     #[arg(long, value_name = "SIZE")]
@@ -339,6 +347,14 @@ enum ArgumentError {
         /// The real device.
         device: DeviceName,
     },
+    /// A `--donor` that names no further card, or a link memory-sim does not know.
+    #[error("--donor {given}: {reason}")]
+    Donor {
+        /// The value as given.
+        given: String,
+        /// What is wrong and what to pass instead.
+        reason: String,
+    },
     /// A `--device-map` entry that names no component, names one twice, or places it on a device the run has not.
     #[error("--device-map {entry:?}: {reason}")]
     DeviceMap {
@@ -392,6 +408,27 @@ fn parse_device_map(text: &str, devices: &[DeviceName]) -> Result<Vec<(String, D
 /// The simulated devices `--card` names on the CPU, the execution device's first: the first card is `cuda:0`
 /// (the card's default name) and each further one `cuda:N`. On a real device only one card is allowed: it caps that
 /// device.
+/// `--donor DEVICE@LINK`: the further card (never the first, which executes) and the link its copies cross.
+fn parse_donor(text: &str, devices: &[DeviceName]) -> Result<(DeviceName, SimLink), ArgumentError> {
+    let wrong = |reason: String| ArgumentError::Donor { given: text.to_string(), reason };
+    let Some((device, link)) = text.split_once('@') else {
+        return Err(wrong("give DEVICE@LINK, a further --card and its link: cuda:1@nvlink".into()));
+    };
+    let device = DeviceName::parse(device.trim()).map_err(|error| wrong(format!("{error}")))?;
+    if !devices.iter().skip(1).any(|further| *further == device) {
+        let further: Vec<&str> = devices.iter().skip(1).map(DeviceName::as_str).collect();
+        return Err(wrong(if further.is_empty() {
+            "no further card is given: add a second --card (the donor, cuda:1) beside the execution card, with \
+             --device cpu"
+                .to_string()
+        } else {
+            format!("{device} is not a further card; the further cards are {}", further.join(", "))
+        }));
+    }
+    let link = SimLink::parse(link).map_err(|error| wrong(format!("{error}")))?;
+    Ok((device, link))
+}
+
 fn card_devices(args: &Generate) -> Result<Vec<DeviceName>, ArgumentError> {
     let exec = DeviceName::parse(&args.device)
         .map_err(|error| ArgumentError::DeviceMap { entry: args.device.clone(), reason: format!("{error}") })?;
@@ -432,6 +469,9 @@ fn preflight(args: &Generate) -> anyhow::Result<()> {
     let devices = card_devices(args)?;
     if let Some(map) = &args.device_map {
         parse_device_map(map, &devices)?;
+    }
+    if let Some(donor) = &args.donor {
+        parse_donor(donor, &devices)?;
     }
     options(args).check_counts()?;
     let reserve = args.reserve.as_deref().map(parse_size).transpose().context("--reserve")?;
@@ -812,8 +852,37 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             pipeline.placement().name()
         );
     }
+    // A --donor card holds the transformer's streamed groups, as many as its memory takes (set before any offload
+    // is applied: the groups are placed as they are split).
+    let donor = match &args.donor {
+        Some(text) => {
+            let (device, link) = parse_donor(text, &card_devices(args)?)?;
+            let (card, on) = others
+                .iter()
+                .find(|(_, other)| *other.name() == device)
+                .cloned()
+                .with_context(|| format!("--donor {text}: the card {device} was not opened"))?;
+            let donor = PeerDonor {
+                device: on.clone(),
+                budget: card.total(),
+                bytes_per_second: link.bytes_per_second,
+                latency_seconds: link.latency.as_secs_f64(),
+            };
+            pipeline.transformer_mut().set_donor(donor)?;
+            println!(
+                "donor: {device} ({}) holds the transformer's streamed groups between their uploads; its copies cross {}",
+                format_size(card.total()),
+                link.description
+            );
+            Some(on)
+        }
+        None => None,
+    };
     // A further card the map uses onloads its components at their first run, on its own account, and keeps them.
-    others.retain(|(_, other)| pipeline.device_map().components.iter().any(|(_, placed)| placed.is(other)));
+    others.retain(|(_, other)| {
+        pipeline.device_map().components.iter().any(|(_, placed)| placed.is(other))
+            || donor.as_ref().is_some_and(|donor| donor.is(other))
+    });
     for (_, other) in &others {
         other.enable_auto_offload(0)?;
     }
@@ -1283,6 +1352,16 @@ fn report_devices(
                 format_size(stats.bytes_pinned_to_device),
                 stats.transfer_seconds
             );
+            if let Some((held, groups)) = pipeline.transformer().group_offload().map(|offload| offload.donor_bytes())
+                && (held > 0 || stats.bytes_from_peers > 0)
+            {
+                println!(
+                    "donor: {} of the transformer's groups ({groups}) held on its card, {} of the copies to the device \
+                     from it",
+                    format_size(held),
+                    format_size(stats.bytes_from_peers)
+                );
+            }
             for (other, device) in others {
                 println!(
                     "peak on the simulated {} card {}: {}",
@@ -1796,6 +1875,28 @@ mod tests {
         let weights = missing.display().to_string();
         let error = generate(&args(&["--weights", &weights, "--device-map", "unet=cpu"])).expect_err("refused");
         assert!(error.to_string().starts_with("--device-map \"unet=cpu\""), "{error:#}");
+    }
+
+    #[test]
+    fn a_donor_is_a_further_card_and_a_known_link() {
+        let cards = card_devices(&args(&["--card", "8GB", "--card", "4GB"])).expect("two cards");
+        let (device, link) = parse_donor("cuda:1@nvlink", &cards).expect("the second card over NVLink");
+        assert_eq!((device.as_str(), link.name), ("cuda:1", "nvlink"));
+        for (given, says) in [
+            ("cuda:1", "give DEVICE@LINK"),
+            ("cuda:0@nvlink", "cuda:0 is not a further card; the further cards are cuda:1"),
+            ("cuda:2@nvlink", "cuda:2 is not a further card"),
+            ("cuda:1@usb", "nvlink, pcie4x16, pcie3x8"),
+        ] {
+            let error = parse_donor(given, &cards).expect_err(given);
+            assert!(matches!(error, ArgumentError::Donor { .. }) && error.to_string().contains(says), "{error}");
+        }
+        let one = card_devices(&args(&["--card", "8GB"])).expect("one card");
+        let error = parse_donor("cuda:1@nvlink", &one).expect_err("no further card");
+        assert!(error.to_string().contains("add a second --card"), "{error}");
+        // Through the pre-flight, before anything loads.
+        let error = preflight(&args(&["--card", "8GB", "--donor", "cuda:1@nvlink"])).expect_err("refused");
+        assert!(error.to_string().starts_with("--donor cuda:1@nvlink: no further card"), "{error:#}");
     }
 
     #[test]

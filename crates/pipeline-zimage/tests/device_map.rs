@@ -174,3 +174,34 @@ fn a_balanced_map_deals_the_components_over_two_cards_largest_first() {
     assert!(map.placement(by_size[1].0).name().is_cpu());
     assert!(DeviceMap::balanced(&[], &sizes, 0).is_err(), "no device is refused");
 }
+
+/// `generate --card 8MB --card 8MB --offload group --donor cuda:1@nvlink` on the tiny checkpoint: the second card
+/// holds some of the transformer's streamed groups, later uploads copy them from it (the closing report says how
+/// much), and the image is the one the same run writes without a donor, byte for byte.
+#[test]
+fn the_cli_holds_streamed_groups_on_a_donor_card_and_writes_the_same_image() {
+    let dir = std::env::temp_dir().join(format!("device-map-donor-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline-zimage"))
+            .args(["generate", "--height", "64", "--width", "64", "--steps", "4", "--card", "8MB", "--card", "8MB"])
+            .args(["--offload", "group"])
+            .args(extra)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .expect("the CLI runs");
+        let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+        assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+        (std::fs::read(&out).expect("the image"), stdout)
+    };
+    let (without, _) = run("host.png", &[]);
+    let (with, stdout) = run("donor.png", &["--donor", "cuda:1@nvlink"]);
+    assert_eq!(with, without, "the donor changes where the groups come from, not the image");
+    assert!(stdout.contains("donor: cuda:1 (7.63 MB) holds the transformer's streamed groups"), "{stdout}");
+    let line = stdout.lines().find(|line| line.starts_with("donor: ") && line.contains("held on its card"));
+    let line = line.unwrap_or_else(|| panic!("no donor line in the report:\n{stdout}"));
+    assert!(!line.contains("donor: 0 B") && !line.ends_with(" 0 B of the copies to the device from it"), "{line}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,0 +1,146 @@
+//! A donor: a second simulated card whose memory holds streamed groups between their uploads. The groups it holds
+//! are copied from it over its link (priced on the execution card as copies from a peer), the others from the
+//! host; the output is the host-only run's bit for bit; the donor's own card is charged for what it holds and
+//! gets it back when a group stays resident or the model goes; a donor that is the execution device, or a link
+//! without a rate, is refused.
+
+#![allow(clippy::unwrap_used)] // A test fails loudly at the first unexpected error.
+
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::{Device, Tensor};
+use group_offload::config::PeerDonor;
+use group_offload::prelude::*;
+use memory_sim::{CardSpec, Mode, SimCard};
+use offload_core::{DeviceMemory, DeviceName};
+
+#[derive(Module, Debug)]
+struct Block {
+    fc: Linear,
+}
+
+#[derive(Module, Debug, OffloadModel)]
+struct Net {
+    #[offload(blocks)]
+    blocks: Vec<Block>,
+}
+
+const WIDTH: usize = 16;
+const BLOCKS: usize = 4;
+/// One block's bytes: the weight and the bias in f32.
+const BLOCK: u64 = ((WIDTH * WIDTH + WIDTH) * 4) as u64;
+/// The donor's link: slow enough that its copies stand out from the card's own host link.
+const DONOR_RATE: f64 = 1e6;
+
+fn net() -> Net {
+    let device = Device::flex();
+    Net { blocks: (0..BLOCKS).map(|_| Block { fc: LinearConfig::new(WIDTH, WIDTH).init(&device) }).collect() }
+}
+
+fn card(label: &str, device: &str) -> Arc<SimCard> {
+    let mut spec = CardSpec::parse(label).unwrap().with_mode(Mode::Hard).with_context_overhead(0);
+    spec.device = DeviceName::parse(device).unwrap();
+    SimCard::new(spec)
+}
+
+/// What [`run`] saw.
+struct Run {
+    /// Each forward's output, as bits.
+    outputs: Vec<Vec<u8>>,
+    /// The execution card.
+    exec: Arc<SimCard>,
+    /// The groups on the donor after the forwards (bytes, count).
+    held: (u64, usize),
+    /// What the donor's card had allocated then, before the model was dropped.
+    donor_allocated: Option<u64>,
+}
+
+/// Three forwards of `model` streamed block by block without prefetch (the order is then the call order), with
+/// `donor` if given.
+fn run(model: Net, donor: Option<PeerDonor>, resident_budget: u64) -> Run {
+    let exec = card("1MB", "cuda:0");
+    // The donor's card, asked for from its device object.
+    let donor_card = donor.as_ref().and_then(|donor| donor.device.account::<SimCard>());
+    let device = OffloadDevice::simulated(exec.clone());
+    let mut handle = device.register("net", model).unwrap();
+    if let Some(donor) = donor {
+        handle.set_donor(donor).unwrap();
+    }
+    let options = GroupOptions { prefetch: false, resident_budget, ..GroupOptions::default() };
+    handle.enable_group_offload(&options).unwrap();
+    device.enable_auto_offload(0).unwrap();
+    let input = Tensor::<2>::from_floats([[0.5; WIDTH], [-0.25; WIDTH]], &Device::flex());
+    let mut outputs = Vec::new();
+    for _ in 0..3 {
+        let out = handle
+            .run(0, |weights, _| weights.blocks.fold(input.clone(), |block, x| Ok(leaf!(block, fc).forward(x))))
+            .unwrap();
+        outputs.push(out.into_data().as_bytes().to_vec());
+    }
+    let held = handle.group_offload().unwrap().donor_bytes();
+    Run { outputs, exec, held, donor_allocated: donor_card.map(|card| card.allocated()) }
+}
+
+#[test]
+fn the_groups_a_donor_holds_are_copied_from_it_and_the_output_is_the_host_runs() {
+    let model = net();
+    let host_only = run(model.clone(), None, 0);
+    let donor_card = card("1MB", "cuda:1");
+    // Room for two of the four blocks: the first two uploaded keep a copy on the donor.
+    let donor = PeerDonor::new(OffloadDevice::simulated(donor_card.clone()), 2 * BLOCK + BLOCK / 2, DONOR_RATE);
+    let with_donor = run(model.clone(), Some(donor), 0);
+    assert_eq!(with_donor.outputs, host_only.outputs, "the donor's copies give the host run's output bit for bit");
+    assert_eq!(with_donor.held, (2 * BLOCK, 2));
+    assert_eq!(with_donor.donor_allocated, Some(2 * BLOCK), "the donor's card is charged for what it holds");
+    assert_eq!(donor_card.allocated(), 0, "and gets it back when the model goes");
+    // The first forward uploads every block from the host; the two later ones take blocks 0 and 1 from the donor.
+    let (with, without) = (with_donor.exec.stats(), host_only.exec.stats());
+    assert_eq!(with.bytes_from_peers, 2 * 2 * BLOCK);
+    assert_eq!(with.bytes_to_device, without.bytes_to_device, "the same bytes arrive, from two places");
+    // Four block copies left the card's own link (pageable host copies) for the donor's, priced on the execution
+    // card at the donor's rate.
+    let host_copy = host_only.exec.spec().timing.pageable_transfer_seconds(BLOCK);
+    let peer = BLOCK as f64 / DONOR_RATE;
+    let expected = without.transfer_seconds + 4.0 * (peer - host_copy);
+    assert!((with.transfer_seconds - expected).abs() < 1e-12, "{} against {expected}", with.transfer_seconds);
+}
+
+#[test]
+fn a_group_that_stays_resident_gives_its_donor_copy_back_and_the_donor_is_emptied_with_the_model() {
+    let model = net();
+    let host_only = run(model.clone(), None, BLOCK);
+    let donor_card = card("1MB", "cuda:1");
+    let donor = PeerDonor::new(OffloadDevice::simulated(donor_card.clone()), 2 * BLOCK, DONOR_RATE);
+    // Block 0 stays resident after its first release (a resident budget of one block): its copy on the donor goes
+    // back, and blocks 1 and 2 take the donor's room.
+    let with_donor = run(model, Some(donor), BLOCK);
+    assert_eq!(with_donor.outputs, host_only.outputs);
+    assert_eq!(with_donor.held, (2 * BLOCK, 2), "blocks 1 and 2, not the resident block 0");
+    assert_eq!(with_donor.donor_allocated, Some(2 * BLOCK));
+    // `run` dropped the handle: its component, and with it every copy on the donor, is gone.
+    assert_eq!(donor_card.allocated(), 0, "the donor's card got everything back");
+}
+
+#[test]
+fn a_donor_that_is_the_execution_device_or_has_no_rate_is_refused() {
+    let exec = card("1MB", "cuda:0");
+    let device = OffloadDevice::simulated(exec);
+    let mut handle = device.register("net", net()).unwrap();
+    handle.set_donor(PeerDonor::new(device.clone(), BLOCK, DONOR_RATE)).unwrap();
+    let error = handle.enable_group_offload(&GroupOptions::default()).unwrap_err();
+    assert!(error.to_string().contains("the donor is the execution device"), "{error}");
+
+    let mut handle = device.register("other", net()).unwrap();
+    let elsewhere = OffloadDevice::simulated(card("1MB", "cuda:1"));
+    handle.set_donor(PeerDonor::new(elsewhere, BLOCK, f64::NAN)).unwrap();
+    let error = handle.enable_group_offload(&GroupOptions::default()).unwrap_err();
+    assert!(error.to_string().contains("give a finite positive rate"), "{error}");
+
+    // Once the model streams, a donor cannot be added under it.
+    let mut handle = device.register("late", net()).unwrap();
+    handle.enable_group_offload(&GroupOptions::default()).unwrap();
+    let late = PeerDonor::new(OffloadDevice::simulated(card("1MB", "cuda:2")), BLOCK, DONOR_RATE);
+    assert!(matches!(handle.set_donor(late), Err(group_offload::Error::AlreadyApplied { .. })));
+}
