@@ -470,6 +470,9 @@ impl Shared {
         match copied {
             Some(tensors) => {
                 host.keep_on_donor(DonorCopy { tensors, ledger, sizes });
+                // Its uploads come from the donor now: a read kept in RAM for it goes back to the RAM budget.
+                let given = host.forget_read();
+                self.ram_left.fetch_add(given, Ordering::AcqRel);
                 tracing::debug!(group = %host.id, bytes, donor = %donor.device.name(), "group kept on the donor");
             }
             None => {

@@ -33,12 +33,11 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::tensor::{AllocationProperty, Bytes, DType, Device, TensorData};
-
-use crate::uploads::DeviceTensor;
 use offload_core::Timeline;
 use offload_core::timeline::category;
 
 use crate::error::Error;
+use crate::uploads::DeviceTensor;
 use crate::weights::BoundTensor;
 use std::sync::Arc;
 

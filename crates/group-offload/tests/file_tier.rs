@@ -703,3 +703,30 @@ fn a_ram_budget_keeps_the_reads_of_the_streamed_groups_that_fit_and_the_rest_rea
     assert_eq!(uploads.len(), 3, "one upload a forward: {uploads:?}");
     assert!(uploads.iter().all(|e| e.read.is_some()), "block 3 reads its file at every upload: {uploads:?}");
 }
+
+#[test]
+fn a_group_held_on_a_donor_gives_its_kept_read_back_to_the_ram_budget() {
+    let device = Device::flex();
+    let (_dir, path) = checkpoint(DType::BF16);
+    let want = bits(whole(loaded(&path).weights().forward(ids(&device), "fc2")));
+    let block = block_bytes(DType::BF16);
+    let (model, table) = bound(&path);
+    let manager = Arc::new(ComponentsManager::new());
+    let mut handle = ModelHandle::register_files(&manager, "toy", model, table, OffloadDevice::simulated(card()))
+        .expect("registers");
+    let mut spec = CardSpec::parse("64MiB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
+    spec.device = offload_core::DeviceName::parse("cuda:1").expect("a name");
+    let donor = group_offload::config::PeerDonor::new(OffloadDevice::simulated(SimCard::new(spec)), block, 1e9);
+    handle.set_donor(donor).expect("a donor before it streams");
+    // RAM for every block's read, and a donor for one block: the first block uploaded goes to the donor and
+    // gives its read back; the other three keep theirs.
+    let options = GroupOptions { ram_budget: BLOCKS as u64 * block, prefetch: false, ..GroupOptions::default() };
+    handle.enable_group_offload(&options).expect("it streams");
+    for pass in 0..2 {
+        let out = handle.run(0, |weights, _| weights.forward(ids(&device), "fc2")).expect("a forward");
+        assert_eq!(bits(out), want, "pass {pass}");
+    }
+    let offload = handle.group_offload().expect("grouped");
+    assert_eq!(offload.donor_bytes(), (block, 1));
+    assert_eq!(offload.kept_read_bytes(), (3 * block, 3), "no group is held twice");
+}
