@@ -23,8 +23,6 @@ use crate::plan::budget::recommend_resident_budget;
 #[cfg(feature = "io")]
 use crate::plan::error::PlanError;
 #[cfg(feature = "io")]
-use crate::plan::settings::Settings;
-#[cfg(feature = "io")]
 use crate::size::format_size;
 
 /// The profile format's version; files of another version are ignored.
@@ -379,14 +377,6 @@ impl ProfileStore {
         dirs::data_dir().map(|d| d.join("offload").join("profiles")).ok_or(PlanError::NoDataDir)
     }
 
-    /// The store the settings name: `profile_dir`, or [`default_dir`](Self::default_dir).
-    pub fn from_settings(settings: &Settings) -> Result<Self, PlanError> {
-        match &settings.profile_dir {
-            Some(dir) => Ok(Self::at(dir)),
-            None => Self::default_dir().map(Self::at),
-        }
-    }
-
     /// The directory.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -505,15 +495,5 @@ impl ProfileStore {
             format_size(recommendation.resident_budget)
         );
         Ok(recommendation)
-    }
-
-    /// Loads the recommendation of `settings.profile_name` into `settings.calibration`, unless `calibrate` asks
-    /// for a new calibration. Returns what was loaded.
-    pub fn apply_calibration(&self, settings: &mut Settings) -> Result<Option<Recommendation>, PlanError> {
-        settings.calibration = match (&settings.profile_name, settings.calibrate) {
-            (Some(name), false) => self.calibration(name)?,
-            _ => None,
-        };
-        Ok(settings.calibration)
     }
 }

@@ -256,6 +256,44 @@ impl DeviceFacts {
     }
 }
 
+// The measured figures apply to a time model here, beside it, so the link module needs nothing of this one.
+impl MeasuredLink {
+    /// `time` with its link figures replaced by these:
+    /// - page-locked and pageable both measured: the page-locked rate, and their ratio as the pageable fraction;
+    /// - page-locked only: that rate, the pageable fraction kept as it was;
+    /// - pageable only: that rate for both, pageable fraction 1. Nothing was page-locked, so no faster copy was
+    ///   seen; on wgpu, which has no page-locked memory, that is the device's truth, and on CUDA pinning is
+    ///   predicted to gain nothing until a run that pins measures it.
+    ///
+    /// The link latency is kept: a copy's rate already includes its fixed cost.
+    pub fn apply(&self, time: TimeModel) -> TimeModel {
+        let valid = |rate: Option<f64>| rate.filter(|r| r.is_finite() && *r > 0.0);
+        let (link, fraction) = match (valid(self.page_locked), valid(self.pageable)) {
+            (Some(locked), Some(pageable)) => (locked, (pageable / locked).clamp(0.01, 1.0)),
+            (Some(locked), None) => (locked, time.pageable_fraction),
+            (None, Some(pageable)) => (pageable, 1.0),
+            (None, None) => return time,
+        };
+        TimeModel {
+            link_bytes_per_second: link,
+            pageable_fraction: fraction,
+            link_source: LinkSource::Measured { runs: self.runs, uploads: self.uploads },
+            ..time
+        }
+    }
+}
+
+impl MeasuredDisk {
+    /// `time` with its disk rate replaced by the measured median, and its source marked measured.
+    pub fn apply(&self, time: TimeModel) -> TimeModel {
+        TimeModel {
+            disk_bytes_per_second: self.median,
+            disk_source: LinkSource::Measured { runs: self.runs, uploads: self.reads },
+            ..time
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

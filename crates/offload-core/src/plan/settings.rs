@@ -662,6 +662,29 @@ impl Default for Settings {
     }
 }
 
+// Where the settings point the profile store: written here, beside the settings, so the store's module needs
+// nothing of this one.
+#[cfg(feature = "io")]
+impl crate::plan::capacity::ProfileStore {
+    /// The store the settings name: `profile_dir`, or [`default_dir`](Self::default_dir).
+    pub fn from_settings(settings: &Settings) -> Result<Self, PlanError> {
+        match &settings.profile_dir {
+            Some(dir) => Ok(Self::at(dir)),
+            None => Self::default_dir().map(Self::at),
+        }
+    }
+
+    /// Loads the recommendation of `settings.profile_name` into `settings.calibration`, unless `calibrate` asks
+    /// for a new calibration. Returns what was loaded.
+    pub fn apply_calibration(&self, settings: &mut Settings) -> Result<Option<Recommendation>, PlanError> {
+        settings.calibration = match (&settings.profile_name, settings.calibrate) {
+            (Some(name), false) => self.calibration(name)?,
+            _ => None,
+        };
+        Ok(settings.calibration)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
