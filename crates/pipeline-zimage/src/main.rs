@@ -852,30 +852,8 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             pipeline.placement().name()
         );
     }
-    // A --donor card holds the transformer's streamed groups, as many as its memory takes (set before any offload
-    // is applied: the groups are placed as they are split).
     let donor = match &args.donor {
-        Some(text) => {
-            let (device, link) = parse_donor(text, &card_devices(args)?)?;
-            let (card, on) = others
-                .iter()
-                .find(|(_, other)| *other.name() == device)
-                .cloned()
-                .with_context(|| format!("--donor {text}: the card {device} was not opened"))?;
-            let donor = PeerDonor {
-                device: on.clone(),
-                budget: card.total(),
-                bytes_per_second: link.bytes_per_second,
-                latency_seconds: link.latency.as_secs_f64(),
-            };
-            pipeline.transformer_mut().set_donor(donor)?;
-            println!(
-                "donor: {device} ({}) holds the transformer's streamed groups between their uploads; its copies cross {}",
-                format_size(card.total()),
-                link.description
-            );
-            Some(on)
-        }
+        Some(text) => Some(set_transformer_donor(&mut pipeline, text, args, &others)?),
         None => None,
     };
     // A further card the map uses onloads its components at their first run, on its own account, and keeps them.
@@ -1501,6 +1479,35 @@ fn phase_peak(
         }
         (None, None) => Arc::new(|| 0),
     }
+}
+
+/// `--donor DEVICE@LINK`: the further card holds the transformer's streamed groups, as many as its memory takes,
+/// set before any offload is applied (the groups are placed as they are split); returns the donor's device.
+fn set_transformer_donor(
+    pipeline: &mut ZImagePipeline,
+    text: &str,
+    args: &Generate,
+    others: &FurtherCards,
+) -> anyhow::Result<OffloadDevice> {
+    let (device, link) = parse_donor(text, &card_devices(args)?)?;
+    let (card, on) = others
+        .iter()
+        .find(|(_, other)| *other.name() == device)
+        .cloned()
+        .with_context(|| format!("--donor {text}: the card {device} was not opened"))?;
+    let donor = PeerDonor {
+        device: on.clone(),
+        budget: card.total(),
+        bytes_per_second: link.bytes_per_second,
+        latency_seconds: link.latency.as_secs_f64(),
+    };
+    pipeline.transformer_mut().set_donor(donor)?;
+    println!(
+        "donor: {device} ({}) holds the transformer's streamed groups between their uploads; its copies cross {}",
+        format_size(card.total()),
+        link.description
+    );
+    Ok(on)
 }
 
 /// Prints the manager's decisions as the anchor's table, then one line for the group offloaders' moves, which the
