@@ -415,12 +415,31 @@ impl From<Error> for ComponentError {
 /// The crate's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What [`panic_text`] gives for a panic whose payload is neither a `String` nor a `&str`
+/// (`std::panic::panic_any` with another type): an error message then still says what happened.
+pub const NON_TEXT_PANIC: &str = "a panic whose payload is not text (std::panic::panic_any)";
+
 /// A panic's message: its payload's text when it is a `String` or a `&str` (what `panic!` and `unwrap` give),
-/// empty otherwise.
+/// [`NON_TEXT_PANIC`] otherwise.
 pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
     payload
         .downcast_ref::<String>()
         .cloned()
         .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_string()))
-        .unwrap_or_default()
+        .unwrap_or_else(|| NON_TEXT_PANIC.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A panic's text is its message, and a payload that is not text still gives a message that says so, never
+    /// an empty one in an error.
+    #[test]
+    fn a_panic_text_is_its_message_or_says_it_was_not_text() {
+        let text = |payload: Box<dyn std::any::Any + Send>| panic_text(payload.as_ref());
+        assert_eq!(text(Box::new("a &str")), "a &str");
+        assert_eq!(text(Box::new(String::from("a String"))), "a String");
+        assert_eq!(text(Box::new(42u32)), NON_TEXT_PANIC);
+    }
 }

@@ -75,6 +75,17 @@ impl OffloadDevice {
         ledger: Arc<dyn DeviceLedger>,
         memory: Option<Arc<dyn DeviceMemory>>,
     ) -> Self {
+        Self::built_on(exec, name, ledger, memory, None)
+    }
+
+    /// [`on_device`](Self::on_device), keeping `account` as the object behind the account.
+    fn built_on(
+        exec: Device,
+        name: DeviceName,
+        ledger: Arc<dyn DeviceLedger>,
+        memory: Option<Arc<dyn DeviceMemory>>,
+        account: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Self {
         Self(Arc::new(Shared {
             exec,
             host: Device::flex(),
@@ -84,7 +95,7 @@ impl OffloadDevice {
             memory,
             link: Arc::default(),
             manager: Arc::new(ComponentsManager::new()),
-            account: None,
+            account,
         }))
     }
 
@@ -106,15 +117,6 @@ impl OffloadDevice {
         }))
     }
 
-    /// The same device object with `account` as the object behind its account (set by the constructors that take
-    /// one).
-    fn with_account_object(self, account: Arc<dyn Any + Send + Sync>) -> Self {
-        let mut shared =
-            Arc::try_unwrap(self.0).unwrap_or_else(|_| unreachable!("a device object being built has one handle"));
-        shared.account = Some(account);
-        Self(Arc::new(shared))
-    }
-
     /// Everything on the host's CPU backend: nothing moves, nothing is accounted.
     pub fn host_only() -> Self {
         Self::on_device(Device::flex(), DeviceName::cpu(), Arc::new(NoLedger), None)
@@ -125,19 +127,19 @@ impl OffloadDevice {
     /// are known by the card's device name.
     pub fn simulated<C: DeviceLedger + DeviceMemory + Send + Sync + 'static>(card: Arc<C>) -> Self {
         let name = DeviceMemory::device(&*card);
-        Self::on_device(Device::flex(), name, card.clone(), Some(card.clone())).with_account_object(card)
+        Self::built_on(Device::flex(), name, card.clone(), Some(card.clone()), Some(card))
     }
 
     /// A real device read through its pool: nothing is charged ([`NoLedger`]: the runtime allocates for itself),
     /// and `readings` are what auto offload, the reports and the timeline read.
     pub fn pooled(exec: Device, name: DeviceName, readings: Arc<PoolReadings>) -> Self {
-        Self::on_device(exec, name, Arc::new(NoLedger), Some(readings.clone())).with_account_object(readings)
+        Self::built_on(exec, name, Arc::new(NoLedger), Some(readings.clone()), Some(readings))
     }
 
     /// A real device under a cap ([`CappedDevice`]): the cap is the ledger every move is charged to and the
     /// readings everything decides by.
     pub fn capped(exec: Device, name: DeviceName, cap: Arc<CappedDevice>) -> Self {
-        Self::on_device(exec, name, cap.clone(), Some(cap.clone())).with_account_object(cap)
+        Self::built_on(exec, name, cap.clone(), Some(cap.clone()), Some(cap))
     }
 
     /// The object behind the device's account, when it is a `T`: the simulated card of
