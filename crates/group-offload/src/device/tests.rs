@@ -346,30 +346,38 @@ fn a_request_the_pages_refuse_is_granted_once_the_cache_is_released_and_only_the
 
 #[test]
 fn two_threads_never_both_pass_on_the_same_free_bytes() {
-    // Eight threads holding up to 768 B each want up to 6,144 B of a 4,096 B cap: they contend.
+    // Eight threads ask at once for 600 B to 767 B each of a 4,096 B cap: at least 4,800 B together, so every
+    // round some are refused, whatever the scheduler does. Each holds what it was granted until every thread has
+    // asked (a barrier), then gives it back before the next round.
     const CAPACITY: u64 = 16 * 256;
+    const THREADS: usize = 8;
     let account = Arc::new(Mutex::new(Account::default()));
+    let barrier = Arc::new(std::sync::Barrier::new(THREADS));
     let empty = PoolSnapshot { in_use: 0, padding: 0, reserved: 0, total: 1 << 30, driver_free: None };
-    let threads: Vec<_> = (0..8)
-        .map(|_| {
-            let account = account.clone();
+    let threads: Vec<_> = (0..THREADS as u64)
+        .map(|thread| {
+            let (account, barrier) = (account.clone(), barrier.clone());
             std::thread::spawn(move || {
                 let (mut granted, mut refused) = (0u64, 0u64);
-                for round in 0..2_000u64 {
-                    let pages = PageRule::CUBECL.pages(1 + round % 700);
+                for round in 0..300u64 {
+                    let pages = PageRule::CUBECL.pages(600 + (round * 7 + thread * 13) % 168);
                     // The reading is slow, so a check without the lock would let others in between.
                     let read = || {
                         std::thread::yield_now();
                         Ok(empty)
                     };
-                    if reserve_in(&account, CAPACITY, pages, read, || (), |a| a.placed += pages).is_ok() {
+                    let held = reserve_in(&account, CAPACITY, pages, read, || (), |a| a.placed += pages).is_ok();
+                    if held {
                         granted += 1;
                         assert!(account.lock().reserved() <= CAPACITY);
-                        std::thread::yield_now();
-                        account.lock().placed -= pages;
                     } else {
                         refused += 1;
                     }
+                    barrier.wait();
+                    if held {
+                        account.lock().placed -= pages;
+                    }
+                    barrier.wait();
                 }
                 (granted, refused)
             })
