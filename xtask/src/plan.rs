@@ -10,7 +10,7 @@ use anyhow::{Context, bail};
 use memory_sim::profile::z_image_turbo as facts;
 use memory_sim::{CardSpec, DonorMachine, Mode, PeerCard, PipelineProfile, SimCard, run_step};
 use offload_core::plan::{
-    BlockLayout, ComponentSpec, HostMemory, Machine, Plan, Settings, SettingsLayer, StreamedGroup, TimeModel,
+    BlockLayout, ComponentSpec, HostMemory, HostTier, Machine, Plan, Settings, SettingsLayer, StreamedGroup, TimeModel,
     plan_pipeline,
 };
 use offload_core::{format_size, parse_size};
@@ -167,7 +167,13 @@ fn render(args: &Args, settings: &Settings) -> anyhow::Result<String> {
     }
     let timing = card.timing;
     let time = TimeModel::new(timing.link_bytes_per_second, timing.link_latency.as_secs_f64(), timing.flops_per_second);
-    let machine = Machine::new(card.capacity, card.usable(), host).with_time(time);
+    let peers: Vec<PeerCard> = (args.donors.iter().enumerate())
+        .map(|(index, label)| PeerCard::parse(&format!("cuda:{}", index + 1), label))
+        .collect::<Result<_, _>>()?;
+    let machine = (peers.iter())
+        .fold(Machine::new(card.capacity, card.usable(), host).with_time(time), |machine, peer| {
+            machine.with_peer(peer.peer_device())
+        });
 
     let mut out = format!(
         "Z-Image-Turbo, {} steps, card {} ({} link, {:.0} µs, {:.1} TFLOP/s; pageable copies at {:.0}% of the link)\n",
@@ -182,14 +188,14 @@ fn render(args: &Args, settings: &Settings) -> anyhow::Result<String> {
     let plan = plan_pipeline(&specs, settings.clone(), &machine)?;
     out.push_str(&plan.to_string());
     if !args.donors.is_empty() {
-        out.push_str(&donors(args, &card, settings, &plan)?);
+        out.push_str(&donors(args, &card, &peers, &plan)?);
     }
     Ok(out)
 }
 
 /// With `--donor`: the transformer's streamed groups placed over the second cards, the host RAM the plan leaves
 /// and the checkpoint file, by cost, with the step run on the simulated cards beside the prediction.
-fn donors(args: &Args, card: &CardSpec, settings: &Settings, plan: &Plan) -> anyhow::Result<String> {
+fn donors(args: &Args, card: &CardSpec, peers: &[PeerCard], plan: &Plan) -> anyhow::Result<String> {
     let profile = PipelineProfile::z_image_turbo(args.steps as usize);
     let transformer = profile.components.iter().find(|c| c.name == "transformer").context("the transformer")?;
     let routed = plan.component("transformer").context("the transformer's plan")?;
@@ -205,23 +211,22 @@ fn donors(args: &Args, card: &CardSpec, settings: &Settings, plan: &Plan) -> any
             groups.push(StreamedGroup::new(&format!("block.{index}"), bytes));
         }
     }
-    let others: u64 = plan.components.iter().filter(|c| c.component != "transformer").map(|c| c.host_bytes).sum();
-    let host_bytes = plan.usable_host.saturating_sub(others);
-    let pinned_bytes = if settings.low_host_memory { 0 } else { settings.pinned_budget.unwrap_or(host_bytes) };
+    // The host's sources the plan gave the transformer: its copy in RAM (or the reads kept there under a split),
+    // of which its pinned bytes, and its file.
+    let host_bytes = if routed.host_tier == HostTier::Ram { routed.host_bytes } else { routed.ram_streamed_bytes };
+    let pinned_bytes = routed.pinned_bytes;
     let exec = card.clone().with_mode(Mode::Hard).with_pageable_fraction(plan.machine.time.pageable_fraction)?;
     let machine = DonorMachine {
         exec: SimCard::new(exec),
-        peers: (args.donors.iter().enumerate())
-            .map(|(index, label)| PeerCard::parse(&format!("cuda:{}", index + 1), label))
-            .collect::<Result<_, _>>()?,
+        peers: peers.to_vec(),
         host_bytes,
         pinned_bytes,
         file_bytes_per_second: Some(plan.machine.time.disk_bytes_per_second),
     };
     let streamed: u64 = groups.iter().map(|g| g.bytes).sum();
     let mut out = format!(
-        "\ndonors for the transformer's {} streamed groups ({} per step; {} of RAM left by the other components' \
-         copies, {} of it may be pinned):\n",
+        "\ndonors for the transformer's {} streamed groups ({} per step; {} of RAM the plan gives its copies, {} of \
+         it pinned):\n",
         groups.len(),
         format_size(streamed),
         format_size(host_bytes),
@@ -234,6 +239,14 @@ fn donors(args: &Args, card: &CardSpec, settings: &Settings, plan: &Plan) -> any
     let placement = problem.place()?;
     out.push_str(&problem.explain(&placement));
     let step = run_step(&machine, &problem, &placement, transformer.flops)?;
+    for (index, peer) in machine.peers.iter().enumerate() {
+        out.push_str(&format!(
+            "{}: this placement holds {} of the transformer's groups there, the pipeline's plan {}\n",
+            peer.name,
+            format_size(placement.bytes_from(&problem, index)),
+            format_size(routed.peer_bytes(&peer.name))
+        ));
+    }
     out.push_str(&format!(
         "simulated on the cards: {:.3} s per step ({:.3} s copies, {:.3} s compute), {:+.2}% from the prediction\n",
         step.seconds,
@@ -283,6 +296,57 @@ mod tests {
         Ok(())
     }
 
+    /// 16 GB of RAM and a 4 GB card over NVLink: the copies do not fit, and the card joins the split of the
+    /// streamed groups over RAM and the files: the transformer's groups it holds need no RAM, which keeps the text
+    /// encoder's leaves instead, and the plan is faster than without the card.
+    #[test]
+    fn a_second_card_joins_the_split_when_the_host_copies_do_not_fit() -> anyhow::Result<()> {
+        let with = ["--card", "8GB", "--ram", "16GB", "--preset", "auto", "--donor", "4GB@nvlink"];
+        check_in(
+            "donors.md",
+            &with,
+            expect![[r#"
+            Z-Image-Turbo, 8 steps, card 8GB (31.50 GB/s link, 10 µs, 100.0 TFLOP/s; pageable copies at 50% of the link)
+            plan for preset auto: device 6.84 GB available of 7.45 GB; host 13.41 GB available of 14.90 GB (11.41 GB usable)
+            link: 31.50 GB/s from pinned memory, 15.75 GB/s pageable (given)
+            disk: 2.00 GB/s read (assumed, not measured: a run that reads from the files measures it)
+            component     route                 host              resident  pinned  streamed/step  time/step     peak
+            text_encoder  leaf, prefetch        file+ram+cuda:1  741.88 MB     0 B        7.49 GB    0.899 s  1.25 GB
+            transformer   block x1, prefetch 1  file+ram+cuda:1    5.40 GB     0 B        6.74 GB    0.965 s  6.58 GB
+            vae           component offload     ram              159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+            per image (8 steps): 8.72 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 9.87 GB in RAM of 11.41 GB usable, 0 B pinned, 18.96 GB in checkpoint files
+            why:
+              text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); 320 of its 324 streamed groups (6.68 GB) keep their host copy in RAM after their first read: the 11.25 GB of RAM the other copies leave is placed over the streamed groups by cost, RAM at 0.063 s per GB against 0.563 s per GB from disk, each group counted once per copy (1 an image), which saves 7.04 s per image in all (text_encoder and transformer) over leaving that RAM to the page cache; its one call reads 741.88 MB from the file at 2.00 GB/s (assumed); predicted 0.899 s per call (copies 0.899 s, compute 0.043 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 0.51 s per image before its host tier and pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image; 4 of its 324 streamed groups (85.56 MB) live on cuda:1 between their uploads, copied at 0.020 s per GB against 0.063 s per GB from RAM, 0.563 s per GB from disk, placed by cost with each group counted once per copy (1 an image)
+              transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); 9 of its 18 streamed groups (3.03 GB) keep their host copy in RAM after their first read: the 11.25 GB of RAM the other copies leave is placed over the streamed groups by cost, RAM at 0.063 s per GB against 0.563 s per GB from disk, each group counted once per copy (8 an image), which saves 7.04 s per image in all (text_encoder and transformer) over leaving that RAM to the page cache; the first step reads 5.40 GB from the file at 2.00 GB/s (assumed), the rest of its 11.46 GB from RAM and cuda:1, each later step its 6.07 GB from RAM and cuda:1 (6.07 GB kept there); predicted 0.965 s per step (copies 0.272 s, compute 0.597 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 4.96 s per image before its host tier and pinning, over component does not fit (needs 12.22 GB), leaf 6.27 s per image; 9 of its 18 streamed groups (3.03 GB) live on cuda:1 between their uploads, copied at 0.020 s per GB against 0.063 s per GB from RAM, 0.563 s per GB from disk, placed by cost with each group counted once per copy (8 an image)
+              vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); its host copy stays in RAM (159.87 MB): with text_encoder and transformer read from disk, the copies kept in RAM (159.87 MB) fit in the 11.41 GB of usable RAM; predicted 0.099 s per call (copies 0.011 s, compute 0.088 s); nothing pinned: it crosses the link once per image
+
+            donors for the transformer's 18 streamed groups (6.07 GB per step; 3.03 GB of RAM the plan gives its copies, 0 B of it pinned):
+              cuda:1: 4GB over NVLink between two RTX 3090s: 0.02 s/it per GB streamed (DisTorch), 50 GB/s
+            donor   kind             link        budget     groups       bytes/step  copies/step
+            cuda:1  card             50.00 GB/s  3.12 GB    block.16-24  3.03 GB     0.065 s
+            pinned  pinned RAM       31.50 GB/s  0 B        -            0 B         0.000 s
+            ram     pageable RAM     15.75 GB/s  3.03 GB    block.25-33  3.03 GB     0.207 s
+            file    checkpoint file  2.00 GB/s   unbounded  -            0 B         0.000 s
+            step: 0.869 s predicted (0.597 s compute + 0.272 s copies); lower bound 0.865 s; placement exact: branch and bound, 190 nodes
+            why:
+              cuda:1: 0.020 s per GB streamed (card, given); the cheapest donor, filled to 3.03 GB of 3.12 GB
+              pinned: 0.032 s per GB streamed (pinned RAM, given); holds nothing: the cheaper donors hold every group
+              ram: 0.063 s per GB streamed (pageable RAM, given); #3 by cost, filled to 3.03 GB of 3.03 GB
+              file: 0.500 s per GB streamed (checkpoint file, given); holds nothing: the cheaper donors hold every group
+            cuda:1: this placement holds 3.03 GB of the transformer's groups there, the pipeline's plan 3.03 GB
+            simulated on the cards: 0.869 s per step (0.272 s copies, 0.597 s compute), +0.00% from the prediction
+        "#]],
+        )?;
+        let seconds = |text: &str| -> anyhow::Result<f64> {
+            let line = text.lines().find(|l| l.starts_with("per image")).context("the per-image line")?;
+            let figure = line.split(": ").nth(1).and_then(|rest| rest.split(" s predicted").next());
+            Ok(figure.context("the predicted seconds")?.parse()?)
+        };
+        let alone = plan(&with[..6])?;
+        assert!(seconds(&plan(&with)?)? < seconds(&alone)?, "{alone}");
+        Ok(())
+    }
+
     /// A second card over NVLink too small for the streamed groups, another over PCIe 3.0 x8, and 32 GB of RAM:
     /// NVLink fills first, pinned RAM takes the rest, and the PCIe 3.0 card (3.1 GB/s) holds nothing while RAM
     /// has room. The step simulated on the cards matches the prediction.
@@ -295,33 +359,35 @@ mod tests {
                 Z-Image-Turbo, 8 steps, card 8GB (31.50 GB/s link, 10 µs, 100.0 TFLOP/s; pageable copies at 50% of the link)
                 plan for preset auto: device 6.84 GB available of 7.45 GB; host 26.82 GB available of 29.80 GB (23.10 GB usable)
                 link: 31.50 GB/s from pinned memory, 15.75 GB/s pageable (given)
-                component     route                 host   resident  pinned  streamed/step  time/step     peak
-                text_encoder  leaf, prefetch        ram   741.88 MB     0 B        7.49 GB    0.514 s  1.25 GB
-                transformer   block x1, prefetch 1  ram     5.40 GB     0 B        6.74 GB    0.620 s  6.58 GB
-                vae           component offload     ram   159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
-                per image (8 steps): 5.57 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 19.11 GB in RAM of 23.10 GB usable, 0 B pinned
+                component     route                 host         resident  pinned  streamed/step  time/step     peak
+                text_encoder  leaf, prefetch        ram+cuda:1  741.88 MB     0 B        7.49 GB    0.510 s  1.25 GB
+                transformer   block x1, prefetch 1  ram+cuda:1    5.40 GB     0 B        6.74 GB    0.603 s  6.58 GB
+                vae           component offload     ram         159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+                per image (8 steps): 5.43 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 19.11 GB in RAM of 23.10 GB usable, 0 B pinned
                 why:
-                  text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy stays in RAM (7.49 GB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.514 s per call (copies 0.514 s, compute 0.043 s); nothing pinned: it crosses the link once per image; chosen at 0.51 s per image before pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image
-                  transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; its host copy stays in RAM (11.46 GB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.620 s per step (copies 0.414 s, compute 0.597 s); nothing pinned: pinning would save 0.18 s of 4.96 s per image, under 5%, as pageable copies (0.414 s a step) mostly hide under compute (0.597 s); chosen at 4.96 s per image before pinning, over component does not fit (needs 12.22 GB), leaf 6.27 s per image
+                  text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy stays in RAM (7.49 GB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.510 s per call (copies 0.510 s, compute 0.043 s); nothing pinned: it crosses the link once per image; chosen at 0.51 s per image before pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image; 4 of its 324 streamed groups (85.56 MB) live on cuda:1 between their uploads, copied at 0.020 s per GB against 0.063 s per GB from pageable RAM, placed by cost with each group counted once per copy (1 an image), which saves 0.004 s per image
+                  transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; its host copy stays in RAM (11.46 GB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.603 s per step (copies 0.272 s, compute 0.597 s); nothing pinned: pinning would save 0.18 s of 4.96 s per image, under 5%, as pageable copies (0.414 s a step) mostly hide under compute (0.597 s); chosen at 4.96 s per image before pinning, over component does not fit (needs 12.22 GB), leaf 6.27 s per image; 9 of its 18 streamed groups (3.03 GB) live on cuda:1 between their uploads, copied at 0.020 s per GB against 0.063 s per GB from pageable RAM, placed by cost with each group counted once per copy (8 an image), which saves 0.142 s per image
                   vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); its host copy stays in RAM (159.87 MB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.099 s per call (copies 0.011 s, compute 0.088 s); nothing pinned: it crosses the link once per image
 
-                donors for the transformer's 18 streamed groups (6.07 GB per step; 15.45 GB of RAM left by the other components' copies, 15.45 GB of it may be pinned):
+                donors for the transformer's 18 streamed groups (6.07 GB per step; 11.46 GB of RAM the plan gives its copies, 0 B of it pinned):
                   cuda:1: 4GB over NVLink between two RTX 3090s: 0.02 s/it per GB streamed (DisTorch), 50 GB/s
                   cuda:2: 24GB over a second RTX 3090 on PCIe 3.0 x8: 0.32 s/it per GB streamed (DisTorch), 3.1 GB/s
                 donor   kind             link        budget     groups       bytes/step  copies/step
                 cuda:1  card             50.00 GB/s  3.12 GB    block.16-24  3.03 GB     0.065 s
                 cuda:2  card             3.12 GB/s   21.75 GB   -            0 B         0.000 s
-                pinned  pinned RAM       31.50 GB/s  15.45 GB   block.25-33  3.03 GB     0.103 s
-                ram     pageable RAM     15.75 GB/s  15.45 GB   -            0 B         0.000 s
+                pinned  pinned RAM       31.50 GB/s  0 B        -            0 B         0.000 s
+                ram     pageable RAM     15.75 GB/s  11.46 GB   block.25-33  3.03 GB     0.207 s
                 file    checkpoint file  2.00 GB/s   unbounded  -            0 B         0.000 s
-                step: 0.766 s predicted (0.597 s compute + 0.169 s copies); lower bound 0.765 s; placement exact: branch and bound, 370 nodes
+                step: 0.869 s predicted (0.597 s compute + 0.272 s copies); lower bound 0.865 s; placement exact: branch and bound, 280 nodes
                 why:
                   cuda:1: 0.020 s per GB streamed (card, given); the cheapest donor, filled to 3.03 GB of 3.12 GB
-                  pinned: 0.032 s per GB streamed (pinned RAM, given); #2 by cost, filled to 3.03 GB of 15.45 GB
-                  ram: 0.063 s per GB streamed (pageable RAM, given); holds nothing: the cheaper donors hold every group
+                  pinned: 0.032 s per GB streamed (pinned RAM, given); holds nothing: the cheaper donors hold every group
+                  ram: 0.063 s per GB streamed (pageable RAM, given); #3 by cost, filled to 3.03 GB of 11.46 GB
                   cuda:2: 0.320 s per GB streamed (card, given); holds nothing: the cheaper donors hold every group
                   file: 0.500 s per GB streamed (checkpoint file, given); holds nothing: the cheaper donors hold every group
-                simulated on the cards: 0.766 s per step (0.169 s copies, 0.597 s compute), -0.00% from the prediction
+                cuda:1: this placement holds 3.03 GB of the transformer's groups there, the pipeline's plan 3.03 GB
+                cuda:2: this placement holds 0 B of the transformer's groups there, the pipeline's plan 0 B
+                simulated on the cards: 0.869 s per step (0.272 s copies, 0.597 s compute), +0.00% from the prediction
             "#]],
         )
     }

@@ -181,6 +181,7 @@ pub fn group_options(plan: &Plan, settings: &Settings, spec: &ComponentSpec) -> 
                 pinned_budget: planned.pinned_bytes,
                 disk_store,
                 ram_budget: planned.ram_streamed_bytes,
+                donor_budgets: donor_budgets(plan, planned),
                 releasable: true,
                 keep_outside,
                 ..GroupOptions::default()
@@ -190,11 +191,19 @@ pub fn group_options(plan: &Plan, settings: &Settings, spec: &ComponentSpec) -> 
             prefetch,
             pinned_budget: planned.pinned_bytes,
             disk_store,
+            ram_budget: planned.ram_streamed_bytes,
+            donor_budgets: donor_budgets(plan, planned),
             releasable: true,
             ..GroupOptions::leaf()
         }),
         _ => None,
     }
+}
+
+/// The bytes the plan holds on each of its machine's peers for this component, every peer listed (0 where it
+/// holds nothing), so a donor the plan gave nothing holds nothing; empty where the plan had no peers.
+fn donor_budgets(plan: &Plan, planned: &ComponentPlan) -> Vec<(String, u64)> {
+    plan.machine.peers.iter().map(|peer| (peer.name.clone(), planned.peer_bytes(&peer.name))).collect()
 }
 
 /// Puts `component` under group offload when its planned route streams it; returns the applied route and how.
@@ -238,14 +247,21 @@ fn host_copies(options: &GroupOptions, file_tier: bool) -> String {
         None if file_tier => "in its checkpoint files".to_string(),
         None => "in host memory".to_string(),
     };
-    if options.ram_budget == 0 {
-        return tier;
+    let mut copies = tier;
+    if options.ram_budget > 0 {
+        copies.push_str(&format!(
+            ", the reads of up to {} of streamed groups kept in host memory after their first read (the plan's \
+             split of its streamed groups over RAM and the file)",
+            format_size(options.ram_budget)
+        ));
     }
-    format!(
-        "{tier}, the reads of up to {} of streamed groups kept in host memory after their first read (the plan's \
-         split of its streamed groups over RAM and the file)",
-        format_size(options.ram_budget)
-    )
+    for (peer, bytes) in options.donor_budgets.iter().filter(|(_, bytes)| *bytes > 0) {
+        copies.push_str(&format!(
+            ", up to {} of streamed groups held on {peer} between their uploads (the plan's placement over the peers)",
+            format_size(*bytes)
+        ));
+    }
+    copies
 }
 
 /// A pipeline's plan as applied: the planner's [`Plan`] (its `Display` is the table and one reason per

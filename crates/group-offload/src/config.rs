@@ -177,6 +177,17 @@ impl GroupOffloadConfig {
         self
     }
 
+    /// Caps the donor's budget at its entry in `budgets` (by the donor device's name; 0 where it has none), the
+    /// bytes a plan placed on it ([`GroupOptions::donor_budgets`](crate::GroupOptions::donor_budgets)). Empty
+    /// `budgets`, or no donor, leave the configuration as it is. Call it after [`with_donor`](Self::with_donor).
+    pub fn with_donor_budgets(mut self, budgets: &[(String, u64)]) -> Self {
+        if let (Some(donor), false) = (&mut self.donor, budgets.is_empty()) {
+            let planned = budgets.iter().find(|(name, _)| name == donor.device.name().as_str()).map_or(0, |(_, b)| *b);
+            donor.budget = donor.budget.min(planned);
+        }
+        self
+    }
+
     /// Adds every move to `record`.
     pub fn with_record(mut self, record: OffloadRecord) -> Self {
         self.record = Some(record);

@@ -160,6 +160,11 @@ pub struct GroupOptions {
     /// streamed groups over RAM and the file that the planner places by cost
     /// ([`GroupOffloadConfig::ram_budget`]).
     pub ram_budget: u64,
+    /// The most bytes of groups each donor device holds, by the device's name, as a plan placed them
+    /// ([`ComponentPlan::peers`](offload_core::plan::ComponentPlan::peers)): a donor given to the model
+    /// ([`PeerDonor`](crate::config::PeerDonor)) holds at most its entry here, and nothing where it has none. Empty
+    /// (the default): a donor holds up to its own budget.
+    pub donor_budgets: Vec<(String, u64)>,
     /// Whether the manager may release the component whole (every group, the resident ones included) when
     /// another component comes onto the device. Phase-staged plans set it, so the next phase gets the memory
     /// this component's resident groups held; with `false` the manager never evicts it (group offload's default).
@@ -186,6 +191,7 @@ impl Default for GroupOptions {
             pinned_budget: 0,
             disk_store: None,
             ram_budget: 0,
+            donor_budgets: Vec::new(),
             releasable: false,
             keep_outside: true,
             check_uploads: true,
@@ -225,7 +231,8 @@ impl GroupOptions {
             .with_resident_budget(self.resident_budget)
             .with_pinned_budget(self.pinned_budget)
             .with_ram_budget(self.ram_budget)
-            .with_upload_checks(self.check_uploads);
+            .with_upload_checks(self.check_uploads)
+            .with_donor_budgets(&self.donor_budgets);
         match &self.disk_store {
             Some(dir) => config.with_disk_store(dir.clone()),
             None => config,

@@ -60,6 +60,11 @@ struct Run {
 /// Three forwards of `model` streamed block by block without prefetch (the order is then the call order), with
 /// `donor` if given.
 fn run(model: Net, donor: Option<PeerDonor>, resident_budget: u64) -> Run {
+    run_with(model, donor, GroupOptions { prefetch: false, resident_budget, ..GroupOptions::default() })
+}
+
+/// [`run`] under `options`.
+fn run_with(model: Net, donor: Option<PeerDonor>, options: GroupOptions) -> Run {
     let exec = card("1MB", "cuda:0");
     // The donor's card, asked for from its device object.
     let donor_card = donor.as_ref().and_then(|donor| donor.device.account::<SimCard>());
@@ -68,7 +73,6 @@ fn run(model: Net, donor: Option<PeerDonor>, resident_budget: u64) -> Run {
     if let Some(donor) = donor {
         handle.set_donor(donor).unwrap();
     }
-    let options = GroupOptions { prefetch: false, resident_budget, ..GroupOptions::default() };
     handle.enable_group_offload(&options).unwrap();
     device.enable_auto_offload(0).unwrap();
     let input = Tensor::<2>::from_floats([[0.5; WIDTH], [-0.25; WIDTH]], &Device::flex());
@@ -143,4 +147,22 @@ fn a_donor_that_is_the_execution_device_or_has_no_rate_is_refused() {
     handle.enable_group_offload(&GroupOptions::default()).unwrap();
     let late = PeerDonor::new(OffloadDevice::simulated(card("1MB", "cuda:2")), BLOCK, DONOR_RATE);
     assert!(matches!(handle.set_donor(late), Err(group_offload::Error::AlreadyApplied { .. })));
+}
+
+#[test]
+fn a_planned_donor_budget_caps_what_the_donor_holds_and_a_donor_the_plan_did_not_name_holds_nothing() {
+    let model = net();
+    let host_only = run(model.clone(), None, 0);
+    let planned = |budgets: Vec<(String, u64)>| {
+        let donor_card = card("1MB", "cuda:1");
+        // The donor's own budget takes every block; the plan's share is what counts.
+        let donor = PeerDonor::new(OffloadDevice::simulated(donor_card.clone()), 4 * BLOCK, DONOR_RATE);
+        let options = GroupOptions { prefetch: false, donor_budgets: budgets, ..GroupOptions::default() };
+        let run = run_with(model.clone(), Some(donor), options);
+        assert_eq!(run.outputs, host_only.outputs);
+        run.held
+    };
+    assert_eq!(planned(vec![("cuda:1".into(), BLOCK + BLOCK / 2)]), (BLOCK, 1), "the plan's share: one block");
+    assert_eq!(planned(vec![("cuda:2".into(), 4 * BLOCK)]), (0, 0), "the plan placed nothing on cuda:1");
+    assert_eq!(planned(Vec::new()), (4 * BLOCK, 4), "no plan: the donor's own budget");
 }

@@ -58,7 +58,12 @@ impl Timing {
 
     /// Simulated seconds to move `bytes` from pageable host memory to the device once.
     pub fn pageable_transfer_seconds(&self, bytes: u64) -> f64 {
-        bytes as f64 / (self.link_bytes_per_second * self.pageable_fraction) + self.link_latency.as_secs_f64()
+        bytes as f64 / self.pageable_bytes_per_second() + self.link_latency.as_secs_f64()
+    }
+
+    /// The rate of a copy from pageable host memory: the link's, times the pageable fraction.
+    pub fn pageable_bytes_per_second(&self) -> f64 {
+        self.link_bytes_per_second * self.pageable_fraction
     }
 
     /// Simulated seconds to compute `flops`.

@@ -13,7 +13,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use offload_core::plan::{Donor, DonorBudget, DonorKind, DonorPlacement, DonorProblem, LinkSource, StreamedGroup};
+use offload_core::plan::{
+    Donor, DonorBudget, DonorKind, DonorPlacement, DonorProblem, LinkSource, PeerDevice, StreamedGroup,
+};
 use offload_core::{DeviceLedger, DeviceMemory, Direction};
 
 use crate::card::{CardSpec, Mode, SimCard};
@@ -95,6 +97,12 @@ impl PeerCard {
         };
         let spec = CardSpec::parse(card)?.with_mode(Mode::Hard);
         Ok(Self { name: name.into(), card: SimCard::new(spec), link: SimLink::parse(link)? })
+    }
+
+    /// This card as the planner's peer ([`Machine::peers`](offload_core::plan::Machine::peers)): its free
+    /// memory, and its link's rate and latency, given (a datasheet figure).
+    pub fn peer_device(&self) -> PeerDevice {
+        PeerDevice::new(&self.name, self.card.available(), self.link.bytes_per_second, self.link.latency.as_secs_f64())
     }
 }
 

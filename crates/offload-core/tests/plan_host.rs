@@ -241,7 +241,8 @@ fn predicted_times_read_the_disk_rate() {
     let text_encoder = z_image_turbo().remove(0);
     let plan_at = |disk: f64| {
         let machine = machine(8, 64);
-        let machine = machine.with_time(machine.time.with_disk_rate(disk));
+        let time = machine.time.with_disk_rate(disk);
+        let machine = machine.with_time(time);
         enable_offload(&text_encoder, Preset::LowRamSafe, &machine).expect("plans")
     };
     let (slow, fast) = (plan_at(1e9), plan_at(4e9));
@@ -266,9 +267,8 @@ fn predicted_times_read_the_disk_rate() {
 
     // The plan's header gives the disk rate and its source when a copy reads the disk.
     let machine = machine(8, 64);
-    let plan =
-        plan_pipeline(&z_image_turbo(), Preset::LowRamSafe, &machine.with_time(machine.time.with_disk_rate(3e9)))
-            .expect("plans");
+    let time = machine.time.with_disk_rate(3e9);
+    let plan = plan_pipeline(&z_image_turbo(), Preset::LowRamSafe, &machine.clone().with_time(time)).expect("plans");
     assert!(plan.to_string().contains("\ndisk: 3.00 GB/s read (given)\n"), "{plan}");
     let in_ram = plan_pipeline(&z_image_turbo(), Preset::Auto, &machine).expect("plans");
     assert!(!in_ram.to_string().contains("\ndisk:"), "{in_ram}");

@@ -298,7 +298,7 @@ fn a_measured_link_is_stored_per_device_and_replaces_the_assumed_one() {
     assert_eq!(store.measured_link("cuda:0").expect("readable"), None, "one device's runs are not another's");
 
     let assumed = machine(8, 32);
-    let learned = assumed.with_time(measured.apply(assumed.time));
+    let learned = assumed.clone().with_time(measured.apply(assumed.time));
     assert_eq!(learned.time.link_source, LinkSource::Measured { runs: 3, uploads: 75 });
     assert_eq!((learned.time.link_bytes_per_second, learned.time.pageable_fraction), (20e6, 1.0));
     let before = plan_pipeline(&z_image_turbo(), Preset::Auto, &assumed).expect("plans");
@@ -351,7 +351,7 @@ fn a_measured_disk_rate_is_stored_per_disk_and_replaces_the_assumed_one() {
     assert_eq!(learned.time.disk_bytes_per_second, 0.5e9);
     assert_eq!(learned.time.disk_source, LinkSource::Measured { runs: 3, uploads: 102 });
     let assumed = machine(8, 64);
-    let learned = assumed.with_time(measured.apply(assumed.time));
+    let learned = assumed.clone().with_time(measured.apply(assumed.time));
     let before = plan_pipeline(&z_image_turbo(), Preset::LowRamSafe, &assumed).expect("plans");
     let after = plan_pipeline(&z_image_turbo(), Preset::LowRamSafe, &learned).expect("plans");
     assert!(before.to_string().contains("disk: 2.00 GB/s read (assumed, not measured"), "{before}");

@@ -29,7 +29,7 @@ use group_offload::{device::CappedDevice, device::PagePolicy, device::PoolReadin
 use memory_sim::{CardSpec, Mode, SimCard, SimLink};
 use offload_core::Timeline;
 use offload_core::plan::{DeviceFacts, LinkRun, ProfileStore};
-use offload_core::plan::{HostMemory, Settings, SettingsLayer};
+use offload_core::plan::{HostMemory, PeerDevice, Settings, SettingsLayer};
 use offload_core::{DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::lora::{LoraFile, LoraMode, LoraSpec, LoraTarget};
@@ -853,13 +853,13 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         );
     }
     let donor = match &args.donor {
-        Some(text) => Some(set_transformer_donor(&mut pipeline, text, args, &others)?),
+        Some(text) => set_donor(&mut pipeline, text, args, &others, planner)?,
         None => None,
     };
     // A further card the map uses onloads its components at their first run, on its own account, and keeps them.
     others.retain(|(_, other)| {
         pipeline.device_map().components.iter().any(|(_, placed)| placed.is(other))
-            || donor.as_ref().is_some_and(|donor| donor.is(other))
+            || donor.as_ref().is_some_and(|donor| donor.device.is(other))
     });
     for (_, other) in &others {
         other.enable_auto_offload(0)?;
@@ -962,6 +962,10 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             (Err(error), None) => return Err(error.into()),
         };
         let facts = device_facts(&placement, &settings, host)?;
+        let facts = match &donor {
+            Some(donor) => facts.with_peer(donor.peer.clone()),
+            None => facts,
+        };
         // The read rate earlier runs measured on the checkpoint's disk, in place of the assumed one.
         let measured_disk = ProfileStore::from_settings(&settings)?.measured_disk(&disk_label(&weights))?;
         let facts = facts.with_measured_disk(measured_disk);
@@ -1481,14 +1485,25 @@ fn phase_peak(
     }
 }
 
-/// `--donor DEVICE@LINK`: the further card holds the transformer's streamed groups, as many as its memory takes,
-/// set before any offload is applied (the groups are placed as they are split); returns the donor's device.
-fn set_transformer_donor(
+/// A `--donor` as the run holds it: the further card's device object, and the card as the planner's peer.
+struct DonorCard {
+    device: OffloadDevice,
+    peer: PeerDevice,
+}
+
+/// `--donor DEVICE@LINK`: the further card holds streamed groups between their uploads, set before any offload is
+/// applied (the groups are placed as they are split). Under the planner the card is a peer of the plan's machine
+/// and the donor of every component the plan streams: the plan places each one's groups over the card, RAM and
+/// the file by cost, and the donor holds at most the plan's share. Without the planner (`--offload group`) it is
+/// the transformer's donor, up to its memory, where its link copies faster than the host's pageable copies; a
+/// slower one (a second card on PCIe 3.0 x8) is left unused, as the planner would leave it.
+fn set_donor(
     pipeline: &mut ZImagePipeline,
     text: &str,
     args: &Generate,
     others: &FurtherCards,
-) -> anyhow::Result<OffloadDevice> {
+    planner: bool,
+) -> anyhow::Result<Option<DonorCard>> {
     let (device, link) = parse_donor(text, &card_devices(args)?)?;
     let (card, on) = others
         .iter()
@@ -1497,17 +1512,41 @@ fn set_transformer_donor(
         .with_context(|| format!("--donor {text}: the card {device} was not opened"))?;
     let donor = PeerDonor {
         device: on.clone(),
-        budget: card.total(),
+        budget: card.available(),
         bytes_per_second: link.bytes_per_second,
         latency_seconds: link.latency.as_secs_f64(),
     };
+    let peer = PeerDevice::new(device.as_str(), card.available(), link.bytes_per_second, donor.latency_seconds);
+    if planner {
+        pipeline.text_encoder_mut().set_donor(donor.clone())?;
+        pipeline.transformer_mut().set_donor(donor)?;
+        println!(
+            "donor: {device} ({} free) can hold streamed groups between their uploads; its copies cross {}; the plan \
+             places each component's groups over it, RAM and the checkpoint file by cost",
+            format_size(card.available()),
+            link.description
+        );
+        return Ok(Some(DonorCard { device: on, peer }));
+    }
+    let host = pipeline.placement().account::<SimCard>().map(|exec| exec.spec().timing.pageable_bytes_per_second());
+    if let Some(host) = host.filter(|host| *host >= link.bytes_per_second) {
+        println!(
+            "donor: {device} is not used: its link ({}, {:.2} GB/s) is no faster than the host's pageable copies to {} \
+             ({:.2} GB/s); a group there would cost more than one in RAM",
+            link.name,
+            link.bytes_per_second / 1e9,
+            pipeline.placement().name(),
+            host / 1e9
+        );
+        return Ok(None);
+    }
     pipeline.transformer_mut().set_donor(donor)?;
     println!(
-        "donor: {device} ({}) holds the transformer's streamed groups between their uploads; its copies cross {}",
-        format_size(card.total()),
+        "donor: {device} ({} free) holds the transformer's streamed groups between their uploads; its copies cross {}",
+        format_size(card.available()),
         link.description
     );
-    Ok(on)
+    Ok(Some(DonorCard { device: on, peer }))
 }
 
 /// Prints the manager's decisions as the anchor's table, then one line for the group offloaders' moves, which the

@@ -175,33 +175,66 @@ fn a_balanced_map_deals_the_components_over_two_cards_largest_first() {
     assert!(DeviceMap::balanced(&[], &sizes, 0).is_err(), "no device is refused");
 }
 
+/// Runs `generate` on the tiny checkpoint (64x64, 4 steps) with `args`, writing `name` under `dir`; returns the
+/// image's bytes and the standard output.
+fn generate(dir: &std::path::Path, name: &str, args: &[&str]) -> (Vec<u8>, String) {
+    let out = dir.join(name);
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline-zimage"))
+        .args(["generate", "--height", "64", "--width", "64", "--steps", "4"])
+        .args(args)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("the CLI runs");
+    let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
+    assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
+    (std::fs::read(&out).expect("the image"), stdout)
+}
+
 /// `generate --card 8MB --card 8MB --offload group --donor cuda:1@nvlink` on the tiny checkpoint: the second card
 /// holds some of the transformer's streamed groups, later uploads copy them from it (the closing report says how
-/// much), and the image is the one the same run writes without a donor, byte for byte.
+/// much), and the image is the one the same run writes without a donor, byte for byte. Over PCIe 3.0 x8, slower
+/// than the card's own host link, the donor is left unused.
 #[test]
 fn the_cli_holds_streamed_groups_on_a_donor_card_and_writes_the_same_image() {
     let dir = std::env::temp_dir().join(format!("device-map-donor-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a temporary directory");
-    let run = |name: &str, extra: &[&str]| {
-        let out = dir.join(name);
-        let run = std::process::Command::new(env!("CARGO_BIN_EXE_pipeline-zimage"))
-            .args(["generate", "--height", "64", "--width", "64", "--steps", "4", "--card", "8MB", "--card", "8MB"])
-            .args(["--offload", "group"])
-            .args(extra)
-            .arg("--out")
-            .arg(&out)
-            .output()
-            .expect("the CLI runs");
-        let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
-        assert!(run.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&run.stderr));
-        (std::fs::read(&out).expect("the image"), stdout)
-    };
-    let (without, _) = run("host.png", &[]);
-    let (with, stdout) = run("donor.png", &["--donor", "cuda:1@nvlink"]);
+    let cards = ["--card", "8MB", "--card", "8MB", "--offload", "group"];
+    let (without, _) = generate(&dir, "host.png", &cards);
+    let (with, stdout) = generate(&dir, "donor.png", &[&cards[..], &["--donor", "cuda:1@nvlink"]].concat());
     assert_eq!(with, without, "the donor changes where the groups come from, not the image");
-    assert!(stdout.contains("donor: cuda:1 (7.63 MB) holds the transformer's streamed groups"), "{stdout}");
+    assert!(stdout.contains("donor: cuda:1 (7.63 MB free) holds the transformer's streamed groups"), "{stdout}");
     let line = stdout.lines().find(|line| line.starts_with("donor: ") && line.contains("held on its card"));
     let line = line.unwrap_or_else(|| panic!("no donor line in the report:\n{stdout}"));
     assert!(!line.contains("donor: 0 B") && !line.ends_with(" 0 B of the copies to the device from it"), "{line}");
+    let (slow, stdout) = generate(&dir, "slow.png", &[&cards[..], &["--donor", "cuda:1@pcie3x8"]].concat());
+    assert_eq!(slow, without);
+    assert!(stdout.contains("donor: cuda:1 is not used: its link (pcie3x8, 3.12 GB/s) is no faster"), "{stdout}");
+    assert!(!stdout.contains("held on its card"), "{stdout}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `generate --card 4MB --card 8MB --preset auto --donor cuda:1@nvlink`: the plan places the transformer's
+/// streamed groups over the second card and RAM by cost, the run holds exactly the plan's share on the card, and
+/// the image is the one the plan without the card writes.
+#[test]
+fn under_the_planner_a_donor_holds_the_share_the_plan_placed_on_it() {
+    let dir = std::env::temp_dir().join(format!("device-map-planned-donor-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let (alone, _) = generate(&dir, "alone.png", &["--card", "4MB", "--preset", "auto"]);
+    let args = ["--card", "4MB", "--card", "8MB", "--preset", "auto", "--donor", "cuda:1@nvlink"];
+    let (with, stdout) = generate(&dir, "donor.png", &args);
+    assert_eq!(with, alone, "the plan's donor changes where the groups come from, not the image");
+    let row = stdout.lines().find(|line| line.starts_with("transformer ")).expect("the plan's row");
+    assert!(row.contains("ram+cuda:1"), "{row}");
+    // The share the plan applied, and what the run held: the same bytes.
+    let share = stdout
+        .split(" of streamed groups held on cuda:1 between their uploads")
+        .next()
+        .and_then(|before| before.rsplit("up to ").next())
+        .expect("the applied share");
+    let held = stdout.lines().find(|line| line.starts_with("donor: ") && line.contains("held on its card"));
+    let held = held.unwrap_or_else(|| panic!("no donor line in the report:\n{stdout}"));
+    assert!(held.starts_with(&format!("donor: {share} of the transformer's groups")), "{share} planned: {held}");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -97,12 +97,17 @@ impl TimeModel {
         if self.flops_per_second > 0.0 { flops / self.flops_per_second } else { 0.0 }
     }
 
-    /// Seconds to copy `pinned` bytes from pinned memory, `pageable` from pageable memory and `disk` from a disk
-    /// store, in `transfers` separate copies.
+    /// The rate of a copy from pageable memory: the link's, times the pageable fraction (at least 1% of it).
+    pub fn pageable_bytes_per_second(&self) -> f64 {
+        self.link_bytes_per_second * self.pageable_fraction.clamp(0.01, 1.0)
+    }
+
+    /// Seconds of the copies of `pinned` bytes from page-locked memory, `pageable` from pageable memory and `disk`
+    /// read from a file then copied as pageable, with `transfers` copies' latency.
     pub fn transfer_seconds(&self, pinned: u64, pageable: u64, disk: u64, transfers: u64) -> f64 {
         let rate =
             |bytes: u64, per_second: f64| if bytes == 0 || per_second <= 0.0 { 0.0 } else { bytes as f64 / per_second };
-        let pageable_rate = self.link_bytes_per_second * self.pageable_fraction.clamp(0.01, 1.0);
+        let pageable_rate = self.pageable_bytes_per_second();
         // A disk-backed group is read from the file, then copied like pageable memory.
         rate(pinned, self.link_bytes_per_second)
             + rate(pageable + disk, pageable_rate)
@@ -124,7 +129,7 @@ impl Default for TimeModel {
 /// let machine = Machine::new(8_000_000_000, 7_350_000_000, HostMemory::new(32_000_000_000, 28_800_000_000));
 /// assert_eq!(machine.device_available, 7_350_000_000);
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Machine {
     /// The device's capacity in bytes.
     pub device_total: u64,
@@ -134,13 +139,101 @@ pub struct Machine {
     pub host: HostMemory,
     /// Link and compute figures for predictions.
     pub time: TimeModel,
+    /// Further devices whose free memory can hold streamed groups between their uploads (donors), each with the
+    /// link its copies cross to the execution device. Empty by default: the plan places streamed groups over
+    /// host RAM and the checkpoint file only.
+    pub peers: Vec<PeerDevice>,
+}
+
+/// A further device that can hold streamed groups for the execution device: a second GPU's free memory, copied
+/// over its link (NVLink, PCIe) at every upload instead of from the host.
+///
+/// ```
+/// use offload_core::plan::{LinkSource, PeerDevice};
+/// let peer = PeerDevice::new("cuda:1", 24_000_000_000, 50e9, 10e-6).with_source(LinkSource::Given);
+/// assert_eq!(peer.seconds_per_gb(), 0.02);
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct PeerDevice {
+    /// Its name, as the run names it (`cuda:1`).
+    pub name: String,
+    /// The bytes it can give streamed groups: its free memory less what its own components need.
+    pub bytes: u64,
+    /// The rate of its copies to the execution device, bytes per second.
+    pub bytes_per_second: f64,
+    /// The fixed cost of one copy, seconds.
+    pub latency_seconds: f64,
+    /// Where the rate came from: measured by a link meter, given (a simulated card's link, a datasheet), assumed.
+    pub source: LinkSource,
+}
+
+/// What a component's plan holds on one peer ([`ComponentPlan::peers`](crate::plan::ComponentPlan::peers)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerShare {
+    /// The peer's name ([`PeerDevice::name`]).
+    pub peer: String,
+    /// How many of the component's streamed groups it holds.
+    pub groups: usize,
+    /// Their bytes: what the run's donor holds at most for this component.
+    pub bytes: u64,
+}
+
+impl PeerDevice {
+    /// A peer of `bytes` free, its copies at `bytes_per_second` with `latency_seconds` each; its rate given.
+    pub fn new(name: &str, bytes: u64, bytes_per_second: f64, latency_seconds: f64) -> Self {
+        Self { name: name.into(), bytes, bytes_per_second, latency_seconds, source: LinkSource::Given }
+    }
+
+    /// The same peer, its rate from `source`.
+    pub fn with_source(mut self, source: LinkSource) -> Self {
+        self.source = source;
+        self
+    }
+
+    /// Seconds per GB copied from it, latency left out.
+    pub fn seconds_per_gb(&self) -> f64 {
+        1e9 / self.bytes_per_second
+    }
+
+    /// Checks the rate and latency: finite, the rate positive.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        if !(self.bytes_per_second.is_finite() && self.bytes_per_second > 0.0) {
+            return Err(PlanError::InvalidDonors {
+                problem: format!(
+                    "peer {} has a link rate of {} bytes/s; give a finite positive rate (measured or from a datasheet)",
+                    self.name, self.bytes_per_second
+                ),
+            });
+        }
+        if !(self.latency_seconds.is_finite() && self.latency_seconds >= 0.0) {
+            return Err(PlanError::InvalidDonors {
+                problem: format!(
+                    "peer {} has a latency of {} s; give a finite, non-negative latency",
+                    self.name, self.latency_seconds
+                ),
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Machine {
     /// A machine from explicit device numbers (`available` is capped at `total`) and a host reading, with the
     /// generic time model.
     pub fn new(device_total: u64, device_available: u64, host: HostMemory) -> Self {
-        Self { device_total, device_available: device_available.min(device_total), host, time: TimeModel::generic() }
+        Self {
+            device_total,
+            device_available: device_available.min(device_total),
+            host,
+            time: TimeModel::generic(),
+            peers: Vec::new(),
+        }
+    }
+
+    /// The same machine with a further device that can hold streamed groups ([`PeerDevice`]).
+    pub fn with_peer(mut self, peer: PeerDevice) -> Self {
+        self.peers.push(peer);
+        self
     }
 
     /// A machine from a device's current readings. Read it before the pipeline's weights load, or the plan sees
@@ -181,6 +274,8 @@ pub struct DeviceFacts {
     /// Components' call footprints measured on this device ([`CallFootprint`]): the plan counts a matching call
     /// as the larger of its estimate and these pages. Empty where nothing was measured.
     pub call_footprints: Vec<CallFootprint>,
+    /// Further devices that can hold streamed groups ([`Machine::peers`]); empty by default.
+    pub peers: Vec<PeerDevice>,
 }
 
 impl std::fmt::Debug for DeviceFacts {
@@ -191,6 +286,7 @@ impl std::fmt::Debug for DeviceFacts {
             .field("label", &self.label)
             .field("footprints", &self.footprints)
             .field("call_footprints", &self.call_footprints)
+            .field("peers", &self.peers)
             .finish()
     }
 }
@@ -200,7 +296,15 @@ impl DeviceFacts {
     /// and the device's name as label.
     pub fn new(memory: Arc<dyn DeviceMemory>, host: HostMemory) -> Self {
         let label = memory.device().as_str().to_string();
-        Self { memory, host, time: TimeModel::generic(), label, footprints: Vec::new(), call_footprints: Vec::new() }
+        Self {
+            memory,
+            host,
+            time: TimeModel::generic(),
+            label,
+            footprints: Vec::new(),
+            call_footprints: Vec::new(),
+            peers: Vec::new(),
+        }
     }
 
     /// The same facts with the footprints measured on this device (by this process's manager,
@@ -250,9 +354,18 @@ impl DeviceFacts {
         self
     }
 
-    /// The planner's machine, read now: the device's total and available bytes, the host, the time model.
+    /// The same facts with a further device that can hold streamed groups ([`PeerDevice`]).
+    pub fn with_peer(mut self, peer: PeerDevice) -> Self {
+        self.peers.push(peer);
+        self
+    }
+
+    /// The planner's machine, read now: the device's total and available bytes, the host, the time model, the
+    /// peers.
     pub fn machine(&self) -> Machine {
-        Machine::from_device(&*self.memory, self.host).with_time(self.time)
+        let mut machine = Machine::from_device(&*self.memory, self.host).with_time(self.time);
+        machine.peers = self.peers.clone();
+        machine
     }
 }
 

@@ -19,13 +19,14 @@ use crate::plan::budget::{
     usable_host, weight_room,
 };
 use crate::plan::component::{ComponentSpec, HostTier, Route};
-use crate::plan::donors::{Donor, DonorBudget, DonorKind, DonorProblem, StreamedGroup};
 use crate::plan::error::PlanError;
 use crate::plan::link::LinkSource;
-use crate::plan::machine::{Machine, TimeModel};
+use crate::plan::machine::{Machine, PeerShare, TimeModel};
 use crate::plan::preset::{PinPolicy, Preset, PresetDefaults, ResidentPolicy, Routing};
 use crate::plan::settings::{HostTierSetting, Settings};
 use crate::size::format_size;
+
+mod streams;
 
 /// One component's plan: its route, where its bytes are, what it streams, and what it is predicted to cost.
 #[derive(Debug, Clone, PartialEq)]
@@ -52,6 +53,10 @@ pub struct ComponentPlan {
     /// streamed group it reads from a file in RAM while they fit in this budget
     /// (`GroupOptions::ram_budget`). 0 without a split.
     pub ram_streamed_bytes: u64,
+    /// What its streamed groups hold on each of the machine's peers ([`Machine::peers`]), one share per peer in
+    /// the machine's order (empty without peers): placed by cost over the peers and the host's sources. A run's
+    /// donor holds at most its share (`GroupOptions::donor_budgets`).
+    pub peers: Vec<PeerShare>,
     /// Whether its streamed host copy is kept as files in `disk_store_dir` (`host_tier` is
     /// [`HostTier::DiskStore`]).
     pub on_disk: bool,
@@ -102,6 +107,27 @@ pub struct Plan {
     pub usable_host: u64,
     /// Problems the plan predicts, each with what to do.
     pub warnings: Vec<String>,
+}
+
+impl ComponentPlan {
+    /// Bytes of its streamed groups the plan holds on the peer named `peer` (0 for a peer it does not use).
+    pub fn peer_bytes(&self, peer: &str) -> u64 {
+        self.peers.iter().filter(|share| share.peer == peer).map(|share| share.bytes).sum()
+    }
+
+    /// Where its host copies are, as the table shows it: the tier, `+ram` for a split, `+cuda:1` for each peer
+    /// holding some of its groups.
+    fn host_column(&self) -> String {
+        let mut host = self.host_tier.to_string();
+        if self.ram_streamed_bytes > 0 {
+            host.push_str("+ram");
+        }
+        for share in self.peers.iter().filter(|share| share.bytes > 0) {
+            host.push('+');
+            host.push_str(&share.peer);
+        }
+        host
+    }
 }
 
 impl Plan {
@@ -161,7 +187,7 @@ impl Plan {
                 [
                     c.component.clone(),
                     c.route.to_string(),
-                    if c.ram_streamed_bytes > 0 { format!("{}+ram", c.host_tier) } else { c.host_tier.to_string() },
+                    c.host_column(),
                     format_size(c.resident_bytes),
                     format_size(c.pinned_bytes),
                     format_size(c.streamed_per_step),
@@ -310,14 +336,17 @@ pub fn plan_pipeline(
         }
     }
     let machine = match settings.host_available {
-        Some(available) => machine.with_host_available(available),
-        None => *machine,
+        Some(available) => machine.clone().with_host_available(available),
+        None => machine.clone(),
     };
+    for peer in &machine.peers {
+        peer.validate()?;
+    }
     let planner = Planner {
         settings: &settings,
         defaults: settings.preset.defaults(),
-        machine,
         usable_host: usable_host(machine.host),
+        machine,
     };
     planner.plan(components)
 }
@@ -358,6 +387,9 @@ struct Shape {
     /// Bytes of its streamed groups whose host copy is kept in RAM where its tier reads the disk (a split, placed
     /// over RAM and the file by cost): read from the file once, then from RAM at every upload.
     ram_streamed: u64,
+    /// Bytes of its streamed groups held on further devices between their uploads, with each one's copy rate
+    /// (bytes per second), in the machine's order of peers: copied from there at every upload of a warm process.
+    peers: Vec<(u64, f64)>,
 }
 
 impl Shape {
@@ -372,6 +404,7 @@ impl Shape {
             host_tier: HostTier::Ram,
             page_cache: 0,
             ram_streamed: 0,
+            peers: Vec::new(),
         }
     }
 }
@@ -442,6 +475,35 @@ fn kept_groups(groups: &[u64], budget: u64) -> (u64, usize) {
     (bytes, count)
 }
 
+/// The bytes of each group a component's shape streams, in call order (the groups its resident budget does not
+/// keep), or `None` where it streams none or has no layout. At leaf level the layout gives the leaves' count, not
+/// each one's size: they are taken as equal, and the run keeps whole leaves within a share, up to it.
+fn streamed_groups(spec: &ComponentSpec, shape: &Shape) -> Option<Vec<u64>> {
+    let layout = spec.layout.as_ref()?;
+    let groups: Vec<u64> = match shape.route {
+        Route::BlockGroupOffload { blocks_per_group, .. } => {
+            let groups = layout.block_bytes.chunks(blocks_per_group.max(1)).map(|g| g.iter().sum::<u64>());
+            let mut budget = shape.resident_budget;
+            groups
+                .filter(|&group| {
+                    let kept = group <= budget;
+                    if kept {
+                        budget -= group;
+                    }
+                    !kept
+                })
+                .collect()
+        }
+        Route::LeafGroupOffload { .. } if layout.leaf_count > 0 => {
+            let streamed = spec.weight_bytes.saturating_sub(layout.outside_bytes);
+            let count = layout.leaf_count as u64;
+            (0..count).map(|leaf| streamed / count + u64::from(leaf < streamed % count)).collect()
+        }
+        _ => return None,
+    };
+    (!groups.is_empty()).then_some(groups)
+}
+
 fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel) -> Eval {
     let compute = time.compute_seconds(spec.flops_per_call);
     let weight = spec.weight_bytes;
@@ -453,7 +515,7 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
     let reads_disk = shape.host_tier.reads_disk();
     // A split keeps `ram_streamed` of the streamed groups in RAM: those bytes are pageable copies, and only the
     // rest reads the tier.
-    let copy = |bytes: u64, transfers: u64, cold: bool| {
+    let copy_from_host = |bytes: u64, transfers: u64, cold: bool| {
         let pinned = shape.pinned.min(bytes);
         let rest = bytes - pinned;
         let from_ram = if reads_disk { shape.ram_streamed.min(rest) } else { rest };
@@ -463,6 +525,17 @@ fn evaluate(spec: &ComponentSpec, shape: &Shape, headroom: u64, time: &TimeModel
         } else {
             time.transfer_seconds(pinned, rest, 0, transfers)
         }
+    };
+    // Bytes held on peers are copied from there first, each at its own link's rate; the rest from the host.
+    let copy = |bytes: u64, transfers: u64, cold: bool| {
+        let mut bytes = bytes;
+        let mut from_peers = 0.0;
+        for &(held, per_second) in &shape.peers {
+            let take = held.min(bytes);
+            bytes -= take;
+            from_peers += take as f64 / per_second;
+        }
+        from_peers + copy_from_host(bytes, transfers, cold)
     };
     let in_ram = if shape.host_tier == HostTier::Ram { weight } else { shape.ram_streamed };
     let overlap = |prefetch: bool, transfer: f64| if prefetch { transfer.max(compute) } else { transfer + compute };
@@ -575,6 +648,10 @@ struct Choice {
     pin_note: Option<String>,
     /// Where its host copy lives and why, once the host tiers are placed.
     host_note: Option<String>,
+    /// What it holds on the machine's peers (one share per peer), once placed.
+    peer_shares: Vec<PeerShare>,
+    /// Why it holds that on the peers, or nothing.
+    peer_note: Option<String>,
     warning: Option<String>,
 }
 
@@ -669,6 +746,7 @@ impl Planner<'_> {
         }
         self.place_host_copies(components, &mut choices, &mut warnings)?;
         self.pin(components, &mut choices);
+        self.place_on_peers(components, &mut choices);
 
         let evals: Vec<Eval> = components
             .iter()
@@ -688,7 +766,11 @@ impl Planner<'_> {
         for (index, ((spec, choice), eval)) in components.iter().zip(&choices).zip(&evals).enumerate() {
             let calls = spec.calls_per_image;
             let peak = eval.peak.saturating_add(resident_elsewhere(index));
-            let why = self.explain(spec, choice, eval, everything_fits, components);
+            let mut why = self.explain(spec, choice, eval, everything_fits, components);
+            if let Some(note) = &choice.peer_note {
+                why.push_str("; ");
+                why.push_str(note);
+            }
             warnings.extend(choice.warning.clone());
             plans.push(ComponentPlan {
                 component: spec.name.clone(),
@@ -698,6 +780,7 @@ impl Planner<'_> {
                 pinned_bytes: choice.shape.pinned,
                 host_bytes: eval.host,
                 ram_streamed_bytes: choice.shape.ram_streamed,
+                peers: choice.peer_shares.clone(),
                 on_disk: choice.shape.host_tier == HostTier::DiskStore,
                 host_tier: choice.shape.host_tier,
                 host_copy_bytes: match (choice.shape.host_tier, choice.shape.route) {
@@ -718,7 +801,7 @@ impl Planner<'_> {
         }
         let mut plan = Plan {
             preset: self.settings.preset,
-            machine: self.machine,
+            machine: self.machine.clone(),
             components: plans,
             usable_host: self.usable_host,
             warnings,
@@ -756,6 +839,8 @@ impl Planner<'_> {
             chosen_seconds: 0.0,
             pin_note: None,
             host_note: None,
+            peer_shares: Vec::new(),
+            peer_note: None,
             warning: None,
         }
     }
@@ -939,6 +1024,8 @@ impl Planner<'_> {
             chosen_seconds,
             pin_note: None,
             host_note: None,
+            peer_shares: Vec::new(),
+            peer_note: None,
             warning,
         })
     }
@@ -1145,141 +1232,6 @@ impl Planner<'_> {
         Ok(())
     }
 
-    /// Places `left` bytes of RAM over the streamed groups of the group-offloaded components whose copies read the
-    /// disk (a split; at leaf level the leaves taken as equal): one [`DonorProblem`] over RAM (pageable copies, `left` bytes) and each component's tier (the
-    /// read, then a pageable copy; unbounded), every group weighted by its copies per image, so the RAM goes where
-    /// a byte is copied most. Group offload keeps the streamed groups it reads in RAM while they fit in the
-    /// component's share, in call order, so each share is turned into the groups that rule keeps. The split is
-    /// kept only where it lowers the predicted time per image (the page cache shrinks by what it takes); the
-    /// reason for each component that keeps groups in RAM is returned.
-    fn split_streams(&self, components: &[ComponentSpec], choices: &mut [Choice], left: u64) -> Vec<Option<String>> {
-        let time = self.machine.time;
-        let mut notes = vec![None; components.len()];
-        // Each candidate's streamed groups in call order: the groups its resident budget does not keep.
-        let mut streamed: Vec<(usize, Vec<u64>)> = Vec::new();
-        for (i, (spec, choice)) in components.iter().zip(choices.iter()).enumerate() {
-            let Some(layout) = spec.layout.as_ref().filter(|_| choice.shape.host_tier.reads_disk()) else { continue };
-            let not_kept: Vec<u64> = match choice.shape.route {
-                Route::BlockGroupOffload { blocks_per_group, .. } => {
-                    let groups = layout.block_bytes.chunks(blocks_per_group.max(1)).map(|g| g.iter().sum::<u64>());
-                    let mut budget = choice.shape.resident_budget;
-                    groups
-                        .filter(|&group| {
-                            let kept = group <= budget;
-                            if kept {
-                                budget -= group;
-                            }
-                            !kept
-                        })
-                        .collect()
-                }
-                // The layout gives the leaves' count, not each one's size: they are taken as equal, and the run
-                // keeps whole leaves within the share, up to it.
-                Route::LeafGroupOffload { .. } if layout.leaf_count > 0 => {
-                    let streamed = spec.weight_bytes.saturating_sub(layout.outside_bytes);
-                    let count = layout.leaf_count as u64;
-                    (0..count).map(|leaf| streamed / count + u64::from(leaf < streamed % count)).collect()
-                }
-                _ => continue,
-            };
-            if !not_kept.is_empty() {
-                streamed.push((i, not_kept));
-            }
-        }
-        if streamed.is_empty() || left == 0 {
-            return notes;
-        }
-        let pageable = time.link_bytes_per_second * time.pageable_fraction;
-        let from_disk = 1.0 / (1.0 / time.disk_bytes_per_second + 1.0 / pageable);
-        let problem = DonorProblem {
-            compute_seconds: 0.0,
-            groups: streamed
-                .iter()
-                .flat_map(|(i, groups)| {
-                    let (name, calls) = (&components[*i].name, components[*i].calls_per_image);
-                    groups
-                        .iter()
-                        .enumerate()
-                        .map(move |(g, bytes)| StreamedGroup::new(&format!("{name}.{g}"), *bytes).with_copies(calls))
-                })
-                .collect(),
-            donors: vec![
-                Donor::new("ram", DonorKind::PageableRam, pageable, time.link_latency_seconds)
-                    .with_source(time.link_source)
-                    .drawing_on(0),
-                Donor::new("file", DonorKind::File, from_disk, time.link_latency_seconds).with_source(time.disk_source),
-            ],
-            budgets: vec![DonorBudget::new("host RAM", left)],
-        };
-        let Ok(placement) = problem.place() else { return notes };
-        // Every copy that reads the disk shares the page cache the split shrinks: each is priced before and after.
-        let readers: Vec<usize> = (0..components.len())
-            .filter(|&i| {
-                choices[i].shape.host_tier.reads_disk()
-                    && !matches!(choices[i].shape.route, Route::Resident | Route::Off)
-            })
-            .collect();
-        let seconds = |shapes: &[Shape]| -> f64 {
-            readers
-                .iter()
-                .map(|&i| {
-                    let spec = &components[i];
-                    evaluate(spec, &shapes[i], choices[i].headroom, &time).per_image_seconds(spec.calls_per_image)
-                })
-                .sum()
-        };
-        let mut unsplit: Vec<Shape> = choices.iter().map(|c| c.shape.clone()).collect();
-        for &i in &readers {
-            unsplit[i].page_cache = left;
-        }
-        let before = seconds(&unsplit);
-        let mut shares = Vec::new();
-        let mut first = 0;
-        for (i, groups) in &streamed {
-            let share: u64 = (first..first + groups.len())
-                .filter(|g| placement.donor_of[*g] == 0)
-                .map(|g| problem.groups[g].bytes)
-                .sum();
-            first += groups.len();
-            let (kept, count) = kept_groups(groups, share);
-            shares.push((*i, kept, count, groups.len()));
-        }
-        let taken: u64 = shares.iter().map(|(_, kept, ..)| kept).sum();
-        let mut split = unsplit;
-        for &(i, kept, ..) in &shares {
-            split[i].ram_streamed = kept;
-        }
-        for &i in &readers {
-            split[i].page_cache = left - taken;
-        }
-        let after = seconds(&split);
-        if taken == 0 || after >= before * (1.0 - 1e-9) {
-            return notes;
-        }
-        let split: Vec<&str> =
-            shares.iter().filter(|(_, kept, ..)| *kept > 0).map(|(i, ..)| components[*i].name.as_str()).collect();
-        let all = if split.len() > 1 { format!(" in all ({})", join_and(&split)) } else { String::new() };
-        for &(i, kept, count, total) in &shares {
-            choices[i].shape.ram_streamed = kept;
-            if kept == 0 {
-                continue;
-            }
-            notes[i] = Some(format!(
-                "{count} of its {total} streamed groups ({}) keep their host copy in RAM after their first read: the \
-                 {} of RAM the other copies leave is placed over the streamed groups by cost, RAM at {:.3} s per GB \
-                 against {:.3} s per GB from disk, each group counted once per copy ({} an image), which saves {:.2} \
-                 s per image{all} over leaving that RAM to the page cache",
-                fs(kept),
-                fs(left),
-                problem.donors[0].seconds_per_gb(),
-                problem.donors[1].seconds_per_gb(),
-                components[i].calls_per_image,
-                before - after
-            ));
-        }
-        notes
-    }
-
     /// The error for copies that must stay in RAM and do not fit, with what would.
     fn host_does_not_fit(
         &self,
@@ -1460,23 +1412,32 @@ impl Planner<'_> {
         if choice.shape.route == Route::ComponentOffload {
             return format!("; each image reads its {} from {from} at {rate}", fs(eval.first_streamed));
         }
-        // Under a split the streamed groups kept in RAM are read from RAM, after the process's first read.
+        // Under a split the streamed groups kept in RAM are read from RAM, after the process's first read; those
+        // held on peers are copied from there.
         let in_ram = choice.shape.ram_streamed;
-        let first = eval.first_streamed.saturating_sub(in_ram);
+        let peers: Vec<&str> =
+            choice.peer_shares.iter().filter(|share| share.bytes > 0).map(|share| share.peer.as_str()).collect();
+        let held = in_ram + choice.shape.peers.iter().map(|(bytes, _)| bytes).sum::<u64>();
+        let holders = match (in_ram > 0, peers.is_empty()) {
+            (true, true) => "RAM".to_string(),
+            (true, false) => format!("RAM and {}", join_and(&peers)),
+            (false, _) => join_and(&peers),
+        };
+        let first = eval.first_streamed.saturating_sub(held);
         if spec.calls_per_image <= 1 {
             return format!("; its one call reads {} from {from} at {rate}", fs(first));
         }
-        let steady = eval.steady_streamed.saturating_sub(in_ram);
+        let steady = eval.steady_streamed.saturating_sub(held);
         let cache = choice.shape.page_cache;
         let later = if steady == 0 {
-            format!("from RAM ({} kept there)", fs(in_ram))
+            format!("from {holders} ({} kept there)", fs(held))
         } else if steady <= cache {
             format!("from the page cache, which keeps {} beside the copies in RAM", fs(cache))
         } else {
             format!("from {from} again: the {} left to the page cache cannot hold them", fs(cache))
         };
-        let (first_note, later_bytes) = if in_ram > 0 {
-            (format!(", the rest of its {} from RAM", fs(eval.first_streamed)), steady)
+        let (first_note, later_bytes) = if held > 0 {
+            (format!(", the rest of its {} from {holders}", fs(eval.first_streamed)), steady)
         } else {
             (String::new(), eval.steady_streamed)
         };

@@ -1,0 +1,350 @@
+//! Where the streamed groups' copies come from: host RAM, the checkpoint file, or a further device's memory
+//! ([`Machine::peers`](crate::plan::Machine::peers)), placed by cost.
+//!
+//! Two passes, each one [`DonorProblem`] with every group weighted by its copies per image (a byte saves the most
+//! where it crosses the link most often):
+//! - **the split** ([`Planner::split_streams`]), where the host copies do not fit in RAM: the streamed groups of
+//!   every component that reads the disk, over the RAM the copies kept whole leave (pageable copies), the file
+//!   (the read, then a pageable copy) and the peers;
+//! - **the peers** ([`Planner::place_on_peers`]), once the copies are pinned: the streamed groups of each other
+//!   group-offloaded component, most copies per image first, over what the peers have left and the sources the
+//!   plan already gave it (its pinned bytes at the link's rate, its copies in RAM, its file).
+//!
+//! A peer slower than the host's sources (a second card over PCIe 3.0 x8 against RAM over PCIe 4.0 x16) holds
+//! nothing. Each placement is kept only where the full time model, prefetch hiding copies under compute, predicts
+//! less time per image.
+//!
+//! A run follows a placement with budgets, not a list of groups: group offload puts each group it uploads on the
+//! first of the component's donor and its RAM budget with room, in call order. The shares the plan reports are
+//! what that rule keeps of each placement ([`fill_in_call_order`]).
+
+use super::{Choice, Planner, Shape, evaluate, fs, join_and, streamed_groups};
+use crate::plan::component::{ComponentSpec, Route};
+use crate::plan::donors::{Donor, DonorBudget, DonorKind, DonorPlacement, DonorProblem, StreamedGroup};
+use crate::plan::machine::{PeerDevice, PeerShare};
+
+impl Planner<'_> {
+    /// Places `left` bytes of RAM and the peers' memory over the streamed groups of the group-offloaded
+    /// components whose copies read the disk (a split; at leaf level the leaves taken as equal), see the module's
+    /// docs. The split is kept only where it lowers the predicted time per image (the page cache shrinks by what
+    /// RAM takes); each component's shares are set in its shape, and the reason for each one that keeps groups in
+    /// RAM is returned (what it holds on peers is its `peer_note`).
+    pub(super) fn split_streams(
+        &self,
+        components: &[ComponentSpec],
+        choices: &mut [Choice],
+        left: u64,
+    ) -> Vec<Option<String>> {
+        let time = self.machine.time;
+        let peers = &self.machine.peers;
+        let mut notes = vec![None; components.len()];
+        // Each candidate's streamed groups in call order: the groups its resident budget does not keep.
+        let streamed: Vec<(usize, Vec<u64>)> = (components.iter().zip(choices.iter()).enumerate())
+            .filter(|(_, (_, choice))| choice.shape.host_tier.reads_disk())
+            .filter_map(|(i, (spec, choice))| streamed_groups(spec, &choice.shape).map(|groups| (i, groups)))
+            .collect();
+        if streamed.is_empty() || (left == 0 && peers.iter().all(|peer| peer.bytes == 0)) {
+            return notes;
+        }
+        let pageable = time.pageable_bytes_per_second();
+        let from_disk = 1.0 / (1.0 / time.disk_bytes_per_second + 1.0 / pageable);
+        let mut problem = DonorProblem {
+            compute_seconds: 0.0,
+            groups: streamed
+                .iter()
+                .flat_map(|(i, groups)| {
+                    let (name, calls) = (&components[*i].name, components[*i].calls_per_image);
+                    groups
+                        .iter()
+                        .enumerate()
+                        .map(move |(g, bytes)| StreamedGroup::new(&format!("{name}.{g}"), *bytes).with_copies(calls))
+                })
+                .collect(),
+            donors: vec![
+                Donor::new("ram", DonorKind::PageableRam, pageable, time.link_latency_seconds)
+                    .with_source(time.link_source)
+                    .drawing_on(0),
+                Donor::new("file", DonorKind::File, from_disk, time.link_latency_seconds).with_source(time.disk_source),
+            ],
+            budgets: vec![DonorBudget::new("host RAM", left)],
+        };
+        let first_peer = problem.donors.len();
+        add_peers(&mut problem, peers, &peers.iter().map(|peer| peer.bytes).collect::<Vec<_>>());
+        let Ok(placement) = problem.place() else { return notes };
+        // Every copy that reads the disk shares the page cache the split shrinks: each is priced before and after.
+        let readers: Vec<usize> = (0..components.len())
+            .filter(|&i| {
+                choices[i].shape.host_tier.reads_disk()
+                    && !matches!(choices[i].shape.route, Route::Resident | Route::Off)
+            })
+            .collect();
+        let seconds = |shapes: &[Shape]| -> f64 {
+            readers
+                .iter()
+                .map(|&i| {
+                    let spec = &components[i];
+                    evaluate(spec, &shapes[i], choices[i].headroom, &time).per_image_seconds(spec.calls_per_image)
+                })
+                .sum()
+        };
+        let mut unsplit: Vec<Shape> = choices.iter().map(|c| c.shape.clone()).collect();
+        for &i in &readers {
+            unsplit[i].page_cache = left;
+        }
+        let before = seconds(&unsplit);
+        // Each component's shares, as the run's rule keeps them: its peers' first, then RAM's.
+        let mut kept = Vec::new();
+        let mut first = 0;
+        for (i, groups) in &streamed {
+            let mine = first..first + groups.len();
+            first += groups.len();
+            let mut holders: Vec<usize> = (first_peer..problem.donors.len()).collect();
+            holders.push(0);
+            let budgets: Vec<u64> = holders.iter().map(|&d| bytes_from(&placement, &problem, d, &mine)).collect();
+            kept.push((*i, groups.len(), fill_in_call_order(groups, &budgets)));
+        }
+        let taken: u64 = kept.iter().map(|(.., fills)| fills.last().map_or(0, |(bytes, _)| *bytes)).sum();
+        let on_peers: u64 = kept.iter().map(|(.., fills)| fills[..peers.len()].iter().map(|f| f.0).sum::<u64>()).sum();
+        let mut split = unsplit;
+        for (i, _, fills) in &kept {
+            split[*i].ram_streamed = fills[peers.len()].0;
+            split[*i].peers =
+                (fills.iter().zip(peers)).map(|((bytes, _), peer)| (*bytes, peer.bytes_per_second)).collect();
+        }
+        for &i in &readers {
+            split[i].page_cache = left - taken;
+        }
+        let after = seconds(&split);
+        if (taken == 0 && on_peers == 0) || after >= before * (1.0 - 1e-9) {
+            return notes;
+        }
+        let in_ram: Vec<&str> = (kept.iter())
+            .filter(|(.., fills)| fills[peers.len()].0 > 0)
+            .map(|(i, ..)| components[*i].name.as_str())
+            .collect();
+        let all = if in_ram.len() > 1 { format!(" in all ({})", join_and(&in_ram)) } else { String::new() };
+        let host_rates = format!(
+            "{:.3} s per GB from RAM, {:.3} s per GB from disk",
+            problem.donors[0].seconds_per_gb(),
+            problem.donors[1].seconds_per_gb()
+        );
+        for (i, total, fills) in kept {
+            choices[i].shape.ram_streamed = split[i].ram_streamed;
+            choices[i].shape.peers = split[i].peers.clone();
+            let calls = components[i].calls_per_image;
+            let shares = shares(peers, &fills[..peers.len()]);
+            if shares.iter().any(|share| share.bytes > 0) {
+                choices[i].peer_note = Some(peer_note(&shares, peers, total, &host_rates, calls, None));
+            }
+            choices[i].peer_shares = shares;
+            let (ram, count) = fills[peers.len()];
+            if ram == 0 {
+                continue;
+            }
+            notes[i] = Some(format!(
+                "{count} of its {total} streamed groups ({}) keep their host copy in RAM after their first read: the \
+                 {} of RAM the other copies leave is placed over the streamed groups by cost, RAM at {:.3} s per GB \
+                 against {:.3} s per GB from disk, each group counted once per copy ({calls} an image), which saves \
+                 {:.2} s per image{all} over leaving that RAM to the page cache",
+                fs(ram),
+                fs(left),
+                problem.donors[0].seconds_per_gb(),
+                problem.donors[1].seconds_per_gb(),
+                before - after
+            ));
+        }
+        notes
+    }
+
+    /// Places the streamed groups of every group-offloaded component the split did not place over the machine's
+    /// peers and the host's sources the plan gave it (see the module's docs); sets each kept placement in the
+    /// component's shape, with its reason.
+    pub(super) fn place_on_peers(&self, components: &[ComponentSpec], choices: &mut [Choice]) {
+        let peers = &self.machine.peers;
+        if peers.is_empty() {
+            return;
+        }
+        let time = self.machine.time;
+        // What the split left on each peer.
+        let mut left: Vec<u64> = (peers.iter().enumerate())
+            .map(|(p, peer)| {
+                peer.bytes - choices.iter().filter_map(|c| c.peer_shares.get(p)).map(|s| s.bytes).sum::<u64>()
+            })
+            .collect();
+        let mut order: Vec<usize> = (0..components.len())
+            .filter(|&i| choices[i].shape.route.is_group_offload() && choices[i].peer_shares.is_empty())
+            .collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(components[i].calls_per_image));
+        for i in order {
+            let (spec, choice) = (&components[i], &choices[i]);
+            let Some(groups) = streamed_groups(spec, &choice.shape) else { continue };
+            let shape = &choice.shape;
+            let mut problem = DonorProblem {
+                compute_seconds: 0.0,
+                groups: (groups.iter().enumerate())
+                    .map(|(g, &bytes)| {
+                        StreamedGroup::new(&format!("{}.{g}", spec.name), bytes).with_copies(spec.calls_per_image)
+                    })
+                    .collect(),
+                ..DonorProblem::default()
+            };
+            add_peers(&mut problem, peers, &left);
+            let host = |name: &str, kind: DonorKind, rate: f64, budget: Option<u64>, problem: &mut DonorProblem| {
+                let mut donor = Donor::new(name, kind, rate, time.link_latency_seconds);
+                if let Some(bytes) = budget {
+                    problem.budgets.push(DonorBudget::new(&format!("{name} budget"), bytes));
+                    donor = donor.drawing_on(problem.budgets.len() - 1);
+                }
+                problem.donors.push(donor);
+            };
+            let pageable = time.pageable_bytes_per_second();
+            if shape.pinned > 0 {
+                host("pinned", DonorKind::PinnedRam, time.link_bytes_per_second, Some(shape.pinned), &mut problem);
+            }
+            let reads_disk = shape.host_tier.reads_disk();
+            if !reads_disk {
+                host("ram", DonorKind::PageableRam, pageable, None, &mut problem);
+            } else {
+                if shape.ram_streamed > 0 {
+                    host("ram", DonorKind::PageableRam, pageable, Some(shape.ram_streamed), &mut problem);
+                }
+                let from_disk = 1.0 / (1.0 / time.disk_bytes_per_second + 1.0 / pageable);
+                host("file", DonorKind::File, from_disk, None, &mut problem);
+            }
+            let host_rates: Vec<String> = (problem.donors.iter().skip(peers.len()))
+                .map(|donor| format!("{:.3} s per GB from {}", donor.seconds_per_gb(), donor.kind))
+                .collect();
+            let host_rates = host_rates.join(", ");
+            let Ok(placement) = problem.place() else { continue };
+            let all = 0..groups.len();
+            let budgets: Vec<u64> = (0..peers.len()).map(|p| bytes_from(&placement, &problem, p, &all)).collect();
+            let fills = fill_in_call_order(&groups, &budgets);
+            let shares = shares(peers, &fills);
+            if shares.iter().all(|share| share.bytes == 0) {
+                let rates: Vec<String> = (peers.iter())
+                    .map(|peer| format!("{:.3} s per GB from {}", peer.seconds_per_gb(), peer.name))
+                    .collect();
+                choices[i].peer_note = Some(format!(
+                    "no streamed group is held on {}: the host's copies cost less, or the peers are full ({} against \
+                     {host_rates})",
+                    names(peers),
+                    rates.join(", ")
+                ));
+                continue;
+            }
+            let mut placed = shape.clone();
+            placed.peers =
+                (fills.iter().zip(peers)).map(|((bytes, _), peer)| (*bytes, peer.bytes_per_second)).collect();
+            let calls = spec.calls_per_image;
+            let before = evaluate(spec, shape, choice.headroom, &time).per_image_seconds(calls);
+            let after = evaluate(spec, &placed, choice.headroom, &time).per_image_seconds(calls);
+            if after >= before * (1.0 - 1e-9) {
+                choices[i].peer_note = Some(format!(
+                    "no streamed group is held on {}: its copies hide under compute as they are, so a peer would save \
+                     nothing per image",
+                    names(peers)
+                ));
+                continue;
+            }
+            for (p, share) in shares.iter().enumerate() {
+                left[p] -= share.bytes;
+            }
+            let saving = Some(before - after);
+            choices[i].peer_note = Some(peer_note(&shares, peers, groups.len(), &host_rates, calls, saving));
+            choices[i].shape = placed;
+            choices[i].peer_shares = shares;
+        }
+    }
+}
+
+/// Adds one donor per peer to `problem`, each drawing on a budget of its own of `left` bytes.
+fn add_peers(problem: &mut DonorProblem, peers: &[PeerDevice], left: &[u64]) {
+    for (peer, &bytes) in peers.iter().zip(left) {
+        problem.budgets.push(DonorBudget::new(&format!("{} memory", peer.name), bytes));
+        problem.donors.push(
+            Donor::new(&peer.name, DonorKind::Device, peer.bytes_per_second, peer.latency_seconds)
+                .with_source(peer.source)
+                .drawing_on(problem.budgets.len() - 1),
+        );
+    }
+}
+
+/// The bytes of the groups in `groups` (indices into the problem's groups) that `placement` puts on `donor`.
+fn bytes_from(
+    placement: &DonorPlacement,
+    problem: &DonorProblem,
+    donor: usize,
+    groups: &std::ops::Range<usize>,
+) -> u64 {
+    groups.clone().filter(|&g| placement.donor_of[g] == donor).map(|g| problem.groups[g].bytes).sum()
+}
+
+/// What a run keeps of each budget: group offload gives each group, in call order, to the first budget with room
+/// for it (the donor before RAM). Returns, per budget, the bytes and the count of groups it holds.
+pub(super) fn fill_in_call_order(groups: &[u64], budgets: &[u64]) -> Vec<(u64, usize)> {
+    let mut left = budgets.to_vec();
+    let mut fills = vec![(0u64, 0usize); budgets.len()];
+    for &group in groups {
+        if let Some(b) = left.iter().position(|&room| group <= room) {
+            left[b] -= group;
+            fills[b].0 += group;
+            fills[b].1 += 1;
+        }
+    }
+    fills
+}
+
+/// One share per peer from its fill.
+fn shares(peers: &[PeerDevice], fills: &[(u64, usize)]) -> Vec<PeerShare> {
+    (peers.iter().zip(fills))
+        .map(|(peer, &(bytes, groups))| PeerShare { peer: peer.name.clone(), groups, bytes })
+        .collect()
+}
+
+/// Why a component holds what it holds on the peers.
+fn peer_note(
+    shares: &[PeerShare],
+    peers: &[PeerDevice],
+    total: usize,
+    host_rates: &str,
+    calls: u32,
+    saving: Option<f64>,
+) -> String {
+    let held: Vec<String> = (shares.iter().zip(peers))
+        .filter(|(share, _)| share.bytes > 0)
+        .map(|(share, peer)| {
+            format!(
+                "{} of its {total} streamed groups ({}) live on {} between their uploads, copied at {:.3} s per GB",
+                share.groups,
+                fs(share.bytes),
+                peer.name,
+                peer.seconds_per_gb()
+            )
+        })
+        .collect();
+    let saves = saving.map(|s| format!(", which saves {s:.3} s per image")).unwrap_or_default();
+    format!(
+        "{} against {host_rates}, placed by cost with each group counted once per copy ({calls} an image){saves}",
+        held.join("; ")
+    )
+}
+
+/// The peers' names, `cuda:1` or `cuda:1 and cuda:2`.
+fn names(peers: &[PeerDevice]) -> String {
+    let names: Vec<&str> = peers.iter().map(|peer| peer.name.as_str()).collect();
+    join_and(&names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fill_in_call_order;
+
+    #[test]
+    fn a_run_gives_each_group_to_the_first_budget_with_room_in_call_order() {
+        // A donor of 5 and RAM of 4: 3 to the donor, 2 to the donor, 4 to RAM, 1 to neither (both are full).
+        assert_eq!(fill_in_call_order(&[3, 2, 4, 1], &[5, 4]), vec![(5, 2), (4, 1)]);
+        // A group too large for the donor's room goes on to RAM, and a later small one still fits the donor.
+        assert_eq!(fill_in_call_order(&[4, 3, 1], &[2, 4]), vec![(1, 1), (4, 1)]);
+        assert_eq!(fill_in_call_order(&[4, 3, 1], &[]), Vec::<(u64, usize)>::new());
+    }
+}

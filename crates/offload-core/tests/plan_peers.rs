@@ -1,0 +1,162 @@
+//! Further devices as donors in a pipeline's plan ([`Machine::peers`]): the streamed groups placed over the peers'
+//! memory, RAM and the checkpoint file by cost, each peer's budget shared by the components, and the placement
+//! checked against an exhaustive search.
+
+mod plan_common;
+
+use expect_test::expect;
+use offload_core::plan::{
+    BlockLayout, ComponentSpec, Donor, DonorBudget, DonorKind, DonorProblem, HostMemory, Machine, PeerDevice,
+    PlanError, Preset, Route, Settings, SettingsLayer, StreamedGroup, TimeModel, plan_pipeline,
+};
+use plan_common::{machine, z_image_turbo};
+
+const GB: u64 = 1_000_000_000;
+const MB: u64 = 1_000_000;
+
+/// NVLink between two RTX 3090s (DisTorch's 0.02 s per GB) and PCIe 3.0 x8 (0.32 s per GB), 10 µs each.
+fn nvlink(name: &str, bytes: u64) -> PeerDevice {
+    PeerDevice::new(name, bytes, 50e9, 10e-6)
+}
+
+fn pcie3x8(name: &str, bytes: u64) -> PeerDevice {
+    PeerDevice::new(name, bytes, 3.125e9, 10e-6)
+}
+
+fn settings(set: &[(&str, &str)]) -> Settings {
+    let mut explicit = SettingsLayer { preset: Some(Preset::Auto), ..SettingsLayer::default() };
+    for (key, value) in set {
+        explicit.set(key, value).expect("the test's settings are valid");
+    }
+    Settings::resolve(&explicit, std::iter::empty::<(String, String)>(), None).expect("the test's settings are valid")
+}
+
+#[test]
+fn a_peer_over_nvlink_holds_the_denoisers_groups_and_a_slow_one_holds_nothing_beside_ram() {
+    let alone = plan_pipeline(&z_image_turbo(), Preset::Auto, &machine(8, 32)).expect("plans");
+    let with_peers = machine(8, 32).with_peer(nvlink("cuda:1", 4 * GB)).with_peer(pcie3x8("cuda:2", 24 * GB));
+    let plan = plan_pipeline(&z_image_turbo(), Preset::Auto, &with_peers).expect("plans");
+    expect![[r#"
+        component     route                 host         resident  pinned  streamed/step  time/step     peak
+        text_encoder  leaf, prefetch        ram         741.88 MB     0 B        7.49 GB    0.513 s  1.25 GB
+        transformer   block x1, prefetch 1  ram+cuda:1    5.40 GB     0 B        6.74 GB    0.599 s  6.58 GB
+        vae           component offload     ram         159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+    "#]]
+    .assert_eq(&plan.table());
+    let transformer = plan.component("transformer").expect("planned");
+    // The transformer's groups cross 8 times an image: the NVLink card fills with them first, to its memory.
+    let on_nvlink = transformer.peer_bytes("cuda:1");
+    assert!(on_nvlink > 3 * GB && on_nvlink <= 4 * GB, "{on_nvlink}");
+    // PCIe 3.0 x8 (3.1 GB/s) is slower than pageable RAM (15.75 GB/s): it holds nothing.
+    assert!(plan.components.iter().all(|c| c.peer_bytes("cuda:2") == 0), "{plan}");
+    assert!(
+        transformer.why.contains("live on cuda:1 between their uploads, copied at 0.020 s per GB"),
+        "{}",
+        transformer.why
+    );
+    let held: u64 = plan.components.iter().map(|c| c.peer_bytes("cuda:1")).sum();
+    assert!(held <= 4 * GB, "the peer's budget is shared: {held}");
+    assert!(plan.seconds_per_image() < alone.seconds_per_image(), "{plan}\n{alone}");
+    // Without peers, nothing changes: no share, the plan as before.
+    assert!(alone.components.iter().all(|c| c.peers.is_empty()));
+}
+
+#[test]
+fn a_slow_peer_beats_reading_the_file_and_frees_ram_for_the_split() {
+    // 16 GB of RAM: the copies do not fit, the text encoder and the transformer read their files, and RAM is
+    // split over their streamed groups.
+    let alone = plan_pipeline(&z_image_turbo(), Preset::Auto, &machine(8, 16)).expect("plans");
+    let slow = plan_pipeline(&z_image_turbo(), Preset::Auto, &machine(8, 16).with_peer(pcie3x8("cuda:1", 24 * GB)))
+        .expect("plans");
+    let text = slow.component("text_encoder").expect("planned");
+    // 0.32 s per GB from the card beats 0.56 s per GB from the disk: the groups RAM does not hold go there.
+    assert!(text.peer_bytes("cuda:1") > 0, "{slow}");
+    assert!(text.why.contains("live on cuda:1"), "{}", text.why);
+    assert!(slow.seconds_per_image() < alone.seconds_per_image(), "{slow}\n{alone}");
+    // A fast peer takes the transformer's groups, and the RAM they leave goes to the text encoder's.
+    let fast = plan_pipeline(&z_image_turbo(), Preset::Auto, &machine(8, 16).with_peer(nvlink("cuda:1", 4 * GB)))
+        .expect("plans");
+    let (before, after) =
+        (alone.component("text_encoder").expect("planned"), fast.component("text_encoder").expect("planned"));
+    assert!(fast.component("transformer").expect("planned").peer_bytes("cuda:1") > 0, "{fast}");
+    assert!(after.ram_streamed_bytes > before.ram_streamed_bytes, "{fast}\n{alone}");
+    assert!(fast.seconds_per_image() < alone.seconds_per_image());
+}
+
+/// A denoiser of five equal 20 MB blocks, called 4 times an image, with no compute (so copies are the whole step
+/// and prefetch hides nothing) on a card that keeps none of them resident.
+fn denoiser() -> ComponentSpec {
+    ComponentSpec::new("denoiser", 105 * MB)
+        .with_layout(BlockLayout {
+            block_bytes: BlockLayout::uniform(5, 20 * MB),
+            outside_bytes: 5 * MB,
+            largest_leaf_bytes: 5 * MB,
+            leaf_count: 20,
+            first_leaf_bytes: 5 * MB,
+        })
+        .with_activation(MB)
+        .with_cost(0.0, 4)
+}
+
+#[test]
+fn the_plan_places_groups_over_peers_as_an_exhaustive_search_does_and_prices_each_copy_at_its_link() {
+    let time = TimeModel::generic();
+    let peers = [PeerDevice::new("fast", 50 * MB, 40e9, 0.0), PeerDevice::new("slow", 30 * MB, 20e9, 0.0)];
+    let machine = peers
+        .iter()
+        .cloned()
+        .fold(Machine::new(100 * MB, 100 * MB, HostMemory::new(32 * GB, 28 * GB)).with_time(time), Machine::with_peer);
+    let plan = plan_pipeline(
+        &[denoiser()],
+        settings(&[("resident_budget", "0"), ("pinned_budget", "0"), ("reserve", "1MB")]),
+        &machine,
+    )
+    .expect("plans");
+    let planned = plan.component("denoiser").expect("planned");
+    assert!(matches!(planned.route, Route::BlockGroupOffload { blocks_per_group: 1, .. }), "{plan}");
+    // Every assignment of the five groups to the two peers and pageable RAM, tried one by one.
+    let pageable = time.pageable_bytes_per_second();
+    let problem = DonorProblem {
+        compute_seconds: 0.0,
+        groups: (0..5).map(|g| StreamedGroup::new(&format!("block.{g}"), 20 * MB).with_copies(4)).collect(),
+        donors: vec![
+            Donor::new("fast", DonorKind::Device, 40e9, 0.0).drawing_on(0),
+            Donor::new("slow", DonorKind::Device, 20e9, 0.0).drawing_on(1),
+            Donor::new("ram", DonorKind::PageableRam, pageable, 0.0),
+        ],
+        budgets: vec![DonorBudget::new("fast", 50 * MB), DonorBudget::new("slow", 30 * MB)],
+    };
+    let best = problem.exhaustive().expect("valid").expect("a placement fits");
+    for (index, peer) in peers.iter().enumerate() {
+        assert_eq!(planned.peer_bytes(&peer.name), best.bytes_from(&problem, index), "{}: {plan}", peer.name);
+    }
+    assert_eq!(planned.peer_bytes("fast"), 40 * MB);
+    assert_eq!(planned.peer_bytes("slow"), 20 * MB);
+    // A later step copies 40 MB over the fast link, 20 MB over the slow one and 40 MB from pageable RAM, each
+    // copy paying the host link's latency.
+    let later = 40e6 / 40e9 + 20e6 / 20e9 + 40e6 / pageable + 5.0 * time.link_latency_seconds;
+    let predicted = first_step(&time) + 3.0 * later;
+    assert!(
+        (planned.seconds_per_image - predicted).abs() < 1e-9,
+        "per image {} s, {predicted} s from the links: {plan}",
+        planned.seconds_per_image
+    );
+    assert!(planned.why.contains("2 of its 5 streamed groups (38.15 MB) live on fast between their uploads, copied at 0.025 s per GB; 1 of its 5 streamed groups (19.07 MB) live on slow"), "{}", planned.why);
+}
+
+/// The first step of the denoiser: the same copies as a later one (a warm process), plus the outside bytes.
+fn first_step(time: &TimeModel) -> f64 {
+    let pageable = time.pageable_bytes_per_second();
+    40e6 / 40e9 + 20e6 / 20e9 + (40e6 + 5e6) / pageable + 6.0 * time.link_latency_seconds
+}
+
+#[test]
+fn a_peer_with_no_finite_positive_rate_is_refused() {
+    let broken = machine(8, 32).with_peer(PeerDevice::new("cuda:1", 4 * GB, 0.0, 0.0));
+    let error = plan_pipeline(&z_image_turbo(), Preset::Auto, &broken).expect_err("refused");
+    assert!(matches!(error, PlanError::InvalidDonors { .. }), "{error}");
+    assert!(
+        error.to_string().contains("peer cuda:1 has a link rate of 0 bytes/s; give a finite positive rate"),
+        "{error}"
+    );
+}
