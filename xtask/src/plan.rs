@@ -73,7 +73,7 @@ fn layout(
     total: u64,
     blocks: Vec<u64>,
     largest_leaf: u64,
-    leaf_count: usize,
+    leaves: Vec<u64>,
     first_leaf: u64,
 ) -> anyhow::Result<BlockLayout> {
     let in_blocks: u64 = blocks.iter().sum();
@@ -84,8 +84,9 @@ fn layout(
         block_bytes: blocks,
         outside_bytes: outside,
         largest_leaf_bytes: largest_leaf,
-        leaf_count,
+        leaf_count: leaves.len(),
         first_leaf_bytes: first_leaf,
+        leaf_bytes: leaves,
     })
 }
 
@@ -107,7 +108,7 @@ pub fn z_image_turbo(steps: u32) -> anyhow::Result<Vec<ComponentSpec>> {
                 component.bytes,
                 facts::text_layers(),
                 facts::TEXT_GATE_PROJ_BYTES,
-                facts::TEXT_LEAVES,
+                facts::text_leaves(),
                 facts::TEXT_FIRST_LEAF_BYTES,
             )?),
             "transformer" => spec.with_layout(layout(
@@ -115,7 +116,7 @@ pub fn z_image_turbo(steps: u32) -> anyhow::Result<Vec<ComponentSpec>> {
                 component.bytes,
                 facts::transformer_blocks(),
                 facts::TRANSFORMER_W1_BYTES,
-                facts::TRANSFORMER_LEAVES,
+                facts::transformer_leaves(),
                 facts::TRANSFORMER_FIRST_LEAF_BYTES,
             )?),
             _ => spec,
@@ -306,36 +307,36 @@ mod tests {
             "donors.md",
             &with,
             expect![[r#"
-            Z-Image-Turbo, 8 steps, card 8GB (31.50 GB/s link, 10 µs, 100.0 TFLOP/s; pageable copies at 50% of the link)
-            plan for preset auto: device 6.84 GB available of 7.45 GB; host 13.41 GB available of 14.90 GB (11.41 GB usable)
-            link: 31.50 GB/s from pinned memory, 15.75 GB/s pageable (given)
-            disk: 2.00 GB/s read (assumed, not measured: a run that reads from the files measures it)
-            component     route                 host              resident  pinned  streamed/step  time/step     peak
-            text_encoder  leaf, prefetch        file+ram+cuda:1  741.88 MB     0 B        7.49 GB    0.899 s  1.25 GB
-            transformer   block x1, prefetch 1  file+ram+cuda:1    5.40 GB     0 B        6.74 GB    0.965 s  6.58 GB
-            vae           component offload     ram              159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
-            per image (8 steps): 8.72 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 9.87 GB in RAM of 11.41 GB usable, 0 B pinned, 18.96 GB in checkpoint files
-            why:
-              text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); 320 of its 324 streamed groups (6.68 GB) keep their host copy in RAM after their first read: the 11.25 GB of RAM the other copies leave is placed over the streamed groups by cost, RAM at 0.063 s per GB against 0.563 s per GB from disk, each group counted once per copy (1 an image), which saves 7.04 s per image in all (text_encoder and transformer) over leaving that RAM to the page cache; its one call reads 741.88 MB from the file at 2.00 GB/s (assumed); predicted 0.899 s per call (copies 0.899 s, compute 0.043 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 0.51 s per image before its host tier and pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image; 4 of its 324 streamed groups (85.56 MB) live on cuda:1 between their uploads, copied at 0.020 s per GB against 0.063 s per GB from RAM, 0.563 s per GB from disk, placed by cost with each group counted once per copy (1 an image)
-              transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); 9 of its 18 streamed groups (3.03 GB) keep their host copy in RAM after their first read: the 11.25 GB of RAM the other copies leave is placed over the streamed groups by cost, RAM at 0.063 s per GB against 0.563 s per GB from disk, each group counted once per copy (8 an image), which saves 7.04 s per image in all (text_encoder and transformer) over leaving that RAM to the page cache; the first step reads 5.40 GB from the file at 2.00 GB/s (assumed), the rest of its 11.46 GB from RAM and cuda:1, each later step its 6.07 GB from RAM and cuda:1 (6.07 GB kept there); predicted 0.965 s per step (copies 0.272 s, compute 0.597 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 4.96 s per image before its host tier and pinning, over component does not fit (needs 12.22 GB), leaf 6.27 s per image; 9 of its 18 streamed groups (3.03 GB) live on cuda:1 between their uploads, copied at 0.020 s per GB against 0.063 s per GB from RAM, 0.563 s per GB from disk, placed by cost with each group counted once per copy (8 an image)
-              vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); its host copy stays in RAM (159.87 MB): with text_encoder and transformer read from disk, the copies kept in RAM (159.87 MB) fit in the 11.41 GB of usable RAM; predicted 0.099 s per call (copies 0.011 s, compute 0.088 s); nothing pinned: it crosses the link once per image
+                Z-Image-Turbo, 8 steps, card 8GB (31.50 GB/s link, 10 µs, 100.0 TFLOP/s; pageable copies at 50% of the link)
+                plan for preset auto: device 6.84 GB available of 7.45 GB; host 13.41 GB available of 14.90 GB (11.41 GB usable)
+                link: 31.50 GB/s from pinned memory, 15.75 GB/s pageable (given)
+                disk: 2.00 GB/s read (assumed, not measured: a run that reads from the files measures it)
+                component     route                 host              resident  pinned  streamed/step  time/step     peak
+                text_encoder  leaf, prefetch        file+ram+cuda:1  741.88 MB     0 B        7.49 GB    0.924 s  1.25 GB
+                transformer   block x1, prefetch 1  file+ram+cuda:1    5.40 GB     0 B        6.74 GB    0.965 s  6.58 GB
+                vae           component offload     ram              159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
+                per image (8 steps): 8.74 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 9.83 GB in RAM of 11.41 GB usable, 0 B pinned, 18.96 GB in checkpoint files
+                why:
+                  text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); 243 of its 324 streamed groups (6.64 GB) keep their host copy in RAM after their first read: the 11.25 GB of RAM the other copies leave is placed over the streamed groups by cost, RAM at 0.063 s per GB against 0.563 s per GB from disk, each group counted once per copy (1 an image), which saves 7.01 s per image in all (text_encoder and transformer) over leaving that RAM to the page cache; its one call reads 789.38 MB from the file at 2.00 GB/s (assumed); predicted 0.924 s per call (copies 0.924 s, compute 0.043 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 0.51 s per image before its host tier and pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image; 80 of its 324 streamed groups (85.37 MB) live on cuda:1 between their uploads, copied at 0.020 s per GB against 0.063 s per GB from RAM, 0.563 s per GB from disk, placed by cost with each group counted once per copy (1 an image)
+                  transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); 9 of its 18 streamed groups (3.03 GB) keep their host copy in RAM after their first read: the 11.25 GB of RAM the other copies leave is placed over the streamed groups by cost, RAM at 0.063 s per GB against 0.563 s per GB from disk, each group counted once per copy (8 an image), which saves 7.01 s per image in all (text_encoder and transformer) over leaving that RAM to the page cache; the first step reads 5.40 GB from the file at 2.00 GB/s (assumed), the rest of its 11.46 GB from RAM and cuda:1, each later step its 6.07 GB from RAM and cuda:1 (6.07 GB kept there); predicted 0.965 s per step (copies 0.272 s, compute 0.597 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 4.96 s per image before its host tier and pinning, over component does not fit (needs 12.22 GB), leaf 6.27 s per image; 9 of its 18 streamed groups (3.03 GB) live on cuda:1 between their uploads, copied at 0.020 s per GB against 0.063 s per GB from RAM, 0.563 s per GB from disk, placed by cost with each group counted once per copy (8 an image)
+                  vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); its host copy stays in RAM (159.87 MB): with text_encoder and transformer read from disk, the copies kept in RAM (159.87 MB) fit in the 11.41 GB of usable RAM; predicted 0.099 s per call (copies 0.011 s, compute 0.088 s); nothing pinned: it crosses the link once per image
 
-            donors for the transformer's 18 streamed groups (6.07 GB per step; 3.03 GB of RAM the plan gives its copies, 0 B of it pinned):
-              cuda:1: 4GB over NVLink between two RTX 3090s: 0.02 s/it per GB streamed (DisTorch), 50 GB/s
-            donor   kind             link        budget     groups       bytes/step  copies/step
-            cuda:1  card             50.00 GB/s  3.12 GB    block.16-24  3.03 GB     0.065 s
-            pinned  pinned RAM       31.50 GB/s  0 B        -            0 B         0.000 s
-            ram     pageable RAM     15.75 GB/s  3.03 GB    block.25-33  3.03 GB     0.207 s
-            file    checkpoint file  2.00 GB/s   unbounded  -            0 B         0.000 s
-            step: 0.869 s predicted (0.597 s compute + 0.272 s copies); lower bound 0.865 s; placement exact: branch and bound, 190 nodes
-            why:
-              cuda:1: 0.020 s per GB streamed (card, given); the cheapest donor, filled to 3.03 GB of 3.12 GB
-              pinned: 0.032 s per GB streamed (pinned RAM, given); holds nothing: the cheaper donors hold every group
-              ram: 0.063 s per GB streamed (pageable RAM, given); #3 by cost, filled to 3.03 GB of 3.03 GB
-              file: 0.500 s per GB streamed (checkpoint file, given); holds nothing: the cheaper donors hold every group
-            cuda:1: this placement holds 3.03 GB of the transformer's groups there, the pipeline's plan 3.03 GB
-            simulated on the cards: 0.869 s per step (0.272 s copies, 0.597 s compute), +0.00% from the prediction
-        "#]],
+                donors for the transformer's 18 streamed groups (6.07 GB per step; 3.03 GB of RAM the plan gives its copies, 0 B of it pinned):
+                  cuda:1: 4GB over NVLink between two RTX 3090s: 0.02 s/it per GB streamed (DisTorch), 50 GB/s
+                donor   kind             link        budget     groups       bytes/step  copies/step
+                cuda:1  card             50.00 GB/s  3.12 GB    block.16-24  3.03 GB     0.065 s
+                pinned  pinned RAM       31.50 GB/s  0 B        -            0 B         0.000 s
+                ram     pageable RAM     15.75 GB/s  3.03 GB    block.25-33  3.03 GB     0.207 s
+                file    checkpoint file  2.00 GB/s   unbounded  -            0 B         0.000 s
+                step: 0.869 s predicted (0.597 s compute + 0.272 s copies); lower bound 0.865 s; placement exact: branch and bound, 190 nodes
+                why:
+                  cuda:1: 0.020 s per GB streamed (card, given); the cheapest donor, filled to 3.03 GB of 3.12 GB
+                  pinned: 0.032 s per GB streamed (pinned RAM, given); holds nothing: the cheaper donors hold every group
+                  ram: 0.063 s per GB streamed (pageable RAM, given); #3 by cost, filled to 3.03 GB of 3.03 GB
+                  file: 0.500 s per GB streamed (checkpoint file, given); holds nothing: the cheaper donors hold every group
+                cuda:1: this placement holds 3.03 GB of the transformer's groups there, the pipeline's plan 3.03 GB
+                simulated on the cards: 0.869 s per step (0.272 s copies, 0.597 s compute), +0.00% from the prediction
+            "#]],
         )?;
         let seconds = |text: &str| -> anyhow::Result<f64> {
             let line = text.lines().find(|l| l.starts_with("per image")).context("the per-image line")?;
@@ -365,7 +366,7 @@ mod tests {
                 vae           component offload     ram         159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
                 per image (8 steps): 5.43 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 19.11 GB in RAM of 23.10 GB usable, 0 B pinned
                 why:
-                  text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy stays in RAM (7.49 GB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.510 s per call (copies 0.510 s, compute 0.043 s); nothing pinned: it crosses the link once per image; chosen at 0.51 s per image before pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image; 4 of its 324 streamed groups (85.56 MB) live on cuda:1 between their uploads, copied at 0.020 s per GB against 0.063 s per GB from pageable RAM, placed by cost with each group counted once per copy (1 an image), which saves 0.004 s per image
+                  text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy stays in RAM (7.49 GB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.510 s per call (copies 0.510 s, compute 0.043 s); nothing pinned: it crosses the link once per image; chosen at 0.51 s per image before pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image; 80 of its 324 streamed groups (85.37 MB) live on cuda:1 between their uploads, copied at 0.020 s per GB against 0.063 s per GB from pageable RAM, placed by cost with each group counted once per copy (1 an image), which saves 0.004 s per image
                   transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; its host copy stays in RAM (11.46 GB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.603 s per step (copies 0.272 s, compute 0.597 s); nothing pinned: pinning would save 0.18 s of 4.96 s per image, under 5%, as pageable copies (0.414 s a step) mostly hide under compute (0.597 s); chosen at 4.96 s per image before pinning, over component does not fit (needs 12.22 GB), leaf 6.27 s per image; 9 of its 18 streamed groups (3.03 GB) live on cuda:1 between their uploads, copied at 0.020 s per GB against 0.063 s per GB from pageable RAM, placed by cost with each group counted once per copy (8 an image), which saves 0.142 s per image
                   vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); its host copy stays in RAM (159.87 MB): the host copies (19.11 GB) fit in the 23.10 GB of usable RAM; predicted 0.099 s per call (copies 0.011 s, compute 0.088 s); nothing pinned: it crosses the link once per image
 
@@ -404,12 +405,12 @@ mod tests {
                 link: 31.50 GB/s from pinned memory, 15.75 GB/s pageable (given)
                 disk: 2.00 GB/s read (assumed, not measured: a run that reads from the files measures it)
                 component     route                 host       resident  pinned  streamed/step  time/step     peak
-                text_encoder  leaf, prefetch        file+ram  741.88 MB     0 B        7.49 GB    1.755 s  1.25 GB
+                text_encoder  leaf, prefetch        file+ram  741.88 MB     0 B        7.49 GB    1.752 s  1.25 GB
                 transformer   block x1, prefetch 1  file+ram    5.40 GB     0 B        6.74 GB    0.983 s  6.58 GB
                 vae           component offload     ram       159.87 MB     0 B      159.87 MB    0.099 s  2.49 GB
-                per image (8 steps): 9.71 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 11.40 GB in RAM of 11.41 GB usable, 0 B pinned, 18.96 GB in checkpoint files
+                per image (8 steps): 9.71 s predicted, peak 6.58 GB of 6.84 GB available; host copies: 11.41 GB in RAM of 11.41 GB usable, 0 B pinned, 18.96 GB in checkpoint files
                 why:
-                  text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); 248 of its 324 streamed groups (5.18 GB) keep their host copy in RAM after their first read: the 11.25 GB of RAM the other copies leave is placed over the streamed groups by cost, RAM at 0.063 s per GB against 0.563 s per GB from disk, each group counted once per copy (1 an image), which saves 6.04 s per image in all (text_encoder and transformer) over leaving that RAM to the page cache; its one call reads 2.31 GB from the file at 2.00 GB/s (assumed); predicted 1.755 s per call (copies 1.755 s, compute 0.043 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 0.51 s per image before its host tier and pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image
+                  text_encoder: 7.49 GB of weights do not fit whole in the 6.16 GB left after 696.32 MB for activations (estimate 440.32 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams its blocks leaf by leaf with prefetch: at most 95.00 MB of leaves on the device beside the 741.88 MB outside the blocks, which stay resident; 7.49 GB stream in its one call; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); 269 of its 324 streamed groups (5.19 GB) keep their host copy in RAM after their first read: the 11.25 GB of RAM the other copies leave is placed over the streamed groups by cost, RAM at 0.063 s per GB against 0.563 s per GB from disk, each group counted once per copy (1 an image), which saves 6.04 s per image in all (text_encoder and transformer) over leaving that RAM to the page cache; its one call reads 2.31 GB from the file at 2.00 GB/s (assumed); predicted 1.752 s per call (copies 1.752 s, compute 0.043 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 0.51 s per image before its host tier and pinning, over component does not fit (needs 8.17 GB), block 0.51 s per image
                   transformer: 11.46 GB of weights do not fit whole in the 6.08 GB left after 778.24 MB for activations (estimate 522.24 MB + margin 256.00 MB, sized from the workload rather than DDO's fixed headroom tiers), so it streams 1 block per group with prefetch depth 1; 16 of 34 groups (5.38 GB) stay resident beside the 22.61 MB outside the blocks; 11.46 GB stream on the first step, 6.07 GB on each later one; its host copy is the checkpoint file: the host copies (19.11 GB) do not fit in the 11.41 GB of usable RAM, and reading text_encoder and transformer from disk is the way to fit that costs the least predicted time (+10.18 s per image, against +27.67 s for transformer); 18 of its 18 streamed groups (6.07 GB) keep their host copy in RAM after their first read: the 11.25 GB of RAM the other copies leave is placed over the streamed groups by cost, RAM at 0.063 s per GB against 0.563 s per GB from disk, each group counted once per copy (8 an image), which saves 6.04 s per image in all (text_encoder and transformer) over leaving that RAM to the page cache; the first step reads 5.40 GB from the file at 2.00 GB/s (assumed), the rest of its 11.46 GB from RAM, each later step its 6.07 GB from RAM (6.07 GB kept there); predicted 0.983 s per step (copies 0.414 s, compute 0.597 s); nothing pinned: its host copy is the checkpoint file, whose pages are read, not pinned; chosen at 4.96 s per image before its host tier and pinning, over component does not fit (needs 12.22 GB), leaf 6.27 s per image
                   vae: 159.87 MB of weights fit whole in the 3.92 GB left after 2.92 GB for activations (estimate 2.34 GB + margin 597.98 MB, sized from the workload rather than DDO's fixed headroom tiers), so it moves whole onto the device when it runs (159.87 MB per image); its host copy stays in RAM (159.87 MB): with text_encoder and transformer read from disk, the copies kept in RAM (159.87 MB) fit in the 11.41 GB of usable RAM; predicted 0.099 s per call (copies 0.011 s, compute 0.088 s); nothing pinned: it crosses the link once per image
             "#]],

@@ -436,12 +436,14 @@ impl Shared {
     }
 
     /// Copies a group just uploaded from the host onto the donor, where the donor's budget has room for it and its
-    /// ledger takes it: later uploads copy it from there. A resident group (uploaded once) and a quantized one stay
-    /// with the host; a donor card that refuses the allocation leaves the group streaming from the host.
+    /// ledger takes it: later uploads copy it from there. A resident group (uploaded once), a quantized one and a
+    /// pinned one stay with the host (a pinned host copy is the host's fastest; the pinned budget and the donor's
+    /// are two places, as a plan gives them); a donor card that refuses the allocation leaves the group streaming
+    /// from the host.
     fn place_on_donor(&self, host: &GroupHost, tensors: &[DeviceTensor]) {
         let Some(donor) = &self.config.donor else { return };
         let resident = self.state.lock().groups.iter().any(|g| std::ptr::eq(Arc::as_ptr(&g.host), host) && g.kept);
-        if resident || tensors.iter().any(DeviceTensor::is_quantized) {
+        if resident || host.pinned || tensors.iter().any(DeviceTensor::is_quantized) {
             return;
         }
         let bytes = host.bytes;

@@ -533,8 +533,9 @@ fn layout_of<M: OffloadModel>(model: &M, mut census: Census) -> Option<BlockLayo
         outside_bytes: module_bytes_with(model, exec.as_ref(), files.as_ref()).saturating_sub(block_bytes.iter().sum()),
         block_bytes,
         largest_leaf_bytes,
-        leaf_count: leaves.count(),
+        leaf_count: leaves.clone().count(),
         first_leaf_bytes,
+        leaf_bytes: leaves.map(|(_, bytes)| *bytes).collect(),
     })
 }
 

@@ -166,3 +166,18 @@ fn a_planned_donor_budget_caps_what_the_donor_holds_and_a_donor_the_plan_did_not
     assert_eq!(planned(vec![("cuda:2".into(), 4 * BLOCK)]), (0, 0), "the plan placed nothing on cuda:1");
     assert_eq!(planned(Vec::new()), (4 * BLOCK, 4), "no plan: the donor's own budget");
 }
+
+#[test]
+fn a_pinned_group_streams_from_the_host_and_the_donor_takes_the_groups_after_it() {
+    let model = net();
+    let host_only = run(model.clone(), None, 0);
+    let donor_card = card("1MB", "cuda:1");
+    let donor = PeerDonor::new(OffloadDevice::simulated(donor_card), 4 * BLOCK, DONOR_RATE);
+    // The first two blocks registered are pinned (the pinned budget, a plan's pinned share); the donor, with room
+    // for all four, takes the two after them.
+    let options = GroupOptions { prefetch: false, pinned_budget: 2 * BLOCK, ..GroupOptions::default() };
+    let run = run_with(model, Some(donor), options);
+    assert_eq!(run.outputs, host_only.outputs);
+    assert_eq!(run.held, (2 * BLOCK, 2), "blocks 2 and 3; the pinned blocks 0 and 1 stay with the host");
+    assert_eq!(run.exec.stats().bytes_from_peers, 2 * 2 * BLOCK, "two later forwards take blocks 2 and 3 from it");
+}

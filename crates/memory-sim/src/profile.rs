@@ -112,6 +112,39 @@ pub mod z_image_turbo {
     pub fn text_layers() -> Vec<u64> {
         vec![TEXT_LAYER_BYTES; TEXT_LAYERS]
     }
+
+    /// The leaf groups of one Qwen3 layer in bf16 bytes, as leaf-level group offload forms them: its two norms
+    /// (2 × 2560), `q_proj` (4096 × 2560), `k_proj` and `v_proj` (1024 × 2560), the attention's q/k norms
+    /// (2 × 128), `o_proj` (2560 × 4096), `gate_proj`, `up_proj` (9728 × 2560) and `down_proj` (2560 × 9728).
+    /// They add up to [`TEXT_LAYER_BYTES`].
+    pub fn text_layer_leaves() -> [u64; 9] {
+        [2 * 2560, 4096 * 2560, 1024 * 2560, 1024 * 2560, 2 * 128, 2560 * 4096, 9728 * 2560, 9728 * 2560, 2560 * 9728]
+            .map(|params| params * 2)
+    }
+
+    /// The text encoder's leaf groups in execution order, [`TEXT_LEAVES`] of them.
+    pub fn text_leaves() -> Vec<u64> {
+        (0..TEXT_LAYERS).flat_map(|_| text_layer_leaves()).collect()
+    }
+
+    /// The leaf groups of one transformer block in bf16 bytes (`modulated`: with its `adaLN_modulation.0`, 256 →
+    /// 4 × 3840 with bias, first): `to_q`, `to_k`, `to_v`, `to_out.0` (3840 × 3840 each), the attention's q/k norms
+    /// (2 × 128), `w1`, `w2`, `w3` (3840 × 10240 each) and the block's four norms (4 × 3840). They add up to
+    /// [`MODULATED_BLOCK_BYTES`] or [`CONTEXT_BLOCK_BYTES`].
+    pub fn transformer_block_leaves(modulated: bool) -> Vec<u64> {
+        let ada = modulated.then_some(256 * 15_360 + 15_360);
+        let rest = [3840 * 3840; 4].into_iter().chain([2 * 128]).chain([3840 * 10_240; 3]).chain([4 * 3840]);
+        ada.into_iter().chain(rest).map(|params| params * 2).collect()
+    }
+
+    /// The transformer's leaf groups in execution order, [`TRANSFORMER_LEAVES`] of them.
+    pub fn transformer_leaves() -> Vec<u64> {
+        let blocks = [(true, NOISE_REFINER_BLOCKS), (false, CONTEXT_REFINER_BLOCKS), (true, MAIN_BLOCKS)];
+        blocks
+            .into_iter()
+            .flat_map(|(modulated, count)| (0..count).flat_map(move |_| transformer_block_leaves(modulated)))
+            .collect()
+    }
 }
 
 /// The allocations a call's working set is made in: one per layer or block that runs (Qwen3's 36 layers; the
@@ -217,5 +250,27 @@ impl PipelineProfile {
     /// A component's profile by name.
     pub fn component(&self, name: &str) -> Option<&ComponentProfile> {
         self.components.iter().find(|c| c.name == name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::z_image_turbo::*;
+
+    #[test]
+    fn the_leaves_add_up_to_their_blocks_and_agree_with_the_leaf_facts() {
+        let text = text_leaves();
+        assert_eq!(text.len(), TEXT_LEAVES);
+        assert_eq!(text.iter().sum::<u64>(), text_layers().iter().sum::<u64>());
+        assert_eq!(text_layer_leaves().iter().sum::<u64>(), TEXT_LAYER_BYTES);
+        assert_eq!(text[0], TEXT_FIRST_LEAF_BYTES);
+        assert_eq!(text.iter().max(), Some(&TEXT_GATE_PROJ_BYTES));
+        let transformer = transformer_leaves();
+        assert_eq!(transformer.len(), TRANSFORMER_LEAVES);
+        assert_eq!(transformer.iter().sum::<u64>(), transformer_blocks().iter().sum::<u64>());
+        assert_eq!(transformer_block_leaves(true).iter().sum::<u64>(), MODULATED_BLOCK_BYTES);
+        assert_eq!(transformer_block_leaves(false).iter().sum::<u64>(), CONTEXT_BLOCK_BYTES);
+        assert_eq!(transformer[0], TRANSFORMER_FIRST_LEAF_BYTES);
+        assert_eq!(transformer.iter().max(), Some(&TRANSFORMER_W1_BYTES));
     }
 }

@@ -93,6 +93,7 @@ fn denoiser() -> ComponentSpec {
             largest_leaf_bytes: 5 * MB,
             leaf_count: 20,
             first_leaf_bytes: 5 * MB,
+            leaf_bytes: Vec::new(),
         })
         .with_activation(MB)
         .with_cost(0.0, 4)
@@ -159,4 +160,71 @@ fn a_peer_with_no_finite_positive_rate_is_refused() {
         error.to_string().contains("peer cuda:1 has a link rate of 0 bytes/s; give a finite positive rate"),
         "{error}"
     );
+}
+
+#[test]
+fn with_each_leafs_size_a_peer_holds_exactly_the_leaves_a_run_keeps() {
+    // Two 40 MB blocks of leaves of 20, 10, 10 and 10, 10, 20 MB, streamed at leaf level (a card of 50 MB holds
+    // no block pair whole), a fast peer of 35 MB: the run keeps a 20 MB and a 10 MB leaf there (30 MB), where six
+    // leaves taken as equal (13.33 MB each) would say 26.67 MB.
+    let leaves = vec![20 * MB, 10 * MB, 10 * MB, 10 * MB, 10 * MB, 20 * MB];
+    let spec = ComponentSpec::new("denoiser", 85 * MB)
+        .with_layout(BlockLayout {
+            block_bytes: vec![40 * MB, 40 * MB],
+            outside_bytes: 5 * MB,
+            largest_leaf_bytes: 20 * MB,
+            leaf_count: 6,
+            first_leaf_bytes: 20 * MB,
+            leaf_bytes: leaves,
+        })
+        .with_activation(MB)
+        .with_cost(0.0, 4);
+    let machine = Machine::new(50 * MB, 50 * MB, HostMemory::new(32 * GB, 28 * GB)).with_peer(PeerDevice::new(
+        "fast",
+        35 * MB,
+        40e9,
+        0.0,
+    ));
+    let plan =
+        plan_pipeline(std::slice::from_ref(&spec), settings(&[("pinned_budget", "0"), ("reserve", "1MB")]), &machine)
+            .expect("plans");
+    let planned = plan.component("denoiser").expect("planned");
+    assert!(matches!(planned.route, Route::LeafGroupOffload { .. }), "{plan}");
+    assert_eq!(planned.peers[0].bytes, 30 * MB, "{plan}");
+    assert_eq!(planned.peers[0].groups, 2);
+    // A size per leaf, or none: five sizes for six leaves is refused.
+    let mut wrong = spec;
+    if let Some(layout) = wrong.layout.as_mut() {
+        layout.leaf_bytes.pop();
+    }
+    let error = wrong.validate().expect_err("refused");
+    assert!(error.to_string().contains("its layout lists 5 leaf sizes for 6 leaves"), "{error}");
+}
+
+#[test]
+fn groups_on_a_peer_are_not_pinned_too() {
+    // A denoiser of 12 blocks of 2, 3 and 4 GB called 30 times an image, whose streamed groups the plan pins: a
+    // 16 GB peer over NVLink (faster than pinned RAM) takes some, and the pinned budget shrinks to the rest.
+    let blocks: Vec<u64> = (0..12).map(|i| (2 + i % 3) * GB).collect();
+    let spec = ComponentSpec::new("unet", blocks.iter().sum::<u64>() + GB)
+        .with_layout(BlockLayout {
+            block_bytes: blocks,
+            outside_bytes: GB,
+            largest_leaf_bytes: GB / 2,
+            leaf_count: 0,
+            first_leaf_bytes: 0,
+            leaf_bytes: Vec::new(),
+        })
+        .with_activation(2 * GB)
+        .with_cost(4e13, 30);
+    let machine = Machine::new(24 * GB, 23 * GB, HostMemory::new(64 * GB, 58 * GB));
+    let alone = plan_pipeline(std::slice::from_ref(&spec), Preset::Auto, &machine).expect("plans");
+    let with = plan_pipeline(std::slice::from_ref(&spec), Preset::Auto, &machine.with_peer(nvlink("cuda:1", 16 * GB)))
+        .expect("plans");
+    let (before, after) = (&alone.components[0], &with.components[0]);
+    assert_eq!(after.peer_bytes("cuda:1"), 16 * GB, "{with}");
+    assert!(before.pinned_bytes > 0, "{alone}");
+    assert_eq!(after.pinned_bytes, before.pinned_bytes - 16 * GB, "the pinned groups are the ones left: {with}");
+    assert!(after.why.contains("its pinned budget shrinks from"), "{}", after.why);
+    assert!(with.seconds_per_image() < alone.seconds_per_image());
 }

@@ -479,6 +479,7 @@ fn inconsistent_components_are_refused() {
         largest_leaf_bytes: 10,
         leaf_count: 4,
         first_leaf_bytes: 10,
+        leaf_bytes: Vec::new(),
     });
     let err = enable_offload(&bad_layout, Preset::Auto, &machine(8, 32)).expect_err("900 is not 1000");
     check(

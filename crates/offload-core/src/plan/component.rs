@@ -26,6 +26,10 @@ pub struct BlockLayout {
     /// prefetch, the group the last call of an image prefetches for a next call that does not come in the
     /// phase. 0 when unknown.
     pub first_leaf_bytes: u64,
+    /// Each leaf group's bytes, `leaf_count` of them, block by block (empty where unknown: the planner then takes
+    /// the leaves as equal, the bytes in the blocks shared evenly). With them, a split of the streamed leaves over
+    /// RAM, the file and further devices counts exactly the leaves a run keeps.
+    pub leaf_bytes: Vec<u64>,
 }
 
 impl BlockLayout {
@@ -64,6 +68,7 @@ impl BlockLayout {
 ///         largest_leaf_bytes: 78_643_200,
 ///         leaf_count: 481,
 ///         first_leaf_bytes: 7_895_040,
+///         leaf_bytes: Vec::new(),
 ///     })
 ///     .with_activation(547_608_576)
 ///     .with_cost(5.97e13, 8);
@@ -244,6 +249,13 @@ impl ComponentSpec {
             }
             if layout.largest_leaf_bytes > self.weight_bytes {
                 return Err(invalid("its largest leaf is larger than its weights; give one layer's bytes".into()));
+            }
+            if !layout.leaf_bytes.is_empty() && layout.leaf_bytes.len() != layout.leaf_count {
+                return Err(invalid(format!(
+                    "its layout lists {} leaf sizes for {} leaves; give one size per leaf group, or none",
+                    layout.leaf_bytes.len(),
+                    layout.leaf_count
+                )));
             }
             if layout.leaf_count == 0 && layout.block_bytes.is_empty() {
                 return Err(invalid("its layout has neither blocks nor leaves; leave the layout out instead".into()));

@@ -308,7 +308,7 @@ pub fn enable_offload(
 /// use offload_core::plan::{BlockLayout, ComponentSpec, HostMemory, Machine, Preset, Route, plan_pipeline};
 /// let gib = 1u64 << 30;
 /// let denoiser = ComponentSpec::new("denoiser", 12 * gib)
-///     .with_layout(BlockLayout { block_bytes: vec![gib; 12], outside_bytes: 0, largest_leaf_bytes: gib / 8, leaf_count: 96, first_leaf_bytes: gib / 8 })
+///     .with_layout(BlockLayout { block_bytes: vec![gib; 12], outside_bytes: 0, largest_leaf_bytes: gib / 8, leaf_count: 96, first_leaf_bytes: gib / 8, leaf_bytes: Vec::new() })
 ///     .with_activation(gib)
 ///     .with_cost(4e13, 8);
 /// let machine = Machine::new(8 * gib, 7 * gib, HostMemory::new(64 * gib, 60 * gib));
@@ -476,8 +476,8 @@ fn kept_groups(groups: &[u64], budget: u64) -> (u64, usize) {
 }
 
 /// The bytes of each group a component's shape streams, in call order (the groups its resident budget does not
-/// keep), or `None` where it streams none or has no layout. At leaf level the layout gives the leaves' count, not
-/// each one's size: they are taken as equal, and the run keeps whole leaves within a share, up to it.
+/// keep), or `None` where it streams none or has no layout. At leaf level, the layout's leaf sizes; where it gives
+/// only their count, the leaves are taken as equal, and the run keeps whole leaves within a share, up to it.
 fn streamed_groups(spec: &ComponentSpec, shape: &Shape) -> Option<Vec<u64>> {
     let layout = spec.layout.as_ref()?;
     let groups: Vec<u64> = match shape.route {
@@ -494,6 +494,7 @@ fn streamed_groups(spec: &ComponentSpec, shape: &Shape) -> Option<Vec<u64>> {
                 })
                 .collect()
         }
+        Route::LeafGroupOffload { .. } if !layout.leaf_bytes.is_empty() => layout.leaf_bytes.clone(),
         Route::LeafGroupOffload { .. } if layout.leaf_count > 0 => {
             let streamed = spec.weight_bytes.saturating_sub(layout.outside_bytes);
             let count = layout.leaf_count as u64;

@@ -49,6 +49,7 @@ pub fn z_image_turbo() -> Vec<ComponentSpec> {
             leaf_count: 36 * 7,
             // q_proj (4096 x 2560), the first part a layer's forward takes after its norms.
             first_leaf_bytes: 4096 * 2560 * 2,
+            leaf_bytes: Vec::new(),
         })
         .with_activation(gib(0.28) + gib(0.15))
         .with_cost(text_flops, 1)
@@ -68,6 +69,7 @@ pub fn z_image_turbo() -> Vec<ComponentSpec> {
             leaf_count: 32 * 8 + 2 * 7,
             // adaLN_modulation.0 (256 -> 4 x 3840, with bias) of the first noise_refiner block.
             first_leaf_bytes: (256 * 15_360 + 15_360) * 2,
+            leaf_bytes: Vec::new(),
         })
         .with_activation(gib(0.46) + gib(0.05))
         .with_cost(transformer_flops, STEPS)

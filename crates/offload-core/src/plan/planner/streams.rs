@@ -14,9 +14,11 @@
 //! nothing. Each placement is kept only where the full time model, prefetch hiding copies under compute, predicts
 //! less time per image.
 //!
-//! A run follows a placement with budgets, not a list of groups: group offload puts each group it uploads on the
-//! first of the component's donor and its RAM budget with room, in call order. The shares the plan reports are
-//! what that rule keeps of each placement ([`fill_in_call_order`]).
+//! A run follows a placement with budgets, not a list of groups: group offload pins its first streamed groups
+//! while they fit the pinned budget, then puts each group it uploads on the first of the component's donor and
+//! its RAM budget with room, in call order, a pinned group staying with the host. The shares the plan reports are
+//! what that rule keeps of each placement ([`fill_in_call_order`]), and a component whose groups go to a peer pins
+//! only what the placement still copies from pinned memory.
 
 use super::{Choice, Planner, Shape, evaluate, fs, join_and, streamed_groups};
 use crate::plan::component::{ComponentSpec, Route};
@@ -25,8 +27,8 @@ use crate::plan::machine::{PeerDevice, PeerShare};
 
 impl Planner<'_> {
     /// Places `left` bytes of RAM and the peers' memory over the streamed groups of the group-offloaded
-    /// components whose copies read the disk (a split; at leaf level the leaves taken as equal), see the module's
-    /// docs. The split is kept only where it lowers the predicted time per image (the page cache shrinks by what
+    /// components whose copies read the disk (a split; at leaf level each leaf by its size where the layout gives
+    /// it), see the module's docs. The split is kept only where it lowers the predicted time per image (the page cache shrinks by what
     /// RAM takes); each component's shares are set in its shape, and the reason for each one that keeps groups in
     /// RAM is returned (what it holds on peers is its `peer_note`).
     pub(super) fn split_streams(
@@ -217,9 +219,15 @@ impl Planner<'_> {
             let host_rates = host_rates.join(", ");
             let Ok(placement) = problem.place() else { continue };
             let all = 0..groups.len();
-            let budgets: Vec<u64> = (0..peers.len()).map(|p| bytes_from(&placement, &problem, p, &all)).collect();
+            // The run pins its first groups up to the pinned bytes the placement uses, then puts the next ones on
+            // the peers: the pinned budget shrinks to what the host still serves from it.
+            let pinned = (problem.donors.iter().position(|d| d.kind == DonorKind::PinnedRam))
+                .map_or(0, |d| bytes_from(&placement, &problem, d, &all));
+            let mut budgets = vec![pinned];
+            budgets.extend((0..peers.len()).map(|p| bytes_from(&placement, &problem, p, &all)));
             let fills = fill_in_call_order(&groups, &budgets);
-            let shares = shares(peers, &fills);
+            let (pinned, fills) = (fills[0].0, &fills[1..]);
+            let shares = shares(peers, fills);
             if shares.iter().all(|share| share.bytes == 0) {
                 let rates: Vec<String> = (peers.iter())
                     .map(|peer| format!("{:.3} s per GB from {}", peer.seconds_per_gb(), peer.name))
@@ -235,6 +243,7 @@ impl Planner<'_> {
             let mut placed = shape.clone();
             placed.peers =
                 (fills.iter().zip(peers)).map(|((bytes, _), peer)| (*bytes, peer.bytes_per_second)).collect();
+            placed.pinned = placed.pinned.min(pinned);
             let calls = spec.calls_per_image;
             let before = evaluate(spec, shape, choice.headroom, &time).per_image_seconds(calls);
             let after = evaluate(spec, &placed, choice.headroom, &time).per_image_seconds(calls);
@@ -250,7 +259,15 @@ impl Planner<'_> {
                 left[p] -= share.bytes;
             }
             let saving = Some(before - after);
-            choices[i].peer_note = Some(peer_note(&shares, peers, groups.len(), &host_rates, calls, saving));
+            let mut note = peer_note(&shares, peers, groups.len(), &host_rates, calls, saving);
+            if placed.pinned < shape.pinned {
+                note.push_str(&format!(
+                    "; its pinned budget shrinks from {} to {}: the groups on the peers need none",
+                    fs(shape.pinned),
+                    fs(placed.pinned)
+                ));
+            }
+            choices[i].peer_note = Some(note);
             choices[i].shape = placed;
             choices[i].peer_shares = shares;
         }
