@@ -440,6 +440,14 @@ impl Shared {
     /// pinned one stay with the host (a pinned host copy is the host's fastest; the pinned budget and the donor's
     /// are two places, as a plan gives them); a donor card that refuses the allocation leaves the group streaming
     /// from the host.
+    /// Samples the donor's memory on the timeline (its own counter track, `device memory cuda:1`), where the donor
+    /// has readings: the trace and the memory plot show what it holds beside the execution device.
+    fn sample_donor(&self) {
+        if let Some(memory) = self.config.donor.as_ref().and_then(|donor| donor.device.memory().as_ref()) {
+            self.config.timeline.sample_memory(memory.as_ref());
+        }
+    }
+
     fn place_on_donor(&self, host: &GroupHost, tensors: &[DeviceTensor]) {
         let Some(donor) = &self.config.donor else { return };
         let resident = self.state.lock().groups.iter().any(|g| std::ptr::eq(Arc::as_ptr(&g.host), host) && g.kept);
@@ -472,6 +480,7 @@ impl Shared {
         match copied {
             Some(tensors) => {
                 host.keep_on_donor(DonorCopy { tensors, ledger, sizes });
+                self.sample_donor();
                 // Its uploads come from the donor now: a read kept in RAM for it goes back to the RAM budget.
                 let given = host.forget_read();
                 self.ram_left.fetch_add(given, Ordering::AcqRel);
@@ -974,6 +983,9 @@ impl Engine {
                 shared.ram_left.fetch_add(given, Ordering::AcqRel);
                 let given = state.groups[group].host.leave_donor();
                 shared.donor_left.fetch_add(given, Ordering::AcqRel);
+                if given > 0 {
+                    shared.sample_donor();
+                }
                 return;
             }
             let prefetching = !state.capturing && shared.config.prefetch;

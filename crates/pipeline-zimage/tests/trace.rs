@@ -242,3 +242,39 @@ fn each_card_of_a_device_map_has_its_own_memory_track_and_line() {
     assert!(drawn > 100, "only {drawn} pixels of the second card's line");
     std::fs::remove_dir_all(&out).ok();
 }
+
+/// A donor card holding the transformer's streamed groups has a memory track of its own in the trace and a line in
+/// the plot, its samples what the card held.
+#[test]
+fn a_donor_card_has_its_own_memory_track_and_line() {
+    use group_offload::config::PeerDonor;
+    use pipeline_zimage::loading::LoadOptions;
+    use pipeline_zimage::pipeline::DeviceMap;
+    let (opts, _) = turbo_options();
+    let first = SimCard::new(CardSpec::parse("8MB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0));
+    let mut spec = CardSpec::parse("8MB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
+    spec.device = offload_core::DeviceName::parse("cuda:1").expect("a name");
+    let second = SimCard::new(spec);
+    let gpu0 = OffloadDevice::simulated(first);
+    let dir = common::fixtures().join("tiny-z-image-turbo");
+    let mut pipeline =
+        ZImagePipeline::load_mapped(dir, DeviceMap::single(gpu0), &LoadOptions::new()).expect("loads on one card");
+    let timeline = Timeline::enabled();
+    pipeline.set_timeline(timeline.clone()).expect("no group offload yet");
+    let donor = PeerDonor::new(OffloadDevice::simulated(second.clone()), second.total(), 50e9);
+    pipeline.transformer_mut().set_donor(donor).expect("before group offload");
+    pipeline.enable_group_offload(1, 1).expect("group offload");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
+    pipeline.generate(&opts, &mut |_, _| {}).expect("the run succeeds");
+
+    let tracks = timeline.memory_tracks();
+    let names: Vec<&str> = tracks.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(names, ["device memory", "device memory cuda:1"]);
+    let donor_max = tracks[1].1.iter().map(|s| s.allocated).max().expect("samples of cuda:1");
+    assert!(donor_max > 0 && donor_max == second.peak(), "{donor_max} against a peak of {}", second.peak());
+    let out = std::env::temp_dir().join(format!("pipeline-zimage-donor-plot-{}", std::process::id()));
+    std::fs::create_dir_all(&out).expect("a temporary directory");
+    let summary = draw_memory_plot(&timeline, &out.join("memory.png"), &PlotOptions::default()).expect("drawn");
+    assert_eq!(summary.devices, 2, "{summary:?}");
+    std::fs::remove_dir_all(&out).ok();
+}
