@@ -339,6 +339,7 @@ impl Shared {
             available: reading.map(|r| r.available),
             peak: reading.map(|r| r.peak),
             read: None,
+            from_peer: None,
         }
     }
 
@@ -371,6 +372,7 @@ impl Shared {
             available: reading.map(|r| r.available),
             peak: reading.map(|r| r.peak),
             read: None,
+            from_peer: None,
         });
     }
 
@@ -621,6 +623,9 @@ impl Shared {
                 available: reading.map(|r| r.available),
                 peak: reading.map(|r| r.peak),
                 read,
+                from_peer: came_from_donor
+                    .then(|| self.config.donor.as_ref().map(|donor| donor.device.name().to_string()))
+                    .flatten(),
             });
         }
         Ok(tensors.into())

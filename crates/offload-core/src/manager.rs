@@ -825,6 +825,7 @@ impl ComponentsManager {
                     available: Some(reading.available),
                     peak: Some(reading.peak),
                     read: None,
+                    from_peer: None,
                 });
                 tracing::info!(component = id, device = %device, bytes = %format_size(resident_bytes), "onload");
                 let entry = &mut state.entries[index];
@@ -870,6 +871,7 @@ impl ComponentsManager {
             available: Some(reading.available),
             peak: Some(reading.peak),
             read: None,
+            from_peer: None,
         });
         Ok(())
     }

@@ -107,6 +107,9 @@ pub struct OffloadEvent {
     /// The read of the host copy from a file that the move made (a group read from its checkpoint file, the
     /// file tier, or from the disk store); `None` for a host copy in memory and for the manager's moves.
     pub read: Option<FileRead>,
+    /// The device an upload copied the group from, where it was not the host: a donor holding it between its
+    /// uploads (`cuda:1`). The record's table shows it after the reason (`prefetch, from cuda:1`).
+    pub from_peer: Option<String>,
 }
 
 /// A move's read of its host copy from a file: its bytes and wall time, as the disk meter noted it
@@ -157,6 +160,9 @@ pub struct RecordRow {
     pub reason: String,
     /// The group's read of its host copy from a file ([`OffloadEvent::read`]), printed after the reason.
     pub read: Option<FileRead>,
+    /// The device the group was copied from, where not the host ([`OffloadEvent::from_peer`]), printed after the
+    /// reason.
+    pub from_peer: Option<String>,
 }
 
 /// A shared, bounded record of moves. Cloning shares it: the manager and every group offloader write into one.
@@ -293,6 +299,7 @@ impl OffloadRecord {
     ///     available: Some(100_000),
     ///     peak: Some(900_000),
     ///     read: None,
+    ///     from_peer: None,
     /// });
     /// let refusals = record.refusals_since(mark).expect("one refusal");
     /// assert_eq!(refusals.count, 1);
@@ -414,6 +421,7 @@ fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
                 peak: event.peak,
                 reason: reason.as_ref().map(ToString::to_string).unwrap_or_default(),
                 read: event.read,
+                from_peer: event.from_peer.clone(),
             }),
             (Action::Onload, _) => {
                 let caused = match pending.iter().position(|(target, _)| *target == event.id) {
@@ -429,6 +437,7 @@ fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
                     peak: first.peak,
                     reason: event.reason.as_ref().map(ToString::to_string).unwrap_or_default(),
                     read: event.read,
+                    from_peer: event.from_peer.clone(),
                 });
             }
             (Action::Offload, Some(Reason::ReleaseMemoryFor(target))) if !resident.contains(target.as_str()) => {
@@ -445,6 +454,7 @@ fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
                 peak: event.peak,
                 reason: reason.as_ref().map(ToString::to_string).unwrap_or_default(),
                 read: event.read,
+                from_peer: event.from_peer.clone(),
             }),
         }
     }
@@ -458,6 +468,7 @@ fn rows_of(events: &[OffloadEvent]) -> Vec<RecordRow> {
                 peak: event.peak,
                 reason: format!("release_memory_for:{target}"),
                 read: event.read,
+                from_peer: event.from_peer.clone(),
             });
         }
     }
@@ -518,9 +529,10 @@ impl OffloadRecord {
                     if offloaded.is_empty() { "-".to_string() } else { offloaded.join(", ") },
                     size(row.available),
                     size(row.peak),
-                    match row.read {
-                        Some(read) => format!("{}, {read}", row.reason),
-                        None => row.reason,
+                    match (row.read, &row.from_peer) {
+                        (Some(read), _) => format!("{}, {read}", row.reason),
+                        (None, Some(peer)) => format!("{}, from {peer}", row.reason),
+                        (None, None) => row.reason,
                     },
                 ]
             })
@@ -626,7 +638,16 @@ mod tests {
     }
 
     fn event(action: Action, id: &str, bytes: u64, reason: Option<Reason>, available: u64, peak: u64) -> OffloadEvent {
-        OffloadEvent { action, id: id.into(), bytes, reason, available: Some(available), peak: Some(peak), read: None }
+        OffloadEvent {
+            action,
+            id: id.into(),
+            bytes,
+            reason,
+            available: Some(available),
+            peak: Some(peak),
+            read: None,
+            from_peer: None,
+        }
     }
 
     /// The 20GB table from the anchor's docs, rebuilt from its events, byte for byte (no closing dash line).
@@ -746,6 +767,19 @@ mod tests {
         assert_eq!(record.rows()[1].reason, "prefetch");
     }
 
+    /// A group copied from a donor device says so after its reason; a read from a file takes precedence (a move
+    /// has one source).
+    #[test]
+    fn a_group_copied_from_a_donor_names_the_device_after_its_reason() {
+        let record = OffloadRecord::new();
+        let mut upload = event(Action::Onload, "tr_2/layers_1_1", 4096, Some(Reason::Prefetch), 64 * 1024, 4096);
+        upload.from_peer = Some("cuda:1".into());
+        record.add(upload);
+        assert!(record.to_string().ends_with("| prefetch, from cuda:1"), "{record}");
+        assert_eq!(record.rows()[0].from_peer.as_deref(), Some("cuda:1"));
+        assert_eq!(record.rows()[0].reason, "prefetch");
+    }
+
     /// `refusals_since` sums the refusals added after a mark, whatever else was added, and is `None` without any.
     #[test]
     fn refusals_since_a_mark_sum_what_was_refused_after_it() {
@@ -758,6 +792,7 @@ mod tests {
             available: Some(available),
             peak: Some(0),
             read: None,
+            from_peer: None,
         };
         record.add(refused("unet/a", Reason::PrefetchRefused, 10));
         let mark = record.total_added();

@@ -1559,9 +1559,17 @@ fn print_record(pipeline: &ZImagePipeline) {
         let uploads: Vec<_> = moves.iter().filter(|e| e.action == offload_core::Action::Onload).collect();
         let prefetched = uploads.iter().filter(|e| matches!(e.reason, Some(offload_core::Reason::Prefetch))).count();
         let refused = moves.iter().filter(|e| e.is_refusal()).count();
+        let mut peers: Vec<(&str, usize)> = Vec::new();
+        for peer in uploads.iter().filter_map(|e| e.from_peer.as_deref()) {
+            match peers.iter_mut().find(|(name, _)| *name == peer) {
+                Some((_, count)) => *count += 1,
+                None => peers.push((peer, 1)),
+            }
+        }
+        let from_peers: String = peers.iter().map(|(peer, count)| format!(", {count} copied from {peer}")).collect();
         println!(
-            "group moves: {} uploads ({}), {prefetched} of them prefetched, {} releases, {refused} refused (rows of \
-             the record's group moves; --trace shows each on its thread)",
+            "group moves: {} uploads ({}), {prefetched} of them prefetched{from_peers}, {} releases, {refused} refused \
+             (rows of the record's group moves; --trace shows each on its thread)",
             uploads.len(),
             format_size(uploads.iter().map(|e| e.bytes).sum()),
             moves.iter().filter(|e| e.action == offload_core::Action::Offload).count()

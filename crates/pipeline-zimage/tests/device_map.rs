@@ -236,5 +236,8 @@ fn under_the_planner_a_donor_holds_the_share_the_plan_placed_on_it() {
     let held = stdout.lines().find(|line| line.starts_with("donor: ") && line.contains("held on its card"));
     let held = held.unwrap_or_else(|| panic!("no donor line in the report:\n{stdout}"));
     assert!(held.starts_with(&format!("donor: {share} of the transformer's groups")), "{share} planned: {held}");
+    // The record names the donor on each upload copied from it.
+    let moves = stdout.lines().find(|line| line.starts_with("group moves: ")).expect("the group moves line");
+    assert!(moves.contains(" copied from cuda:1, "), "{moves}");
     std::fs::remove_dir_all(&dir).ok();
 }
