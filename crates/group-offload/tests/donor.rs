@@ -55,6 +55,8 @@ struct Run {
     held: (u64, usize),
     /// What the donor's card had allocated then, before the model was dropped.
     donor_allocated: Option<u64>,
+    /// The probe's reading then ([`run_probed`]).
+    probed: Option<u64>,
 }
 
 /// Three forwards of `model` streamed block by block without prefetch (the order is then the call order), with
@@ -65,6 +67,11 @@ fn run(model: Net, donor: Option<PeerDonor>, resident_budget: u64) -> Run {
 
 /// [`run`] under `options`.
 fn run_with(model: Net, donor: Option<PeerDonor>, options: GroupOptions) -> Run {
+    run_probed(model, donor, options, None)
+}
+
+/// [`run_with`], reading `probe` after the forwards, before the model is dropped.
+fn run_probed(model: Net, donor: Option<PeerDonor>, options: GroupOptions, probe: Option<&dyn Fn() -> u64>) -> Run {
     let exec = card("1MB", "cuda:0");
     // The donor's card, asked for from its device object.
     let donor_card = donor.as_ref().and_then(|donor| donor.device.account::<SimCard>());
@@ -84,7 +91,7 @@ fn run_with(model: Net, donor: Option<PeerDonor>, options: GroupOptions) -> Run 
         outputs.push(out.into_data().as_bytes().to_vec());
     }
     let held = handle.group_offload().unwrap().donor_bytes();
-    Run { outputs, exec, held, donor_allocated: donor_card.map(|card| card.allocated()) }
+    Run { outputs, exec, held, donor_allocated: donor_card.map(|card| card.allocated()), probed: probe.map(|p| p()) }
 }
 
 #[test]
@@ -172,12 +179,45 @@ fn a_pinned_group_streams_from_the_host_and_the_donor_takes_the_groups_after_it(
     let model = net();
     let host_only = run(model.clone(), None, 0);
     let donor_card = card("1MB", "cuda:1");
-    let donor = PeerDonor::new(OffloadDevice::simulated(donor_card), 4 * BLOCK, DONOR_RATE);
+    let donor = PeerDonor::new(OffloadDevice::simulated(donor_card.clone()), 4 * BLOCK, DONOR_RATE);
     // The first two blocks registered are pinned (the pinned budget, a plan's pinned share); the donor, with room
     // for all four, takes the two after them.
     let options = GroupOptions { prefetch: false, pinned_budget: 2 * BLOCK, ..GroupOptions::default() };
-    let run = run_with(model, Some(donor), options);
+    let run = run_probed(model, Some(donor), options, Some(&|| donor_card.peak()));
+    assert_eq!(run.probed, Some(2 * BLOCK), "the donor's card never held a pinned block");
     assert_eq!(run.outputs, host_only.outputs);
     assert_eq!(run.held, (2 * BLOCK, 2), "blocks 2 and 3; the pinned blocks 0 and 1 stay with the host");
     assert_eq!(run.exec.stats().bytes_from_peers, 2 * 2 * BLOCK, "two later forwards take blocks 2 and 3 from it");
+}
+
+/// A donor on a real runtime: burn's wgpu device (Vulkan; Mesa's lavapipe on a CPU-only machine) holds the card's
+/// streamed groups, each copied across runtimes twice (onto the donor after its first upload, from it at every
+/// later one: burn's `Tensor::to_device`, the call a second GPU's copies take). The output is the host-only run's
+/// bit for bit; the runtime's own pool holds the groups while the model lives and gives them back when it goes.
+/// `cargo test -p group-offload --features wgpu --test donor`.
+#[cfg(feature = "wgpu")]
+#[test]
+fn a_wgpu_device_holds_streamed_groups_for_a_card_and_its_pool_gives_them_back() {
+    use group_offload::device::{PagePolicy, open_device_with};
+    let name = DeviceName::parse("wgpu").unwrap();
+    let wgpu = open_device_with(&name, PagePolicy::Exclusive)
+        .unwrap_or_else(|error| panic!("{error} (this test needs a Vulkan driver: Mesa's lavapipe on a CPU)"));
+    let in_use = || wgpu.memory_pool_usage().expect("the runtime's pool readings").bytes_in_use;
+    wgpu.memory_cleanup();
+    let before = in_use();
+    let model = net();
+    let host_only = run(model.clone(), None, 0);
+    // The donor's account accepts anything: what the donor holds is read from the runtime's own pool instead.
+    let donor_device = OffloadDevice::on_device(wgpu.clone(), name, Arc::new(offload_core::NoLedger), None);
+    let donor = PeerDonor::new(donor_device, 2 * BLOCK + BLOCK / 2, DONOR_RATE);
+    let options = GroupOptions { prefetch: false, ..GroupOptions::default() };
+    let with_donor = run_probed(model, Some(donor), options, Some(&in_use));
+    assert_eq!(with_donor.outputs, host_only.outputs, "copies through the wgpu device give the host run's output");
+    assert_eq!(with_donor.held, (2 * BLOCK, 2), "the first two blocks uploaded, as the budget takes");
+    // Exclusive pages: each sized to its allocation, so the pool holds the two blocks' tensors.
+    let pool = with_donor.probed.unwrap() - before;
+    println!("the wgpu pool held {pool} bytes for the donor's {} bytes of groups", with_donor.held.0);
+    assert!(pool >= 2 * BLOCK, "the wgpu pool holds the donor's groups: {pool} bytes in use over {before}");
+    wgpu.memory_cleanup();
+    assert_eq!(in_use(), before, "the donor's pool got every group back when the model went");
 }
