@@ -28,9 +28,9 @@ use crate::plan::machine::{PeerDevice, PeerShare};
 impl Planner<'_> {
     /// Places `left` bytes of RAM and the peers' memory over the streamed groups of the group-offloaded
     /// components whose copies read the disk (a split; at leaf level each leaf by its size where the layout gives
-    /// it), see the module's docs. The split is kept only where it lowers the predicted time per image (the page cache shrinks by what
-    /// RAM takes); each component's shares are set in its shape, and the reason for each one that keeps groups in
-    /// RAM is returned (what it holds on peers is its `peer_note`).
+    /// it), see the module's docs. The split is kept only where it lowers the predicted time per image (the page
+    /// cache shrinks by what RAM takes); each component's shares are set in its shape, and the reason for each one
+    /// that keeps groups in RAM is returned (what it holds on peers is its `peer_note`).
     pub(super) fn split_streams(
         &self,
         components: &[ComponentSpec],
