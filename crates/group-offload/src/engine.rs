@@ -571,6 +571,7 @@ impl Shared {
                 .map_err(|error| self.onload_error(host, error))?;
         }
         let copy_started = std::time::Instant::now();
+        let peer = from_donor.as_ref().map(|(donor, _)| donor.device.name().clone());
         let donor_tensors = from_donor.map(|(_, tensors)| tensors);
         let built = catch_device_panic(|| match donor_tensors {
             Some(tensors) => {
@@ -609,10 +610,20 @@ impl Shared {
         if !came_from_donor && self.config.donor.is_some() {
             self.place_on_donor(host, &tensors);
         }
-        if self.config.check_uploads && !came_from_donor {
-            // Unchecked, the copies were only queued: their time is not the link's, and is not noted.
+        if self.config.check_uploads {
+            // Unchecked, the copies were only queued: their time is not the link's, and is not noted. A copy from
+            // a donor is the peer link's, on that peer's clock; any other is the host link's.
             let seconds = copy_started.elapsed().as_secs_f64();
-            self.config.device.link().note(LinkSample { bytes: host.bytes, seconds, page_locked: host.page_locked });
+            match &peer {
+                Some(peer) => {
+                    let sample = LinkSample { bytes: host.bytes, seconds, page_locked: false };
+                    self.config.device.peer_link(peer).note(sample);
+                }
+                None => {
+                    let sample = LinkSample { bytes: host.bytes, seconds, page_locked: host.page_locked };
+                    self.config.device.link().note(sample);
+                }
+            }
         }
         if let Some(record) = &self.config.record {
             record.add(OffloadEvent {

@@ -58,12 +58,18 @@ struct Shared {
     ledger: Arc<dyn DeviceLedger>,
     memory: Option<Arc<dyn DeviceMemory>>,
     link: Arc<LinkMeter>,
+    /// One clock per peer whose memory groups are copied from onto this device (a donor card's), by its name.
+    peer_links: Arc<PeerLinks>,
     uploads: Arc<UploadThread>,
     manager: Arc<ComponentsManager>,
     /// The object behind the account, where a constructor was given one (a simulated card, a real device's pool
     /// readings, a cap over them): what a program's reports ask about ([`OffloadDevice::account`]).
     account: Option<Arc<dyn Any + Send + Sync>>,
 }
+
+/// The clocks on the copies from other devices' memory onto one device, one per peer.
+#[derive(Default)]
+struct PeerLinks(parking_lot::Mutex<Vec<(DeviceName, Arc<LinkMeter>)>>);
 
 impl OffloadDevice {
     /// `exec` computes (a real device, or the CPU under a card of the caller's), offloaded weights live on the CPU
@@ -94,6 +100,7 @@ impl OffloadDevice {
             ledger,
             memory,
             link: Arc::default(),
+            peer_links: Arc::default(),
             manager: Arc::new(ComponentsManager::new()),
             account,
         }))
@@ -111,6 +118,7 @@ impl OffloadDevice {
             ledger,
             memory,
             link: self.0.link.clone(),
+            peer_links: self.0.peer_links.clone(),
             uploads: self.0.uploads.clone(),
             manager: Arc::new(ComponentsManager::new()),
             account: None,
@@ -203,6 +211,30 @@ impl OffloadDevice {
     /// simulated card this is a host copy's rate, not the card's simulated link.
     pub fn link_rate(&self) -> Option<LinkRate> {
         self.0.link.rate()
+    }
+
+    /// The clock on the copies from `peer`'s memory onto this device: every group upload that comes from a donor
+    /// card (`GroupOptions::donor`) notes its bytes and wall time, from the start of the copy to the synced
+    /// read-back that publishes the group, on its donor's meter. A plan prices that peer's bytes at the rate it
+    /// measured once a run has stored it (`PeerRun::from_rate`, `ProfileStore::record_peer`,
+    /// `PeerDevice::with_measured`). Under a simulated card the copy is a host copy, not the card's simulated link.
+    pub fn peer_link(&self, peer: &DeviceName) -> Arc<LinkMeter> {
+        let mut meters = self.0.peer_links.0.lock();
+        match meters.iter().find(|(name, _)| name == peer) {
+            Some((_, meter)) => meter.clone(),
+            None => {
+                let meter = Arc::new(LinkMeter::default());
+                meters.push((peer.clone(), meter.clone()));
+                meter
+            }
+        }
+    }
+
+    /// The rate each peer's copies onto this device reached, measured by the clock, for the peers that made a
+    /// copy, in the order they first did.
+    pub fn peer_rates(&self) -> Vec<(DeviceName, LinkRate)> {
+        let meters = self.0.peer_links.0.lock();
+        meters.iter().filter_map(|(name, meter)| Some((name.clone(), meter.rate()?))).collect()
     }
 
     /// The device's manager: the models registered on the device ([`OffloadDevice::register`], in `handle`), its auto offload, OOM retry

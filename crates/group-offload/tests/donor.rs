@@ -14,6 +14,7 @@ use burn::tensor::{Device, Tensor};
 use group_offload::config::PeerDonor;
 use group_offload::prelude::*;
 use memory_sim::{CardSpec, Mode, SimCard};
+use offload_core::link::LinkRate;
 use offload_core::{DeviceMemory, DeviceName};
 
 #[derive(Module, Debug)]
@@ -57,6 +58,9 @@ struct Run {
     donor_allocated: Option<u64>,
     /// The probe's reading then ([`run_probed`]).
     probed: Option<u64>,
+    /// The execution device's clocks: the copies from each peer, and the count of copies over its host link.
+    peer_rates: Vec<(DeviceName, LinkRate)>,
+    host_copies: usize,
 }
 
 /// Three forwards of `model` streamed block by block without prefetch (the order is then the call order), with
@@ -91,7 +95,15 @@ fn run_probed(model: Net, donor: Option<PeerDonor>, options: GroupOptions, probe
         outputs.push(out.into_data().as_bytes().to_vec());
     }
     let held = handle.group_offload().unwrap().donor_bytes();
-    Run { outputs, exec, held, donor_allocated: donor_card.map(|card| card.allocated()), probed: probe.map(|p| p()) }
+    Run {
+        outputs,
+        exec,
+        held,
+        donor_allocated: donor_card.map(|card| card.allocated()),
+        probed: probe.map(|p| p()),
+        peer_rates: device.peer_rates(),
+        host_copies: device.link_rate().map_or(0, |rate| rate.uploads),
+    }
 }
 
 #[test]
@@ -116,6 +128,31 @@ fn the_groups_a_donor_holds_are_copied_from_it_and_the_output_is_the_host_runs()
     let peer = BLOCK as f64 / DONOR_RATE;
     let expected = without.transfer_seconds + 4.0 * (peer - host_copy);
     assert!((with.transfer_seconds - expected).abs() < 1e-12, "{} against {expected}", with.transfer_seconds);
+    // The execution device's clocks: the four copies from the donor on cuda:1's meter, none of them on the host
+    // link's, which timed four copies fewer than in the host-only run.
+    let cuda1 = DeviceName::parse("cuda:1").unwrap();
+    assert_eq!(with_donor.peer_rates.len(), 1);
+    let (peer, rate) = &with_donor.peer_rates[0];
+    assert_eq!((peer, rate.uploads, rate.bytes), (&cuda1, 4, 4 * BLOCK));
+    assert!(rate.median.is_finite() && rate.median > 0.0, "{rate}");
+    assert_eq!(host_only.host_copies - with_donor.host_copies, 4);
+    assert!(host_only.peer_rates.is_empty());
+}
+
+/// What the peer meter measured is what the next plan prices the peer at: its run's figures, measured, in place of
+/// the declared rate.
+#[test]
+fn the_copies_from_a_donor_are_timed_on_its_peer_meter_and_a_plan_prices_the_peer_at_their_rate() {
+    use offload_core::plan::{LinkSource, MeasuredPeer, PeerDevice, PeerRun};
+    let donor_card = card("1MB", "cuda:1");
+    let donor = PeerDonor::new(OffloadDevice::simulated(donor_card), 4 * BLOCK, DONOR_RATE);
+    let run = run(net(), Some(donor), 0);
+    let (_, rate) = run.peer_rates.first().expect("the donor's copies were timed");
+    let stored = PeerRun::from_rate(Some(*rate)).expect("copies timed");
+    assert_eq!((stored.copies, stored.bytes, stored.median), (8, 8 * BLOCK, rate.median));
+    let measured = MeasuredPeer::from_runs(&[stored]).expect("one run");
+    let peer = PeerDevice::new("cuda:1", 4 * BLOCK, DONOR_RATE, 0.0).with_measured(Some(measured));
+    assert_eq!((peer.bytes_per_second, peer.source), (rate.median, LinkSource::Measured { runs: 1, uploads: 8 }));
 }
 
 #[test]
@@ -217,6 +254,10 @@ fn a_wgpu_device_holds_streamed_groups_for_a_card_and_its_pool_gives_them_back()
     // Exclusive pages: each sized to its allocation, so the pool holds the two blocks' tensors.
     let pool = with_donor.probed.unwrap() - before;
     println!("the wgpu pool held {pool} bytes for the donor's {} bytes of groups", with_donor.held.0);
+    // The copies from the wgpu device were timed on its peer meter: a real runtime's copies, by the clock.
+    let (peer, rate) = with_donor.peer_rates.first().expect("the donor's copies were timed");
+    println!("copies from {peer} onto the card: {rate}");
+    assert_eq!((rate.uploads, rate.bytes), (4, 4 * BLOCK), "blocks 0 and 1 at the two later forwards");
     assert!(pool >= 2 * BLOCK, "the wgpu pool holds the donor's groups: {pool} bytes in use over {before}");
     wgpu.memory_cleanup();
     assert_eq!(in_use(), before, "the donor's pool got every group back when the model went");

@@ -381,6 +381,65 @@ fn a_measured_disk_rate_is_stored_per_disk_and_replaces_the_assumed_one() {
     }
 }
 
+/// The rate of a peer's copies onto the execution device, measured by a run's peer meter, is kept per pair beside
+/// the capacity profiles; the next plan prices the peer's bytes at it instead of the declared rate, and says so. A
+/// card declared to be over NVLink that measured at PCIe 3.0 x8's rate then holds nothing: pageable RAM is faster.
+#[test]
+fn a_measured_peer_rate_is_stored_per_pair_and_replaces_the_declared_one() {
+    use offload_core::plan::{LinkSource, MAX_PEER_RUNS, MeasuredPeer, PeerDevice, PeerRun};
+    let scratch = Scratch::new("peer");
+    let store = scratch.store();
+    assert_eq!(store.measured_peer("cuda:0", "cuda:1").expect("readable"), None, "nothing measured yet");
+    let run = |rate: f64| PeerRun { median: rate, p10: rate / 2.0, copies: 13, bytes: 4_381_000_000, at: 0 };
+    for rate in [2.8e9, 3.1e9, 45e9] {
+        store.record_peer("cuda:0", "cuda:1", run(rate)).expect("saved");
+    }
+    let measured = store.measured_peer("cuda:0", "cuda:1").expect("readable").expect("three runs");
+    assert_eq!((measured.median, measured.p10, measured.runs, measured.copies), (3.1e9, 1.55e9, 3, 39));
+    assert_eq!(measured.to_string(), "copies at 3.10 GB/s, 10th percentile 1.55 GB/s (median of 3 runs, 39 copies)");
+    // One pair's runs are not another's, nor the other direction's, nor the host link's.
+    assert_eq!(store.measured_peer("cuda:0", "cuda:2").expect("readable"), None);
+    assert_eq!(store.measured_peer("cuda:1", "cuda:0").expect("readable"), None);
+    assert_eq!(store.measured_link("cuda:0").expect("readable"), None);
+
+    let declared = PeerDevice::new("cuda:1", 4_000_000_000, 50e9, 10e-6);
+    let before =
+        plan_pipeline(&z_image_turbo(), Preset::Auto, &machine(8, 32).with_peer(declared.clone())).expect("plans");
+    let learned = machine(8, 32).with_peer(declared.with_measured(Some(measured)));
+    assert_eq!(learned.peers[0].source, LinkSource::Measured { runs: 3, uploads: 39 });
+    let after = plan_pipeline(&z_image_turbo(), Preset::Auto, &learned).expect("plans");
+    let transformer = |plan: &offload_core::plan::Plan| plan.component("transformer").expect("planned").clone();
+    assert!(transformer(&before).peer_bytes("cuda:1") > 3_000_000_000, "{before}");
+    assert!(after.components.iter().all(|c| c.peer_bytes("cuda:1") == 0), "{after}");
+    assert!(
+        transformer(&after).why.contains(
+            "no streamed group is held on cuda:1: the host's copies cost less, or the peers are full (0.323 s per GB \
+             (measured: the median of 3 runs' medians, 39 copies) from cuda:1 against"
+        ),
+        "{}",
+        transformer(&after).why
+    );
+    assert!(after.seconds_per_image() > before.seconds_per_image(), "{before}\n{after}");
+
+    // Only the last runs are kept; a run that timed nothing is refused and changes nothing.
+    for _ in 0..MAX_PEER_RUNS {
+        store.record_peer("cuda:0", "cuda:1", run(40e9)).expect("saved");
+    }
+    let newest = store.measured_peer("cuda:0", "cuda:1").expect("readable").expect("runs");
+    assert_eq!((newest.runs, newest.median), (MAX_PEER_RUNS, 40e9));
+    let err = store.record_peer("cuda:0", "cuda:1", PeerRun { copies: 0, ..run(1e9) }).expect_err("nothing timed");
+    expect!["cannot store the run of the copies from cuda:1 onto cuda:0: it timed 0 copies at a median of 1000000000 bytes/s; store only runs that timed copies (PeerRun::from_rate gives None for a run that timed none)"].assert_eq(&err.to_string());
+    assert_eq!(store.measured_peer("cuda:0", "cuda:1").expect("readable"), Some(newest));
+    assert_eq!(MeasuredPeer::from_runs(&[]), None);
+
+    // A broken file is an error that names it, not a declared rate.
+    std::fs::write(store.peer_path("cuda:0", "cuda:1"), "runs = 3").expect("written");
+    match store.measured_peer("cuda:0", "cuda:1") {
+        Err(PlanError::ProfileFormat { path, .. }) => assert_eq!(path, store.peer_path("cuda:0", "cuda:1")),
+        other => panic!("expected a format error, got {other:?}"),
+    }
+}
+
 /// A component's footprint measured in a device's pages is kept per device beside the capacity profiles, and the
 /// next plan counts what stays on the device in those bytes (its peak, whether everything fits), while what
 /// crosses the link stays the weight bytes.

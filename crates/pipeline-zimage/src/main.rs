@@ -1344,6 +1344,10 @@ fn report_devices(
                     format_size(stats.bytes_from_peers)
                 );
             }
+            // The peer meter's clock: on the CPU a copy from a simulated card is a host copy, not the card's link.
+            for (peer, rate) in placement.peer_rates() {
+                println!("copies from {peer}: {rate} (host copies: the simulated cards' link is priced above)");
+            }
             for (other, device) in others {
                 println!(
                     "peak on the simulated {} card {}: {}",

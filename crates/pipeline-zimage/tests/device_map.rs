@@ -239,5 +239,11 @@ fn under_the_planner_a_donor_holds_the_share_the_plan_placed_on_it() {
     // The record names the donor on each upload copied from it.
     let moves = stdout.lines().find(|line| line.starts_with("group moves: ")).expect("the group moves line");
     assert!(moves.contains(" copied from cuda:1, "), "{moves}");
+    // The execution device's peer meter timed each of those copies: as many as the record's rows name the donor.
+    let copied = moves.split(" copied from cuda:1").next().and_then(|before| before.rsplit(", ").next());
+    let timed = stdout.lines().find_map(|line| line.strip_prefix("copies from cuda:1: "));
+    let timed = timed.unwrap_or_else(|| panic!("no peer meter line:\n{stdout}"));
+    assert_eq!(timed.split(' ').next(), copied, "{timed} against {moves}");
+    assert!(timed.contains("measured by the clock"), "{timed}");
     std::fs::remove_dir_all(&dir).ok();
 }

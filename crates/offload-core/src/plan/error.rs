@@ -213,6 +213,22 @@ pub enum PlanError {
         median: f64,
     },
 
+    /// A peer link run that timed no copy at a positive rate, refused before anything is stored.
+    #[error(
+        "cannot store the run of the copies from {peer} onto {device}: it timed {copies} copies at a median of \
+         {median} bytes/s; store only runs that timed copies (PeerRun::from_rate gives None for a run that timed none)"
+    )]
+    InvalidPeerRun {
+        /// The execution device's label.
+        device: String,
+        /// The peer's name.
+        peer: String,
+        /// Copies the run timed.
+        copies: u64,
+        /// Their median rate, bytes per second.
+        median: f64,
+    },
+
     /// The platform's data directory is unknown, so profiles have nowhere to live.
     #[error("cannot find the platform's data directory for capacity profiles; set profile_dir (OFFLOAD_PROFILE_DIR)")]
     NoDataDir,

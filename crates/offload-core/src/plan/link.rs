@@ -206,13 +206,30 @@ impl MeasuredDisk {
     /// assert_eq!((disk.median, disk.runs, disk.reads), (2.5e9, 3, 102));
     /// ```
     pub fn from_runs(runs: &[DiskRun]) -> Option<Self> {
-        let timed: Vec<&DiskRun> =
-            runs.iter().filter(|r| r.reads > 0 && r.median.is_finite() && r.median > 0.0).collect();
+        let figures = RunFigures::of(runs.iter().map(|r| (r.median, r.p10, r.reads)))?;
+        Some(Self { median: figures.median, p10: figures.p10, runs: figures.runs, reads: figures.count })
+    }
+}
+
+/// The medians of stored runs' figures: what a disk's or a peer link's runs measure together.
+struct RunFigures {
+    median: f64,
+    p10: f64,
+    runs: usize,
+    count: u64,
+}
+
+impl RunFigures {
+    /// The figures of the runs given as (median rate, 10th percentile, timed count) that timed something at a
+    /// finite positive rate; `None` when none did.
+    fn of(runs: impl Iterator<Item = (f64, f64, u64)>) -> Option<Self> {
+        let timed: Vec<(f64, f64, u64)> =
+            runs.filter(|(rate, _, count)| *count > 0 && rate.is_finite() && *rate > 0.0).collect();
         Some(Self {
-            median: median(timed.iter().map(|r| r.median).collect())?,
-            p10: median(timed.iter().map(|r| r.p10).collect())?,
+            median: median(timed.iter().map(|r| r.0).collect())?,
+            p10: median(timed.iter().map(|r| r.1).collect())?,
             runs: timed.len(),
-            reads: timed.iter().map(|r| r.reads).sum(),
+            count: timed.iter().map(|r| r.2).sum(),
         })
     }
 }
@@ -228,6 +245,93 @@ impl fmt::Display for MeasuredDisk {
             self.reads
         )
     }
+}
+
+/// How many runs' figures a peer link keeps, newest last.
+pub const MAX_PEER_RUNS: usize = 16;
+
+/// One run's figures for the copies from a peer's memory onto the execution device (a donor card's groups), as
+/// stored: the rates of the copies it timed, one per group upload that came from the peer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(feature = "io", derive(Serialize, Deserialize))]
+pub struct PeerRun {
+    /// The median copy's rate, bytes per second.
+    pub median: f64,
+    /// The 10th percentile of its copies' rates (nine copies in ten were at least this fast), bytes per second.
+    pub p10: f64,
+    /// Copies it timed.
+    pub copies: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// When it ran, seconds since the Unix epoch.
+    pub at: u64,
+}
+
+impl PeerRun {
+    /// A run's figures from the rates of the copies a device's peer meter timed
+    /// (`OffloadDevice::peer_link(peer).rate()` in group offload); `None` when it timed none.
+    pub fn from_rate(copies: Option<LinkRate>) -> Option<Self> {
+        let rate = copies?;
+        Some(Self { median: rate.median, p10: rate.p10, copies: rate.uploads as u64, bytes: rate.bytes, at: 0 })
+    }
+}
+
+/// The rate of a peer's copies onto one execution device, measured: the median of the stored runs' medians. A plan
+/// prices that peer's bytes at it in place of the declared rate
+/// ([`PeerDevice::with_measured`](crate::plan::PeerDevice::with_measured)).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MeasuredPeer {
+    /// The median of the runs' median copy rates, bytes per second.
+    pub median: f64,
+    /// The median of the runs' 10th percentiles, bytes per second.
+    pub p10: f64,
+    /// Runs it is made from.
+    pub runs: usize,
+    /// Copies those runs timed.
+    pub copies: u64,
+}
+
+impl MeasuredPeer {
+    /// The figures of `runs`; `None` when no run timed a copy at a positive rate.
+    ///
+    /// ```
+    /// use offload_core::plan::{MeasuredPeer, PeerRun};
+    /// let run = |gb: f64| PeerRun { median: gb * 1e9, p10: gb * 0.5e9, copies: 9, bytes: 1, at: 0 };
+    /// let peer = MeasuredPeer::from_runs(&[run(40.0), run(3.0), run(45.0)]).unwrap();
+    /// assert_eq!((peer.median, peer.runs, peer.copies), (40e9, 3, 27));
+    /// ```
+    pub fn from_runs(runs: &[PeerRun]) -> Option<Self> {
+        let figures = RunFigures::of(runs.iter().map(|r| (r.median, r.p10, r.copies)))?;
+        Some(Self { median: figures.median, p10: figures.p10, runs: figures.runs, copies: figures.count })
+    }
+}
+
+impl fmt::Display for MeasuredPeer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let runs = if self.runs == 1 { "one run".to_string() } else { format!("median of {} runs", self.runs) };
+        write!(
+            f,
+            "copies at {:.2} GB/s, 10th percentile {:.2} GB/s ({runs}, {} copies)",
+            self.median / 1e9,
+            self.p10 / 1e9,
+            self.copies
+        )
+    }
+}
+
+/// One peer link's stored runs (feature `io`): `<profile dir>/peer-<key>.toml`, beside the capacity profiles.
+#[cfg(feature = "io")]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct PeerProfile {
+    /// [`crate::plan::SCHEMA_VERSION`].
+    schema_version: u32,
+    /// The execution device's label: where the copies went.
+    device: String,
+    /// The peer's name: where they came from.
+    peer: String,
+    /// The last [`MAX_PEER_RUNS`] runs, oldest first.
+    #[serde(default)]
+    runs: Vec<PeerRun>,
 }
 
 /// One disk's stored runs (feature `io`): `<profile dir>/disk-<key>.toml`, beside the capacity profiles.
@@ -260,13 +364,21 @@ struct LinkProfile {
 mod store {
     use std::path::PathBuf;
 
-    use super::{DiskProfile, DiskRun, LinkProfile, LinkRun, MAX_DISK_RUNS, MAX_LINK_RUNS, MeasuredDisk, MeasuredLink};
+    use super::{
+        DiskProfile, DiskRun, LinkProfile, LinkRun, MAX_DISK_RUNS, MAX_LINK_RUNS, MAX_PEER_RUNS, MeasuredDisk,
+        MeasuredLink, MeasuredPeer, PeerProfile, PeerRun,
+    };
     use crate::plan::capacity::{ProfileStore, SCHEMA_VERSION, Workload};
     use crate::plan::error::PlanError;
 
     /// The name of a device's link file in the store.
     fn link_file(device: &str) -> String {
         format!("link-{}.toml", Workload::named("link").with("device", device).key())
+    }
+
+    /// The name of a peer link's file in the store: the copies from `peer` onto `device`.
+    fn peer_file(device: &str, peer: &str) -> String {
+        format!("peer-{}.toml", Workload::named("peer").with("device", device).with("peer", peer).key())
     }
 
     /// The name of a disk's read-rate file in the store.
@@ -361,6 +473,59 @@ mod store {
             MeasuredDisk::from_runs(&profile.runs).ok_or_else(|| PlanError::ProfileFormat {
                 path,
                 message: "no stored run timed a read; delete the file to start over".into(),
+            })
+        }
+
+        /// The file of a peer link's figures: the copies from `peer`'s memory onto `device`.
+        pub fn peer_path(&self, device: &str, peer: &str) -> PathBuf {
+            self.dir().join(peer_file(device, peer))
+        }
+
+        fn load_peer(&self, device: &str, peer: &str) -> Result<Option<PeerProfile>, PlanError> {
+            let path = self.peer_path(device, peer);
+            let Some(profile) = Self::read_toml::<PeerProfile>(&path)? else { return Ok(None) };
+            if profile.schema_version != SCHEMA_VERSION || profile.device != device || profile.peer != peer {
+                tracing::warn!(path = %path.display(), "ignoring peer link figures of another schema or pair");
+                return Ok(None);
+            }
+            Ok(Some(profile))
+        }
+
+        /// The rate earlier runs measured for the copies from `peer`'s memory onto `device`; `None` before the
+        /// first.
+        pub fn measured_peer(&self, device: &str, peer: &str) -> Result<Option<MeasuredPeer>, PlanError> {
+            Ok(self.load_peer(device, peer)?.and_then(|p| MeasuredPeer::from_runs(&p.runs)))
+        }
+
+        /// Stores a run's figures for the copies from `peer` onto `device` (the last [`MAX_PEER_RUNS`] are kept,
+        /// written atomically), stamped now, and returns what the pair's runs now measure. A run that timed no
+        /// copy is refused before anything is written.
+        pub fn record_peer(&self, device: &str, peer: &str, mut run: PeerRun) -> Result<MeasuredPeer, PlanError> {
+            if MeasuredPeer::from_runs(&[run]).is_none() {
+                return Err(PlanError::InvalidPeerRun {
+                    device: device.to_string(),
+                    peer: peer.to_string(),
+                    copies: run.copies,
+                    median: run.median,
+                });
+            }
+            let path = self.peer_path(device, peer);
+            let mut profile = self.load_peer(device, peer)?.unwrap_or_else(|| PeerProfile {
+                schema_version: SCHEMA_VERSION,
+                device: device.to_string(),
+                peer: peer.to_string(),
+                runs: Vec::new(),
+            });
+            run.at = crate::plan::capacity::now();
+            profile.runs.push(run);
+            let excess = profile.runs.len().saturating_sub(MAX_PEER_RUNS);
+            profile.runs.drain(..excess);
+            let text = toml::to_string(&profile)
+                .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.to_string() })?;
+            self.write_atomically(&peer_file(device, peer), &text)?;
+            MeasuredPeer::from_runs(&profile.runs).ok_or_else(|| PlanError::ProfileFormat {
+                path,
+                message: "no stored run timed a copy; delete the file to start over".into(),
             })
         }
     }

@@ -6,7 +6,7 @@ use crate::device::DeviceMemory;
 use crate::plan::error::PlanError;
 use crate::plan::footprint::{CallFootprint, Footprint};
 use crate::plan::host::HostMemory;
-use crate::plan::link::{LinkSource, MeasuredDisk, MeasuredLink};
+use crate::plan::link::{LinkSource, MeasuredDisk, MeasuredLink, MeasuredPeer};
 
 /// What the plan predicts time from: plain numbers, passed in by the caller (`memory-sim`'s card timing, a
 /// measured link, a datasheet).
@@ -187,6 +187,27 @@ impl PeerDevice {
     /// The same peer, its rate from `source`.
     pub fn with_source(mut self, source: LinkSource) -> Self {
         self.source = source;
+        self
+    }
+
+    /// The same peer, its rate the one earlier runs measured for its copies onto the execution device
+    /// ([`ProfileStore::measured_peer`](crate::plan::ProfileStore::measured_peer), feature `io`) and its source
+    /// marked measured; `None` (nothing measured yet) leaves the declared rate. The latency is kept, as a measured
+    /// host link keeps it.
+    ///
+    /// ```
+    /// use offload_core::plan::{LinkSource, MeasuredPeer, PeerDevice};
+    /// let declared = PeerDevice::new("cuda:1", 4_000_000_000, 50e9, 0.0);
+    /// let measured = MeasuredPeer { median: 3.1e9, p10: 2.9e9, runs: 2, copies: 26 };
+    /// let peer = declared.clone().with_measured(Some(measured));
+    /// assert_eq!((peer.bytes_per_second, peer.source), (3.1e9, LinkSource::Measured { runs: 2, uploads: 26 }));
+    /// assert_eq!(declared.clone().with_measured(None), declared);
+    /// ```
+    pub fn with_measured(mut self, measured: Option<MeasuredPeer>) -> Self {
+        if let Some(measured) = measured.filter(|m| m.median.is_finite() && m.median > 0.0) {
+            self.bytes_per_second = measured.median;
+            self.source = LinkSource::Measured { runs: measured.runs, uploads: measured.copies };
+        }
         self
     }
 

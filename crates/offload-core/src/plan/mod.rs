@@ -53,7 +53,10 @@ pub use donors::{
 pub use error::{Origin, PlanError};
 pub use footprint::{CallFootprint, CallPages, Footprint, apply_call_footprints, apply_footprints};
 pub use host::HostMemory;
-pub use link::{DiskRun, LinkRun, LinkSource, MAX_DISK_RUNS, MAX_LINK_RUNS, MeasuredDisk, MeasuredLink};
+pub use link::{
+    DiskRun, LinkRun, LinkSource, MAX_DISK_RUNS, MAX_LINK_RUNS, MAX_PEER_RUNS, MeasuredDisk, MeasuredLink,
+    MeasuredPeer, PeerRun,
+};
 pub use machine::{DeviceFacts, Machine, PeerDevice, PeerShare, TimeModel};
 pub use phases::{PhaseReport, PhaseTiming, Phases};
 pub use planner::{ComponentPlan, Plan, enable_offload, plan_pipeline};
