@@ -182,6 +182,9 @@ pub fn group_options(plan: &Plan, settings: &Settings, spec: &ComponentSpec) -> 
                 disk_store,
                 ram_budget: planned.ram_streamed_bytes,
                 donor_budgets: donor_budgets(plan, planned),
+                pinned_groups: planned.pinned_groups.clone(),
+                ram_groups: planned.ram_streamed_groups.clone(),
+                donor_groups: donor_groups(planned),
                 releasable: true,
                 keep_outside,
                 ..GroupOptions::default()
@@ -193,6 +196,9 @@ pub fn group_options(plan: &Plan, settings: &Settings, spec: &ComponentSpec) -> 
             disk_store,
             ram_budget: planned.ram_streamed_bytes,
             donor_budgets: donor_budgets(plan, planned),
+            pinned_groups: planned.pinned_groups.clone(),
+            ram_groups: planned.ram_streamed_groups.clone(),
+            donor_groups: donor_groups(planned),
             releasable: true,
             ..GroupOptions::leaf()
         }),
@@ -204,6 +210,15 @@ pub fn group_options(plan: &Plan, settings: &Settings, spec: &ComponentSpec) -> 
 /// holds nothing), so a donor the plan gave nothing holds nothing; empty where the plan had no peers.
 fn donor_budgets(plan: &Plan, planned: &ComponentPlan) -> Vec<(String, u64)> {
     plan.machine.peers.iter().map(|peer| (peer.name.clone(), planned.peer_bytes(&peer.name))).collect()
+}
+
+/// The sizes of the groups the plan holds on each peer for this component, where it knows them (empty where it
+/// does not: each donor then takes what fits its budget).
+fn donor_groups(planned: &ComponentPlan) -> Vec<(String, Vec<u64>)> {
+    if planned.peers.iter().all(|share| share.group_bytes.is_empty()) {
+        return Vec::new();
+    }
+    planned.peers.iter().map(|share| (share.peer.clone(), share.group_bytes.clone())).collect()
 }
 
 /// Puts `component` under group offload when its planned route streams it; returns the applied route and how.

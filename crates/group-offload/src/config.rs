@@ -48,9 +48,15 @@ pub struct GroupOffloadConfig {
     /// it back when it stays resident. The planner's split of the streamed groups over RAM and the file
     /// ([`ComponentPlan::ram_streamed_bytes`](offload_core::plan::ComponentPlan::ram_streamed_bytes)).
     pub ram_budget: u64,
-    /// A second device whose memory holds streamed groups between their uploads (a donor), if any: see
-    /// [`PeerDonor`].
-    pub donor: Option<PeerDonor>,
+    /// The sizes of the groups the pinned budget pins, one each, where a plan gave them
+    /// ([`with_placed_sizes`](Self::with_placed_sizes)); `None`: the first streamed groups that fit the budget.
+    pub pinned_groups: Option<Vec<u64>>,
+    /// The sizes of the groups whose reads the RAM budget keeps, one each, where a plan gave them; `None`: the
+    /// groups that fit the budget, in upload order.
+    pub ram_groups: Option<Vec<u64>>,
+    /// Further devices whose memory holds streamed groups between their uploads (donors), in the order a group
+    /// tries them: see [`PeerDonor`]. Empty by default.
+    pub donors: Vec<PeerDonor>,
     /// The record every move is added to, if any: the device manager's unless set.
     pub record: Option<OffloadRecord>,
     /// The timeline each group's upload, compute and release is recorded in, each on the thread it happens on
@@ -80,7 +86,9 @@ impl fmt::Debug for GroupOffloadConfig {
             .field("pinned_budget", &self.pinned_budget)
             .field("disk_dir", &self.disk_dir)
             .field("ram_budget", &self.ram_budget)
-            .field("donor", &self.donor)
+            .field("pinned_groups", &self.pinned_groups)
+            .field("ram_groups", &self.ram_groups)
+            .field("donors", &self.donors)
             .field("record", &self.record.is_some())
             .field("timeline", &self.timeline.is_enabled())
             .field("files", &self.files)
@@ -105,7 +113,9 @@ impl GroupOffloadConfig {
             pinned_budget: 0,
             disk_dir: None,
             ram_budget: 0,
-            donor: None,
+            pinned_groups: None,
+            ram_groups: None,
+            donors: Vec::new(),
             check_uploads: true,
             files: None,
             disk: Arc::default(),
@@ -170,20 +180,50 @@ impl GroupOffloadConfig {
         self
     }
 
-    /// Holds up to the donor's budget of streamed groups in the donor device's memory between their uploads (see
-    /// [`PeerDonor`]).
+    /// Adds a donor: up to its budget of streamed groups are held in its device's memory between their uploads
+    /// (see [`PeerDonor`]). A group tries the donors in the order they were added, and goes to the first with
+    /// room.
     pub fn with_donor(mut self, donor: PeerDonor) -> Self {
-        self.donor = Some(donor);
+        self.donors.push(donor);
         self
     }
 
-    /// Caps the donor's budget at its entry in `budgets` (by the donor device's name; 0 where it has none), the
-    /// bytes a plan placed on it ([`GroupOptions::donor_budgets`](crate::GroupOptions::donor_budgets)). Empty
-    /// `budgets`, or no donor, leave the configuration as it is. Call it after [`with_donor`](Self::with_donor).
+    /// Caps each donor's budget at its entry in `budgets` (by the donor device's name; 0 where it has none), the
+    /// bytes a plan placed on it ([`GroupOptions::donor_budgets`](crate::GroupOptions::donor_budgets)), and orders
+    /// the donors as `budgets` lists them: the plan's peers' order, in which its model of the run fills them.
+    /// Empty `budgets`, or no donor, leave the configuration as it is. Call it after the donors are added
+    /// ([`with_donor`](Self::with_donor)).
     pub fn with_donor_budgets(mut self, budgets: &[(String, u64)]) -> Self {
-        if let (Some(donor), false) = (&mut self.donor, budgets.is_empty()) {
-            let planned = budgets.iter().find(|(name, _)| name == donor.device.name().as_str()).map_or(0, |(_, b)| *b);
+        if budgets.is_empty() {
+            return self;
+        }
+        let position = |donor: &PeerDonor| budgets.iter().position(|(name, _)| name == donor.device.name().as_str());
+        for donor in &mut self.donors {
+            let planned = position(donor).map_or(0, |at| budgets[at].1);
             donor.budget = donor.budget.min(planned);
+        }
+        // A stable sort: the donors the plan did not name (budget 0) keep their order, after the named ones.
+        self.donors.sort_by_key(|donor| position(donor).unwrap_or(usize::MAX));
+        self
+    }
+
+    /// Where a plan knows each streamed group's size, the sizes it placed on pinned memory, in RAM and on each
+    /// donor (by the donor device's name): each of those places then takes only groups of its sizes, one each, within
+    /// its budget, so a run keeps the placement the plan's search chose even where groups differ in size (groups
+    /// of one size cost the same anywhere, so which of them goes where does not matter). An empty list leaves its
+    /// place taking whatever fits its budget. Call it after the donors are added.
+    pub fn with_placed_sizes(mut self, pinned: &[u64], ram: &[u64], donors: &[(String, Vec<u64>)]) -> Self {
+        if !pinned.is_empty() {
+            self.pinned_groups = Some(pinned.to_vec());
+        }
+        if !ram.is_empty() {
+            self.ram_groups = Some(ram.to_vec());
+        }
+        if !donors.is_empty() {
+            for donor in &mut self.donors {
+                let sizes = donors.iter().find(|(name, _)| name == donor.device.name().as_str());
+                donor.groups = Some(sizes.map(|(_, sizes)| sizes.clone()).unwrap_or_default());
+            }
         }
         self
     }
@@ -209,32 +249,44 @@ impl GroupOffloadConfig {
             let problem = format!("the model name {:?} must be non-empty and contain no '/'", self.model);
             return Err(Error::InvalidConfig { model: self.model.clone(), problem });
         }
-        if let Some(donor) = &self.donor
-            && !(donor.bytes_per_second.is_finite()
-                && donor.bytes_per_second > 0.0
-                && donor.latency_seconds.is_finite()
-                && donor.latency_seconds >= 0.0)
+        for (index, donor) in self.donors.iter().enumerate() {
+            self.check_donor(donor, &self.donors[..index])?;
+        }
+        check_prefetch(&self.model, self.prefetch, self.prefetch_depth)
+    }
+}
+
+impl GroupOffloadConfig {
+    /// Refuses a donor whose link has no finite positive rate, one that is the execution device, and one on a device
+    /// an `earlier` donor is already on.
+    fn check_donor(&self, donor: &PeerDonor, earlier: &[PeerDonor]) -> Result<()> {
+        let problem = if !(donor.bytes_per_second.is_finite()
+            && donor.bytes_per_second > 0.0
+            && donor.latency_seconds.is_finite()
+            && donor.latency_seconds >= 0.0)
         {
-            let problem = format!(
+            format!(
                 "the donor {}'s link is {} bytes/s with {} s of latency; give a finite positive rate (measured, or \
                  a datasheet's) and a finite, non-negative latency",
                 donor.device.name(),
                 donor.bytes_per_second,
                 donor.latency_seconds
-            );
-            return Err(Error::InvalidConfig { model: self.model.clone(), problem });
-        }
-        if let Some(donor) = &self.donor
-            && donor.device.is(&self.device)
-        {
-            let problem = format!(
+            )
+        } else if donor.device.is(&self.device) {
+            format!(
                 "the donor is the execution device {} itself; give a second device (a streamed group is already \
                  on the execution device while it runs)",
                 self.device.name()
-            );
-            return Err(Error::InvalidConfig { model: self.model.clone(), problem });
-        }
-        check_prefetch(&self.model, self.prefetch, self.prefetch_depth)
+            )
+        } else if earlier.iter().any(|other| other.device.is(&donor.device)) {
+            format!(
+                "{} is given as a donor twice; add each device once, with the whole budget it can give",
+                donor.device.name()
+            )
+        } else {
+            return Ok(());
+        };
+        Err(Error::InvalidConfig { model: self.model.clone(), problem })
     }
 }
 
@@ -257,12 +309,15 @@ pub struct PeerDonor {
     pub bytes_per_second: f64,
     /// The fixed cost of one such copy, seconds.
     pub latency_seconds: f64,
+    /// The sizes of the groups it takes, one each, where a plan gave them
+    /// ([`GroupOffloadConfig::with_placed_sizes`]); `None`: the groups that fit its budget, in upload order.
+    pub groups: Option<Vec<u64>>,
 }
 
 impl PeerDonor {
     /// A donor of `budget` bytes on `device`, reached at `bytes_per_second` with no latency.
     pub fn new(device: OffloadDevice, budget: u64, bytes_per_second: f64) -> Self {
-        Self { device, budget, bytes_per_second, latency_seconds: 0.0 }
+        Self { device, budget, bytes_per_second, latency_seconds: 0.0, groups: None }
     }
 
     /// Seconds one copy of `bytes` from the donor takes.
@@ -278,6 +333,7 @@ impl fmt::Debug for PeerDonor {
             .field("budget", &self.budget)
             .field("bytes_per_second", &self.bytes_per_second)
             .field("latency_seconds", &self.latency_seconds)
+            .field("groups", &self.groups)
             .finish()
     }
 }

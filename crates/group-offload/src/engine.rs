@@ -23,10 +23,10 @@ use std::thread::JoinHandle;
 use burn::tensor::{Device, TensorData};
 use offload_core::link::{DiskSample, LinkSample};
 use offload_core::timeline::category;
-use offload_core::{Action, ComponentError, Direction, FileRead, OffloadEvent, Reason, Refusals};
+use offload_core::{Action, ComponentError, DeviceName, Direction, FileRead, OffloadEvent, Reason, Refusals};
 use parking_lot::{Condvar, Mutex};
 
-use crate::config::GroupOffloadConfig;
+use crate::config::{GroupOffloadConfig, PeerDonor};
 use crate::device::{catch_device_panic, check_device, check_outputs};
 use crate::error::{Error, Result};
 use crate::store::{DonorCopy, GroupHost, HostReadError};
@@ -197,10 +197,56 @@ pub(crate) struct Shared {
     /// skipped, not uploaded for a model that is gone.
     closed: AtomicBool,
     /// What is left of the configuration's RAM budget for reads kept in host memory
-    /// ([`GroupOffloadConfig::ram_budget`]).
-    ram_left: AtomicU64,
-    /// What is left of the donor's budget ([`GroupOffloadConfig::donor`]).
-    donor_left: AtomicU64,
+    /// ([`GroupOffloadConfig::ram_budget`], [`GroupOffloadConfig::ram_groups`]).
+    ram_left: Room,
+    /// What is left of each donor's budget ([`GroupOffloadConfig::donors`]), in their order.
+    donor_left: Vec<Room>,
+}
+
+/// One place's room for groups (the pinned budget, the RAM budget, a donor's): the bytes left and, where a plan gave
+/// them, the sizes of the groups it still takes, one each. Groups of one size cost the same anywhere, so a place
+/// given the sizes the plan's search put there keeps that placement whichever groups of those sizes come first.
+#[derive(Debug)]
+pub(crate) struct Room {
+    left: AtomicU64,
+    slots: Option<Mutex<Vec<u64>>>,
+}
+
+impl Room {
+    /// A room of `budget` bytes, taking only groups of `sizes` where given.
+    pub(crate) fn new(budget: u64, sizes: Option<Vec<u64>>) -> Self {
+        Self { left: AtomicU64::new(budget), slots: sizes.map(Mutex::new) }
+    }
+
+    /// Takes a group of `bytes` where the budget has room and, with sizes, one of its size is open.
+    pub(crate) fn take(&self, bytes: u64) -> bool {
+        let mut slots = self.slots.as_ref().map(|slots| slots.lock());
+        let slot = match slots.as_deref() {
+            Some(open) => match open.iter().position(|&size| size == bytes) {
+                Some(at) => Some(at),
+                None => return false,
+            },
+            None => None,
+        };
+        if self.left.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(bytes)).is_err() {
+            return false;
+        }
+        if let (Some(open), Some(at)) = (slots.as_mut(), slot) {
+            open.swap_remove(at);
+        }
+        true
+    }
+
+    /// Gives back a group of `bytes` it took (nothing for 0).
+    pub(crate) fn give(&self, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        self.left.fetch_add(bytes, Ordering::AcqRel);
+        if let Some(slots) = &self.slots {
+            slots.lock().push(bytes);
+        }
+    }
 }
 
 /// One prefetch, from the moment its group is marked `Loading` until it is published. Whatever happens to it, its
@@ -437,30 +483,42 @@ impl Shared {
         result
     }
 
-    /// Copies a group just uploaded from the host onto the donor, where the donor's budget has room for it and its
-    /// ledger takes it: later uploads copy it from there. A resident group (uploaded once), a quantized one and a
-    /// pinned one stay with the host (a pinned host copy is the host's fastest; the pinned budget and the donor's
-    /// are two places, as a plan gives them); a donor card that refuses the allocation leaves the group streaming
-    /// from the host.
-    /// Samples the donor's memory on the timeline (its own counter track, `device memory cuda:1`), where the donor
-    /// has readings: the trace and the memory plot show what it holds beside the execution device.
-    fn sample_donor(&self) {
-        if let Some(memory) = self.config.donor.as_ref().and_then(|donor| donor.device.memory().as_ref()) {
+    /// Samples donor `donor`'s memory on the timeline (its own counter track, `device memory cuda:1`), where it has
+    /// readings: the trace and the memory plot show what it holds beside the execution device.
+    fn sample_donor(&self, donor: usize) {
+        if let Some(memory) = self.config.donors.get(donor).and_then(|donor| donor.device.memory().as_ref()) {
             self.config.timeline.sample_memory(memory.as_ref());
         }
     }
 
+    /// Copies a group just uploaded from the host onto the first donor whose budget has room for it and whose ledger
+    /// takes it, in the donors' order: later uploads copy it from there. A resident group (uploaded once), a
+    /// quantized one and a pinned one stay with the host (a pinned host copy is the host's fastest; the pinned
+    /// budget and the donors' are places of their own, as a plan gives them); a group no donor takes (each full, or
+    /// its card refusing the allocation) keeps streaming from the host.
     fn place_on_donor(&self, host: &GroupHost, tensors: &[DeviceTensor]) {
-        let Some(donor) = &self.config.donor else { return };
         let resident = self.state.lock().groups.iter().any(|g| std::ptr::eq(Arc::as_ptr(&g.host), host) && g.kept);
         if resident || host.pinned || tensors.iter().any(DeviceTensor::is_quantized) {
             return;
         }
+        for (index, donor) in self.config.donors.iter().enumerate() {
+            if self.copy_to_donor(index, donor, host, tensors) {
+                self.sample_donor(index);
+                // Its uploads come from the donor now: a read kept in RAM for it goes back to the RAM budget.
+                self.ram_left.give(host.forget_read());
+                tracing::debug!(group = %host.id, bytes = host.bytes, donor = %donor.device.name(), "group kept on a donor");
+                return;
+            }
+        }
+    }
+
+    /// Copies `tensors` onto donor `index` where its budget has room and its ledger takes them, keeping the copy as
+    /// the group's; whether it did.
+    fn copy_to_donor(&self, index: usize, donor: &PeerDonor, host: &GroupHost, tensors: &[DeviceTensor]) -> bool {
         let bytes = host.bytes;
-        let reserved =
-            self.donor_left.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(bytes));
-        if reserved.is_err() {
-            return;
+        let left = &self.donor_left[index];
+        if !left.take(bytes) {
+            return false;
         }
         let ledger = donor.device.ledger().clone();
         let sizes = host.tensor_sizes();
@@ -481,15 +539,12 @@ impl Shared {
         });
         match copied {
             Some(tensors) => {
-                host.keep_on_donor(DonorCopy { tensors, ledger, sizes });
-                self.sample_donor();
-                // Its uploads come from the donor now: a read kept in RAM for it goes back to the RAM budget.
-                let given = host.forget_read();
-                self.ram_left.fetch_add(given, Ordering::AcqRel);
-                tracing::debug!(group = %host.id, bytes, donor = %donor.device.name(), "group kept on the donor");
+                host.keep_on_donor(DonorCopy { donor: index, tensors, ledger, sizes });
+                true
             }
             None => {
-                self.donor_left.fetch_add(bytes, Ordering::AcqRel);
+                left.give(bytes);
+                false
             }
         }
     }
@@ -503,8 +558,7 @@ impl Shared {
             return;
         }
         let bytes: u64 = data.iter().map(|d| d.as_bytes().len() as u64).sum();
-        let reserved = self.ram_left.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(bytes));
-        if reserved.is_ok() {
+        if self.ram_left.take(bytes) {
             host.keep_read(data);
             tracing::debug!(group = %host.id, bytes, "read kept in host memory within the RAM budget");
         }
@@ -530,8 +584,9 @@ impl Shared {
         if !pages {
             placed();
         }
-        // A group with a copy on the donor comes from there, over the donor's link; any other from its host copy.
-        let from_donor = self.config.donor.as_ref().and_then(|donor| Some((donor, host.donor_tensors()?)));
+        // A group with a copy on a donor comes from there, over that donor's link; any other from its host copy.
+        let from_donor =
+            host.donor_tensors().and_then(|(index, tensors)| Some((self.config.donors.get(index)?, tensors)));
         let copied = match &from_donor {
             Some((donor, _)) => ledger.transfer_from_peer(host.bytes, donor.seconds(host.bytes)),
             None if host.pinned => ledger.transfer_pinned(host.bytes),
@@ -606,8 +661,7 @@ impl Shared {
         };
         let tensors = checked.map_err(|error| self.onload_error(host, error))?;
         reservation.keep();
-        let came_from_donor = host.is_on_donor();
-        if !came_from_donor && self.config.donor.is_some() {
+        if peer.is_none() && !self.config.donors.is_empty() {
             self.place_on_donor(host, &tensors);
         }
         if self.config.check_uploads {
@@ -634,9 +688,7 @@ impl Shared {
                 available: reading.map(|r| r.available),
                 peak: reading.map(|r| r.peak),
                 read,
-                from_peer: came_from_donor
-                    .then(|| self.config.donor.as_ref().map(|donor| donor.device.name().to_string()))
-                    .flatten(),
+                from_peer: peer.as_ref().map(|peer| peer.to_string()),
             });
         }
         Ok(tensors.into())
@@ -712,8 +764,8 @@ impl Engine {
         config.validate()?;
         let model = config.model.clone();
         let shared = Arc::new(Shared {
-            ram_left: AtomicU64::new(config.ram_budget),
-            donor_left: AtomicU64::new(config.donor.as_ref().map_or(0, |donor| donor.budget)),
+            ram_left: Room::new(config.ram_budget, config.ram_groups.clone()),
+            donor_left: config.donors.iter().map(|donor| Room::new(donor.budget, donor.groups.clone())).collect(),
             config,
             state: Mutex::new(State {
                 groups: Vec::new(),
@@ -995,12 +1047,10 @@ impl Engine {
                 state.groups[group].kept = true;
                 // A group that stays on the device is not read again: its kept read goes back to the RAM budget,
                 // and its copy on the donor to the donor.
-                let given = state.groups[group].host.forget_read();
-                shared.ram_left.fetch_add(given, Ordering::AcqRel);
-                let given = state.groups[group].host.leave_donor();
-                shared.donor_left.fetch_add(given, Ordering::AcqRel);
-                if given > 0 {
-                    shared.sample_donor();
+                shared.ram_left.give(state.groups[group].host.forget_read());
+                if let Some((donor, given)) = state.groups[group].host.leave_donor() {
+                    shared.donor_left[donor].give(given);
+                    shared.sample_donor(donor);
                 }
                 return;
             }
@@ -1184,11 +1234,26 @@ impl Engine {
         (pinned, locked)
     }
 
-    /// Bytes of groups held on the donor, and how many groups.
+    /// Bytes of groups held on the donors, and how many groups.
     pub fn donor_bytes(&self) -> (u64, usize) {
         let state = self.shared.state.lock();
         let held: Vec<u64> = state.groups.iter().filter(|g| g.host.is_on_donor()).map(|g| g.host.bytes).collect();
         (held.iter().sum(), held.len())
+    }
+
+    /// What each donor holds, in the donors' order: its device's name, the bytes of the groups it holds, and how
+    /// many groups.
+    pub fn donor_holdings(&self) -> Vec<(DeviceName, u64, usize)> {
+        let state = self.shared.state.lock();
+        let mut held: Vec<(DeviceName, u64, usize)> =
+            self.shared.config.donors.iter().map(|donor| (donor.device.name().clone(), 0, 0)).collect();
+        for group in &state.groups {
+            if let Some(donor) = group.host.donor() {
+                held[donor].1 += group.host.bytes;
+                held[donor].2 += 1;
+            }
+        }
+        held
     }
 
     /// Bytes of groups' reads from their files kept in host memory within the RAM budget, and how many groups.

@@ -249,8 +249,9 @@ pub struct ModelHandle<M: OffloadModel> {
     grouped: Option<GroupOffload>,
     /// The model bound to its checkpoint files, when its host copy is the files (the file tier).
     files: Option<FileTier<M>>,
-    /// The second device that holds streamed groups between their uploads, once set ([`ModelHandle::set_donor`]).
-    donor: Option<crate::config::PeerDonor>,
+    /// The further devices that hold streamed groups between their uploads, in the order added
+    /// ([`ModelHandle::add_donor`]).
+    donors: Vec<crate::config::PeerDonor>,
     model: PhantomData<fn() -> M>,
 }
 
@@ -301,7 +302,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
             placement,
             grouped: None,
             files: None,
-            donor: None,
+            donors: Vec::new(),
             model: PhantomData,
         })
     }
@@ -331,7 +332,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
             placement,
             grouped: None,
             files: None,
-            donor: None,
+            donors: Vec::new(),
             model: PhantomData,
         };
         let grouped = handle.split_files(model.clone(), &files, None)?;
@@ -372,25 +373,24 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         let config = GroupOffloadConfig::new(self.name.as_str(), self.placement.clone())
             .with_record(self.manager.offload_record())
             .with_timeline(self.manager.timeline());
-        match &self.donor {
-            Some(donor) => config.with_donor(donor.clone()),
-            None => config,
-        }
+        self.donors.iter().fold(config, |config, donor| config.with_donor(donor.clone()))
     }
 
-    /// Gives the model a donor: a second device whose memory holds its streamed groups between their uploads, up
+    /// Adds a donor to the model: a further device whose memory holds its streamed groups between their uploads, up
     /// to the donor's budget, each later upload copied from there over the donor's link
-    /// ([`PeerDonor`](crate::config::PeerDonor)). Set it before [`enable_group_offload`](Self::enable_group_offload);
-    /// refused once the model streams ([`Error::AlreadyApplied`]), whose groups were placed without it.
-    pub fn set_donor(&mut self, donor: crate::config::PeerDonor) -> Result<()> {
+    /// ([`PeerDonor`](crate::config::PeerDonor)). A group tries the donors in the order they were added (a plan's
+    /// budgets order them as its peers, `GroupOptions::donor_budgets`); a device given twice is refused when the
+    /// model starts streaming. Add them before [`enable_group_offload`](Self::enable_group_offload); refused once the
+    /// model streams ([`Error::AlreadyApplied`]), whose groups were placed without it.
+    pub fn add_donor(&mut self, donor: crate::config::PeerDonor) -> Result<()> {
         if self.grouped.is_some() && self.files.as_ref().is_none_or(|files| files.options.is_some()) {
             return Err(Error::AlreadyApplied {
                 component: self.name.clone(),
-                action: "set a donor".into(),
-                reason: "it already streams; set the donor before enable_group_offload".into(),
+                action: "add a donor".into(),
+                reason: "it already streams; add its donors before enable_group_offload".into(),
             });
         }
-        self.donor = Some(donor);
+        self.donors.push(donor);
         Ok(())
     }
 

@@ -162,9 +162,25 @@ pub struct GroupOptions {
     pub ram_budget: u64,
     /// The most bytes of groups each donor device holds, by the device's name, as a plan placed them
     /// ([`ComponentPlan::peers`](offload_core::plan::ComponentPlan::peers)): a donor given to the model
-    /// ([`PeerDonor`](crate::config::PeerDonor)) holds at most its entry here, and nothing where it has none. Empty
-    /// (the default): a donor holds up to its own budget.
+    /// ([`PeerDonor`](crate::config::PeerDonor)) holds at most its entry here, and nothing where it has none, and
+    /// the donors are tried in this list's order (the plan's peers', as its model of the run fills them). Empty (the
+    /// default): each donor holds up to its own budget, tried in the order added.
     pub donor_budgets: Vec<(String, u64)>,
+    /// Where a plan knows each streamed group's size, the sizes of the groups it pins: the pinned budget then pins
+    /// only groups of these sizes, one each, so the run pins the groups the plan placed on pinned memory
+    /// ([`ComponentPlan::pinned_groups`](offload_core::plan::ComponentPlan::pinned_groups)). Empty (the default):
+    /// the first streamed groups that fit the budget.
+    pub pinned_groups: Vec<u64>,
+    /// Where a plan knows each streamed group's size, the sizes of the groups whose reads stay in host memory: the
+    /// RAM budget then keeps only groups of these sizes, one each
+    /// ([`ComponentPlan::ram_streamed_groups`](offload_core::plan::ComponentPlan::ram_streamed_groups)). Empty (the
+    /// default): the groups that fit the budget, in upload order.
+    pub ram_groups: Vec<u64>,
+    /// Where a plan knows each streamed group's size, the sizes of the groups each donor holds, by the donor
+    /// device's name: a donor then takes only groups of these sizes, one each
+    /// ([`PeerShare::group_bytes`](offload_core::plan::PeerShare::group_bytes)), so the run holds the placement the
+    /// plan's search chose. Empty (the default): each donor takes the groups that fit its budget, in upload order.
+    pub donor_groups: Vec<(String, Vec<u64>)>,
     /// Whether the manager may release the component whole (every group, the resident ones included) when
     /// another component comes onto the device. Phase-staged plans set it, so the next phase gets the memory
     /// this component's resident groups held; with `false` the manager never evicts it (group offload's default).
@@ -192,6 +208,9 @@ impl Default for GroupOptions {
             disk_store: None,
             ram_budget: 0,
             donor_budgets: Vec::new(),
+            pinned_groups: Vec::new(),
+            ram_groups: Vec::new(),
+            donor_groups: Vec::new(),
             releasable: false,
             keep_outside: true,
             check_uploads: true,
@@ -232,7 +251,8 @@ impl GroupOptions {
             .with_pinned_budget(self.pinned_budget)
             .with_ram_budget(self.ram_budget)
             .with_upload_checks(self.check_uploads)
-            .with_donor_budgets(&self.donor_budgets);
+            .with_donor_budgets(&self.donor_budgets)
+            .with_placed_sizes(&self.pinned_groups, &self.ram_groups, &self.donor_groups);
         match &self.disk_store {
             Some(dir) => config.with_disk_store(dir.clone()),
             None => config,

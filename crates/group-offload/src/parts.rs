@@ -12,7 +12,7 @@ use offload_core::timeline::category;
 use parking_lot::Mutex;
 
 use crate::config::{GroupOffloadConfig, LeafPredicate};
-use crate::engine::{Engine, GroupStats};
+use crate::engine::{Engine, GroupStats, Room};
 use crate::error::{Error, Result};
 use crate::store::{ExtractedParam, GroupHost, HostReadError};
 use crate::walk::{Installed, Slot, extract, install};
@@ -29,7 +29,17 @@ pub struct GroupOffload {
     engine: Arc<Engine>,
     parts: Arc<Mutex<HashSet<String>>>,
     /// What is left of the pinned budget for the groups still to be added.
-    pinned_left: Arc<Mutex<u64>>,
+    pinning: Arc<Pinning>,
+}
+
+/// How groups are pinned as they are added: the pinned budget's room (and the sizes it takes, where a plan gave
+/// them), and what is left of the resident budget as the order of registration predicts it. A group predicted to
+/// stay resident is uploaded once and gains nothing from pinning, so its bytes stay for a streamed group: the
+/// engine keeps groups resident in release order while they fit ([`GroupOffloadConfig::resident_budget`]), the same
+/// order as registration's where the model calls its blocks as it declares them.
+struct Pinning {
+    pinned: Room,
+    resident_left: Mutex<u64>,
 }
 
 impl std::fmt::Debug for GroupOffload {
@@ -54,8 +64,11 @@ pub enum Residency {
 impl GroupOffload {
     /// Starts an offloader (and its prefetch worker thread) for one model.
     pub fn new(config: GroupOffloadConfig) -> Result<Self> {
-        let pinned_left = Arc::new(Mutex::new(config.pinned_budget));
-        Ok(Self { engine: Engine::start(config)?, parts: Arc::new(Mutex::new(HashSet::new())), pinned_left })
+        let pinning = Arc::new(Pinning {
+            pinned: Room::new(config.pinned_budget, config.pinned_groups.clone()),
+            resident_left: Mutex::new(config.resident_budget),
+        });
+        Ok(Self { engine: Engine::start(config)?, parts: Arc::new(Mutex::new(HashSet::new())), pinning })
     }
 
     /// The configuration it was built with.
@@ -185,17 +198,21 @@ impl GroupOffload {
         let host = match &config.disk_dir {
             None => {
                 // Streamed groups are pinned in registration order while they fit in the pinned budget; a
-                // resident part is uploaded once and gains nothing from it, and a group read from its
-                // checkpoint file at each upload has no host copy to pin.
+                // resident part, or a group predicted to stay resident, is uploaded once and gains nothing from
+                // it, and a group read from its checkpoint file at each upload has no host copy to pin.
                 let bytes: u64 = params.iter().map(ExtractedParam::bytes_len).sum();
-                let stage = !kept && !params.iter().any(ExtractedParam::is_file) && {
-                    let mut left = self.pinned_left.lock();
+                let resident = !kept && {
+                    let mut left = self.pinning.resident_left.lock();
                     let fits = bytes <= *left;
                     if fits {
                         *left -= bytes;
                     }
                     fits
                 };
+                let stage = !kept
+                    && !resident
+                    && !params.iter().any(ExtractedParam::is_file)
+                    && self.pinning.pinned.take(bytes);
                 GroupHost::in_memory(id, params, stage.then_some(config.device.exec()))
             }
             Some(dir) => GroupHost::on_disk(id.clone(), &config.model, params, dir).map_err(|error| match error {
@@ -377,10 +394,16 @@ impl GroupOffload {
         self.engine.pinned_bytes()
     }
 
-    /// Bytes of streamed groups held in the donor's memory ([`GroupOffloadConfig::donor`]), and how many groups:
-    /// their uploads copy from the donor over its link.
+    /// Bytes of streamed groups held in the donors' memory ([`GroupOffloadConfig::donors`]), and how many groups:
+    /// their uploads copy from a donor over its link.
     pub fn donor_bytes(&self) -> (u64, usize) {
         self.engine.donor_bytes()
+    }
+
+    /// What each donor holds, in the order the groups try them: its device's name, the bytes of the streamed groups
+    /// it holds, and how many groups.
+    pub fn donor_holdings(&self) -> Vec<(offload_core::DeviceName, u64, usize)> {
+        self.engine.donor_holdings()
     }
 
     /// Bytes of streamed groups' reads from their files kept in host memory within the RAM budget

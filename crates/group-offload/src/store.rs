@@ -176,16 +176,18 @@ pub(crate) struct GroupHost {
     ///
     /// [`GroupOffloadConfig::ram_budget`]: crate::GroupOffloadConfig::ram_budget
     kept_read: parking_lot::Mutex<Option<Vec<Bytes>>>,
-    /// The group's copy in a donor device's memory ([`GroupOffloadConfig::donor`]): later uploads copy it from there.
-    /// `None` for a group that uploads from the host.
+    /// The group's copy in a donor device's memory ([`GroupOffloadConfig::donors`]): later uploads copy it from
+    /// there. `None` for a group that uploads from the host.
     ///
-    /// [`GroupOffloadConfig::donor`]: crate::GroupOffloadConfig::donor
+    /// [`GroupOffloadConfig::donors`]: crate::GroupOffloadConfig::donors
     on_donor: parking_lot::Mutex<Option<DonorCopy>>,
 }
 
 /// A group's tensors in a donor device's memory, charged to the donor's ledger, which this gives back when it is
 /// dropped (the group stays resident, or its offloader ends).
 pub(crate) struct DonorCopy {
+    /// Which donor holds it: its index in the offloader's donors.
+    pub donor: usize,
     pub tensors: Vec<DeviceTensor>,
     pub ledger: std::sync::Arc<dyn offload_core::DeviceLedger>,
     pub sizes: Vec<u64>,
@@ -199,7 +201,11 @@ impl Drop for DonorCopy {
 
 impl std::fmt::Debug for DonorCopy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DonorCopy").field("tensors", &self.tensors.len()).field("sizes", &self.sizes).finish()
+        f.debug_struct("DonorCopy")
+            .field("donor", &self.donor)
+            .field("tensors", &self.tensors.len())
+            .field("sizes", &self.sizes)
+            .finish()
     }
 }
 
@@ -318,12 +324,18 @@ impl GroupHost {
         self.tensors.get(index).map_or_else(|| format!("{}#{index}", self.id), |t| format!("{}:{}", self.id, t.name))
     }
 
-    /// The group's tensors on its donor, if it has a copy there (handles to the donor's tensors, not a copy).
-    pub fn donor_tensors(&self) -> Option<Vec<DeviceTensor>> {
-        self.on_donor.lock().as_ref().map(|copy| copy.tensors.clone())
+    /// The donor holding the group's copy (its index in the offloader's donors) and its tensors there (handles to
+    /// the donor's tensors, not a copy), if it has one.
+    pub fn donor_tensors(&self) -> Option<(usize, Vec<DeviceTensor>)> {
+        self.on_donor.lock().as_ref().map(|copy| (copy.donor, copy.tensors.clone()))
     }
 
-    /// Whether the group has a copy on its donor.
+    /// The donor holding a copy of the group (its index in the offloader's donors), if any.
+    pub fn donor(&self) -> Option<usize> {
+        self.on_donor.lock().as_ref().map(|copy| copy.donor)
+    }
+
+    /// Whether the group has a copy on a donor.
     pub fn is_on_donor(&self) -> bool {
         self.on_donor.lock().is_some()
     }
@@ -333,9 +345,10 @@ impl GroupHost {
         *self.on_donor.lock() = Some(copy);
     }
 
-    /// Drops the group's copy on its donor (given back to the donor's ledger); returns its bytes.
-    pub fn leave_donor(&self) -> u64 {
-        self.on_donor.lock().take().map_or(0, |copy| copy.sizes.iter().sum())
+    /// Drops the group's copy on its donor (given back to the donor's ledger); returns the donor's index and the
+    /// copy's bytes, `None` where it had none.
+    pub fn leave_donor(&self) -> Option<(usize, u64)> {
+        self.on_donor.lock().take().map(|copy| (copy.donor, copy.sizes.iter().sum()))
     }
 
     /// The bytes of this group's read kept in host memory (0 when none is kept).

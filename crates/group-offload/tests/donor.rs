@@ -76,13 +76,23 @@ fn run_with(model: Net, donor: Option<PeerDonor>, options: GroupOptions) -> Run 
 
 /// [`run_with`], reading `probe` after the forwards, before the model is dropped.
 fn run_probed(model: Net, donor: Option<PeerDonor>, options: GroupOptions, probe: Option<&dyn Fn() -> u64>) -> Run {
+    run_donors(model, donor.into_iter().collect(), options, probe).0
+}
+
+/// [`run_probed`] with any number of donors, added in order; also returns what each donor held.
+fn run_donors(
+    model: Net,
+    donors: Vec<PeerDonor>,
+    options: GroupOptions,
+    probe: Option<&dyn Fn() -> u64>,
+) -> (Run, Vec<(DeviceName, u64, usize)>) {
     let exec = card("1MB", "cuda:0");
-    // The donor's card, asked for from its device object.
-    let donor_card = donor.as_ref().and_then(|donor| donor.device.account::<SimCard>());
+    // The first donor's card, asked for from its device object.
+    let donor_card = donors.first().and_then(|donor| donor.device.account::<SimCard>());
     let device = OffloadDevice::simulated(exec.clone());
     let mut handle = device.register("net", model).unwrap();
-    if let Some(donor) = donor {
-        handle.set_donor(donor).unwrap();
+    for donor in donors {
+        handle.add_donor(donor).unwrap();
     }
     handle.enable_group_offload(&options).unwrap();
     device.enable_auto_offload(0).unwrap();
@@ -95,7 +105,8 @@ fn run_probed(model: Net, donor: Option<PeerDonor>, options: GroupOptions, probe
         outputs.push(out.into_data().as_bytes().to_vec());
     }
     let held = handle.group_offload().unwrap().donor_bytes();
-    Run {
+    let holdings = handle.group_offload().unwrap().donor_holdings();
+    let run = Run {
         outputs,
         exec,
         held,
@@ -103,7 +114,8 @@ fn run_probed(model: Net, donor: Option<PeerDonor>, options: GroupOptions, probe
         probed: probe.map(|p| p()),
         peer_rates: device.peer_rates(),
         host_copies: device.link_rate().map_or(0, |rate| rate.uploads),
-    }
+    };
+    (run, holdings)
 }
 
 #[test]
@@ -137,6 +149,92 @@ fn the_groups_a_donor_holds_are_copied_from_it_and_the_output_is_the_host_runs()
     assert!(rate.median.is_finite() && rate.median > 0.0, "{rate}");
     assert_eq!(host_only.host_copies - with_donor.host_copies, 4);
     assert!(host_only.peer_rates.is_empty());
+}
+
+/// Two donors: a group goes to the first, in the order added, with room; each holds its own share, each upload
+/// copied from one is timed on that one's meter, and the output is the host run's bit for bit. A plan's budgets
+/// order the donors as its peers, whatever order they were added in.
+#[test]
+fn a_model_takes_several_donors_each_group_to_the_first_with_room() {
+    let model = net();
+    let host_only = run(model.clone(), None, 0);
+    let donors = |first: u64, second: u64| {
+        let one = PeerDonor::new(OffloadDevice::simulated(card("1MB", "cuda:1")), first, DONOR_RATE);
+        let two = PeerDonor::new(OffloadDevice::simulated(card("1MB", "cuda:2")), second, DONOR_RATE * 2.0);
+        vec![one, two]
+    };
+    let options = || GroupOptions { prefetch: false, ..GroupOptions::default() };
+    let name = |text: &str| DeviceName::parse(text).unwrap();
+    // Room for one block on cuda:1 and two on cuda:2: blocks 0 on cuda:1, 1 and 2 on cuda:2, 3 from the host.
+    let (run, held) = run_donors(model.clone(), donors(BLOCK, 2 * BLOCK), options(), None);
+    assert_eq!(run.outputs, host_only.outputs);
+    assert_eq!(held, vec![(name("cuda:1"), BLOCK, 1), (name("cuda:2"), 2 * BLOCK, 2)]);
+    // The two later forwards copy block 0 from cuda:1 and blocks 1 and 2 from cuda:2: each on its own meter.
+    let copies: Vec<(DeviceName, usize)> =
+        run.peer_rates.iter().map(|(peer, rate)| (peer.clone(), rate.uploads)).collect();
+    assert_eq!(copies, vec![(name("cuda:1"), 2), (name("cuda:2"), 4)]);
+    assert_eq!(run.exec.stats().bytes_from_peers, 2 * 3 * BLOCK);
+    assert_eq!(host_only.host_copies - run.host_copies, 6);
+
+    // A plan's budgets: cuda:2 first with two blocks, cuda:1 one; added cuda:1 first, the plan's order counts.
+    let budgets = vec![("cuda:2".to_string(), 2 * BLOCK), ("cuda:1".to_string(), BLOCK)];
+    let planned = GroupOptions { donor_budgets: budgets, ..options() };
+    let (run, held) = run_donors(model.clone(), donors(4 * BLOCK, 4 * BLOCK), planned, None);
+    assert_eq!(run.outputs, host_only.outputs);
+    assert_eq!(held, vec![(name("cuda:2"), 2 * BLOCK, 2), (name("cuda:1"), BLOCK, 1)]);
+
+    // A device given twice is refused when the model starts streaming, naming the fix.
+    let device = OffloadDevice::simulated(card("1MB", "cuda:0"));
+    let twice = OffloadDevice::simulated(card("1MB", "cuda:1"));
+    let mut handle = device.register("net", net()).unwrap();
+    handle.add_donor(PeerDonor::new(twice.clone(), BLOCK, DONOR_RATE)).unwrap();
+    handle.add_donor(PeerDonor::new(twice, BLOCK, DONOR_RATE)).unwrap();
+    let error = handle.enable_group_offload(&options()).unwrap_err();
+    assert!(error.to_string().contains("cuda:1 is given as a donor twice; add each device once"), "{error}");
+}
+
+/// Blocks of two sizes (two without a bias, two with) and two donors of one of each: by budgets, the two small
+/// blocks fill the first donor and a large one is left on the host; given the sizes a plan placed on each
+/// (`GroupOptions::donor_groups`), each donor takes one of each and all four live on the donors.
+#[test]
+fn given_the_plans_sizes_each_donor_takes_exactly_groups_of_those_sizes() {
+    let device = Device::flex();
+    let model = Net {
+        blocks: (0..BLOCKS)
+            .map(|i| Block { fc: LinearConfig::new(WIDTH, WIDTH).with_bias(i >= 2).init(&device) })
+            .collect(),
+    };
+    let (small, large) = (BLOCK - (WIDTH * 4) as u64, BLOCK);
+    let host_only = run(model.clone(), None, 0);
+    let donors = || {
+        let one = PeerDonor::new(OffloadDevice::simulated(card("1MB", "cuda:1")), small + large, DONOR_RATE);
+        let two = PeerDonor::new(OffloadDevice::simulated(card("1MB", "cuda:2")), small + large, DONOR_RATE);
+        vec![one, two]
+    };
+    let name = |text: &str| DeviceName::parse(text).unwrap();
+    let by_budgets = GroupOptions { prefetch: false, ..GroupOptions::default() };
+    let (run_budgets, held) = run_donors(model.clone(), donors(), by_budgets.clone(), None);
+    assert_eq!(run_budgets.outputs, host_only.outputs);
+    assert_eq!(held, vec![(name("cuda:1"), 2 * small, 2), (name("cuda:2"), large, 1)]);
+    let sizes = vec![("cuda:1".to_string(), vec![small, large]), ("cuda:2".to_string(), vec![large, small])];
+    let by_sizes = GroupOptions { donor_groups: sizes, ..by_budgets };
+    let (run_sizes, held) = run_donors(model, donors(), by_sizes, None);
+    assert_eq!(run_sizes.outputs, host_only.outputs);
+    assert_eq!(held, vec![(name("cuda:1"), small + large, 2), (name("cuda:2"), small + large, 2)]);
+}
+
+/// A group that will stay resident is not pinned: the pinned budget goes to groups that stream. With a resident
+/// budget of one block and a pinned budget of two, block 0 stays resident and blocks 1 and 2 are pinned, so the
+/// two later forwards copy them from pinned memory too (six pinned copies, where pinning blocks 0 and 1 would make
+/// four).
+#[test]
+fn the_pinned_budget_skips_the_groups_that_stay_resident() {
+    let options =
+        GroupOptions { prefetch: false, resident_budget: BLOCK, pinned_budget: 2 * BLOCK, ..GroupOptions::default() };
+    let model = net();
+    let pinned = run_with(model.clone(), None, options);
+    assert_eq!(pinned.outputs, run(model, None, 0).outputs);
+    assert_eq!(pinned.exec.stats().bytes_pinned_to_device, 6 * BLOCK);
 }
 
 /// What the peer meter measured is what the next plan prices the peer at: its run's figures, measured, in place of
@@ -176,13 +274,13 @@ fn a_donor_that_is_the_execution_device_or_has_no_rate_is_refused() {
     let exec = card("1MB", "cuda:0");
     let device = OffloadDevice::simulated(exec);
     let mut handle = device.register("net", net()).unwrap();
-    handle.set_donor(PeerDonor::new(device.clone(), BLOCK, DONOR_RATE)).unwrap();
+    handle.add_donor(PeerDonor::new(device.clone(), BLOCK, DONOR_RATE)).unwrap();
     let error = handle.enable_group_offload(&GroupOptions::default()).unwrap_err();
     assert!(error.to_string().contains("the donor is the execution device"), "{error}");
 
     let mut handle = device.register("other", net()).unwrap();
     let elsewhere = OffloadDevice::simulated(card("1MB", "cuda:1"));
-    handle.set_donor(PeerDonor::new(elsewhere, BLOCK, f64::NAN)).unwrap();
+    handle.add_donor(PeerDonor::new(elsewhere, BLOCK, f64::NAN)).unwrap();
     let error = handle.enable_group_offload(&GroupOptions::default()).unwrap_err();
     assert!(error.to_string().contains("give a finite positive rate"), "{error}");
 
@@ -190,7 +288,7 @@ fn a_donor_that_is_the_execution_device_or_has_no_rate_is_refused() {
     let mut handle = device.register("late", net()).unwrap();
     handle.enable_group_offload(&GroupOptions::default()).unwrap();
     let late = PeerDonor::new(OffloadDevice::simulated(card("1MB", "cuda:2")), BLOCK, DONOR_RATE);
-    assert!(matches!(handle.set_donor(late), Err(group_offload::Error::AlreadyApplied { .. })));
+    assert!(matches!(handle.add_donor(late), Err(group_offload::Error::AlreadyApplied { .. })));
 }
 
 #[test]

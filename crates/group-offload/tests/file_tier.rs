@@ -717,7 +717,7 @@ fn a_group_held_on_a_donor_gives_its_kept_read_back_to_the_ram_budget() {
     let mut spec = CardSpec::parse("64MiB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
     spec.device = offload_core::DeviceName::parse("cuda:1").expect("a name");
     let donor = group_offload::config::PeerDonor::new(OffloadDevice::simulated(SimCard::new(spec)), block, 1e9);
-    handle.set_donor(donor).expect("a donor before it streams");
+    handle.add_donor(donor).expect("a donor before it streams");
     // RAM for every block's read, and a donor for one block: the first block uploaded goes to the donor and
     // gives its read back; the other three keep theirs.
     let options = GroupOptions { ram_budget: BLOCKS as u64 * block, prefetch: false, ..GroupOptions::default() };

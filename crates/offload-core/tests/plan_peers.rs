@@ -145,6 +145,57 @@ fn the_plan_places_groups_over_peers_as_an_exhaustive_search_does_and_prices_eac
     assert!(planned.why.contains("2 of its 5 streamed groups (38.15 MB) live on fast between their uploads, copied at 0.025 s per GB; 1 of its 5 streamed groups (19.07 MB) live on slow"), "{}", planned.why);
 }
 
+/// Blocks of two sizes and two peers: the search puts a 20 MB and a 30 MB block on each 50 MB peer. A run that
+/// filled each peer's budget in call order would put both 20 MB blocks on the first and leave a 30 MB one in RAM;
+/// given the sizes, it keeps the search's placement, which the plan reports, and which is the exhaustive search's.
+#[test]
+fn with_groups_of_two_sizes_the_run_is_given_the_searchs_sizes_on_each_peer() {
+    let blocks = vec![20 * MB, 20 * MB, 30 * MB, 30 * MB];
+    let spec = ComponentSpec::new("denoiser", 105 * MB)
+        .with_layout(BlockLayout {
+            block_bytes: blocks.clone(),
+            outside_bytes: 5 * MB,
+            largest_leaf_bytes: 5 * MB,
+            leaf_count: 20,
+            first_leaf_bytes: 5 * MB,
+            leaf_bytes: Vec::new(),
+        })
+        .with_activation(MB)
+        .with_cost(0.0, 4);
+    let peers = [PeerDevice::new("one", 50 * MB, 40e9, 0.0), PeerDevice::new("two", 50 * MB, 40e9, 0.0)];
+    let machine = peers
+        .iter()
+        .cloned()
+        .fold(Machine::new(100 * MB, 100 * MB, HostMemory::new(32 * GB, 28 * GB)), Machine::with_peer);
+    let plan = plan_pipeline(
+        std::slice::from_ref(&spec),
+        settings(&[("resident_budget", "0"), ("pinned_budget", "0"), ("reserve", "1MB")]),
+        &machine,
+    )
+    .expect("plans");
+    let planned = plan.component("denoiser").expect("planned");
+    let problem = DonorProblem {
+        compute_seconds: 0.0,
+        groups: (blocks.iter().enumerate())
+            .map(|(g, &bytes)| StreamedGroup::new(&format!("block.{g}"), bytes).with_copies(4))
+            .collect(),
+        donors: vec![
+            Donor::new("one", DonorKind::Device, 40e9, 0.0).drawing_on(0),
+            Donor::new("two", DonorKind::Device, 40e9, 0.0).drawing_on(1),
+            Donor::new("ram", DonorKind::PageableRam, TimeModel::generic().pageable_bytes_per_second(), 0.0),
+        ],
+        budgets: vec![DonorBudget::new("one", 50 * MB), DonorBudget::new("two", 50 * MB)],
+    };
+    let best = problem.exhaustive().expect("valid").expect("a placement fits");
+    assert_eq!((best.bytes_from(&problem, 0), best.bytes_from(&problem, 1)), (50 * MB, 50 * MB));
+    for share in &planned.peers {
+        assert_eq!(share.bytes, 50 * MB, "{plan}");
+        let mut sizes = share.group_bytes.clone();
+        sizes.sort_unstable();
+        assert_eq!(sizes, vec![20 * MB, 30 * MB], "{plan}");
+    }
+}
+
 /// The first step of the denoiser: the same copies as a later one (a warm process), plus the outside bytes.
 fn first_step(time: &TimeModel) -> f64 {
     let pageable = time.pageable_bytes_per_second();
@@ -165,8 +216,8 @@ fn a_peer_with_no_finite_positive_rate_is_refused() {
 #[test]
 fn with_each_leafs_size_a_peer_holds_exactly_the_leaves_a_run_keeps() {
     // Two 40 MB blocks of leaves of 20, 10, 10 and 10, 10, 20 MB, streamed at leaf level (a card of 50 MB holds
-    // no block pair whole), a fast peer of 35 MB: the run keeps a 20 MB and a 10 MB leaf there (30 MB), where six
-    // leaves taken as equal (13.33 MB each) would say 26.67 MB.
+    // no block pair whole), a fast peer of 35 MB: the search puts 30 MB of leaves there and the run is given their
+    // sizes, where six leaves taken as equal (13.33 MB each) would say 26.67 MB.
     let leaves = vec![20 * MB, 10 * MB, 10 * MB, 10 * MB, 10 * MB, 20 * MB];
     let spec = ComponentSpec::new("denoiser", 85 * MB)
         .with_layout(BlockLayout {
@@ -190,8 +241,9 @@ fn with_each_leafs_size_a_peer_holds_exactly_the_leaves_a_run_keeps() {
             .expect("plans");
     let planned = plan.component("denoiser").expect("planned");
     assert!(matches!(planned.route, Route::LeafGroupOffload { .. }), "{plan}");
-    assert_eq!(planned.peers[0].bytes, 30 * MB, "{plan}");
-    assert_eq!(planned.peers[0].groups, 2);
+    let share = &planned.peers[0];
+    assert_eq!(share.bytes, 30 * MB, "{plan}");
+    assert_eq!((share.group_bytes.len(), share.group_bytes.iter().sum::<u64>()), (share.groups, 30 * MB));
     // A size per leaf, or none: five sizes for six leaves is refused.
     let mut wrong = spec;
     if let Some(layout) = wrong.layout.as_mut() {

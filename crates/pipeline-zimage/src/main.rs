@@ -176,13 +176,14 @@ struct Generate {
     /// device_map="balanced" does (the transformer's device then executes).
     #[arg(long, value_name = "COMPONENT=DEVICE|balanced")]
     device_map: Option<String>,
-    /// A second simulated card that holds the transformer's streamed groups between their uploads (a donor, as
+    /// A further simulated card that holds the transformer's streamed groups between their uploads (a donor, as
     /// ComfyUI-MultiGPU's DisTorch has them), as DEVICE@LINK: DEVICE is a further --card (`cuda:1` for the second),
     /// which holds as many groups as its memory takes; LINK is how its copies reach the execution card: nvlink,
     /// pcie4x16 or pcie3x8 (memory-sim's links, at DisTorch's measured costs). Groups it holds are copied from it,
-    /// the others from the host; `cargo xtask plan --donor` says which donor pays.
+    /// the others from the host; `cargo xtask plan --donor` says which donor pays. Repeat it for several donors
+    /// (each a different card): a group goes to the first, in the order given, with room.
     #[arg(long, value_name = "DEVICE@LINK")]
-    donor: Option<String>,
+    donor: Vec<String>,
     /// The device's total memory, overriding the runtime's reading (on wgpu the adapter's largest device-local
     /// Vulkan heap); CUDA's comes from the driver and is not overridden.
     #[arg(long, value_name = "SIZE")]
@@ -470,8 +471,17 @@ fn preflight(args: &Generate) -> anyhow::Result<()> {
     if let Some(map) = &args.device_map {
         parse_device_map(map, &devices)?;
     }
-    if let Some(donor) = &args.donor {
-        parse_donor(donor, &devices)?;
+    let mut donors: Vec<DeviceName> = Vec::new();
+    for donor in &args.donor {
+        let (device, _) = parse_donor(donor, &devices)?;
+        if donors.contains(&device) {
+            return Err(ArgumentError::Donor {
+                given: donor.clone(),
+                reason: format!("{device} is given as a donor twice; give each further card once"),
+            }
+            .into());
+        }
+        donors.push(device);
     }
     options(args).check_counts()?;
     let reserve = args.reserve.as_deref().map(parse_size).transpose().context("--reserve")?;
@@ -852,14 +862,14 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             pipeline.placement().name()
         );
     }
-    let donor = match &args.donor {
-        Some(text) => set_donor(&mut pipeline, text, args, &others, planner)?,
-        None => None,
-    };
+    let mut donors = Vec::new();
+    for text in &args.donor {
+        donors.extend(set_donor(&mut pipeline, text, args, &others, planner)?);
+    }
     // A further card the map uses onloads its components at their first run, on its own account, and keeps them.
     others.retain(|(_, other)| {
         pipeline.device_map().components.iter().any(|(_, placed)| placed.is(other))
-            || donor.as_ref().is_some_and(|donor| donor.device.is(other))
+            || donors.iter().any(|donor| donor.device.is(other))
     });
     for (_, other) in &others {
         other.enable_auto_offload(0)?;
@@ -962,10 +972,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
             (Err(error), None) => return Err(error.into()),
         };
         let facts = device_facts(&placement, &settings, host)?;
-        let facts = match &donor {
-            Some(donor) => facts.with_peer(donor.peer.clone()),
-            None => facts,
-        };
+        let facts = donors.iter().fold(facts, |facts, donor| facts.with_peer(donor.peer.clone()));
         // The read rate earlier runs measured on the checkpoint's disk, in place of the assumed one.
         let measured_disk = ProfileStore::from_settings(&settings)?.measured_disk(&disk_label(&weights))?;
         let facts = facts.with_measured_disk(measured_disk);
@@ -1334,16 +1341,7 @@ fn report_devices(
                 format_size(stats.bytes_pinned_to_device),
                 stats.transfer_seconds
             );
-            if let Some((held, groups)) = pipeline.transformer().group_offload().map(|offload| offload.donor_bytes())
-                && (held > 0 || stats.bytes_from_peers > 0)
-            {
-                println!(
-                    "donor: {} of the transformer's groups ({groups}) held on its card, {} of the copies to the device \
-                     from it",
-                    format_size(held),
-                    format_size(stats.bytes_from_peers)
-                );
-            }
+            print_donors(pipeline);
             // The peer meter's clock: on the CPU a copy from a simulated card is a host copy, not the card's link.
             for (peer, rate) in placement.peer_rates() {
                 println!("copies from {peer}: {rate} (host copies: the simulated cards' link is priced above)");
@@ -1519,11 +1517,12 @@ fn set_donor(
         budget: card.available(),
         bytes_per_second: link.bytes_per_second,
         latency_seconds: link.latency.as_secs_f64(),
+        groups: None,
     };
     let peer = PeerDevice::new(device.as_str(), card.available(), link.bytes_per_second, donor.latency_seconds);
     if planner {
-        pipeline.text_encoder_mut().set_donor(donor.clone())?;
-        pipeline.transformer_mut().set_donor(donor)?;
+        pipeline.text_encoder_mut().add_donor(donor.clone())?;
+        pipeline.transformer_mut().add_donor(donor)?;
         println!(
             "donor: {device} ({} free) can hold streamed groups between their uploads; its copies cross {}; the plan \
              places each component's groups over it, RAM and the checkpoint file by cost",
@@ -1544,13 +1543,36 @@ fn set_donor(
         );
         return Ok(None);
     }
-    pipeline.transformer_mut().set_donor(donor)?;
+    pipeline.transformer_mut().add_donor(donor)?;
     println!(
         "donor: {device} ({} free) holds the transformer's streamed groups between their uploads; its copies cross {}",
         format_size(card.available()),
         link.description
     );
     Ok(Some(DonorCard { device: on, peer }))
+}
+
+/// Prints, for each donor card that held some of the transformer's streamed groups or that its uploads were
+/// copied from, what it held and the bytes of the transformer's uploads copied from it (the record's rows that name
+/// it).
+fn print_donors(pipeline: &ZImagePipeline) {
+    let Some(offload) = pipeline.transformer().group_offload() else { return };
+    let moves = pipeline.manager().offload_record().group_moves().events();
+    for (donor, held, groups) in offload.donor_holdings() {
+        let copied: u64 = (moves.iter())
+            .filter(|e| e.action == offload_core::Action::Onload && e.id.starts_with("transformer/"))
+            .filter(|e| e.from_peer.as_deref() == Some(donor.as_str()))
+            .map(|e| e.bytes)
+            .sum();
+        if held > 0 || copied > 0 {
+            println!(
+                "donor: {} of the transformer's groups ({groups}) held on {donor}, {} of its copies to the device \
+                 from it",
+                format_size(held),
+                format_size(copied)
+            );
+        }
+    }
 }
 
 /// Prints the manager's decisions as the anchor's table, then one line for the group offloaders' moves, which the
@@ -1955,6 +1977,13 @@ mod tests {
         // Through the pre-flight, before anything loads.
         let error = preflight(&args(&["--card", "8GB", "--donor", "cuda:1@nvlink"])).expect_err("refused");
         assert!(error.to_string().starts_with("--donor cuda:1@nvlink: no further card"), "{error:#}");
+        // The same card twice, whatever its links.
+        let twice = ["--card", "8GB", "--card", "8GB", "--donor", "cuda:1@nvlink", "--donor", "cuda:1@pcie3x8"];
+        let error = preflight(&args(&twice)).expect_err("refused");
+        assert_eq!(
+            error.to_string(),
+            "--donor cuda:1@pcie3x8: cuda:1 is given as a donor twice; give each further card once"
+        );
     }
 
     #[test]

@@ -204,13 +204,13 @@ fn the_cli_holds_streamed_groups_on_a_donor_card_and_writes_the_same_image() {
     let (with, stdout) = generate(&dir, "donor.png", &[&cards[..], &["--donor", "cuda:1@nvlink"]].concat());
     assert_eq!(with, without, "the donor changes where the groups come from, not the image");
     assert!(stdout.contains("donor: cuda:1 (7.63 MB free) holds the transformer's streamed groups"), "{stdout}");
-    let line = stdout.lines().find(|line| line.starts_with("donor: ") && line.contains("held on its card"));
+    let line = stdout.lines().find(|line| line.starts_with("donor: ") && line.contains("held on cuda:1"));
     let line = line.unwrap_or_else(|| panic!("no donor line in the report:\n{stdout}"));
-    assert!(!line.contains("donor: 0 B") && !line.ends_with(" 0 B of the copies to the device from it"), "{line}");
+    assert!(!line.contains("donor: 0 B") && !line.ends_with(" 0 B of its copies to the device from it"), "{line}");
     let (slow, stdout) = generate(&dir, "slow.png", &[&cards[..], &["--donor", "cuda:1@pcie3x8"]].concat());
     assert_eq!(slow, without);
     assert!(stdout.contains("donor: cuda:1 is not used: its link (pcie3x8, 3.12 GB/s) is no faster"), "{stdout}");
-    assert!(!stdout.contains("held on its card"), "{stdout}");
+    assert!(!stdout.contains("held on cuda:1"), "{stdout}");
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -227,23 +227,48 @@ fn under_the_planner_a_donor_holds_the_share_the_plan_placed_on_it() {
     assert_eq!(with, alone, "the plan's donor changes where the groups come from, not the image");
     let row = stdout.lines().find(|line| line.starts_with("transformer ")).expect("the plan's row");
     assert!(row.contains("ram+cuda:1"), "{row}");
-    // The share the plan applied, and what the run held: the same bytes.
+    holds_the_plans_share(&stdout, "cuda:1");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Two donor cards under the planner, the first too small for every group (`--card 600KB`): the plan places the
+/// transformer's streamed groups over both, and the run holds on each exactly the plan's share, its uploads copied
+/// from each as the record and each card's meter count them, with the image of the plan without them.
+#[test]
+fn under_the_planner_two_donors_each_hold_the_share_the_plan_placed_on_it() {
+    let dir = std::env::temp_dir().join(format!("device-map-two-donors-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let (alone, _) = generate(&dir, "alone.png", &["--card", "4MB", "--preset", "auto"]);
+    let cards = ["--card", "4MB", "--card", "600KB", "--card", "8MB", "--preset", "auto"];
+    let donors = ["--donor", "cuda:1@nvlink", "--donor", "cuda:2@nvlink"];
+    let (with, stdout) = generate(&dir, "donors.png", &[&cards[..], &donors[..]].concat());
+    assert_eq!(with, alone, "the plan's donors change where the groups come from, not the image");
+    let row = stdout.lines().find(|line| line.starts_with("transformer ")).expect("the plan's row");
+    assert!(row.contains("ram+cuda:1+cuda:2"), "{row}");
+    holds_the_plans_share(&stdout, "cuda:1");
+    holds_the_plans_share(&stdout, "cuda:2");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Checks `generate`'s output for one donor: the transformer's share the plan applied on it is what the run held
+/// there, the record's group moves name it on some uploads, and its peer meter timed as many copies.
+fn holds_the_plans_share(stdout: &str, donor: &str) {
     let share = stdout
-        .split(" of streamed groups held on cuda:1 between their uploads")
+        .split(&format!(" of streamed groups held on {donor} between their uploads"))
         .next()
         .and_then(|before| before.rsplit("up to ").next())
-        .expect("the applied share");
-    let held = stdout.lines().find(|line| line.starts_with("donor: ") && line.contains("held on its card"));
-    let held = held.unwrap_or_else(|| panic!("no donor line in the report:\n{stdout}"));
+        .unwrap_or_else(|| panic!("no applied share on {donor}:\n{stdout}"));
+    let held = stdout.lines().find(|line| line.starts_with("donor: ") && line.contains(&format!("held on {donor},")));
+    let held = held.unwrap_or_else(|| panic!("no line for {donor} in the report:\n{stdout}"));
     assert!(held.starts_with(&format!("donor: {share} of the transformer's groups")), "{share} planned: {held}");
     // The record names the donor on each upload copied from it.
     let moves = stdout.lines().find(|line| line.starts_with("group moves: ")).expect("the group moves line");
-    assert!(moves.contains(" copied from cuda:1, "), "{moves}");
+    let copied = moves.split(&format!(" copied from {donor}")).next().and_then(|before| before.rsplit(", ").next());
+    assert!(copied.is_some_and(|n| n.parse::<usize>().is_ok_and(|n| n > 0)), "{moves}");
     // The execution device's peer meter timed each of those copies: as many as the record's rows name the donor.
-    let copied = moves.split(" copied from cuda:1").next().and_then(|before| before.rsplit(", ").next());
-    let timed = stdout.lines().find_map(|line| line.strip_prefix("copies from cuda:1: "));
-    let timed = timed.unwrap_or_else(|| panic!("no peer meter line:\n{stdout}"));
+    let timed =
+        stdout.lines().find_map(|line| line.strip_prefix(&format!("copies from {donor}: ")).map(str::to_string));
+    let timed = timed.unwrap_or_else(|| panic!("no peer meter line for {donor}:\n{stdout}"));
     assert_eq!(timed.split(' ').next(), copied, "{timed} against {moves}");
     assert!(timed.contains("measured by the clock"), "{timed}");
-    std::fs::remove_dir_all(&dir).ok();
 }

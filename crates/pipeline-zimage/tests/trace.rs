@@ -262,7 +262,7 @@ fn a_donor_card_has_its_own_memory_track_and_line() {
     let timeline = Timeline::enabled();
     pipeline.set_timeline(timeline.clone()).expect("no group offload yet");
     let donor = PeerDonor::new(OffloadDevice::simulated(second.clone()), second.total(), 50e9);
-    pipeline.transformer_mut().set_donor(donor).expect("before group offload");
+    pipeline.transformer_mut().add_donor(donor).expect("before group offload");
     pipeline.enable_group_offload(1, 1).expect("group offload");
     pipeline.enable_auto_offload(0, true).expect("auto offload");
     pipeline.generate(&opts, &mut |_, _| {}).expect("the run succeeds");

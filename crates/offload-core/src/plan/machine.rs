@@ -176,6 +176,10 @@ pub struct PeerShare {
     pub groups: usize,
     /// Their bytes: what the run's donor holds at most for this component.
     pub bytes: u64,
+    /// Each of those groups' bytes, in call order, where the component's layout gives every group's size: a run's
+    /// donor then takes exactly groups of these sizes (`GroupOptions::donor_groups`), as the search placed them.
+    /// Empty where the sizes are estimates (leaves counted, not measured): the donor then holds up to `bytes`.
+    pub group_bytes: Vec<u64>,
 }
 
 impl PeerDevice {

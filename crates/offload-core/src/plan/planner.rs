@@ -44,6 +44,11 @@ pub struct ComponentPlan {
     pub resident_weight_bytes: u64,
     /// Host bytes pinned for it.
     pub pinned_bytes: u64,
+    /// Each pinned group's bytes, in call order, where the plan placed its streamed groups over peers and pinned
+    /// memory and the layout gives every group's size: a run then pins exactly groups of these sizes
+    /// (`GroupOptions::pinned_groups`). Empty otherwise: the run pins the first streamed groups that fit
+    /// `pinned_bytes`.
+    pub pinned_groups: Vec<u64>,
     /// Host bytes its host copy takes in RAM (0 when resident or kept on disk; under a split, the streamed groups
     /// kept in RAM, `ram_streamed_bytes`).
     pub host_bytes: u64,
@@ -53,9 +58,14 @@ pub struct ComponentPlan {
     /// streamed group it reads from a file in RAM while they fit in this budget
     /// (`GroupOptions::ram_budget`). 0 without a split.
     pub ram_streamed_bytes: u64,
+    /// Each of those groups' bytes, in call order, where the component's layout gives every group's size: a run
+    /// then keeps the reads of exactly groups of these sizes (`GroupOptions::ram_groups`), as the search placed
+    /// them. Empty without a split, or where the sizes are estimates (leaves counted, not measured).
+    pub ram_streamed_groups: Vec<u64>,
     /// What its streamed groups hold on each of the machine's peers ([`Machine::peers`]), one share per peer in
     /// the machine's order (empty without peers): placed by cost over the peers and the host's sources. A run's
-    /// donor holds at most its share (`GroupOptions::donor_budgets`).
+    /// donor holds at most its share (`GroupOptions::donor_budgets`), and where the sizes are known exactly its
+    /// groups (`GroupOptions::donor_groups`).
     pub peers: Vec<PeerShare>,
     /// Whether its streamed host copy is kept as files in `disk_store_dir` (`host_tier` is
     /// [`HostTier::DiskStore`]).
@@ -475,6 +485,16 @@ fn kept_groups(groups: &[u64], budget: u64) -> (u64, usize) {
     (bytes, count)
 }
 
+/// Whether [`streamed_groups`] gives each group's true size (a block layout; leaves whose sizes the layout gives),
+/// not an estimate (leaves counted and taken as equal): a run can then be told which sizes go where.
+fn exact_sizes(spec: &ComponentSpec, shape: &Shape) -> bool {
+    match (shape.route, &spec.layout) {
+        (Route::BlockGroupOffload { .. }, Some(_)) => true,
+        (Route::LeafGroupOffload { .. }, Some(layout)) => !layout.leaf_bytes.is_empty(),
+        _ => false,
+    }
+}
+
 /// The bytes of each group a component's shape streams, in call order (the groups its resident budget does not
 /// keep), or `None` where it streams none or has no layout. At leaf level, the layout's leaf sizes; where it gives
 /// only their count, the leaves are taken as equal, and the run keeps whole leaves within a share, up to it.
@@ -651,6 +671,10 @@ struct Choice {
     host_note: Option<String>,
     /// What it holds on the machine's peers (one share per peer), once placed.
     peer_shares: Vec<PeerShare>,
+    /// The sizes of the streamed groups a split keeps in RAM, where they are known exactly.
+    ram_groups: Vec<u64>,
+    /// The sizes of the streamed groups it pins beside its groups on peers, where they are known exactly.
+    pinned_groups: Vec<u64>,
     /// Why it holds that on the peers, or nothing.
     peer_note: Option<String>,
     warning: Option<String>,
@@ -779,8 +803,10 @@ impl Planner<'_> {
                 resident_bytes: eval.resident,
                 resident_weight_bytes: eval.resident_weight,
                 pinned_bytes: choice.shape.pinned,
+                pinned_groups: choice.pinned_groups.clone(),
                 host_bytes: eval.host,
                 ram_streamed_bytes: choice.shape.ram_streamed,
+                ram_streamed_groups: choice.ram_groups.clone(),
                 peers: choice.peer_shares.clone(),
                 on_disk: choice.shape.host_tier == HostTier::DiskStore,
                 host_tier: choice.shape.host_tier,
@@ -841,6 +867,8 @@ impl Planner<'_> {
             pin_note: None,
             host_note: None,
             peer_shares: Vec::new(),
+            ram_groups: Vec::new(),
+            pinned_groups: Vec::new(),
             peer_note: None,
             warning: None,
         }
@@ -1026,6 +1054,8 @@ impl Planner<'_> {
             pin_note: None,
             host_note: None,
             peer_shares: Vec::new(),
+            ram_groups: Vec::new(),
+            pinned_groups: Vec::new(),
             peer_note: None,
             warning,
         })

@@ -14,13 +14,16 @@
 //! nothing. Each placement is kept only where the full time model, prefetch hiding copies under compute, predicts
 //! less time per image.
 //!
-//! A run follows a placement with budgets, not a list of groups: group offload pins its first streamed groups
-//! while they fit the pinned budget, then puts each group it uploads on the first of the component's donor and
-//! its RAM budget with room, in call order, a pinned group staying with the host. The shares the plan reports are
-//! what that rule keeps of each placement ([`fill_in_call_order`]), and a component whose groups go to a peer pins
-//! only what the placement still copies from pinned memory.
+//! A run follows a placement by the groups' sizes: group offload pins its first streamed groups while they fit the
+//! pinned budget, then puts each group it uploads on the first of the component's donors and its RAM budget that
+//! takes it, in call order, a pinned group staying with the host. Where the layout gives every group's size, each
+//! donor and RAM are given the sizes of the groups the search placed there (`GroupOptions::donor_groups`,
+//! `ram_groups`) and take only groups of those sizes, one each, so the run keeps exactly the search's placement
+//! (groups of one size are interchangeable: they cost the same anywhere); where the sizes are estimates, each takes
+//! groups while its budget has room. The shares the plan reports are what that rule keeps ([`run_keeps`]), and a
+//! component whose groups go to a peer pins only what the placement still copies from pinned memory.
 
-use super::{Choice, Planner, Shape, evaluate, fs, join_and, streamed_groups};
+use super::{Choice, Planner, Shape, evaluate, exact_sizes, fs, join_and, streamed_groups};
 use crate::plan::component::{ComponentSpec, Route};
 use crate::plan::donors::{Donor, DonorBudget, DonorKind, DonorPlacement, DonorProblem, StreamedGroup};
 use crate::plan::link::LinkSource;
@@ -101,18 +104,20 @@ impl Planner<'_> {
         for (i, groups) in &streamed {
             let mine = first..first + groups.len();
             first += groups.len();
+            let exact = exact_sizes(&components[*i], &choices[*i].shape);
             let mut holders: Vec<usize> = (first_peer..problem.donors.len()).collect();
             holders.push(0);
-            let budgets: Vec<u64> = holders.iter().map(|&d| bytes_from(&placement, &problem, d, &mine)).collect();
-            kept.push((*i, groups.len(), fill_in_call_order(groups, &budgets)));
+            let rooms: Vec<Room> =
+                holders.iter().map(|&d| Room::placed(&placement, &problem, d, &mine, exact)).collect();
+            kept.push((*i, groups.len(), run_keeps(groups, &rooms), exact));
         }
-        let taken: u64 = kept.iter().map(|(.., fills)| fills.last().map_or(0, |(bytes, _)| *bytes)).sum();
-        let on_peers: u64 = kept.iter().map(|(.., fills)| fills[..peers.len()].iter().map(|f| f.0).sum::<u64>()).sum();
+        let taken: u64 = kept.iter().map(|(_, _, held, _)| held[peers.len()].iter().sum::<u64>()).sum();
+        let on_peers: u64 = kept.iter().map(|(_, _, held, _)| held[..peers.len()].iter().flatten().sum::<u64>()).sum();
         let mut split = unsplit;
-        for (i, _, fills) in &kept {
-            split[*i].ram_streamed = fills[peers.len()].0;
+        for (i, _, held, _) in &kept {
+            split[*i].ram_streamed = held[peers.len()].iter().sum();
             split[*i].peers =
-                (fills.iter().zip(peers)).map(|((bytes, _), peer)| (*bytes, peer.bytes_per_second)).collect();
+                (held.iter().zip(peers)).map(|(held, peer)| (held.iter().sum(), peer.bytes_per_second)).collect();
         }
         for &i in &readers {
             split[i].page_cache = left - taken;
@@ -122,7 +127,7 @@ impl Planner<'_> {
             return notes;
         }
         let in_ram: Vec<&str> = (kept.iter())
-            .filter(|(.., fills)| fills[peers.len()].0 > 0)
+            .filter(|(_, _, held, _)| !held[peers.len()].is_empty())
             .map(|(i, ..)| components[*i].name.as_str())
             .collect();
         let all = if in_ram.len() > 1 { format!(" in all ({})", join_and(&in_ram)) } else { String::new() };
@@ -131,18 +136,22 @@ impl Planner<'_> {
             problem.donors[0].seconds_per_gb(),
             problem.donors[1].seconds_per_gb()
         );
-        for (i, total, fills) in kept {
+        for (i, total, held, exact) in kept {
             choices[i].shape.ram_streamed = split[i].ram_streamed;
             choices[i].shape.peers = split[i].peers.clone();
             let calls = components[i].calls_per_image;
-            let shares = shares(peers, &fills[..peers.len()]);
+            let shares = shares(peers, &held[..peers.len()], exact);
             if shares.iter().any(|share| share.bytes > 0) {
                 choices[i].peer_note = Some(peer_note(&shares, peers, total, &host_rates, calls, None));
             }
             choices[i].peer_shares = shares;
-            let (ram, count) = fills[peers.len()];
+            let in_ram = &held[peers.len()];
+            let (ram, count) = (in_ram.iter().sum::<u64>(), in_ram.len());
             if ram == 0 {
                 continue;
+            }
+            if exact {
+                choices[i].ram_groups = in_ram.clone();
             }
             notes[i] = Some(format!(
                 "{count} of its {total} streamed groups ({}) keep their host copy in RAM after their first read: the \
@@ -224,11 +233,15 @@ impl Planner<'_> {
             // the peers: the pinned budget shrinks to what the host still serves from it.
             let pinned = (problem.donors.iter().position(|d| d.kind == DonorKind::PinnedRam))
                 .map_or(0, |d| bytes_from(&placement, &problem, d, &all));
-            let mut budgets = vec![pinned];
-            budgets.extend((0..peers.len()).map(|p| bytes_from(&placement, &problem, p, &all)));
-            let fills = fill_in_call_order(&groups, &budgets);
-            let (pinned, fills) = (fills[0].0, &fills[1..]);
-            let shares = shares(peers, fills);
+            let exact = exact_sizes(spec, shape);
+            let pinned_at = problem.donors.iter().position(|d| d.kind == DonorKind::PinnedRam);
+            let pinned_slots = pinned_at.map(|d| Room::placed(&placement, &problem, d, &all, exact).slots);
+            let mut rooms = vec![Room { budget: pinned, slots: pinned_slots.flatten() }];
+            rooms.extend((0..peers.len()).map(|p| Room::placed(&placement, &problem, p, &all, exact)));
+            let held = run_keeps(&groups, &rooms);
+            let (pinned_held, held) = (&held[0], &held[1..]);
+            let pinned = pinned_held.iter().sum::<u64>();
+            let shares = shares(peers, held, exact);
             if shares.iter().all(|share| share.bytes == 0) {
                 let rates: Vec<String> =
                     (peers.iter()).map(|peer| format!("{} from {}", peer_rate(peer), peer.name)).collect();
@@ -242,7 +255,7 @@ impl Planner<'_> {
             }
             let mut placed = shape.clone();
             placed.peers =
-                (fills.iter().zip(peers)).map(|((bytes, _), peer)| (*bytes, peer.bytes_per_second)).collect();
+                (shares.iter().zip(peers)).map(|(share, peer)| (share.bytes, peer.bytes_per_second)).collect();
             placed.pinned = placed.pinned.min(pinned);
             let calls = spec.calls_per_image;
             let before = evaluate(spec, shape, choice.headroom, &time).per_image_seconds(calls);
@@ -270,6 +283,9 @@ impl Planner<'_> {
             choices[i].peer_note = Some(note);
             choices[i].shape = placed;
             choices[i].peer_shares = shares;
+            if exact && !pinned_held.is_empty() {
+                choices[i].pinned_groups = pinned_held.clone();
+            }
         }
     }
 }
@@ -296,25 +312,64 @@ fn bytes_from(
     groups.clone().filter(|&g| placement.donor_of[g] == donor).map(|g| problem.groups[g].bytes).sum()
 }
 
-/// What a run keeps of each budget: group offload gives each group, in call order, to the first budget with room
-/// for it (the donor before RAM). Returns, per budget, the bytes and the count of groups it holds.
-pub(super) fn fill_in_call_order(groups: &[u64], budgets: &[u64]) -> Vec<(u64, usize)> {
-    let mut left = budgets.to_vec();
-    let mut fills = vec![(0u64, 0usize); budgets.len()];
-    for &group in groups {
-        if let Some(b) = left.iter().position(|&room| group <= room) {
-            left[b] -= group;
-            fills[b].0 += group;
-            fills[b].1 += 1;
-        }
-    }
-    fills
+/// One of the places a run keeps a component's streamed groups in (the pinned budget, a donor, the RAM budget):
+/// up to `budget` bytes and, where the sizes are known exactly, only groups of the sizes in `slots`, one each.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Room {
+    pub budget: u64,
+    pub slots: Option<Vec<u64>>,
 }
 
-/// One share per peer from its fill.
-fn shares(peers: &[PeerDevice], fills: &[(u64, usize)]) -> Vec<PeerShare> {
-    (peers.iter().zip(fills))
-        .map(|(peer, &(bytes, groups))| PeerShare { peer: peer.name.clone(), groups, bytes })
+impl Room {
+    /// The room a run is given for what `placement` puts on `donor` of `groups` (indices into the problem's
+    /// groups): their bytes, and their sizes where `exact`.
+    fn placed(
+        placement: &DonorPlacement,
+        problem: &DonorProblem,
+        donor: usize,
+        groups: &std::ops::Range<usize>,
+        exact: bool,
+    ) -> Self {
+        let sizes = groups.clone().filter(|&g| placement.donor_of[g] == donor).map(|g| problem.groups[g].bytes);
+        Self { budget: bytes_from(placement, problem, donor, groups), slots: exact.then(|| sizes.collect()) }
+    }
+
+    /// Takes `group` where the budget has room and, with slots, one of its size is open.
+    fn takes(&mut self, group: u64) -> bool {
+        if group > self.budget {
+            return false;
+        }
+        if let Some(slots) = &mut self.slots {
+            let Some(at) = slots.iter().position(|&slot| slot == group) else { return false };
+            slots.swap_remove(at);
+        }
+        self.budget -= group;
+        true
+    }
+}
+
+/// What a run keeps in each room: group offload gives each group, in call order, to the first room that takes it
+/// (the donors before RAM). Returns, per room, the sizes of the groups it holds, in call order.
+pub(super) fn run_keeps(groups: &[u64], rooms: &[Room]) -> Vec<Vec<u64>> {
+    let mut rooms = rooms.to_vec();
+    let mut held = vec![Vec::new(); rooms.len()];
+    for &group in groups {
+        if let Some(r) = rooms.iter_mut().position(|room| room.takes(group)) {
+            held[r].push(group);
+        }
+    }
+    held
+}
+
+/// One share per peer from what it holds; its groups' sizes where they are `exact`.
+fn shares(peers: &[PeerDevice], held: &[Vec<u64>], exact: bool) -> Vec<PeerShare> {
+    (peers.iter().zip(held))
+        .map(|(peer, sizes)| PeerShare {
+            peer: peer.name.clone(),
+            groups: sizes.len(),
+            bytes: sizes.iter().sum(),
+            group_bytes: if exact { sizes.clone() } else { Vec::new() },
+        })
         .collect()
 }
 
@@ -363,14 +418,33 @@ fn names(peers: &[PeerDevice]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::fill_in_call_order;
+    use super::{Room, run_keeps};
+
+    fn budget(bytes: u64) -> Room {
+        Room { budget: bytes, slots: None }
+    }
+
+    fn sizes(sizes: &[u64]) -> Room {
+        Room { budget: sizes.iter().sum(), slots: Some(sizes.to_vec()) }
+    }
 
     #[test]
-    fn a_run_gives_each_group_to_the_first_budget_with_room_in_call_order() {
+    fn by_budgets_a_run_gives_each_group_to_the_first_room_with_space_in_call_order() {
         // A donor of 5 and RAM of 4: 3 to the donor, 2 to the donor, 4 to RAM, 1 to neither (both are full).
-        assert_eq!(fill_in_call_order(&[3, 2, 4, 1], &[5, 4]), vec![(5, 2), (4, 1)]);
+        assert_eq!(run_keeps(&[3, 2, 4, 1], &[budget(5), budget(4)]), vec![vec![3, 2], vec![4]]);
         // A group too large for the donor's room goes on to RAM, and a later small one still fits the donor.
-        assert_eq!(fill_in_call_order(&[4, 3, 1], &[2, 4]), vec![(1, 1), (4, 1)]);
-        assert_eq!(fill_in_call_order(&[4, 3, 1], &[]), Vec::<(u64, usize)>::new());
+        assert_eq!(run_keeps(&[4, 3, 1], &[budget(2), budget(4)]), vec![vec![1], vec![4]]);
+        assert_eq!(run_keeps(&[4, 3, 1], &[]), Vec::<Vec<u64>>::new());
+    }
+
+    #[test]
+    fn by_sizes_a_run_keeps_the_searchs_placement() {
+        // The search put a 2 and a 3 on each donor. By budgets of 5 each, the two 2s fill the first and the 3s
+        // overflow the second: a 3 is left. By sizes, each donor takes one of each.
+        let groups = [2, 2, 3, 3];
+        assert_eq!(run_keeps(&groups, &[budget(5), budget(5)]), vec![vec![2, 2], vec![3]]);
+        assert_eq!(run_keeps(&groups, &[sizes(&[2, 3]), sizes(&[3, 2])]), vec![vec![2, 3], vec![2, 3]]);
+        // A room takes no size it was not given, whatever its budget.
+        assert_eq!(run_keeps(&[4, 1], &[Room { budget: 10, slots: Some(vec![1]) }]), vec![vec![1]]);
     }
 }
