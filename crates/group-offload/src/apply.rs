@@ -317,18 +317,30 @@ impl std::fmt::Display for PipelinePlan {
     /// The planner's plan, then what was applied per component and the notes.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}", self.plan)?;
-        writeln!(f, "applied:")?;
-        for applied in &self.applied {
-            writeln!(f, "  {} ({}): {}", applied.component, applied.id, applied.how)?;
-        }
-        if !self.notes.is_empty() {
-            writeln!(f, "notes:")?;
-            for note in &self.notes {
-                writeln!(f, "  {note}")?;
-            }
-        }
-        Ok(())
+        write_applied(f, &self.applied, &self.notes)
     }
+}
+
+impl std::fmt::Display for AppliedPlan {
+    /// What was applied per component (`applied:`, a line each), then the notes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write_applied(f, &self.applied, &self.notes)
+    }
+}
+
+/// The `applied:` lines and the `notes:` of a plan as applied.
+fn write_applied(f: &mut std::fmt::Formatter<'_>, applied: &[AppliedRoute], notes: &[String]) -> std::fmt::Result {
+    writeln!(f, "applied:")?;
+    for applied in applied {
+        writeln!(f, "  {} ({}): {}", applied.component, applied.id, applied.how)?;
+    }
+    if !notes.is_empty() {
+        writeln!(f, "notes:")?;
+        for note in notes {
+            writeln!(f, "  {note}")?;
+        }
+    }
+    Ok(())
 }
 
 /// Plans `specs` for `device` with `settings` and applies the plan to `components` ([`apply_plan`]). Every

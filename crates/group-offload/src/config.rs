@@ -320,6 +320,29 @@ impl PeerDonor {
         Self { device, budget, bytes_per_second, latency_seconds: 0.0, groups: None }
     }
 
+    /// The donor as a peer of a plan's machine (`DeviceFacts::with_peer`): its device's name, its budget as the
+    /// bytes it can give, its link's rate and latency (given). The planner then places the model's groups over it,
+    /// and `apply_plan` caps it at the plan's share.
+    ///
+    /// ```
+    /// use group_offload::config::PeerDonor;
+    /// use group_offload::OffloadDevice;
+    /// use memory_sim::{CardSpec, SimCard};
+    /// let spec = CardSpec::parse("4GB")?.with_device(offload_core::DeviceName::parse("cuda:1")?);
+    /// let card = OffloadDevice::simulated(SimCard::new(spec));
+    /// let peer = PeerDonor::new(card, 3_000_000_000, 50e9).peer_device();
+    /// assert_eq!((peer.name.as_str(), peer.bytes, peer.bytes_per_second), ("cuda:1", 3_000_000_000, 50e9));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn peer_device(&self) -> offload_core::plan::PeerDevice {
+        offload_core::plan::PeerDevice::new(
+            self.device.name().as_str(),
+            self.budget,
+            self.bytes_per_second,
+            self.latency_seconds,
+        )
+    }
+
     /// Seconds one copy of `bytes` from the donor takes.
     pub fn seconds(&self, bytes: u64) -> f64 {
         bytes as f64 / self.bytes_per_second + self.latency_seconds

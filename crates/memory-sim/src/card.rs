@@ -205,6 +205,12 @@ impl CardSpec {
         })
     }
 
+    /// The same card known by another device name (`cuda:1` for a second card; `cuda:0` by default).
+    pub fn with_device(mut self, device: DeviceName) -> Self {
+        self.device = device;
+        self
+    }
+
     /// The same card in another mode.
     pub fn with_mode(mut self, mode: Mode) -> Self {
         self.mode = mode;

@@ -1519,7 +1519,7 @@ fn set_donor(
         latency_seconds: link.latency.as_secs_f64(),
         groups: None,
     };
-    let peer = PeerDevice::new(device.as_str(), card.available(), link.bytes_per_second, donor.latency_seconds);
+    let peer = donor.peer_device();
     if planner {
         pipeline.text_encoder_mut().add_donor(donor.clone())?;
         pipeline.transformer_mut().add_donor(donor)?;
