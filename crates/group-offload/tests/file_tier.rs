@@ -704,6 +704,36 @@ fn a_ram_budget_keeps_the_reads_of_the_streamed_groups_that_fit_and_the_rest_rea
     assert!(uploads.iter().all(|e| e.read.is_some()), "block 3 reads its file at every upload: {uploads:?}");
 }
 
+/// Given the sizes a plan placed in RAM (`GroupOptions::ram_groups`), the RAM budget keeps only the reads of groups
+/// of those sizes, one each, whatever room the budget has: two slots of a block's size keep two blocks' reads, and
+/// a size no block has keeps none.
+#[test]
+fn with_the_plans_sizes_the_ram_budget_keeps_only_reads_of_those_sizes() {
+    let device = Device::flex();
+    let (_dir, path) = checkpoint(DType::BF16);
+    let want = bits(whole(loaded(&path).weights().forward(ids(&device), "fc2")));
+    let block = block_bytes(DType::BF16);
+    let kept = |sizes: Vec<u64>| {
+        let (model, table) = bound(&path);
+        let manager = Arc::new(ComponentsManager::new());
+        let mut handle = ModelHandle::register_files(&manager, "toy", model, table, OffloadDevice::simulated(card()))
+            .expect("registers");
+        let options = GroupOptions {
+            ram_budget: BLOCKS as u64 * block,
+            ram_groups: sizes,
+            prefetch: false,
+            ..GroupOptions::default()
+        };
+        handle.enable_group_offload(&options).expect("it streams");
+        let out = handle.run(0, |weights, _| weights.forward(ids(&device), "fc2")).expect("a forward");
+        assert_eq!(bits(out), want);
+        handle.group_offload().expect("grouped").kept_read_bytes()
+    };
+    assert_eq!(kept(Vec::new()), (BLOCKS as u64 * block, BLOCKS), "no sizes: the budget alone");
+    assert_eq!(kept(vec![block, block]), (2 * block, 2));
+    assert_eq!(kept(vec![block + 2]), (0, 0));
+}
+
 #[test]
 fn a_group_held_on_a_donor_gives_its_kept_read_back_to_the_ram_budget() {
     let device = Device::flex();
@@ -714,8 +744,8 @@ fn a_group_held_on_a_donor_gives_its_kept_read_back_to_the_ram_budget() {
     let manager = Arc::new(ComponentsManager::new());
     let mut handle = ModelHandle::register_files(&manager, "toy", model, table, OffloadDevice::simulated(card()))
         .expect("registers");
-    let mut spec = CardSpec::parse("64MiB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0);
-    spec.device = offload_core::DeviceName::parse("cuda:1").expect("a name");
+    let spec = (CardSpec::parse("64MiB").expect("a size").with_mode(Mode::Hard).with_context_overhead(0))
+        .with_device(offload_core::DeviceName::parse("cuda:1").expect("a name"));
     let donor = group_offload::config::PeerDonor::new(OffloadDevice::simulated(SimCard::new(spec)), block, 1e9);
     handle.add_donor(donor).expect("a donor before it streams");
     // RAM for every block's read, and a donor for one block: the first block uploaded goes to the donor and
