@@ -254,9 +254,7 @@ impl GroupOffloadConfig {
         }
         check_prefetch(&self.model, self.prefetch, self.prefetch_depth)
     }
-}
 
-impl GroupOffloadConfig {
     /// Refuses a donor whose link has no finite positive rate, one that is the execution device, and one on a device
     /// an `earlier` donor is already on.
     fn check_donor(&self, donor: &PeerDonor, earlier: &[PeerDonor]) -> Result<()> {

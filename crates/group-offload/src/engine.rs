@@ -505,7 +505,7 @@ impl Shared {
             if self.copy_to_donor(index, donor, host, tensors) {
                 self.sample_donor(index);
                 // Its uploads come from the donor now: a read kept in RAM for it goes back to the RAM budget.
-                self.ram_left.give(host.forget_read());
+                self.forget_read(host);
                 tracing::debug!(group = %host.id, bytes = host.bytes, donor = %donor.device.name(), "group kept on a donor");
                 return;
             }
@@ -557,10 +557,18 @@ impl Shared {
         if resident {
             return;
         }
-        let bytes: u64 = data.iter().map(|d| d.as_bytes().len() as u64).sum();
-        if self.ram_left.take(bytes) {
-            host.keep_read(data);
+        // Counted in the group's bytes on the device, the unit of the plan's budget and sizes (a file tensor the
+        // device holds in another dtype reads other bytes).
+        if self.ram_left.take(host.bytes) {
+            let bytes = host.keep_read(data);
             tracing::debug!(group = %host.id, bytes, "read kept in host memory within the RAM budget");
+        }
+    }
+
+    /// Drops the read `host` kept in host memory, if any, and gives its room back to the RAM budget.
+    fn forget_read(&self, host: &GroupHost) {
+        if host.forget_read() > 0 {
+            self.ram_left.give(host.bytes);
         }
     }
 
@@ -1047,7 +1055,7 @@ impl Engine {
                 state.groups[group].kept = true;
                 // A group that stays on the device is not read again: its kept read goes back to the RAM budget,
                 // and its copy on the donor to the donor.
-                shared.ram_left.give(state.groups[group].host.forget_read());
+                shared.forget_read(&state.groups[group].host);
                 if let Some((donor, given)) = state.groups[group].host.leave_donor() {
                     shared.donor_left[donor].give(given);
                     shared.sample_donor(donor);

@@ -86,9 +86,14 @@ fn a_slow_peer_beats_reading_the_file_and_frees_ram_for_the_split() {
 /// A denoiser of five equal 20 MB blocks, called 4 times an image, with no compute (so copies are the whole step
 /// and prefetch hides nothing) on a card that keeps none of them resident.
 fn denoiser() -> ComponentSpec {
-    ComponentSpec::new("denoiser", 105 * MB)
+    denoiser_of(BlockLayout::uniform(5, 20 * MB))
+}
+
+/// The denoiser with blocks of `blocks` bytes (its 5 MB outside the blocks, as [`denoiser`]'s).
+fn denoiser_of(blocks: Vec<u64>) -> ComponentSpec {
+    ComponentSpec::new("denoiser", blocks.iter().sum::<u64>() + 5 * MB)
         .with_layout(BlockLayout {
-            block_bytes: BlockLayout::uniform(5, 20 * MB),
+            block_bytes: blocks,
             outside_bytes: 5 * MB,
             largest_leaf_bytes: 5 * MB,
             leaf_count: 20,
@@ -151,17 +156,7 @@ fn the_plan_places_groups_over_peers_as_an_exhaustive_search_does_and_prices_eac
 #[test]
 fn with_groups_of_two_sizes_the_run_is_given_the_searchs_sizes_on_each_peer() {
     let blocks = vec![20 * MB, 20 * MB, 30 * MB, 30 * MB];
-    let spec = ComponentSpec::new("denoiser", 105 * MB)
-        .with_layout(BlockLayout {
-            block_bytes: blocks.clone(),
-            outside_bytes: 5 * MB,
-            largest_leaf_bytes: 5 * MB,
-            leaf_count: 20,
-            first_leaf_bytes: 5 * MB,
-            leaf_bytes: Vec::new(),
-        })
-        .with_activation(MB)
-        .with_cost(0.0, 4);
+    let spec = denoiser_of(blocks.clone());
     let peers = [PeerDevice::new("one", 50 * MB, 40e9, 0.0), PeerDevice::new("two", 50 * MB, 40e9, 0.0)];
     let machine = peers
         .iter()

@@ -409,10 +409,15 @@ impl ProfileStore {
 
     /// Saves a profile atomically (a temporary file renamed over the old one).
     pub fn save(&self, profile: &CapacityProfile) -> Result<(), PlanError> {
-        let name = format!("{}.toml", profile.key);
-        let text = toml::to_string(profile)
-            .map_err(|e| PlanError::ProfileFormat { path: self.dir.join(&name), message: e.to_string() })?;
-        self.write_atomically(&name, &text)
+        self.write_toml(&format!("{}.toml", profile.key), profile)
+    }
+
+    /// Writes `value` as TOML to the store's file `name`, atomically; a typed error naming the file when it cannot
+    /// be serialized or written.
+    pub(crate) fn write_toml(&self, name: &str, value: &impl serde::Serialize) -> Result<(), PlanError> {
+        let text = toml::to_string(value)
+            .map_err(|e| PlanError::ProfileFormat { path: self.dir.join(name), message: e.to_string() })?;
+        self.write_atomically(name, &text)
     }
 
     /// Reads and parses a TOML file of the store; `None` when there is none, a typed error naming the file when

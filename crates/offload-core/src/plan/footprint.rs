@@ -129,11 +129,7 @@ mod store {
         }
 
         fn write_footprint_profile(&self, profile: &FootprintProfile) -> Result<(), PlanError> {
-            let text = toml::to_string(profile).map_err(|e| PlanError::ProfileFormat {
-                path: self.footprint_path(&profile.device),
-                message: e.to_string(),
-            })?;
-            self.write_atomically(&footprint_file(&profile.device), &text)
+            self.write_toml(&footprint_file(&profile.device), profile)
         }
 
         /// The footprints earlier runs measured on `device` (empty before the first).

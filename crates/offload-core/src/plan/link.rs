@@ -386,6 +386,13 @@ mod store {
         format!("disk-{}.toml", Workload::named("disk").with("disk", disk).key())
     }
 
+    /// Adds `run` to `runs`, keeping the last `max`.
+    fn keep_latest<T>(runs: &mut Vec<T>, run: T, max: usize) {
+        runs.push(run);
+        let excess = runs.len().saturating_sub(max);
+        runs.drain(..excess);
+    }
+
     impl ProfileStore {
         /// The file of a device's link figures.
         pub fn link_path(&self, device: &str) -> PathBuf {
@@ -416,13 +423,9 @@ mod store {
                 runs: Vec::new(),
             });
             run.at = crate::plan::capacity::now();
-            profile.runs.push(run);
-            let excess = profile.runs.len().saturating_sub(MAX_LINK_RUNS);
-            profile.runs.drain(..excess);
+            keep_latest(&mut profile.runs, run, MAX_LINK_RUNS);
             let path = self.link_path(device);
-            let text = toml::to_string(&profile)
-                .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.to_string() })?;
-            self.write_atomically(&link_file(device), &text)?;
+            self.write_toml(&link_file(device), &profile)?;
             MeasuredLink::from_runs(&profile.runs).ok_or_else(|| PlanError::ProfileFormat {
                 path,
                 message: "a run with no timed copy was stored; store only runs that made copies".into(),
@@ -464,12 +467,8 @@ mod store {
                 runs: Vec::new(),
             });
             run.at = crate::plan::capacity::now();
-            profile.runs.push(run);
-            let excess = profile.runs.len().saturating_sub(MAX_DISK_RUNS);
-            profile.runs.drain(..excess);
-            let text = toml::to_string(&profile)
-                .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.to_string() })?;
-            self.write_atomically(&disk_file(disk), &text)?;
+            keep_latest(&mut profile.runs, run, MAX_DISK_RUNS);
+            self.write_toml(&disk_file(disk), &profile)?;
             MeasuredDisk::from_runs(&profile.runs).ok_or_else(|| PlanError::ProfileFormat {
                 path,
                 message: "no stored run timed a read; delete the file to start over".into(),
@@ -517,12 +516,8 @@ mod store {
                 runs: Vec::new(),
             });
             run.at = crate::plan::capacity::now();
-            profile.runs.push(run);
-            let excess = profile.runs.len().saturating_sub(MAX_PEER_RUNS);
-            profile.runs.drain(..excess);
-            let text = toml::to_string(&profile)
-                .map_err(|e| PlanError::ProfileFormat { path: path.clone(), message: e.to_string() })?;
-            self.write_atomically(&peer_file(device, peer), &text)?;
+            keep_latest(&mut profile.runs, run, MAX_PEER_RUNS);
+            self.write_toml(&peer_file(device, peer), &profile)?;
             MeasuredPeer::from_runs(&profile.runs).ok_or_else(|| PlanError::ProfileFormat {
                 path,
                 message: "no stored run timed a copy; delete the file to start over".into(),
