@@ -221,8 +221,9 @@ impl GroupOffloadConfig {
         }
         if !donors.is_empty() {
             for donor in &mut self.donors {
+                // A donor the plan placed nothing on takes no size, as its budget there is 0.
                 let sizes = donors.iter().find(|(name, _)| name == donor.device.name().as_str());
-                donor.groups = Some(sizes.map(|(_, sizes)| sizes.clone()).unwrap_or_default());
+                donor.groups = Some(sizes.map_or_else(Vec::new, |(_, sizes)| sizes.clone()));
             }
         }
         self

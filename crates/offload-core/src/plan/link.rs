@@ -236,15 +236,15 @@ impl RunFigures {
 
 impl fmt::Display for MeasuredDisk {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let runs = if self.runs == 1 { "one run".to_string() } else { format!("median of {} runs", self.runs) };
-        write!(
-            f,
-            "reads at {:.2} GB/s, 10th percentile {:.2} GB/s ({runs}, {} reads)",
-            self.median / 1e9,
-            self.p10 / 1e9,
-            self.reads
-        )
+        write_rates(f, "reads", self.median, self.p10, self.runs, self.reads)
     }
+}
+
+/// `reads at 0.50 GB/s, 10th percentile 0.25 GB/s (median of 3 runs, 102 reads)`: the measured figures of a disk's
+/// reads or a peer's copies (`what`), from `runs` stored runs of `count` of them.
+fn write_rates(f: &mut fmt::Formatter<'_>, what: &str, median: f64, p10: f64, runs: usize, count: u64) -> fmt::Result {
+    let runs = if runs == 1 { "one run".to_string() } else { format!("median of {runs} runs") };
+    write!(f, "{what} at {:.2} GB/s, 10th percentile {:.2} GB/s ({runs}, {count} {what})", median / 1e9, p10 / 1e9)
 }
 
 /// How many runs' figures a peer link keeps, newest last.
@@ -308,14 +308,7 @@ impl MeasuredPeer {
 
 impl fmt::Display for MeasuredPeer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let runs = if self.runs == 1 { "one run".to_string() } else { format!("median of {} runs", self.runs) };
-        write!(
-            f,
-            "copies at {:.2} GB/s, 10th percentile {:.2} GB/s ({runs}, {} copies)",
-            self.median / 1e9,
-            self.p10 / 1e9,
-            self.copies
-        )
+        write_rates(f, "copies", self.median, self.p10, self.runs, self.copies)
     }
 }
 
