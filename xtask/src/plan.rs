@@ -200,7 +200,7 @@ fn donors(args: &Args, card: &CardSpec, peers: &[PeerCard], plan: &Plan) -> anyh
     let profile = PipelineProfile::z_image_turbo(args.steps as usize);
     let transformer = profile.components.iter().find(|c| c.name == "transformer").context("the transformer")?;
     let routed = plan.component("transformer").context("the transformer's plan")?;
-    // Group offload keeps groups resident in call order while they fit the resident budget.
+    // Group offload keeps groups resident in the order the model declares them while they fit the resident budget.
     let blocks = facts::transformer_blocks();
     let outside = transformer.bytes - blocks.iter().sum::<u64>();
     let mut room = routed.resident_weight_bytes.saturating_sub(outside);

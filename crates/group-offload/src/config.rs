@@ -31,8 +31,10 @@ pub struct GroupOffloadConfig {
     pub prefetch: bool,
     /// How many groups ahead of the running one, in the captured order, are uploaded (1 by default).
     pub prefetch_depth: usize,
-    /// Bytes of streamed groups that may stay on the device once released (0 by default): the first groups to be
-    /// released that fit stay resident for good, like diffusers' requested `pin_groups`.
+    /// Bytes of streamed groups that may stay on the device once released (0 by default): the first groups added
+    /// (the order the model declares them in) that fit stay resident for good from their first release, like
+    /// diffusers' requested `pin_groups`. They are chosen as the groups are added, so the pinned budget skips them
+    /// whatever order the model calls its groups in.
     pub resident_budget: u64,
     /// Bytes of streamed groups' host copies to pin (0 by default): groups are pinned in registration order
     /// while they fit, through the device's staging (page-locked memory on CUDA, so uploads skip the driver's

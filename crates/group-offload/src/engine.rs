@@ -87,6 +87,9 @@ struct GroupSlot {
     prefetched: bool,
     /// Belongs to a resident part: kept from registration, counted in the resident bytes.
     resident_part: bool,
+    /// Chosen when it was added to stay on the device once released: a resident part, or a streamed group within
+    /// the resident budget (the first registered that fit it: [`GroupOffloadConfig::resident_budget`]).
+    stays: bool,
 }
 
 struct State {
@@ -96,7 +99,6 @@ struct State {
     /// Index in `order` of the last call.
     cursor: Option<usize>,
     capturing: bool,
-    kept_bytes: u64,
     stats: GroupStats,
     /// The first parameters loaded outside their groups (at most [`STRAYS_KEPT`]), for the streaming check.
     strays: Vec<String>,
@@ -497,7 +499,7 @@ impl Shared {
     /// budget and the donors' are places of their own, as a plan gives them); a group no donor takes (each full, or
     /// its card refusing the allocation) keeps streaming from the host.
     fn place_on_donor(&self, host: &GroupHost, tensors: &[DeviceTensor]) {
-        let resident = self.state.lock().groups.iter().any(|g| std::ptr::eq(Arc::as_ptr(&g.host), host) && g.kept);
+        let resident = self.stays(host);
         if resident || host.pinned || tensors.iter().any(DeviceTensor::is_quantized) {
             return;
         }
@@ -549,12 +551,17 @@ impl Shared {
         }
     }
 
+    /// Whether `host`'s group stays on the device once released (a resident part's, or one chosen within the
+    /// resident budget): it is uploaded once, so it takes no room on a donor or in the RAM budget.
+    fn stays(&self, host: &GroupHost) -> bool {
+        self.state.lock().groups.iter().any(|g| std::ptr::eq(Arc::as_ptr(&g.host), host) && g.stays)
+    }
+
     /// Keeps the read a group's upload just made from its files in host memory, where the RAM budget has room for
     /// it: later uploads copy it instead of reading the files.
     fn keep_read(&self, host: &GroupHost, data: &[TensorData]) {
-        // A resident part (or a group already kept resident) is uploaded once and never read again.
-        let resident = self.state.lock().groups.iter().any(|g| std::ptr::eq(Arc::as_ptr(&g.host), host) && g.kept);
-        if resident {
+        // A resident part, or a group chosen to stay resident, is uploaded once and never read again.
+        if self.stays(host) {
             return;
         }
         // Counted in the group's bytes on the device, the unit of the plan's budget and sizes (a file tensor the
@@ -780,7 +787,6 @@ impl Engine {
                 order: Vec::new(),
                 cursor: None,
                 capturing: true,
-                kept_bytes: 0,
                 stats: GroupStats::default(),
                 strays: Vec::new(),
                 stray_failure: None,
@@ -823,8 +829,10 @@ impl Engine {
         self.shared.config.device.exec()
     }
 
-    /// Registers a group; a kept group is uploaded at once and never offloaded by a release.
-    pub fn add_group(&self, host: GroupHost, kept: bool) -> Result<usize> {
+    /// Registers a group: a kept group (a resident part's) is never offloaded by a release; one that `stays` (chosen
+    /// within the resident budget as it was added) is kept from its first release on, whatever the order of the
+    /// calls.
+    pub fn add_group(&self, host: GroupHost, kept: bool, stays: bool) -> Result<usize> {
         let host = Arc::new(host);
         let index = {
             let mut state = self.shared.state.lock();
@@ -835,6 +843,7 @@ impl Engine {
                 kept,
                 prefetched: false,
                 resident_part: kept,
+                stays: kept || stays,
             });
             state.groups.len() - 1
         };
@@ -1049,9 +1058,7 @@ impl Engine {
             if slot.users > 0 || slot.kept || !matches!(slot.residency, Residency::OnDevice(_)) {
                 return;
             }
-            let bytes = slot.host.bytes;
-            if state.kept_bytes + bytes <= shared.config.resident_budget {
-                state.kept_bytes += bytes;
+            if slot.stays {
                 state.groups[group].kept = true;
                 // A group that stays on the device is not read again: its kept read goes back to the RAM budget,
                 // and its copy on the donor to the donor.
@@ -1098,7 +1105,6 @@ impl Engine {
             state.groups[i].prefetched = false;
             shared.drop_from_device(&mut state, i, &Reason::GroupOffload);
         }
-        state.kept_bytes = 0;
         for slot in &mut state.groups {
             if !slot.kept_at_start() {
                 slot.kept = false;

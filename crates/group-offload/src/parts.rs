@@ -32,11 +32,12 @@ pub struct GroupOffload {
     pinning: Arc<Pinning>,
 }
 
-/// How groups are pinned as they are added: the pinned budget's room (and the sizes it takes, where a plan gave
-/// them), and what is left of the resident budget as the order of registration predicts it. A group predicted to
-/// stay resident is uploaded once and gains nothing from pinning, so its bytes stay for a streamed group: the
-/// engine keeps groups resident in release order while they fit ([`GroupOffloadConfig::resident_budget`]), the same
-/// order as registration's where the model calls its blocks as it declares them.
+/// What is decided for each group as it is added: whether it stays resident (the first streamed groups, in
+/// registration order, that fit the resident budget: [`GroupOffloadConfig::resident_budget`]) and whether its host
+/// copy is pinned (the pinned budget's room, and the sizes it takes where a plan gave them). A group that stays
+/// resident is uploaded once and gains nothing from pinning, so its bytes stay for a streamed group. Both are
+/// decided here, once, whatever order the model then calls its groups in: the engine keeps exactly the groups
+/// chosen here ([`Engine::add_group`]), so no group is pinned that then stays resident.
 struct Pinning {
     pinned: Room,
     resident_left: Mutex<u64>,
@@ -195,24 +196,22 @@ impl GroupOffload {
     fn add_group(&self, group: &str, params: Vec<ExtractedParam>, kept: bool) -> Result<usize> {
         let config = &self.engine.shared.config;
         let id = format!("{}/{group}", config.model);
+        let bytes: u64 = params.iter().map(ExtractedParam::bytes_len).sum();
+        let stays = !kept && {
+            let mut left = self.pinning.resident_left.lock();
+            let fits = bytes <= *left;
+            if fits {
+                *left -= bytes;
+            }
+            fits
+        };
         let host = match &config.disk_dir {
             None => {
                 // Streamed groups are pinned in registration order while they fit in the pinned budget; a
-                // resident part, or a group predicted to stay resident, is uploaded once and gains nothing from
-                // it, and a group read from its checkpoint file at each upload has no host copy to pin.
-                let bytes: u64 = params.iter().map(ExtractedParam::bytes_len).sum();
-                let resident = !kept && {
-                    let mut left = self.pinning.resident_left.lock();
-                    let fits = bytes <= *left;
-                    if fits {
-                        *left -= bytes;
-                    }
-                    fits
-                };
-                let stage = !kept
-                    && !resident
-                    && !params.iter().any(ExtractedParam::is_file)
-                    && self.pinning.pinned.take(bytes);
+                // resident part, or a group chosen to stay resident, is uploaded once and gains nothing from it,
+                // and a group read from its checkpoint file at each upload has no host copy to pin.
+                let stage =
+                    !kept && !stays && !params.iter().any(ExtractedParam::is_file) && self.pinning.pinned.take(bytes);
                 GroupHost::in_memory(id, params, stage.then_some(config.device.exec()))
             }
             Some(dir) => GroupHost::on_disk(id.clone(), &config.model, params, dir).map_err(|error| match error {
@@ -220,7 +219,7 @@ impl GroupOffload {
                 HostReadError::Disk(message) => Error::Disk { group: id, path: dir.display().to_string(), message },
             })?,
         };
-        self.engine.add_group(host, kept)
+        self.engine.add_group(host, kept, stays)
     }
 
     /// Checks that `device` is the one this offloader uploads to; call it at the top of a forward with the

@@ -237,6 +237,48 @@ fn the_pinned_budget_skips_the_groups_that_stay_resident() {
     assert_eq!(pinned.exec.stats().bytes_pinned_to_device, 6 * BLOCK);
 }
 
+/// Which groups stay resident and which are pinned is decided once, as the groups are added, so a model that calls
+/// its blocks in another order than it declares them pins no group that then stays resident. Calling the four
+/// blocks last to first, with a resident budget of one block and a pinned budget of three: block 0 (the first
+/// declared) stays resident, and blocks 1 to 3 stream from pinned memory at every forward (nine pinned copies).
+/// When residency went to the first group released, block 3 stayed resident after its pinned first upload, and the
+/// run made seven pinned copies where its plan counted nine.
+#[test]
+fn residency_and_pinning_are_chosen_in_declaration_order_whatever_the_call_order() {
+    let model = net();
+    let reversed = |options: GroupOptions| {
+        let exec = card("1MB", "cuda:0");
+        let device = OffloadDevice::simulated(exec.clone());
+        let mut handle = device.register("net", model.clone()).unwrap();
+        handle.enable_group_offload(&options).unwrap();
+        let input = Tensor::<2>::from_floats([[0.5; WIDTH], [-0.25; WIDTH]], &Device::flex());
+        let outputs: Vec<Vec<u8>> = (0..3)
+            .map(|_| {
+                let out = handle
+                    .run(0, |weights, _| {
+                        let mut x = input.clone();
+                        for index in (0..BLOCKS).rev() {
+                            let block = weights.blocks.get(index).unwrap()?;
+                            x = leaf!(block, fc).forward(x);
+                        }
+                        Ok(x)
+                    })
+                    .unwrap();
+                out.into_data().as_bytes().to_vec()
+            })
+            .collect();
+        (outputs, exec.stats())
+    };
+    let plain = GroupOptions { prefetch: false, ..GroupOptions::default() };
+    let (expected, streamed) = reversed(plain.clone());
+    let options = GroupOptions { resident_budget: BLOCK, pinned_budget: 3 * BLOCK, ..plain };
+    let (outputs, stats) = reversed(options);
+    assert_eq!(outputs, expected, "the same output, bit for bit");
+    assert_eq!(streamed.bytes_to_device, 12 * BLOCK, "without budgets every block streams at every forward");
+    assert_eq!(stats.bytes_pinned_to_device, 9 * BLOCK, "blocks 1 to 3, three forwards each");
+    assert_eq!(stats.bytes_to_device, 10 * BLOCK, "block 0 once, the others three times");
+}
+
 /// What the peer meter measured is what the next plan prices the peer at: its run's figures, measured, in place of
 /// the declared rate.
 #[test]

@@ -470,8 +470,8 @@ impl Eval {
     }
 }
 
-/// Greedy, in order: each group that still fits in the budget stays (group offload's rule: the first groups
-/// released that fit stay resident). Returns the bytes and the count kept.
+/// Greedy, in order: each group that still fits in the budget stays (group offload's rule: the first groups added,
+/// in the order the layout lists them, that fit stay resident). Returns the bytes and the count kept.
 fn kept_groups(groups: &[u64], budget: u64) -> (u64, usize) {
     let mut left = budget;
     let (mut bytes, mut count) = (0, 0);
@@ -495,9 +495,10 @@ fn exact_sizes(spec: &ComponentSpec, shape: &Shape) -> bool {
     }
 }
 
-/// The bytes of each group a component's shape streams, in call order (the groups its resident budget does not
-/// keep), or `None` where it streams none or has no layout. At leaf level, the layout's leaf sizes; where it gives
-/// only their count, the leaves are taken as equal, and the run keeps whole leaves within a share, up to it.
+/// The bytes of each group a component's shape streams, in the layout's order (the groups its resident budget
+/// does not keep), or `None` where it streams none or has no layout. At leaf level, the layout's leaf sizes; where
+/// it gives only their count, the leaves are taken as equal, and the run keeps whole leaves within a share, up to
+/// it.
 fn streamed_groups(spec: &ComponentSpec, shape: &Shape) -> Option<Vec<u64>> {
     let layout = spec.layout.as_ref()?;
     let groups: Vec<u64> = match shape.route {

@@ -44,7 +44,7 @@ impl Planner<'_> {
         let time = self.machine.time;
         let peers = &self.machine.peers;
         let mut notes = vec![None; components.len()];
-        // Each candidate's streamed groups in call order: the groups its resident budget does not keep.
+        // Each candidate's streamed groups in the layout's order: the groups its resident budget does not keep.
         let streamed: Vec<(usize, Vec<u64>)> = (components.iter().zip(choices.iter()).enumerate())
             .filter(|(_, (_, choice))| choice.shape.host_tier.reads_disk())
             .filter_map(|(i, (spec, choice))| streamed_groups(spec, &choice.shape).map(|groups| (i, groups)))
