@@ -87,16 +87,47 @@ fn run_donors(
     probe: Option<&dyn Fn() -> u64>,
 ) -> (Run, Vec<(DeviceName, u64, usize)>) {
     let exec = card("1MB", "cuda:0");
+    let (seen, holdings) = run_on(&OffloadDevice::simulated(exec.clone()), model, donors, options, probe);
+    let run = Run {
+        outputs: seen.outputs,
+        exec,
+        held: seen.held,
+        donor_allocated: seen.donor_allocated,
+        probed: seen.probed,
+        peer_rates: seen.peer_rates,
+        host_copies: seen.host_copies,
+    };
+    (run, holdings)
+}
+
+/// What [`run_on`] saw on any execution device.
+struct Seen {
+    outputs: Vec<Vec<u8>>,
+    held: (u64, usize),
+    /// What the first donor's simulated card had allocated after the forwards, where it is one.
+    donor_allocated: Option<u64>,
+    probed: Option<u64>,
+    peer_rates: Vec<(DeviceName, LinkRate)>,
+    host_copies: usize,
+}
+
+/// Three forwards of `model` on `device` with `donors`, the input on the device.
+fn run_on(
+    device: &OffloadDevice,
+    model: Net,
+    donors: Vec<PeerDonor>,
+    options: GroupOptions,
+    probe: Option<&dyn Fn() -> u64>,
+) -> (Seen, Vec<(DeviceName, u64, usize)>) {
     // The first donor's card, asked for from its device object.
     let donor_card = donors.first().and_then(|donor| donor.device.account::<SimCard>());
-    let device = OffloadDevice::simulated(exec.clone());
     let mut handle = device.register("net", model).unwrap();
     for donor in donors {
         handle.add_donor(donor).unwrap();
     }
     handle.enable_group_offload(&options).unwrap();
     device.enable_auto_offload(0).unwrap();
-    let input = Tensor::<2>::from_floats([[0.5; WIDTH], [-0.25; WIDTH]], &Device::flex());
+    let input = Tensor::<2>::from_floats([[0.5; WIDTH], [-0.25; WIDTH]], device.exec());
     let mut outputs = Vec::new();
     for _ in 0..3 {
         let out = handle
@@ -104,18 +135,16 @@ fn run_donors(
             .unwrap();
         outputs.push(out.into_data().as_bytes().to_vec());
     }
-    let held = handle.group_offload().unwrap().donor_bytes();
-    let holdings = handle.group_offload().unwrap().donor_holdings();
-    let run = Run {
+    let offload = handle.group_offload().unwrap();
+    let seen = Seen {
         outputs,
-        exec,
-        held,
+        held: offload.donor_bytes(),
         donor_allocated: donor_card.map(|card| card.allocated()),
         probed: probe.map(|p| p()),
         peer_rates: device.peer_rates(),
         host_copies: device.link_rate().map_or(0, |rate| rate.uploads),
     };
-    (run, holdings)
+    (seen, offload.donor_holdings())
 }
 
 #[test]
@@ -401,4 +430,68 @@ fn a_wgpu_device_holds_streamed_groups_for_a_card_and_its_pool_gives_them_back()
     assert!(pool >= 2 * BLOCK, "the wgpu pool holds the donor's groups: {pool} bytes in use over {before}");
     wgpu.memory_cleanup();
     assert_eq!(in_use(), before, "the donor's pool got every group back when the model went");
+}
+
+/// A second wgpu runtime beside `wgpu:0`, each with its own wgpu device, queue and memory pool: `wgpu:1` where the
+/// machine lists a second adapter, else (a CPU with lavapipe, as in CI) a runtime of its own on the one adapter,
+/// selected by its kind (burn's `DeviceKind::Cpu`, another runtime than the default's). Exclusive pages, so the
+/// pool's bytes follow the tensors.
+#[cfg(feature = "wgpu")]
+fn second_wgpu_runtime() -> (DeviceName, Device) {
+    use burn::tensor::DeviceKind;
+    use burn::tensor::wgpu::MemoryConfiguration;
+    use group_offload::device::{PagePolicy, open_device_with};
+    let name = DeviceName::parse("wgpu:1").unwrap();
+    match open_device_with(&name, PagePolicy::Exclusive) {
+        Ok(device) => return (name, device),
+        Err(error) => println!("{error}; a second runtime on the one adapter instead"),
+    }
+    static SECOND: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    let device = SECOND.get_or_init(|| {
+        Device::wgpu_options()
+            .device_kind(DeviceKind::Cpu)
+            .memory_config(MemoryConfiguration::ExclusivePages)
+            .init()
+            .unwrap_or_else(|error| panic!("{error} (a second wgpu runtime, on lavapipe's CPU adapter)"))
+    });
+    (name, device.clone())
+}
+
+/// Two real runtimes: the model runs on burn's wgpu device `wgpu:0` and a second wgpu runtime (its own device,
+/// queue and pool) holds its streamed groups, each copied between the runtimes by burn's `Tensor::to_device`, the
+/// call two GPUs' copies take. The output is the one-runtime run's bit for bit (the same kernels on the same
+/// adapter); the copies are timed on the execution device's meter for that peer; the second runtime's pool holds
+/// the groups while the model lives and gets them back when it goes.
+/// `cargo test -p group-offload --features wgpu --test donor`.
+#[cfg(feature = "wgpu")]
+#[test]
+fn a_second_wgpu_runtime_holds_the_first_ones_streamed_groups() {
+    use group_offload::device::{PagePolicy, open_device_with};
+    let exec_name = DeviceName::parse("wgpu:0").unwrap();
+    let exec = open_device_with(&exec_name, PagePolicy::Exclusive)
+        .unwrap_or_else(|error| panic!("{error} (this test needs a Vulkan driver: Mesa's lavapipe on a CPU)"));
+    let (donor_name, donor) = second_wgpu_runtime();
+    assert_ne!(exec, donor, "two runtimes");
+    let in_use = || donor.memory_pool_usage().expect("the second runtime's pool readings").bytes_in_use;
+    donor.memory_cleanup();
+    let before = in_use();
+    let device = OffloadDevice::on_device(exec, exec_name, Arc::new(offload_core::NoLedger), None);
+    let options = GroupOptions { prefetch: false, ..GroupOptions::default() };
+    let model = net();
+    let (alone, _) = run_on(&device, model.clone(), Vec::new(), options.clone(), None);
+    let donor_device =
+        OffloadDevice::on_device(donor.clone(), donor_name.clone(), Arc::new(offload_core::NoLedger), None);
+    let peer = PeerDonor::new(donor_device, 2 * BLOCK + BLOCK / 2, DONOR_RATE);
+    let (with_donor, holdings) = run_on(&device, model, vec![peer], options, Some(&in_use));
+    assert_eq!(with_donor.outputs, alone.outputs, "copies from the second runtime give the one-runtime output");
+    assert_eq!(holdings, vec![(donor_name.clone(), 2 * BLOCK, 2)], "the first two blocks, as the budget takes");
+    let pool = with_donor.probed.unwrap() - before;
+    println!("the second runtime's pool held {pool} bytes for {} bytes of groups", 2 * BLOCK);
+    assert!(pool >= 2 * BLOCK, "the second runtime's pool holds the donor's groups: {pool} bytes over {before}");
+    let rates: Vec<_> = with_donor.peer_rates.iter().filter(|(peer, _)| *peer == donor_name).collect();
+    let [(_, rate)] = rates.as_slice() else { panic!("one meter for {donor_name}: {:?}", with_donor.peer_rates) };
+    println!("copies from {donor_name} onto wgpu:0: {rate}");
+    assert_eq!((rate.uploads, rate.bytes), (4, 4 * BLOCK), "blocks 0 and 1 at the two later forwards");
+    donor.memory_cleanup();
+    assert_eq!(in_use(), before, "the second runtime's pool got every group back when the model went");
 }

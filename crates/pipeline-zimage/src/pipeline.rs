@@ -828,9 +828,29 @@ impl ZImagePipeline {
     /// Enables auto offload onto the execution device, deciding by the device object's own readings
     /// ([`OffloadDevice::readings`]: a simulated card's, a real device's pool or its cap; unbounded where nothing
     /// reads it), with `reserve` bytes kept free and, with `retry_on_oom`, a call that runs out of memory retried
-    /// after evicting. The device was handed over once, when the pipeline was loaded.
+    /// after evicting. The device was handed over once, when the pipeline was loaded. Each further device the map
+    /// places a component on gets auto offload too, where it has none yet ([`enable_further_devices`]).
+    ///
+    /// [`enable_further_devices`]: Self::enable_further_devices
     pub fn enable_auto_offload(&self, reserve: u64, retry_on_oom: bool) -> Result<()> {
-        Ok(self.manager.enable_auto_offload(self.placement.readings(), reserve, retry_on_oom)?)
+        self.manager.enable_auto_offload(self.placement.readings(), reserve, retry_on_oom)?;
+        self.enable_further_devices()
+    }
+
+    /// Enables auto offload (no reserve, the OOM retry) on each further device the map places a component on (not
+    /// the execution device, not the host) whose manager has none yet, so that a component runs on the device the
+    /// map gives it: a manager without auto offload runs its components where they are, on the host. A device given
+    /// its own reserve first ([`OffloadDevice::enable_auto_offload`]) keeps it. Called by
+    /// [`enable_auto_offload`](Self::enable_auto_offload) and by an offload plan's application
+    /// ([`crate::presets::enable_pipeline_offload`]), which set the execution device's.
+    pub(crate) fn enable_further_devices(&self) -> Result<()> {
+        for (_, placement) in &self.map.components {
+            let further = placement.name() != self.placement.name() && !placement.name().is_cpu();
+            if further && placement.manager().auto_offload().is_none() {
+                placement.enable_auto_offload(0)?;
+            }
+        }
+        Ok(())
     }
 
     /// Activation bytes each component's call holds beside its weights, for a generation: what a run charges

@@ -191,7 +191,10 @@ fn plan_and_apply(
     let components = &mut pipeline.components_mut();
     let components: &mut Vec<&mut dyn Component> =
         &mut components.iter_mut().map(|c| &mut **c).filter(|c| map.on_default(c.name())).collect();
-    Ok(group_offload::apply::plan_and_apply(&manager, components, &specs, settings, device, workload, "transformer")?)
+    let plan =
+        group_offload::apply::plan_and_apply(&manager, components, &specs, settings, device, workload, "transformer")?;
+    pipeline.enable_further_devices()?;
+    Ok(plan)
 }
 
 /// A run of [`generate_profiled`]: the image, its phases, the measured peaks and what the profile said.

@@ -99,6 +99,35 @@ fn second_card(label: &str) -> Arc<SimCard> {
     SimCard::new(spec)
 }
 
+/// The pipeline's own `enable_auto_offload` (or a plan's application) also enables each further device the map
+/// places a component on: without it, the second card's manager ran the text encoder where it was, on the host,
+/// and the card never held it. A further device given its own reserve first keeps it.
+#[test]
+fn the_pipelines_auto_offload_runs_each_component_on_the_device_the_map_gives_it() {
+    let (opts, _) = turbo_options();
+    let second = second_card("64MiB");
+    let gpu1 = OffloadDevice::simulated(second.clone());
+    let map = DeviceMap::single(OffloadDevice::simulated(card())).with("text_encoder", gpu1.clone()).expect("mapped");
+    let two = ZImagePipeline::load_mapped(fixtures().join("tiny-z-image-turbo"), map, &LoadOptions::new())
+        .expect("the tiny checkpoint loads over two cards");
+    two.enable_auto_offload(0, true).expect("auto offload on every device of the map");
+    two.generate(&opts, &mut |_, _| {}).expect("two cards");
+    let text_encoder = resident_bytes(&two, "text_encoder");
+    let activations = two.activation_estimates(&opts)[0];
+    assert_eq!(second.peak(), text_encoder + activations, "the second card held the text encoder and its call");
+    let settings = gpu1.manager().auto_offload().expect("the second card's manager has auto offload");
+    assert_eq!((settings.reserve, settings.retry_on_oom), (0, true));
+
+    // A reserve given to the further device first is kept.
+    let gpu1 = OffloadDevice::simulated(second_card("64MiB"));
+    let map = DeviceMap::single(OffloadDevice::simulated(card())).with("text_encoder", gpu1.clone()).expect("mapped");
+    let two = ZImagePipeline::load_mapped(fixtures().join("tiny-z-image-turbo"), map, &LoadOptions::new())
+        .expect("the tiny checkpoint loads over two cards");
+    gpu1.enable_auto_offload(1 << 20).expect("the second card's own reserve");
+    two.enable_auto_offload(0, true).expect("auto offload");
+    assert_eq!(gpu1.manager().auto_offload().map(|settings| settings.reserve), Some(1 << 20));
+}
+
 /// Two accelerators in one run: the text encoder on a second card, the transformer and the VAE on the first, each
 /// card with its own device object, manager, account and record. The image is the one-device image, the first
 /// card held everything but the text encoder, and the second exactly the text encoder and its call's activations.

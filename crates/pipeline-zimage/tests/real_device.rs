@@ -5,8 +5,8 @@
 //! resident groups really on the device, every model's prefetches on the device's one upload thread), the decode
 //! OOM recovered under a hard cap over the device, a refused allocation typed as a device error with nothing
 //! lost, a real out-of-memory of the device (in a child process whose address space is limited) typed as one, and a
-//! hung `vulkaninfo` that costs the open its deadline only, and a pipeline over two devices (the text encoder on the
-//! CPU, the rest on the device) giving the one-device image. The hard cap's account under contention between the prefetch worker and the main thread runs in a
+//! hung `vulkaninfo` that costs the open its deadline only, and pipelines over two devices (the text encoder on the
+//! CPU, or on a second wgpu runtime, the rest on the device) giving the one-device image. The hard cap's account under contention between the prefetch worker and the main thread runs in a
 //! process of its own (`contention_device.rs`).
 //!
 //! Run it with `cargo test -p pipeline-zimage --features wgpu --test real_device` (Debian:
@@ -149,6 +149,79 @@ fn the_text_encoder_on_the_cpu_beside_the_device_gives_the_one_device_image() {
     let elsewhere: Vec<_> = two.managers().skip(1).flat_map(|manager| manager.placement()).collect();
     assert_eq!(elsewhere.len(), 1, "{elsewhere:?}");
     assert!(elsewhere[0].0.starts_with("text_encoder") && elsewhere[0].1.is_cpu(), "{elsewhere:?}");
+}
+
+/// A second wgpu runtime beside the device, with its own wgpu device, queue and memory pool: `wgpu:1` where the
+/// machine lists a second adapter, else (a CPU with lavapipe, as in CI) a runtime of its own on the one adapter,
+/// selected by its kind (burn's `DeviceKind::Cpu`, another runtime than the default's), with exclusive pages.
+fn second_runtime() -> (Device, DeviceName) {
+    use burn::tensor::DeviceKind;
+    use burn::tensor::wgpu::MemoryConfiguration;
+    let name = DeviceName::parse("wgpu:1").expect("a device name");
+    static SECOND: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    let device = SECOND.get_or_init(|| match open_device_with(&name, PagePolicy::Exclusive) {
+        Ok(device) => device,
+        Err(error) => {
+            println!("{error}; a second runtime on the one adapter instead");
+            Device::wgpu_options()
+                .device_kind(DeviceKind::Cpu)
+                .memory_config(MemoryConfiguration::ExclusivePages)
+                .init()
+                .unwrap_or_else(|error| panic!("{error} (a second wgpu runtime, on lavapipe's CPU adapter)"))
+        }
+    });
+    (device.clone(), name)
+}
+
+/// Two real runtimes in one pipeline: the text encoder on a second wgpu runtime (its own device, queue, pool, upload
+/// thread and manager) with the transformer and the VAE on the first; the prompt embeddings cross between the
+/// runtimes at the transformer's boundary. The image is the one-device image, and diffusers', within 1e-3; each
+/// manager holds its components on its own device, and the second runtime's pool holds the text encoder.
+#[test]
+fn the_text_encoder_on_a_second_wgpu_runtime_gives_the_one_device_image() {
+    let (device, name, _turn) = device();
+    let (opts, expected) = turbo_options();
+    let one = values(resident(&device, &name).generate(&opts, &mut |_, _| {}).expect("one device"));
+
+    let (second, second_name) = second_runtime();
+    assert_ne!(device, second, "two runtimes");
+    second.memory_cleanup();
+    let before = in_use(&second);
+    let first = placement(&device, &name, Arc::new(NoLedger), readings(&device, &name, TOTAL));
+    let other = OffloadDevice::pooled(second.clone(), second_name.clone(), readings(&second, &second_name, TOTAL));
+    let map = DeviceMap::single(first).with("text_encoder", other).expect("a component");
+    let two = ZImagePipeline::load_mapped(fixtures().join("tiny-z-image-turbo"), map, &LoadOptions::new())
+        .expect("the tiny checkpoint loads over two runtimes");
+    two.enable_auto_offload(0, true).expect("auto offload");
+    // What the second runtime's pool holds while the transformer denoises, read at each step.
+    let mut held = 0;
+    let image = values(
+        two.generate(&opts, &mut |_, _| held = held.max(in_use(&second).saturating_sub(before)))
+            .expect("two wgpu runtimes"),
+    );
+    let against_one = max_abs_diff(&image, &one);
+    let against_diffusers = max_abs_diff(&image, &expected);
+    println!(
+        "text encoder on {second_name}, the rest on {name}: {against_one:.2e} from one device, \
+         {against_diffusers:.2e} from diffusers"
+    );
+    assert!(against_one <= 1e-3, "{against_one}");
+    assert!(against_diffusers <= 1e-3, "{against_diffusers}");
+    // Each component's device object is the one the map gave it, and each device's manager moved its own.
+    assert_eq!(two.device_map().placement("text_encoder").name(), &second_name);
+    assert_eq!(two.device_map().placement("transformer").name(), &name);
+    let managers: Vec<_> = two.managers().collect();
+    let [first, other] = managers.as_slice() else { panic!("one manager per device: {}", managers.len()) };
+    let onloads = |manager: &offload_core::ComponentsManager| -> Vec<String> {
+        let events = manager.offload_record().events();
+        events.into_iter().filter(|e| e.action == Action::Onload).map(|e| e.id).collect()
+    };
+    assert!(onloads(other).iter().all(|id| id.starts_with("text_encoder")), "{:?}", onloads(other));
+    assert!(!onloads(other).is_empty(), "the second runtime's manager onloaded the text encoder");
+    assert!(onloads(first).iter().all(|id| !id.starts_with("text_encoder")), "{:?}", onloads(first));
+    let text_encoder = bytes(&two, "text_encoder");
+    println!("{second_name}'s pool held {held} bytes during the steps beside the text encoder's {text_encoder}");
+    assert!(held >= text_encoder, "the second runtime's pool holds the text encoder: {held} for {text_encoder}");
 }
 
 #[test]

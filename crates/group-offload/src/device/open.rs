@@ -16,7 +16,8 @@ use std::sync::Arc;
 
 /// Opens the burn device `name` names: `cpu` is burn's `flex` CPU backend, `cuda:N` a CUDA device (feature
 /// `cuda`), `wgpu:0` (or `vulkan:0`) the default adapter of burn's wgpu backend (feature `wgpu`; on a CPU-only
-/// Linux machine that is Mesa's lavapipe Vulkan driver).
+/// Linux machine that is Mesa's lavapipe Vulkan driver) and `wgpu:N` the N-th adapter in burn's list of the
+/// machine's wgpu adapters, each its own runtime (a second GPU: `wgpu:1` where the default is listed first).
 ///
 /// Fails with [`Error::DeviceNotBuilt`] for a kind this build has no backend for, [`Error::NoDriver`] when the
 /// runtime finds no device (no Vulkan driver installed, say), and [`Error::UnknownDevice`] for any other kind.
@@ -38,7 +39,7 @@ pub enum PagePolicy {
 }
 
 /// [`open_device`] with a page policy for the runtime's pool. A runtime is set up once per process: the first
-/// open of a wgpu device chooses its policy, later opens share it ([`describe_device`] says which).
+/// open of a wgpu device's name chooses its policy, later opens share it ([`describe_device`] says which).
 pub fn open_device_with(name: &DeviceName, pages: PagePolicy) -> Result<Device> {
     match name.kind() {
         "cpu" => Ok(Device::flex()),
@@ -177,10 +178,12 @@ pub(super) fn open_cuda(name: &DeviceName) -> Result<Device> {
     })
 }
 
-/// The wgpu runtime of this process: the device, the adapter in words, its pool's page policy, the adapter's
-/// largest device-local Vulkan heap and that heap's budget when the runtime opened (each, or why it was not read).
+/// One wgpu runtime of this process: its index (`N` of `wgpu:N`), the device, the adapter in words, its pool's page
+/// policy, the adapter's largest device-local Vulkan heap and that heap's budget when the runtime opened (each, or
+/// why it was not read).
 #[cfg(feature = "wgpu")]
 pub(super) struct WgpuRuntime {
+    pub(super) index: u32,
     pub(super) device: Device,
     pub(super) adapter: String,
     pub(super) pages: PagePolicy,
@@ -189,32 +192,53 @@ pub(super) struct WgpuRuntime {
 }
 
 /// The page policy `device`'s pool was opened with, where this library opened it and the runtime lets it be
-/// chosen (the wgpu device); `None` otherwise (CUDA keeps its default, which shares pages).
+/// chosen (a wgpu device); `None` otherwise (CUDA keeps its default, which shares pages).
 pub fn page_policy(device: &Device) -> Option<PagePolicy> {
     #[cfg(feature = "wgpu")]
-    if let Some(Ok(runtime)) = WGPU.get()
-        && runtime.device == *device
-    {
+    if let Some(runtime) = wgpu_runtime_of(device) {
         return Some(runtime.pages);
     }
     let _ = device;
     None
 }
 
-/// The wgpu runtime can be initialised once per process; every later open shares the first answer.
+/// How many wgpu devices one process may open (`wgpu:0` to `wgpu:15`).
 #[cfg(feature = "wgpu")]
-pub(super) static WGPU: std::sync::OnceLock<std::result::Result<WgpuRuntime, String>> = std::sync::OnceLock::new();
+pub(super) const MAX_WGPU_DEVICES: usize = 16;
 
+/// The wgpu runtimes of this process, one per `wgpu:N`: a runtime is initialised once per process, and every later
+/// open of its name shares the first answer.
 #[cfg(feature = "wgpu")]
-pub(super) fn wgpu_runtime(pages: PagePolicy) -> &'static std::result::Result<WgpuRuntime, String> {
+static WGPU: [std::sync::OnceLock<std::result::Result<WgpuRuntime, String>>; MAX_WGPU_DEVICES] =
+    [const { std::sync::OnceLock::new() }; MAX_WGPU_DEVICES];
+
+/// The wgpu runtimes this process opened, in the order of their names.
+#[cfg(feature = "wgpu")]
+pub(super) fn opened_wgpu() -> impl Iterator<Item = &'static WgpuRuntime> {
+    WGPU.iter().filter_map(|runtime| runtime.get()?.as_ref().ok())
+}
+
+/// The wgpu runtime this library opened for `device`, if it did.
+#[cfg(feature = "wgpu")]
+pub(super) fn wgpu_runtime_of(device: &Device) -> Option<&'static WgpuRuntime> {
+    opened_wgpu().find(|runtime| runtime.device == *device)
+}
+
+/// Opens (once) the runtime of `wgpu:{index}`: the default adapter for 0, else the adapter at `index` in burn's
+/// list of this machine's wgpu adapters ([`wgpu_adapter_kind`]).
+#[cfg(feature = "wgpu")]
+pub(super) fn wgpu_runtime(index: u32, pages: PagePolicy) -> &'static std::result::Result<WgpuRuntime, String> {
     use burn::tensor::wgpu::MemoryConfiguration;
-    WGPU.get_or_init(|| {
+    WGPU[index as usize].get_or_init(|| {
         let memory = match pages {
             PagePolicy::Adaptive => MemoryConfiguration::default(),
             PagePolicy::Exclusive => MemoryConfiguration::ExclusivePages,
         };
-        let (device, setup) =
-            Device::wgpu_options().memory_config(memory).init_with_setup().map_err(|error| format!("{error}"))?;
+        let mut options = Device::wgpu_options().memory_config(memory);
+        if index > 0 {
+            options = options.device_kind(wgpu_adapter_kind(index)?);
+        }
+        let (device, setup) = options.init_with_setup().map_err(|error| format!("{error}"))?;
         let info = setup.adapter.get_info();
         let adapter = format!(
             "{} on {:?} (driver {} {}), {pages:?} pages",
@@ -234,8 +258,39 @@ pub(super) fn wgpu_runtime(pages: PagePolicy) -> &'static std::result::Result<Wg
             (x * 2.0).sum().try_into_data().map(|_| ()).map_err(|error| error.to_string())
         })
         .map_err(|panic| panic.to_string())??;
-        Ok(WgpuRuntime { device, adapter, pages, heap, budget })
+        Ok(WgpuRuntime { index, device, adapter, pages, heap, budget })
     })
+}
+
+/// The adapter `wgpu:{index}` names: the one at `index` in burn's list of this machine's wgpu adapters
+/// (`Device::enumerate(DeviceType::Wgpu)`, each adapter once, on the graphics API the runtime settles on), as the
+/// kind burn selects it by. On a machine whose default adapter is listed first, `wgpu:1` is its second adapter.
+/// Why not, in words, where the list has no such entry (one adapter, as on a CPU with lavapipe) or the adapter is of
+/// a kind burn cannot select.
+#[cfg(feature = "wgpu")]
+fn wgpu_adapter_kind(index: u32) -> std::result::Result<burn::tensor::DeviceKind, String> {
+    use burn::tensor::{DeviceKind, DeviceType};
+    use burn_dispatch::DispatchDevice;
+    use burn_dispatch::devices::{CubeDevice, WgpuDeviceKind};
+    let listed = Device::enumerate(DeviceType::Wgpu);
+    let Some(device) = listed.get(index as usize) else {
+        return Err(format!(
+            "this machine lists {} wgpu adapter(s), so wgpu:{index} names none; wgpu:0 is the default adapter and \
+             wgpu:N the N-th listed (counting from 0)",
+            listed.len()
+        ));
+    };
+    #[allow(unreachable_patterns)]
+    match device.as_dispatch() {
+        DispatchDevice::Cube(CubeDevice::Wgpu(wgpu)) => match &wgpu.kind {
+            WgpuDeviceKind::DiscreteGpu(n) => Ok(DeviceKind::DiscreteGpu(*n)),
+            WgpuDeviceKind::IntegratedGpu(n) => Ok(DeviceKind::IntegratedGpu(*n)),
+            WgpuDeviceKind::VirtualGpu(n) => Ok(DeviceKind::VirtualGpu(*n)),
+            WgpuDeviceKind::Cpu => Ok(DeviceKind::Cpu),
+            other => Err(format!("wgpu:{index} is an adapter of kind {other:?}, which burn cannot select by kind")),
+        },
+        other => Err(format!("burn listed {other:?} as a wgpu device")),
+    }
 }
 
 /// The largest device-local memory heap of the Vulkan physical device wgpu chose (the one with the adapter's
@@ -297,16 +352,21 @@ pub(super) fn vulkan_budget(adapter: &burn::tensor::wgpu::wgpu::AdapterInfo) -> 
 
 #[cfg(feature = "wgpu")]
 pub(super) fn open_wgpu(name: &DeviceName, pages: PagePolicy) -> Result<Device> {
-    if device_index(name) != 0 {
+    let index = device_index(name);
+    if index as usize >= MAX_WGPU_DEVICES {
         return Err(Error::UnknownDevice {
-            kind: format!(
-                "{name} (only wgpu:0, the default adapter, is supported; choose the adapter with the \
-                 CUBECL_WGPU_DEFAULT_DEVICE variable)"
-            ),
+            kind: format!("{name} (a process opens wgpu:0 to wgpu:{}; name one of those)", MAX_WGPU_DEVICES - 1),
         });
     }
-    match wgpu_runtime(pages) {
+    match wgpu_runtime(index, pages) {
         Ok(runtime) => Ok(runtime.device.clone()),
+        Err(message) if index > 0 => Err(Error::NoDriver {
+            device: name.to_string(),
+            message: message.clone(),
+            fix: "name an adapter this machine has (`vulkaninfo --summary` lists them; wgpu:0 is the default), or \
+                  place the component on cpu or the execution device"
+                .into(),
+        }),
         Err(message) => Err(Error::NoDriver {
             device: name.to_string(),
             message: message.clone(),
@@ -317,26 +377,28 @@ pub(super) fn open_wgpu(name: &DeviceName, pages: PagePolicy) -> Result<Device> 
     }
 }
 
-/// Waits for the queued work of every device runtime this process opened (the wgpu device, once opened), so a
+/// Waits for the queued work of every device runtime this process opened (each wgpu device it opened), so a
 /// process can leave with no runtime thread still working on its behalf: call it last, after the pipeline and
 /// everything holding device memory is dropped. `Ok` when nothing was opened; the runtime's error, typed, when a
 /// device fails to finish.
 pub fn drain_devices() -> std::result::Result<(), ComponentError> {
     #[cfg(feature = "wgpu")]
-    if let Some(Ok(runtime)) = WGPU.get() {
-        let name = DeviceName::parse("wgpu:0").map_err(ComponentError::other)?;
+    for runtime in opened_wgpu() {
+        let name = DeviceName::parse(&format!("wgpu:{}", runtime.index)).map_err(ComponentError::other)?;
         runtime.device.memory_cleanup();
         check_device(&runtime.device, &name, "drain", None)?;
     }
     Ok(())
 }
 
-/// What the device `name` is, in the runtime's words (the adapter and graphics API of `wgpu:0`, the index of a
+/// What the device `name` is, in the runtime's words (the adapter and graphics API of `wgpu:N`, the index of a
 /// CUDA device); `None` before it was opened or for the host.
 pub fn describe_device(name: &DeviceName) -> Option<String> {
     match name.kind() {
         #[cfg(feature = "wgpu")]
-        "wgpu" | "vulkan" => WGPU.get()?.as_ref().ok().map(|runtime| runtime.adapter.clone()),
+        "wgpu" | "vulkan" => {
+            opened_wgpu().find(|runtime| runtime.index == device_index(name)).map(|runtime| runtime.adapter.clone())
+        }
         "cuda" => Some(format!("CUDA device {}", device_index(name))),
         _ => None,
     }

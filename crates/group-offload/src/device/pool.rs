@@ -14,7 +14,7 @@ use offload_core::{DeviceMemory, DeviceName};
 use parking_lot::Mutex;
 
 #[cfg(feature = "wgpu")]
-use super::open::WGPU;
+use super::open::wgpu_runtime_of;
 use super::open::{NO_WORDS, PagePolicy, page_policy};
 #[cfg(feature = "cuda")]
 use super::open::{cuda_context, driver_words};
@@ -213,10 +213,10 @@ pub fn runtime_capacity_or_why(device: &Device) -> std::result::Result<u64, Stri
             burn_dispatch::DispatchDevice::Cube(cube) => cube.client().properties().memory.max_memory(),
             _ => return Err("the device is not a cubecl device".into()),
         };
-        match (cubecl, WGPU.get()) {
+        match (cubecl, wgpu_runtime_of(device)) {
             (Some(total), _) => Ok(total),
-            (None, Some(Ok(runtime))) if runtime.device == *device => runtime.heap.clone(),
-            (None, _) => Err("the runtime states no capacity for this device".into()),
+            (None, Some(runtime)) => runtime.heap.clone(),
+            (None, None) => Err("the runtime states no capacity for this device".into()),
         }
     }
     #[cfg(not(feature = "wgpu"))]
@@ -233,9 +233,9 @@ pub fn runtime_capacity_or_why(device: &Device) -> std::result::Result<u64, Stri
 pub fn runtime_budget(device: &Device) -> std::result::Result<u64, String> {
     #[cfg(feature = "wgpu")]
     {
-        match WGPU.get() {
-            Some(Ok(runtime)) if runtime.device == *device => runtime.budget.clone(),
-            _ => Err("the device is not the wgpu device this library opened".into()),
+        match wgpu_runtime_of(device) {
+            Some(runtime) => runtime.budget.clone(),
+            None => Err("the device is not a wgpu device this library opened".into()),
         }
     }
     #[cfg(not(feature = "wgpu"))]

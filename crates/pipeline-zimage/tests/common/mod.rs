@@ -69,8 +69,10 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-/// Bytes of the component named `component` in the pipeline's manager.
+/// Bytes of the component named `component` in the manager of its device (the execution device's, or another's
+/// under a device map).
 pub fn component_bytes(pipeline: &pipeline_zimage::pipeline::ZImagePipeline, component: &str) -> u64 {
     let id = pipeline.component(component).expect("a component of the pipeline").id();
-    pipeline.manager().component_info(id).expect("registered").bytes
+    let info = pipeline.managers().find_map(|manager| manager.component_info(id).ok());
+    info.expect("registered in one of the pipeline's managers").bytes
 }
