@@ -24,7 +24,7 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use clap::{Parser, Subcommand, ValueEnum};
 use group_offload::OffloadDevice;
 use group_offload::config::PeerDonor;
-use group_offload::device::describe_device;
+use group_offload::device::{describe_device, page_policy};
 use group_offload::{device::CappedDevice, device::PagePolicy, device::PoolReadings, device::open_device_with};
 use memory_sim::{CardSpec, Mode, SimCard, SimLink};
 use offload_core::Timeline;
@@ -170,8 +170,10 @@ struct Generate {
     /// Components on devices of their own, as COMPONENT=DEVICE pairs separated by commas (`text_encoder=cpu`):
     /// the component runs there, with its own account, and its output crosses to the execution device at its
     /// boundary (diffusers' device_map with whole components). DEVICE is `cpu` (the host's CPU backend, flex:
-    /// nothing moves, nothing is planned for it), the execution device's own name, or a second simulated card's
-    /// (`cuda:1` for the second --card). COMPONENT is text_encoder, transformer or vae. `balanced` deals the
+    /// nothing moves, nothing is planned for it), the execution device's own name, a second simulated card's
+    /// (`cuda:1` for the second --card) or, beside a real --device, another real device by name (`cuda:1`,
+    /// `wgpu:1`: the machine's second adapter), opened before the weights load with an account of its own.
+    /// COMPONENT is text_encoder, transformer or vae. `balanced` deals the
     /// components over the execution device and the other cards by size, largest first, as diffusers'
     /// device_map="balanced" does (the transformer's device then executes).
     #[arg(long, value_name = "COMPONENT=DEVICE|balanced")]
@@ -367,9 +369,14 @@ enum ArgumentError {
 }
 
 /// `--device-map`'s pairs, checked: each names one of the pipeline's components once, on `cpu` or on one of
-/// `devices` (the execution device, then the other cards). `balanced` gives no pairs: [`DeviceMap::balanced`]
-/// places every component once the sizes are known.
-fn parse_device_map(text: &str, devices: &[DeviceName]) -> Result<Vec<(String, DeviceName)>, ArgumentError> {
+/// `devices` (the execution device, then the other cards) or, where the execution device is a real one (`real`),
+/// on another real device by name (`cuda:1`, `wgpu:1`: [`further_real_device`] opens it before the weights load).
+/// `balanced` gives no pairs: [`DeviceMap::balanced`] places every component once the sizes are known.
+fn parse_device_map(
+    text: &str,
+    devices: &[DeviceName],
+    real: bool,
+) -> Result<Vec<(String, DeviceName)>, ArgumentError> {
     if text.trim() == "balanced" {
         return Ok(Vec::new());
     }
@@ -392,14 +399,22 @@ fn parse_device_map(text: &str, devices: &[DeviceName]) -> Result<Vec<(String, D
             return Err(wrong(format!("{component} is placed twice; give each component one device")));
         }
         let target = DeviceName::parse(target.trim()).map_err(|error| wrong(format!("{error}")))?;
-        if !target.is_cpu() && !devices.contains(&target) {
+        let further_real = real && REAL_KINDS.contains(&target.kind());
+        if !target.is_cpu() && !devices.contains(&target) && !further_real {
             let names: Vec<String> = devices.iter().map(DeviceName::to_string).collect();
-            return Err(wrong(format!(
-                "this run has the devices {} and the host's CPU: place {component} on cpu or {} (a further --card \
-                 adds a simulated device)",
-                names.join(", "),
-                names.join(" or ")
-            )));
+            return Err(wrong(if real {
+                format!(
+                    "place {component} on cpu, {} or another device of this machine by name (cuda:N, wgpu:N)",
+                    names.join(", ")
+                )
+            } else {
+                format!(
+                    "this run has the devices {} and the host's CPU: place {component} on cpu or {} (a further \
+                     --card adds a simulated device)",
+                    names.join(", "),
+                    names.join(" or ")
+                )
+            }));
         }
         pairs.push((component.to_string(), target));
     }
@@ -428,6 +443,29 @@ fn parse_donor(text: &str, devices: &[DeviceName]) -> Result<(DeviceName, SimLin
     }
     let link = SimLink::parse(link).map_err(|error| wrong(format!("{error}")))?;
     Ok((device, link))
+}
+
+/// Whether the execution device is a real one (`--device` other than `cpu`): the device map may then name further
+/// real devices.
+fn real_execution(args: &Generate) -> bool {
+    DeviceName::parse(&args.device).is_ok_and(|name| !name.is_cpu())
+}
+
+/// The kinds of real device a device map may name beside a real execution device.
+const REAL_KINDS: [&str; 3] = ["cuda", "wgpu", "vulkan"];
+
+/// Opens a real device the device map names beside a real execution device (a second GPU: `cuda:1`, `wgpu:1`),
+/// with the execution device's page policy, as a device object of its own over the runtime's pool readings (its
+/// total is the runtime's: the driver's, or the adapter's heap). Fails with the runtime's typed error (a build
+/// without its backend, an adapter this machine does not list, a runtime that states no total), before any weight
+/// loads.
+fn further_real_device(name: &DeviceName, pages: PagePolicy) -> anyhow::Result<OffloadDevice> {
+    let device = open_device_with(name, pages)?;
+    if let Some(description) = describe_device(name) {
+        println!("device {name}: {description}");
+    }
+    let readings = PoolReadings::open(device.clone(), name.clone(), None)?;
+    Ok(OffloadDevice::pooled(device, name.clone(), readings))
 }
 
 fn card_devices(args: &Generate) -> Result<Vec<DeviceName>, ArgumentError> {
@@ -469,7 +507,7 @@ fn preflight(args: &Generate) -> anyhow::Result<()> {
     check_arguments(args)?;
     let devices = card_devices(args)?;
     if let Some(map) = &args.device_map {
-        parse_device_map(map, &devices)?;
+        parse_device_map(map, &devices, real_execution(args))?;
     }
     let mut donors: Vec<DeviceName> = Vec::new();
     for donor in &args.donor {
@@ -1265,11 +1303,25 @@ fn device_map(
         }
         map = balanced;
     } else {
-        for (component, device) in parse_device_map(map_text, &card_devices(args)?)? {
+        let real = real_execution(args);
+        // Each further real device is opened once, however many components the map places on it.
+        let mut opened: Vec<OffloadDevice> = Vec::new();
+        for (component, device) in parse_device_map(map_text, &card_devices(args)?, real)? {
             if device.is_cpu() {
                 map = map.with(&component, OffloadDevice::host_only())?;
             } else if let Some((_, other)) = others.iter().find(|(_, other)| *other.name() == device) {
                 map = map.with(&component, other.clone())?;
+            } else if real && device != *placement.name() {
+                let further = match opened.iter().find(|opened| *opened.name() == device) {
+                    Some(further) => further.clone(),
+                    None => {
+                        let pages = page_policy(placement.exec()).unwrap_or_default();
+                        let further = further_real_device(&device, pages)?;
+                        opened.push(further.clone());
+                        further
+                    }
+                };
+                map = map.with(&component, further)?;
             }
         }
     }
@@ -1357,20 +1409,15 @@ fn report_devices(
         }
         (None, Some(readings)) => {
             print_record(pipeline);
-            let now = readings.observe().map_err(group_offload::Error::from)?;
-            println!(
-                "device memory on {name} (burn's pool{}): peak in use {} (sampled every {} µs), reserved \
-                 high-water {}, in use now {}, reserved now {}, available now {} of {} ({})",
-                if readings.has_driver_readings() { " and the driver" } else { "" },
-                format_size(whole_run_peak(readings.peak())),
-                PoolReadings::SAMPLE_EVERY.as_micros(),
-                format_size(readings.reserved_peak()),
-                format_size(now.in_use),
-                format_size(now.reserved),
-                format_size(now.available()),
-                format_size(now.total),
-                readings.total_source()
-            );
+            print_pool(name, &readings, whole_run_peak(readings.peak()))?;
+            // Each further real device the map placed a component on: its own pool, since it opened.
+            let mut shown: Vec<&DeviceName> = vec![name];
+            for (_, further) in &pipeline.device_map().components {
+                if let Some(readings) = further.pool_readings().filter(|_| !shown.contains(&further.name())) {
+                    print_pool(further.name(), &readings, readings.peak())?;
+                    shown.push(further.name());
+                }
+            }
             if readings.total_source() == group_offload::device::TotalSource::RuntimeHeap
                 && let Err(why) = group_offload::device::runtime_budget(readings.burn_device())
             {
@@ -1387,6 +1434,26 @@ fn report_devices(
         }
         (None, None) => {}
     }
+    Ok(())
+}
+
+/// One real device's pool after the run: the peak in use (`peak`, the whole run's), the reserved high-water, what
+/// it holds now and where its total came from.
+fn print_pool(name: &DeviceName, readings: &PoolReadings, peak: u64) -> anyhow::Result<()> {
+    let now = readings.observe().map_err(group_offload::Error::from)?;
+    println!(
+        "device memory on {name} (burn's pool{}): peak in use {} (sampled every {} µs), reserved high-water {}, in \
+         use now {}, reserved now {}, available now {} of {} ({})",
+        if readings.has_driver_readings() { " and the driver" } else { "" },
+        format_size(peak),
+        PoolReadings::SAMPLE_EVERY.as_micros(),
+        format_size(readings.reserved_peak()),
+        format_size(now.in_use),
+        format_size(now.reserved),
+        format_size(now.available()),
+        format_size(now.total),
+        readings.total_source()
+    );
     Ok(())
 }
 
@@ -1928,24 +1995,27 @@ mod tests {
     #[test]
     fn a_device_map_is_checked_before_anything_loads() {
         let wgpu = DeviceName::parse("wgpu").expect("a name");
-        let pairs = parse_device_map("text_encoder=cpu, vae=wgpu", std::slice::from_ref(&wgpu)).expect("a map");
+        let pairs = parse_device_map("text_encoder=cpu, vae=wgpu", std::slice::from_ref(&wgpu), true).expect("a map");
         assert_eq!(pairs, [("text_encoder".to_string(), DeviceName::cpu()), ("vae".to_string(), wgpu.clone())]);
+        // Beside a real execution device, another real one by name: opened before the weights load.
+        let pairs = parse_device_map("text_encoder=wgpu:1", std::slice::from_ref(&wgpu), true).expect("a second");
+        assert_eq!(pairs, [("text_encoder".to_string(), DeviceName::parse("wgpu:1").expect("a name"))]);
         for (map, says) in [
             ("unet=cpu", "\"unet\" is not a component; use one of: text_encoder, transformer, vae"),
             ("vae=cpu,vae=cpu", "vae is placed twice"),
             ("text_encoder", "write each entry as COMPONENT=DEVICE"),
-            ("text_encoder=cuda:1", "place text_encoder on cpu or wgpu"),
+            ("text_encoder=tpu:1", "place text_encoder on cpu, wgpu:0 or another device of this machine by name"),
         ] {
-            let error = parse_device_map(map, std::slice::from_ref(&wgpu)).expect_err(map);
+            let error = parse_device_map(map, std::slice::from_ref(&wgpu), true).expect_err(map);
             assert!(matches!(error, ArgumentError::DeviceMap { .. }) && error.to_string().contains(says), "{error}");
         }
         // Further cards are further simulated devices on the CPU, by index; `balanced` is a whole map.
         let cards = card_devices(&args(&["--card", "8GB", "--card", "4GB"])).expect("two cards");
         assert_eq!(cards.iter().map(DeviceName::to_string).collect::<Vec<_>>(), ["cuda:0", "cuda:1"]);
-        let pairs = parse_device_map("text_encoder=cuda:1", &cards).expect("the second card");
+        let pairs = parse_device_map("text_encoder=cuda:1", &cards, false).expect("the second card");
         assert_eq!(pairs, [("text_encoder".to_string(), cards[1].clone())]);
-        assert_eq!(parse_device_map("balanced", &cards).expect("balanced"), []);
-        let error = parse_device_map("vae=cuda:2", &cards).expect_err("no third card");
+        assert_eq!(parse_device_map("balanced", &cards, false).expect("balanced"), []);
+        let error = parse_device_map("vae=cuda:2", &cards, false).expect_err("no third card");
         assert!(error.to_string().contains("place vae on cpu or cuda:0 or cuda:1"), "{error}");
         let error = card_devices(&args(&["--device", "wgpu", "--card", "8GB", "--card", "4GB"])).expect_err("caps");
         assert!(matches!(error, ArgumentError::Cards { cards: 2, .. }), "{error}");

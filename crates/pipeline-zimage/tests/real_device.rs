@@ -637,6 +637,20 @@ fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driv
     assert!(!ok);
     assert!(stderr.contains("cannot compute in BF16") && stderr.contains("--dtype f32"), "{stderr}");
 
+    // A second real device by name in the map: opened before the weights load. This machine's adapters decide which
+    // way: one (lavapipe, as in CI) and `wgpu:1` names none, a typed error that says so; two and it runs there.
+    let adapters = Device::enumerate(burn::tensor::DeviceType::Wgpu).len();
+    let (ok, stdout, stderr) = generate_cli(&dir, &["--device-map", "text_encoder=wgpu:1"], &[]);
+    if adapters < 2 {
+        assert!(!ok, "{stdout}");
+        assert!(stderr.contains(&format!("this machine lists {adapters} wgpu adapter(s)")), "{stderr}");
+        assert!(!stdout.contains("device map: "), "refused before the weights load: {stdout}");
+    } else {
+        assert!(ok, "{stdout}\n{stderr}");
+        assert!(stdout.contains("device map: text_encoder runs on wgpu:1"), "{stdout}");
+        assert!(stdout.contains("device memory on wgpu:1 (burn's pool)"), "{stdout}");
+    }
+
     // No Vulkan driver and no EGL one: the runtime finds no adapter, and the error names the package.
     let hidden = [("VK_ICD_FILENAMES", "/nonexistent"), ("__EGL_VENDOR_LIBRARY_FILENAMES", "/nonexistent")];
     let (ok, _, stderr) = generate_cli(&dir, &[], &hidden);
