@@ -142,7 +142,7 @@ pub enum Error {
     },
 
     /// A device kind no backend serves.
-    #[error("unknown device {kind}: use cpu, cuda:N (feature cuda) or wgpu:0 (feature wgpu)")]
+    #[error("unknown device {kind}: use cpu, cuda:N (feature cuda) or wgpu:N (feature wgpu)")]
     UnknownDevice {
         /// The kind as written.
         kind: String,
@@ -263,6 +263,20 @@ pub enum Error {
     /// A device's memory could not be read; nothing is known of it, so nothing was decided on it.
     #[error(transparent)]
     ReadingUnavailable(#[from] offload_core::device::ReadingUnavailable),
+
+    /// A whole model registered on a device that computes elsewhere than the host (a GPU, a wgpu runtime) was run
+    /// while it sat on the host and its device's manager had no auto offload: it would have run on the host's CPU,
+    /// and the device never been used. Nothing ran and nothing moved.
+    #[error(
+        "{model} is registered on {device}, but it is on the host and {device}'s manager has no auto offload, so \
+         it would run on the CPU: call enable_auto_offload(reserve) on the device (or the pipeline's) first"
+    )]
+    NotOnDevice {
+        /// The model's id in its manager.
+        model: String,
+        /// The device it was registered on.
+        device: String,
+    },
 
     /// The prefetch worker thread is gone (it panicked); the offloader cannot be used any more.
     #[error("the prefetch worker of {model} stopped; build a new offloader")]

@@ -505,6 +505,7 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
         activation_bytes: u64,
         mut f: impl FnMut(M::Weights<'_>, &Device) -> std::result::Result<R, E>,
     ) -> Result<R> {
+        self.check_runs_on_its_device()?;
         let ran = if self.grouped.is_some() {
             self.manager.run(&self.id, |c: &mut GroupedModel<M>| c.run(activation_bytes, &mut f))
         } else {
@@ -513,6 +514,24 @@ impl<M: OffloadModel + Clone> ModelHandle<M> {
             })
         };
         Ok(ran?)
+    }
+
+    /// Refuses a run that would silently compute on the host's CPU: a whole model on the host, registered on a
+    /// device that computes elsewhere (its execution device is not the host's, as a GPU's or a wgpu runtime's; a
+    /// simulated card computes on the host and is not refused), whose manager has no auto offload to bring it
+    /// there ([`Error::NotOnDevice`]). A model under group offload uploads its groups itself.
+    fn check_runs_on_its_device(&self) -> Result<()> {
+        if self.grouped.is_some() || self.placement.exec() == self.placement.host() {
+            return Ok(());
+        }
+        if self.manager.auto_offload().is_some() {
+            return Ok(());
+        }
+        let on_host = self.manager.component_info(&self.id).is_ok_and(|info| info.device.is_cpu());
+        if !on_host {
+            return Ok(());
+        }
+        Err(Error::NotOnDevice { model: self.id.clone(), device: self.placement.name().to_string() })
     }
 
     /// Reads the model while it is whole (not under group offload, whose store holds its weights: then

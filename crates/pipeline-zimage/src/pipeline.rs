@@ -466,7 +466,8 @@ fn manager_for<'a>(
 impl ZImagePipeline {
     /// Loads a diffusers checkpoint directory onto `placement.host()` and registers its components in a new
     /// manager. Auto offload is not enabled: call [`enable_auto_offload`](Self::enable_auto_offload), or run
-    /// everything where it is.
+    /// everything where it is, on the host (on a GPU or a wgpu runtime such a run is refused, as it would compute
+    /// on the CPU: `group_offload::Error::NotOnDevice`).
     pub fn load(dir: impl AsRef<Path>, placement: OffloadDevice, opts: &LoadOptions) -> Result<Self> {
         Self::load_mapped(dir, DeviceMap::single(placement), opts)
     }

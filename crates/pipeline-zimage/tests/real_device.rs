@@ -224,6 +224,23 @@ fn the_text_encoder_on_a_second_wgpu_runtime_gives_the_one_device_image() {
     assert!(held >= text_encoder, "the second runtime's pool holds the text encoder: {held} for {text_encoder}");
 }
 
+/// A pipeline loaded for the device but never given auto offload would have run on the host's CPU, with the right
+/// image and the device unused: its run is refused with the fix, nothing moved, and it runs on the device once
+/// auto offload is on.
+#[test]
+fn a_run_that_would_compute_on_the_cpu_instead_of_the_device_is_refused() {
+    let (device, name, _turn) = device();
+    let pipeline = load_tiny(placement(&device, &name, Arc::new(NoLedger), readings(&device, &name, TOTAL)));
+    let (opts, expected) = turbo_options();
+    let error = pipeline.generate(&opts, &mut |_, _| {}).expect_err("not enabled");
+    assert!(error.to_string().contains("has no auto offload, so it would run on the CPU"), "{error}");
+    assert!(pipeline.manager().placement().iter().all(|(_, placed)| placed.is_cpu()), "nothing moved");
+    pipeline.enable_auto_offload(0, true).expect("auto offload");
+    let image = values(pipeline.generate(&opts, &mut |_, _| {}).expect("on the device"));
+    assert!(max_abs_diff(&image, &expected) <= 1e-3);
+    assert!(pipeline.manager().placement().iter().all(|(_, placed)| *placed == name));
+}
+
 #[test]
 fn one_seed_gives_one_image_on_the_host_and_on_the_device() {
     let (device, name, _turn) = device();
