@@ -13,7 +13,7 @@ use offload_core::plan::{
     BlockLayout, ComponentSpec, HostMemory, HostTier, Machine, Plan, Settings, SettingsLayer, StreamedGroup, TimeModel,
     plan_pipeline,
 };
-use offload_core::{format_size, parse_size};
+use offload_core::{format_rate, format_size, parse_size};
 
 /// Arguments of `cargo xtask plan`.
 #[derive(clap::Args)]
@@ -256,10 +256,6 @@ fn donors(args: &Args, card: &CardSpec, peers: &[PeerCard], plan: &Plan) -> anyh
         (step.seconds / placement.step_seconds - 1.0) * 100.0
     ));
     Ok(out)
-}
-
-fn format_rate(bytes_per_second: f64) -> String {
-    format!("{:.2} GB/s", bytes_per_second / 1e9)
 }
 
 #[cfg(test)]

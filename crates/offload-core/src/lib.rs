@@ -40,5 +40,5 @@ pub use plan::{
     plan_pipeline,
 };
 pub use record::{Action, DeviceRecords, FileRead, OffloadEvent, OffloadRecord, Reason, RecordRow, Refusals};
-pub use size::{Size, SizeError, format_size, parse_size};
+pub use size::{Size, SizeError, format_rate, format_size, parse_size};
 pub use timeline::{Span, Timeline};

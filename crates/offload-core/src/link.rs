@@ -66,11 +66,11 @@ impl std::fmt::Display for LinkRate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} uploads ({}) measured by the clock: median {:.2} GB/s, 10th percentile {:.2} GB/s",
+            "{} uploads ({}) measured by the clock: median {}, 10th percentile {}",
             self.uploads,
             crate::format_size(self.bytes),
-            self.median / 1e9,
-            self.p10 / 1e9
+            crate::format_rate(self.median),
+            crate::format_rate(self.p10)
         )
     }
 }
@@ -165,11 +165,11 @@ impl std::fmt::Display for DiskRate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} file reads ({}) measured by the clock: median {:.2} GB/s, 10th percentile {:.2} GB/s",
+            "{} file reads ({}) measured by the clock: median {}, 10th percentile {}",
             self.reads,
             crate::format_size(self.bytes),
-            self.median / 1e9,
-            self.p10 / 1e9
+            crate::format_rate(self.median),
+            crate::format_rate(self.p10)
         )
     }
 }

@@ -114,6 +114,27 @@ pub fn format_size(bytes: u64) -> String {
     format!("{value:.2} GB")
 }
 
+/// A rate in bytes per second, in decimal units as link and disk rates are quoted: GB/s from 0.1 GB/s up
+/// (`25.00 GB/s`, `0.32 GB/s`), MB/s below that from 0.1 MB/s, KB/s below that, each with two decimals, so a
+/// slow measured rate never prints as `0.00 GB/s`.
+///
+/// ```
+/// use offload_core::size::format_rate;
+/// assert_eq!(format_rate(25e9), "25.00 GB/s");
+/// assert_eq!(format_rate(0.1e9), "0.10 GB/s");
+/// assert_eq!(format_rate(3.1e6), "3.10 MB/s");
+/// assert_eq!(format_rate(42_000.0), "42.00 KB/s");
+/// ```
+pub fn format_rate(bytes_per_second: f64) -> String {
+    if bytes_per_second >= 1e8 {
+        format!("{:.2} GB/s", bytes_per_second / 1e9)
+    } else if bytes_per_second >= 1e5 {
+        format!("{:.2} MB/s", bytes_per_second / 1e6)
+    } else {
+        format!("{:.2} KB/s", bytes_per_second / 1e3)
+    }
+}
+
 /// A byte count that displays the way the record does ([`format_size`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct Size(pub u64);

@@ -30,7 +30,7 @@ use memory_sim::{CardSpec, Mode, SimCard, SimLink};
 use offload_core::Timeline;
 use offload_core::plan::{DeviceFacts, LinkRun, ProfileStore};
 use offload_core::plan::{HostMemory, PeerDevice, Settings, SettingsLayer};
-use offload_core::{DeviceMemory, DeviceName, NoLedger, format_size, parse_size};
+use offload_core::{DeviceMemory, DeviceName, NoLedger, format_rate, format_size, parse_size};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::lora::{LoraFile, LoraMode, LoraSpec, LoraTarget};
 use pipeline_zimage::output::{Format, Output, check_output_dir, check_outputs, write_atomic, write_bytes_atomic};
@@ -1601,12 +1601,12 @@ fn set_donor(
     let host = pipeline.placement().account::<SimCard>().map(|exec| exec.spec().timing.pageable_bytes_per_second());
     if let Some(host) = host.filter(|host| *host >= link.bytes_per_second) {
         println!(
-            "donor: {device} is not used: its link ({}, {:.2} GB/s) is no faster than the host's pageable copies to {} \
-             ({:.2} GB/s); a group there would cost more than one in RAM",
+            "donor: {device} is not used: its link ({}, {}) is no faster than the host's pageable copies to {} ({}); \
+             a group there would cost more than one in RAM",
             link.name,
-            link.bytes_per_second / 1e9,
+            format_rate(link.bytes_per_second),
             pipeline.placement().name(),
-            host / 1e9
+            format_rate(host)
         );
         return Ok(None);
     }
@@ -1785,14 +1785,14 @@ fn report_file_reads(
             warned = true;
             eprintln!(
                 "file reads: {}'s reads took {measured:.2} s per call against the {predicted:.2} s the plan \
-                 predicted ({}) at {:.2} GB/s ({}): the measured median was {:.2} GB/s, so the page cache was cold or \
+                 predicted ({}) at {} ({}): the measured median was {}, so the page cache was cold or \
                  the disk is slower than assumed; give the plan more RAM with --ram SIZE so copies stay in host \
                  memory, or run again: the next plan predicts from this run's rate",
                 component.name(),
                 format_size(planned.streamed_per_step),
-                time.disk_bytes_per_second / 1e9,
+                format_rate(time.disk_bytes_per_second),
                 time.disk_source,
-                rate.median / 1e9
+                format_rate(rate.median)
             );
         }
     }

@@ -399,7 +399,7 @@ impl DonorProblem {
             rows.push([
                 donor.name.clone(),
                 donor.kind.to_string(),
-                format!("{:.2} GB/s", donor.bytes_per_second / 1e9),
+                crate::format_rate(donor.bytes_per_second),
                 self.budget_of(donor).map_or_else(|| "unbounded".into(), format_size),
                 names(groups.iter().map(|g| self.groups[*g].name.as_str())),
                 format_size(bytes),

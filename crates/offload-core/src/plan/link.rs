@@ -141,14 +141,14 @@ impl MeasuredLink {
 
 impl fmt::Display for MeasuredLink {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let gb = |rate: Option<f64>| rate.map_or("none timed".to_string(), |r| format!("{:.2} GB/s", r / 1e9));
+        let gb = |rate: Option<f64>| rate.map_or("none timed".to_string(), crate::format_rate);
         let runs = if self.runs == 1 { "one run".to_string() } else { format!("median of {} runs", self.runs) };
         write!(
             f,
-            "pageable {}, page-locked {}, 10th percentile {:.2} GB/s ({runs}, {} copies)",
+            "pageable {}, page-locked {}, 10th percentile {} ({runs}, {} copies)",
             gb(self.pageable),
             gb(self.page_locked),
-            self.p10 / 1e9,
+            crate::format_rate(self.p10),
             self.uploads
         )
     }
@@ -244,7 +244,8 @@ impl fmt::Display for MeasuredDisk {
 /// reads or a peer's copies (`what`), from `runs` stored runs of `count` of them.
 fn write_rates(f: &mut fmt::Formatter<'_>, what: &str, median: f64, p10: f64, runs: usize, count: u64) -> fmt::Result {
     let runs = if runs == 1 { "one run".to_string() } else { format!("median of {runs} runs") };
-    write!(f, "{what} at {:.2} GB/s, 10th percentile {:.2} GB/s ({runs}, {count} {what})", median / 1e9, p10 / 1e9)
+    let (median, p10) = (crate::format_rate(median), crate::format_rate(p10));
+    write!(f, "{what} at {median}, 10th percentile {p10} ({runs}, {count} {what})")
 }
 
 /// How many runs' figures a peer link keeps, newest last.

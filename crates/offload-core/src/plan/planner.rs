@@ -248,16 +248,16 @@ impl fmt::Display for Plan {
         )?;
         writeln!(
             f,
-            "link: {:.2} GB/s from pinned memory, {:.2} GB/s pageable ({})",
-            m.time.link_bytes_per_second / 1e9,
-            m.time.link_bytes_per_second * m.time.pageable_fraction.clamp(0.01, 1.0) / 1e9,
+            "link: {} from pinned memory, {} pageable ({})",
+            crate::format_rate(m.time.link_bytes_per_second),
+            crate::format_rate(m.time.link_bytes_per_second * m.time.pageable_fraction.clamp(0.01, 1.0)),
             m.time.link_source
         )?;
         if self.reads_disk() {
             writeln!(
                 f,
-                "disk: {:.2} GB/s read ({})",
-                m.time.disk_bytes_per_second / 1e9,
+                "disk: {} read ({})",
+                crate::format_rate(m.time.disk_bytes_per_second),
                 disk_source(m.time.disk_source)
             )?;
         }
@@ -1440,7 +1440,7 @@ impl Planner<'_> {
             LinkSource::Given => "given",
             LinkSource::Measured { .. } => "measured",
         };
-        let rate = format!("{:.2} GB/s ({source})", time.disk_bytes_per_second / 1e9);
+        let rate = format!("{} ({source})", crate::format_rate(time.disk_bytes_per_second));
         if choice.shape.route == Route::ComponentOffload {
             return format!("; each image reads its {} from {from} at {rate}", fs(eval.first_streamed));
         }
