@@ -1315,6 +1315,8 @@ fn device_map(
                 let further = match opened.iter().find(|opened| *opened.name() == device) {
                     Some(further) => further.clone(),
                     None => {
+                        // The execution device's page policy; `None` only for CUDA, whose open keeps its own
+                        // pool settings and ignores the policy, so the default stands for nothing there.
                         let pages = page_policy(placement.exec()).unwrap_or_default();
                         let further = further_real_device(&device, pages)?;
                         opened.push(further.clone());
