@@ -278,6 +278,24 @@ pub enum Error {
         device: String,
     },
 
+    /// Timing copies from a peer device onto this one failed ([`OffloadDevice::time_copies_from`]): both compute on
+    /// the same burn device, or the probe's allocation, a copy or its read-back failed. Nothing of the probe stays
+    /// allocated on either device.
+    ///
+    /// [`OffloadDevice::time_copies_from`]: crate::OffloadDevice::time_copies_from
+    #[error(
+        "cannot time copies from {peer} onto {device}: {problem}; declare the link's rate instead (PeerDonor's \
+         bytes_per_second, --donor DEVICE@LINK) or free memory on both devices and try again"
+    )]
+    PeerCopy {
+        /// The device copied from.
+        peer: String,
+        /// The device copied onto.
+        device: String,
+        /// What went wrong.
+        problem: String,
+    },
+
     /// The prefetch worker thread is gone (it panicked); the offloader cannot be used any more.
     #[error("the prefetch worker of {model} stopped; build a new offloader")]
     WorkerGone {

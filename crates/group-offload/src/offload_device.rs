@@ -6,11 +6,12 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use burn::tensor::Device;
-use offload_core::link::{LinkMeter, LinkRate};
+use burn::tensor::{Device, Tensor};
+use offload_core::link::{LinkMeter, LinkRate, LinkSample};
 use offload_core::{ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, NoLedger};
 
 use crate::device::cap::CappedDevice;
+use crate::device::{DevicePanic, catch_device_panic, check_device, check_outputs};
 use crate::device::pool::PoolReadings;
 use crate::error::Result;
 use crate::uploads::{Task, UploadThread};
@@ -235,6 +236,46 @@ impl OffloadDevice {
     pub fn peer_rates(&self) -> Vec<(DeviceName, LinkRate)> {
         let meters = self.0.peer_links.0.lock();
         meters.iter().filter_map(|(name, meter)| Some((name.clone(), meter.rate()?))).collect()
+    }
+
+    /// Times `copies` copies of `bytes` from `peer`'s memory onto this device, each from the start of the copy to
+    /// a synced read-back of one value, as the uploads of the groups a donor holds are timed. What a plan prices a
+    /// peer at before a run has measured its copies (`PeerDevice::new(.., rate.median, ..)`); the copies are not
+    /// noted on [`peer_link`](Self::peer_link), which keeps the run's own. The probe is built on `peer` and dropped
+    /// with its copies: nothing of it stays on either device.
+    ///
+    /// Refused ([`Error::PeerCopy`](crate::Error::PeerCopy)) where both compute on the same burn device (two
+    /// simulated cards share the host's CPU backend: a copy between them crosses no link, so declare their
+    /// link's rate), and where the probe's allocation, a copy or a read-back fails.
+    pub fn time_copies_from(&self, peer: &OffloadDevice, bytes: u64, copies: usize) -> Result<LinkRate> {
+        let refused = |problem: String| crate::Error::PeerCopy {
+            peer: peer.name().to_string(),
+            device: self.name().to_string(),
+            problem,
+        };
+        if self.exec() == peer.exec() {
+            return Err(refused(format!(
+                "both compute on {:?}, so a copy between them crosses no link",
+                self.exec()
+            )));
+        }
+        let failed = |error: offload_core::ComponentError| refused(error.to_string());
+        let on = |device: &OffloadDevice, panic: DevicePanic| {
+            failed(panic.with_device(device.name(), "copy probe", device.memory().as_deref()))
+        };
+        let floats = usize::try_from(bytes / 4).unwrap_or(usize::MAX).max(1);
+        let probe = catch_device_panic(|| Tensor::<1>::ones([floats], peer.exec())).map_err(|p| on(peer, p))?;
+        check_device(peer.exec(), peer.name(), "copy probe", peer.memory().as_deref()).map_err(failed)?;
+        let mut samples = Vec::with_capacity(copies.max(1));
+        for _ in 0..copies.max(1) {
+            let started = std::time::Instant::now();
+            let copy = catch_device_panic(|| probe.clone().to_device(self.exec())).map_err(|p| on(self, p))?;
+            check_device(self.exec(), self.name(), "copy probe", self.memory().as_deref()).map_err(failed)?;
+            check_outputs(&copy, self.exec(), self.name(), "copy probe", self.memory().as_deref()).map_err(failed)?;
+            let seconds = started.elapsed().as_secs_f64();
+            samples.push(LinkSample { bytes: floats as u64 * 4, seconds, page_locked: false });
+        }
+        LinkRate::of(&samples).ok_or_else(|| refused("no copy was timed".into()))
     }
 
     /// The device's manager: the models registered on the device ([`OffloadDevice::register`], in `handle`), its auto offload, OOM retry

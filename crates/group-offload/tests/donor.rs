@@ -432,6 +432,21 @@ fn a_wgpu_device_holds_streamed_groups_for_a_card_and_its_pool_gives_them_back()
     assert_eq!(in_use(), before, "the donor's pool got every group back when the model went");
 }
 
+/// Two simulated cards compute on the host's one CPU backend: a copy between them crosses no link, so timing one
+/// is refused with the fix (declare the link's rate), and nothing is charged to either card.
+#[test]
+fn copies_between_two_simulated_cards_are_not_timed() {
+    let (exec_card, donor_card) = (card("1MB", "cuda:0"), card("1MB", "cuda:1"));
+    let exec = OffloadDevice::simulated(exec_card.clone());
+    let donor = OffloadDevice::simulated(donor_card.clone());
+    let error = exec.time_copies_from(&donor, BLOCK, 3).expect_err("no link to time");
+    assert!(matches!(error, group_offload::Error::PeerCopy { .. }), "{error}");
+    let text = error.to_string();
+    assert!(text.starts_with("cannot time copies from cuda:1 onto cuda:0: both compute on"), "{text}");
+    assert!(text.contains("declare the link's rate instead"), "{text}");
+    assert_eq!((exec_card.allocated(), donor_card.allocated()), (0, 0));
+}
+
 /// A second wgpu runtime beside `wgpu:0`, each with its own wgpu device, queue and memory pool: `wgpu:1` where the
 /// machine lists a second adapter, else (a CPU with lavapipe, as in CI) a runtime of its own on the one adapter,
 /// selected by its kind (burn's `DeviceKind::Cpu`, another runtime than the default's). Exclusive pages, so the
@@ -481,7 +496,7 @@ fn a_second_wgpu_runtime_holds_the_first_ones_streamed_groups() {
     let (alone, _) = run_on(&device, model.clone(), Vec::new(), options.clone(), None);
     let donor_device =
         OffloadDevice::on_device(donor.clone(), donor_name.clone(), Arc::new(offload_core::NoLedger), None);
-    let peer = PeerDonor::new(donor_device, 2 * BLOCK + BLOCK / 2, DONOR_RATE);
+    let peer = PeerDonor::new(donor_device.clone(), 2 * BLOCK + BLOCK / 2, DONOR_RATE);
     let (with_donor, holdings) = run_on(&device, model, vec![peer], options, Some(&in_use));
     assert_eq!(with_donor.outputs, alone.outputs, "copies from the second runtime give the one-runtime output");
     assert_eq!(holdings, vec![(donor_name.clone(), 2 * BLOCK, 2)], "the first two blocks, as the budget takes");
@@ -494,4 +509,15 @@ fn a_second_wgpu_runtime_holds_the_first_ones_streamed_groups() {
     assert_eq!((rate.uploads, rate.bytes), (4, 4 * BLOCK), "blocks 0 and 1 at the two later forwards");
     donor.memory_cleanup();
     assert_eq!(in_use(), before, "the second runtime's pool got every group back when the model went");
+    // Before any run, a plan prices the peer by timed copies of a probe from it: each copy timed to its synced
+    // read-back, on a clock of its own (the device's meter for the peer keeps the run's copies), and nothing of
+    // the probe stays on the peer.
+    let noted = device.peer_rates();
+    let probe = device.time_copies_from(&donor_device, 1 << 20, 5).expect("copies timed");
+    println!("a probe of 1 MiB from {donor_name} onto wgpu:0, 5 copies: {probe}");
+    assert_eq!((probe.uploads, probe.bytes), (5, 5 << 20));
+    assert!(probe.median.is_finite() && probe.median > 0.0 && probe.p10 <= probe.median, "{probe:?}");
+    assert_eq!(device.peer_rates(), noted, "the probe is not the run's copies");
+    donor.memory_cleanup();
+    assert_eq!(in_use(), before, "the probe went with its copies");
 }
