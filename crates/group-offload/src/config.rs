@@ -344,6 +344,37 @@ impl PeerDonor {
         )
     }
 
+    /// A real device as `exec`'s donor, its budget what its readings give as available now, and its copies
+    /// priced by measurement: at `measured` where earlier runs measured the pair
+    /// (`ProfileStore::measured_peer(exec, device)`, feature `io`), else by [`PeerDonor::PROBE_COPIES`] copies of
+    /// `probe_bytes` timed now ([`OffloadDevice::time_copies_from`]). Returns the donor and the same donor as a
+    /// plan's peer, its rate's source with it (measured by earlier runs, or by the probe: one run of its copies).
+    /// The run's own copies are then timed on `exec`'s meter for the peer ([`OffloadDevice::peer_rates`]), for the
+    /// next run's `measured`.
+    pub fn timed(
+        exec: &OffloadDevice,
+        device: OffloadDevice,
+        measured: Option<offload_core::plan::MeasuredPeer>,
+        probe_bytes: u64,
+    ) -> Result<(Self, offload_core::plan::PeerDevice)> {
+        use offload_core::plan::{LinkSource, PeerDevice};
+        let budget = device.readings().available();
+        let name = device.name().as_str().to_string();
+        let peer = match measured.filter(|m| m.median.is_finite() && m.median > 0.0) {
+            Some(measured) => PeerDevice::new(&name, budget, measured.median, 0.0).with_measured(Some(measured)),
+            None => {
+                let probe = exec.time_copies_from(&device, probe_bytes, Self::PROBE_COPIES)?;
+                let source = LinkSource::Measured { runs: 1, uploads: probe.uploads as u64 };
+                PeerDevice::new(&name, budget, probe.median, 0.0).with_source(source)
+            }
+        };
+        let donor = Self::new(device, budget, peer.bytes_per_second);
+        Ok((donor, peer))
+    }
+
+    /// The copies [`PeerDonor::timed`] times when nothing measured the pair before: the rate is their median.
+    pub const PROBE_COPIES: usize = 5;
+
     /// Seconds one copy of `bytes` from the donor takes.
     pub fn seconds(&self, bytes: u64) -> f64 {
         bytes as f64 / self.bytes_per_second + self.latency_seconds

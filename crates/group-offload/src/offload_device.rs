@@ -11,8 +11,8 @@ use offload_core::link::{LinkMeter, LinkRate, LinkSample};
 use offload_core::{ComponentsManager, DeviceLedger, DeviceMemory, DeviceName, NoLedger};
 
 use crate::device::cap::CappedDevice;
-use crate::device::{DevicePanic, catch_device_panic, check_device, check_outputs};
 use crate::device::pool::PoolReadings;
+use crate::device::{DevicePanic, catch_device_panic, check_device, check_outputs};
 use crate::error::Result;
 use crate::uploads::{Task, UploadThread};
 
@@ -254,10 +254,7 @@ impl OffloadDevice {
             problem,
         };
         if self.exec() == peer.exec() {
-            return Err(refused(format!(
-                "both compute on {:?}, so a copy between them crosses no link",
-                self.exec()
-            )));
+            return Err(refused(format!("both compute on {:?}, so a copy between them crosses no link", self.exec())));
         }
         let failed = |error: offload_core::ComponentError| refused(error.to_string());
         let on = |device: &OffloadDevice, panic: DevicePanic| {

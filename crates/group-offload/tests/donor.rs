@@ -444,6 +444,8 @@ fn copies_between_two_simulated_cards_are_not_timed() {
     let text = error.to_string();
     assert!(text.starts_with("cannot time copies from cuda:1 onto cuda:0: both compute on"), "{text}");
     assert!(text.contains("declare the link's rate instead"), "{text}");
+    let error = PeerDonor::timed(&exec, donor, None, BLOCK).expect_err("nothing to time, nothing measured");
+    assert!(matches!(error, group_offload::Error::PeerCopy { .. }), "{error}");
     assert_eq!((exec_card.allocated(), donor_card.allocated()), (0, 0));
 }
 
@@ -520,4 +522,14 @@ fn a_second_wgpu_runtime_holds_the_first_ones_streamed_groups() {
     assert_eq!(device.peer_rates(), noted, "the probe is not the run's copies");
     donor.memory_cleanup();
     assert_eq!(in_use(), before, "the probe went with its copies");
+    // A donor priced by measurement: by the probe before any run measured the pair, then by the run's copies.
+    use offload_core::plan::{LinkSource, MeasuredPeer, PeerRun};
+    let (timed, peer) = PeerDonor::timed(&device, donor_device.clone(), None, 1 << 20).expect("priced by a probe");
+    assert_eq!(peer.source, LinkSource::Measured { runs: 1, uploads: PeerDonor::PROBE_COPIES as u64 });
+    assert_eq!((timed.bytes_per_second, timed.budget), (peer.bytes_per_second, peer.bytes));
+    assert_eq!(peer.name, donor_name.as_str());
+    let (_, rate) = rates[0];
+    let earlier = MeasuredPeer::from_runs(&[PeerRun::from_rate(Some(*rate)).unwrap()]).unwrap();
+    let (timed, peer) = PeerDonor::timed(&device, donor_device, Some(earlier), 1 << 20).expect("priced");
+    assert_eq!((timed.bytes_per_second, peer.source), (rate.median, LinkSource::Measured { runs: 1, uploads: 4 }));
 }

@@ -16,6 +16,8 @@
 //! a Chrome trace-event file and as a plot of device memory over time (`docs/trace.md`).
 
 #![forbid(unsafe_code)]
+mod cli_donors;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -23,13 +25,12 @@ use anyhow::{Context, bail};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use clap::{Parser, Subcommand, ValueEnum};
 use group_offload::OffloadDevice;
-use group_offload::config::PeerDonor;
 use group_offload::device::{describe_device, page_policy};
 use group_offload::{device::CappedDevice, device::PagePolicy, device::PoolReadings, device::open_device_with};
-use memory_sim::{CardSpec, Mode, SimCard, SimLink};
+use memory_sim::{CardSpec, Mode, SimCard};
 use offload_core::Timeline;
 use offload_core::plan::{DeviceFacts, LinkRun, ProfileStore};
-use offload_core::plan::{HostMemory, PeerDevice, Settings, SettingsLayer};
+use offload_core::plan::{HostMemory, Settings, SettingsLayer};
 use offload_core::{DeviceMemory, DeviceName, NoLedger, format_rate, format_size, parse_size};
 use pipeline_zimage::loading::LoadOptions;
 use pipeline_zimage::lora::{LoraFile, LoraMode, LoraSpec, LoraTarget};
@@ -178,13 +179,16 @@ struct Generate {
     /// device_map="balanced" does (the transformer's device then executes).
     #[arg(long, value_name = "COMPONENT=DEVICE|balanced")]
     device_map: Option<String>,
-    /// A further simulated card that holds the transformer's streamed groups between their uploads (a donor, as
-    /// ComfyUI-MultiGPU's DisTorch has them), as DEVICE@LINK: DEVICE is a further --card (`cuda:1` for the second),
-    /// which holds as many groups as its memory takes; LINK is how its copies reach the execution card: nvlink,
-    /// pcie4x16 or pcie3x8 (memory-sim's links, at DisTorch's measured costs). Groups it holds are copied from it,
-    /// the others from the host; `cargo xtask plan --donor` says which donor pays. Repeat it for several donors
-    /// (each a different card): a group goes to the first, in the order given, with room.
-    #[arg(long, value_name = "DEVICE@LINK")]
+    /// A further device whose memory holds streamed groups between their uploads (a donor, as ComfyUI-MultiGPU's
+    /// DisTorch has them), as DEVICE@LINK. On the CPU, DEVICE is a further --card (`cuda:1` for the second), which
+    /// holds as many groups as its memory takes, and LINK how its copies reach the execution card: nvlink,
+    /// pcie4x16 or pcie3x8 (memory-sim's links, at DisTorch's measured costs). Beside a real --device, DEVICE is
+    /// another real device (`cuda:1`, `wgpu:1`), opened before the weights load, and LINK is optional: without it
+    /// the copies are priced at the rate earlier runs measured for the pair, else by copies timed before the load,
+    /// and the run's own copies are kept for later runs. Groups it holds are copied from it, the others from the
+    /// host; `cargo xtask plan --donor` says which donor pays. Repeat it for several donors (each a different
+    /// device): a group goes to the first, in the order given, with room.
+    #[arg(long, value_name = "DEVICE[@LINK]")]
     donor: Vec<String>,
     /// The device's total memory, overriding the runtime's reading (on wgpu the adapter's largest device-local
     /// Vulkan heap); CUDA's comes from the driver and is not overridden.
@@ -350,7 +354,7 @@ enum ArgumentError {
         /// The real device.
         device: DeviceName,
     },
-    /// A `--donor` that names no further card, or a link memory-sim does not know.
+    /// A `--donor` that names no further card or real device, a device twice, or a link memory-sim does not know.
     #[error("--donor {given}: {reason}")]
     Donor {
         /// The value as given.
@@ -424,27 +428,6 @@ fn parse_device_map(
 /// The simulated devices `--card` names on the CPU, the execution device's first: the first card is `cuda:0`
 /// (the card's default name) and each further one `cuda:N`. On a real device only one card is allowed: it caps that
 /// device.
-/// `--donor DEVICE@LINK`: the further card (never the first, which executes) and the link its copies cross.
-fn parse_donor(text: &str, devices: &[DeviceName]) -> Result<(DeviceName, SimLink), ArgumentError> {
-    let wrong = |reason: String| ArgumentError::Donor { given: text.to_string(), reason };
-    let Some((device, link)) = text.split_once('@') else {
-        return Err(wrong("give DEVICE@LINK, a further --card and its link: cuda:1@nvlink".into()));
-    };
-    let device = DeviceName::parse(device.trim()).map_err(|error| wrong(format!("{error}")))?;
-    if !devices.iter().skip(1).any(|further| *further == device) {
-        let further: Vec<&str> = devices.iter().skip(1).map(DeviceName::as_str).collect();
-        return Err(wrong(if further.is_empty() {
-            "no further card is given: add a second --card (the donor, cuda:1) beside the execution card, with \
-             --device cpu"
-                .to_string()
-        } else {
-            format!("{device} is not a further card; the further cards are {}", further.join(", "))
-        }));
-    }
-    let link = SimLink::parse(link).map_err(|error| wrong(format!("{error}")))?;
-    Ok((device, link))
-}
-
 /// Whether the execution device is a real one (`--device` other than `cpu`): the device map may then name further
 /// real devices.
 fn real_execution(args: &Generate) -> bool {
@@ -509,18 +492,7 @@ fn preflight(args: &Generate) -> anyhow::Result<()> {
     if let Some(map) = &args.device_map {
         parse_device_map(map, &devices, real_execution(args))?;
     }
-    let mut donors: Vec<DeviceName> = Vec::new();
-    for donor in &args.donor {
-        let (device, _) = parse_donor(donor, &devices)?;
-        if donors.contains(&device) {
-            return Err(ArgumentError::Donor {
-                given: donor.clone(),
-                reason: format!("{device} is given as a donor twice; give each further card once"),
-            }
-            .into());
-        }
-        donors.push(device);
-    }
+    cli_donors::check_donors(args)?;
     options(args).check_counts()?;
     let reserve = args.reserve.as_deref().map(parse_size).transpose().context("--reserve")?;
     let total = args.device_memory.as_deref().map(parse_size).transpose().context("--device-memory")?;
@@ -874,6 +846,9 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         }
     }
     let (map, mut others) = device_map(args, &placement, &weights, explicit_reserve)?;
+    // Each donor opens, and a real one's copies are timed, before the weights load: a wrong name costs no load.
+    let priced =
+        cli_donors::price_donors(args, &placement, &map, &others, &profile_store(args, settings.as_ref())?, planner)?;
     let anonymous = args
         .memory_report
         .then(|| Arc::new(pipeline_zimage::host::AnonymousPeak::start(std::time::Duration::from_millis(10))));
@@ -901,13 +876,15 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         );
     }
     let mut donors = Vec::new();
-    for text in &args.donor {
-        donors.extend(set_donor(&mut pipeline, text, args, &others, planner)?);
+    for donor in priced {
+        if cli_donors::set_donor(&mut pipeline, &donor, planner)? {
+            donors.push(donor);
+        }
     }
     // A further card the map uses onloads its components at their first run, on its own account, and keeps them.
     others.retain(|(_, other)| {
         pipeline.device_map().components.iter().any(|(_, placed)| placed.is(other))
-            || donors.iter().any(|donor| donor.device.is(other))
+            || donors.iter().any(|donor| donor.device().is(other))
     });
     for (_, other) in &others {
         other.enable_auto_offload(0)?;
@@ -1129,7 +1106,7 @@ fn generate(args: &Generate) -> anyhow::Result<()> {
         record_measurements(args, plan.as_ref(), &pipeline, &name)?;
     }
     write_timeline(args, &timeline, &placement)?;
-    report_devices(&pipeline, &others, &whole_run_peak)?;
+    report_devices(&pipeline, &others, &donors, &whole_run_peak)?;
     if offload != Offload::None
         && let Some(memory) = placement.memory().clone()
     {
@@ -1349,6 +1326,8 @@ fn record_measurements(
         let path = store.link_path(name.as_str());
         println!("link figures for later plans on {name}: {measured} ({})", path.display());
     }
+    // What a real donor's copies onto the device reached, in place of its probe's or its declared rate next time.
+    cli_donors::record_peer_rates(pipeline, &store)?;
     // What each component moved whole took in the device's pages, measured at its first onload.
     let footprints = pipeline.manager().device_footprints();
     if !footprints.is_empty() {
@@ -1376,6 +1355,7 @@ fn record_measurements(
 fn report_devices(
     pipeline: &ZImagePipeline,
     others: &[(Arc<SimCard>, OffloadDevice)],
+    donors: &[cli_donors::Donor],
     whole_run_peak: &dyn Fn(u64) -> u64,
 ) -> anyhow::Result<()> {
     let placement = pipeline.placement();
@@ -1395,7 +1375,7 @@ fn report_devices(
                 format_size(stats.bytes_pinned_to_device),
                 stats.transfer_seconds
             );
-            print_donors(pipeline);
+            cli_donors::print_donors(pipeline);
             // The peer meter's clock: on the CPU a copy from a simulated card is a host copy, not the card's link.
             for (peer, rate) in placement.peer_rates() {
                 println!("copies from {peer}: {rate} (host copies: the simulated cards' link is priced above)");
@@ -1420,6 +1400,11 @@ fn report_devices(
                     shown.push(further.name());
                 }
             }
+            // Each real donor's pool, and what it held of the transformer's groups.
+            for (donor, readings) in cli_donors::real_donor_pools(donors, &shown) {
+                print_pool(donor, &readings, readings.peak())?;
+            }
+            cli_donors::print_donors(pipeline);
             if readings.total_source() == group_offload::device::TotalSource::RuntimeHeap
                 && let Err(why) = group_offload::device::runtime_budget(readings.burn_device())
             {
@@ -1553,94 +1538,6 @@ fn phase_peak(
             })
         }
         (None, None) => Arc::new(|| 0),
-    }
-}
-
-/// A `--donor` as the run holds it: the further card's device object, and the card as the planner's peer.
-struct DonorCard {
-    device: OffloadDevice,
-    peer: PeerDevice,
-}
-
-/// `--donor DEVICE@LINK`: the further card holds streamed groups between their uploads, set before any offload is
-/// applied (the groups are placed as they are split). Under the planner the card is a peer of the plan's machine
-/// and the donor of every component the plan streams: the plan places each one's groups over the card, RAM and
-/// the file by cost, and the donor holds at most the plan's share. Without the planner (`--offload group`) it is
-/// the transformer's donor, up to its memory, where its link copies faster than the host's pageable copies; a
-/// slower one (a second card on PCIe 3.0 x8) is left unused, as the planner would leave it.
-fn set_donor(
-    pipeline: &mut ZImagePipeline,
-    text: &str,
-    args: &Generate,
-    others: &FurtherCards,
-    planner: bool,
-) -> anyhow::Result<Option<DonorCard>> {
-    let (device, link) = parse_donor(text, &card_devices(args)?)?;
-    let (card, on) = others
-        .iter()
-        .find(|(_, other)| *other.name() == device)
-        .cloned()
-        .with_context(|| format!("--donor {text}: the card {device} was not opened"))?;
-    let donor = PeerDonor {
-        device: on.clone(),
-        budget: card.available(),
-        bytes_per_second: link.bytes_per_second,
-        latency_seconds: link.latency.as_secs_f64(),
-        groups: None,
-    };
-    let peer = donor.peer_device();
-    if planner {
-        pipeline.text_encoder_mut().add_donor(donor.clone())?;
-        pipeline.transformer_mut().add_donor(donor)?;
-        println!(
-            "donor: {device} ({} free) can hold streamed groups between their uploads; its copies cross {}; the plan \
-             places each component's groups over it, RAM and the checkpoint file by cost",
-            format_size(card.available()),
-            link.description
-        );
-        return Ok(Some(DonorCard { device: on, peer }));
-    }
-    let host = pipeline.placement().account::<SimCard>().map(|exec| exec.spec().timing.pageable_bytes_per_second());
-    if let Some(host) = host.filter(|host| *host >= link.bytes_per_second) {
-        println!(
-            "donor: {device} is not used: its link ({}, {}) is no faster than the host's pageable copies to {} ({}); \
-             a group there would cost more than one in RAM",
-            link.name,
-            format_rate(link.bytes_per_second),
-            pipeline.placement().name(),
-            format_rate(host)
-        );
-        return Ok(None);
-    }
-    pipeline.transformer_mut().add_donor(donor)?;
-    println!(
-        "donor: {device} ({} free) holds the transformer's streamed groups between their uploads; its copies cross {}",
-        format_size(card.available()),
-        link.description
-    );
-    Ok(Some(DonorCard { device: on, peer }))
-}
-
-/// Prints, for each donor card that held some of the transformer's streamed groups or that its uploads were
-/// copied from, what it held and the bytes of the transformer's uploads copied from it (the record's rows that name
-/// it).
-fn print_donors(pipeline: &ZImagePipeline) {
-    let Some(offload) = pipeline.transformer().group_offload() else { return };
-    let moves = pipeline.manager().offload_record().group_moves().events();
-    for (donor, held, groups) in offload.donor_holdings() {
-        let copied: u64 = (moves.iter())
-            .filter(|e| e.action == offload_core::Action::Onload && e.id.starts_with("transformer/"))
-            .filter(|e| e.from_peer.as_deref() == Some(donor.as_str()))
-            .map(|e| e.bytes)
-            .sum();
-        if held > 0 || copied > 0 {
-            println!(
-                "donor: {} of the transformer's groups ({groups}) held on {donor}, {} of its copies to the device \
-                 from it",
-                format_size(held),
-                format_size(copied)
-            );
-        }
     }
 }
 
@@ -2031,20 +1928,21 @@ mod tests {
 
     #[test]
     fn a_donor_is_a_further_card_and_a_known_link() {
+        use cli_donors::parse_donor;
         let cards = card_devices(&args(&["--card", "8GB", "--card", "4GB"])).expect("two cards");
-        let (device, link) = parse_donor("cuda:1@nvlink", &cards).expect("the second card over NVLink");
-        assert_eq!((device.as_str(), link.name), ("cuda:1", "nvlink"));
+        let (device, link) = parse_donor("cuda:1@nvlink", &cards, false).expect("the second card over NVLink");
+        assert_eq!((device.as_str(), link.map(|link| link.name)), ("cuda:1", Some("nvlink")));
         for (given, says) in [
             ("cuda:1", "give DEVICE@LINK"),
             ("cuda:0@nvlink", "cuda:0 is not a further card; the further cards are cuda:1"),
             ("cuda:2@nvlink", "cuda:2 is not a further card"),
             ("cuda:1@usb", "nvlink, pcie4x16, pcie3x8"),
         ] {
-            let error = parse_donor(given, &cards).expect_err(given);
+            let error = parse_donor(given, &cards, false).expect_err(given);
             assert!(matches!(error, ArgumentError::Donor { .. }) && error.to_string().contains(says), "{error}");
         }
         let one = card_devices(&args(&["--card", "8GB"])).expect("one card");
-        let error = parse_donor("cuda:1@nvlink", &one).expect_err("no further card");
+        let error = parse_donor("cuda:1@nvlink", &one, false).expect_err("no further card");
         assert!(error.to_string().contains("add a second --card"), "{error}");
         // Through the pre-flight, before anything loads.
         let error = preflight(&args(&["--card", "8GB", "--donor", "cuda:1@nvlink"])).expect_err("refused");
@@ -2054,8 +1952,32 @@ mod tests {
         let error = preflight(&args(&twice)).expect_err("refused");
         assert_eq!(
             error.to_string(),
-            "--donor cuda:1@pcie3x8: cuda:1 is given as a donor twice; give each further card once"
+            "--donor cuda:1@pcie3x8: cuda:1 is given as a donor twice; give each further device once"
         );
+    }
+
+    /// Beside a real execution device a donor is another real device by name; its link is optional (without
+    /// one its copies are timed), and the execution device itself or a simulated kind is refused before anything
+    /// opens.
+    #[test]
+    fn beside_a_real_device_a_donor_is_another_real_device_its_link_optional() {
+        use cli_donors::parse_donor;
+        let wgpu = card_devices(&args(&["--device", "wgpu"])).expect("the execution device");
+        let (device, link) = parse_donor("wgpu:1", &wgpu, true).expect("a second adapter, its rate measured");
+        assert_eq!((device.as_str(), link.is_none()), ("wgpu:1", true));
+        let (device, link) = parse_donor("cuda:1@pcie4x16", &wgpu, true).expect("a declared link");
+        assert_eq!((device.as_str(), link.map(|link| link.name)), ("cuda:1", Some("pcie4x16")));
+        for given in ["wgpu", "wgpu:0@nvlink", "cpu", "tpu:1"] {
+            let error = parse_donor(given, &wgpu, true).expect_err(given);
+            assert!(
+                error.to_string().contains("name another device of this machine than the execution device wgpu:0"),
+                "{error}"
+            );
+        }
+        let twice = ["--device", "wgpu", "--donor", "wgpu:1", "--donor", "wgpu:1@nvlink"];
+        let error = preflight(&args(&twice)).expect_err("refused");
+        assert!(error.to_string().contains("wgpu:1 is given as a donor twice"), "{error}");
+        preflight(&args(&["--device", "wgpu", "--donor", "wgpu:1"])).expect("a real donor passes the pre-flight");
     }
 
     #[test]

@@ -668,6 +668,18 @@ fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driv
         assert!(stdout.contains("device memory on wgpu:1 (burn's pool)"), "{stdout}");
     }
 
+    // A second real device as a donor of the planned components' streamed groups, its copies' rate timed before
+    // the weights load: refused before anything loads with one adapter; with two it is priced and named.
+    let (ok, stdout, stderr) = generate_cli(&dir, &["--preset", "auto", "--donor", "wgpu:1"], &[]);
+    if adapters < 2 {
+        assert!(!ok, "{stdout}");
+        assert!(stderr.contains(&format!("this machine lists {adapters} wgpu adapter(s)")), "{stderr}");
+        assert!(!stdout.contains("donor: "), "refused before the weights load: {stdout}");
+    } else {
+        assert!(ok, "{stdout}\n{stderr}");
+        assert!(stdout.contains("donor: wgpu:1 (") && stdout.contains("from wgpu:1 onto wgpu:0"), "{stdout}");
+    }
+
     // No Vulkan driver and no EGL one: the runtime finds no adapter, and the error names the package.
     let hidden = [("VK_ICD_FILENAMES", "/nonexistent"), ("__EGL_VENDOR_LIBRARY_FILENAMES", "/nonexistent")];
     let (ok, _, stderr) = generate_cli(&dir, &[], &hidden);
