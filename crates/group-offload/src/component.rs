@@ -60,7 +60,7 @@ impl Offloadable for GroupOffloadedModel {
         // As a component offloaded whole does, and as diffusers clears the device cache after an offload: the
         // pages the groups held go back to the device, so the next component's onload can have them (measured on
         // wgpu: without it, the decode's pages came on top of the released transformer's).
-        self.offload.config().device.exec().memory_cleanup();
+        self.offload.config().device.memory_cleanup();
         self.active = false;
         Ok(())
     }

@@ -737,6 +737,14 @@ impl Shared {
         for &i in &idle {
             self.drop_from_device(&mut state, i, reason);
         }
+        drop(state);
+        if bytes > 0 {
+            // The groups were uploaded on the device's upload thread, so their pages go back to its stream's pool,
+            // which keeps them: still the device's, under a cap still charged, and never the computing thread's.
+            // The caller gives room back because it ran out: the pages go back to the device (outside the lock,
+            // since the upload thread's queued prefetches take it).
+            self.config.device.memory_cleanup();
+        }
         bytes
     }
 

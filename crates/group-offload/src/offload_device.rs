@@ -287,6 +287,24 @@ impl OffloadDevice {
         Ok(self.0.manager.enable_auto_offload(self.readings(), reserve, true)?)
     }
 
+    /// Gives back to the device the pages its pools keep and nothing uses, on both streams this device object
+    /// allocates on: the calling thread's and its upload thread's. cubecl keeps pools per stream, and burn's
+    /// `Device::memory_cleanup` cleans the calling thread's only, so the pages of the groups and whole onloads the
+    /// upload thread made stayed in its pool after they were released: counted against a cap, and out of reach of
+    /// the calls on the computing thread. The upload thread is asked only where it has started (it finishes the
+    /// uploads queued before); nothing happens on the CPU backend. A failure of the upload thread is left to its
+    /// next upload, which reports it typed.
+    pub fn memory_cleanup(&self) {
+        if !crate::device::defers_failures(&self.0.exec) {
+            return;
+        }
+        self.0.exec.memory_cleanup();
+        if self.0.uploads.is_started() {
+            let exec = self.0.exec.clone();
+            let _ = self.0.uploads.run(move || exec.memory_cleanup());
+        }
+    }
+
     /// Whether `other` is a handle to this same device object (not merely a device of the same name).
     pub fn is(&self, other: &OffloadDevice) -> bool {
         Arc::ptr_eq(&self.0, &other.0)

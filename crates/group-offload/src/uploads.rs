@@ -61,6 +61,11 @@ impl UploadThread {
         Ok(sender)
     }
 
+    /// Whether the thread has started (and not ended): whether its stream can hold any pages.
+    pub fn is_started(&self) -> bool {
+        self.worker.lock().as_ref().is_some_and(|(_, thread)| !thread.is_finished())
+    }
+
     /// Whether the calling thread is this upload thread.
     fn is_current(&self) -> bool {
         let worker = self.worker.lock();

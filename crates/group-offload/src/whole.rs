@@ -263,7 +263,7 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
             // The first onload onto a device that allocates in pages measures the footprint: the pool's pages
             // after the onload less before, its cache released first so that the weights take pages of their own.
             let held_before = if self.footprint.is_none() && held().is_some() {
-                exec.memory_cleanup();
+                self.placement.memory_cleanup();
                 held()
             } else {
                 None
@@ -295,8 +295,9 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
                     // The read-back probes (one small tensor per parameter) each took a page of the pool: give
                     // them back, so the component's call starts from its weights (measured on wgpu: about a
                     // third of a megabyte of pages for the tiny transformer's probes, kept until the next
-                    // release otherwise).
-                    exec.memory_cleanup();
+                    // release otherwise). They were made on the upload thread, in its stream's pool: both
+                    // streams are cleaned.
+                    self.placement.memory_cleanup();
                     if let (Some(before), Some(after)) = (held_before, held()) {
                         self.footprint = Some(after.saturating_sub(before)).filter(|&bytes| bytes > 0);
                     }
@@ -325,7 +326,7 @@ impl<M: Module + 'static> Offloadable for BurnComponent<M> {
         if self.resident.take().is_some() {
             // As diffusers clears the device cache after an offload: the pages the weights held go back to the
             // device, so the next component (or a capped device's next call) can have them.
-            self.placement.exec().memory_cleanup();
+            self.placement.memory_cleanup();
         }
         self.placement.ledger().free_tensors(&self.sizes);
         self.device = DeviceName::cpu();

@@ -118,10 +118,12 @@ pub(crate) fn price_donors(
     let mut donors = Vec::new();
     for text in &args.donor {
         let (name, link) = parse_donor(text, &devices, real)?;
-        donors.push(match (real, link) {
-            (false, Some(link)) => price_card(text, &name, link, placement, others)?,
-            (false, None) => unreachable!("parse_donor asks a further card for its link"),
-            (true, link) => price_real(&name, link, placement, map, store, planner)?,
+        donors.push(if real {
+            price_real(&name, link, placement, map, store, planner)?
+        } else {
+            // `parse_donor` asks a further card for its link; this says so again rather than assume it.
+            let link = link.with_context(|| format!("--donor {text}: give a further card's link, cuda:1@nvlink"))?;
+            price_card(text, &name, link, placement, others)?
         });
     }
     Ok(donors)

@@ -899,7 +899,8 @@ impl ZImagePipeline {
 
     /// Generates an image as [`generate`](Self::generate) does, in three timed phases ([`PHASES`]): `encode`
     /// (the prompts, and the input image for image-to-image), `denoise` and `decode`. Between two phases the
-    /// execution device's memory is released (`Device::memory_cleanup`; a simulated card needs nothing more).
+    /// execution device's memory is released (`OffloadDevice::memory_cleanup`: the computing thread's stream's
+    /// pools and the upload thread's; a simulated card needs nothing more).
     pub fn generate_with_report(
         &self,
         opts: &GenerateOptions,
@@ -907,7 +908,7 @@ impl ZImagePipeline {
     ) -> Result<Generated> {
         self.validate(opts)?;
         let device = self.placement.exec().clone();
-        let release_device = device.clone();
+        let release_device = self.placement.clone();
         let observer = self.phase_observer.clone();
         let timeline = self.manager.timeline();
         let release_timeline = timeline.clone();

@@ -84,7 +84,7 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
     // or its resident part and prefetched groups would stay on the device beside every capped run.
     let group = pipeline.group_offload("transformer").expect("grouped").largest_streamed_group();
     drop(pipeline);
-    device.memory_cleanup();
+    base.memory_cleanup();
 
     /// One run under a hard cap of `capacity` bytes: its outcome, the account's high-water, its `oom_retry` moves
     /// and the transformer's refused prefetches.
@@ -112,7 +112,7 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
         let refused_prefetches = pipeline.group_offload("transformer").map_or(0, |g| g.stats().failed_prefetches);
         let record = outcome.is_err().then(|| record.to_string());
         drop(pipeline);
-        device.memory_cleanup();
+        base.memory_cleanup();
         Capped { outcome, held: cap.reserved_high_water(), retries, refused_prefetches, record }
     };
     // The smallest cap at which `holds` is true of two runs in a row, between `below` (false) and `above` (true),
