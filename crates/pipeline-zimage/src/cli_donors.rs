@@ -5,7 +5,6 @@
 use anyhow::Context;
 use group_offload::OffloadDevice;
 use group_offload::config::PeerDonor;
-use group_offload::device::page_policy;
 use memory_sim::{SimCard, SimLink};
 use offload_core::plan::{PeerDevice, PeerRun, ProfileStore};
 use offload_core::{DeviceMemory, DeviceName, format_rate, format_size};
@@ -164,13 +163,11 @@ fn price_real(
 ) -> anyhow::Result<Donor> {
     let device = match map.components.iter().find(|(_, placed)| placed.name() == name) {
         Some((_, placed)) => placed.clone(),
-        // The execution device's page policy; `None` only for CUDA, whose open keeps its own pool settings.
-        None => further_real_device(name, page_policy(placement.exec()).unwrap_or_default())?,
+        None => further_real_device(name, placement)?,
     };
     let free = device.readings().available();
     let probe_bytes = PROBE_BYTES.min(free / 4).min(placement.readings().available() / 4).max(4);
     let exec = placement.name().as_str();
-    let earlier = store.measured_peer(exec, name.as_str())?;
     let (peer, donor, priced, label) = match link {
         Some(link) => {
             let mut donor = PeerDonor::new(device, free, link.bytes_per_second);
@@ -178,6 +175,7 @@ fn price_real(
             (donor.peer_device(), donor, format!("cross {} (given)", link.description), link.name)
         }
         None => {
+            let earlier = store.measured_peer(exec, name.as_str())?;
             let (donor, peer) = PeerDonor::timed(placement, device, earlier, probe_bytes)?;
             let priced = match earlier {
                 Some(_) => {

@@ -425,9 +425,6 @@ fn parse_device_map(
     Ok(pairs)
 }
 
-/// The simulated devices `--card` names on the CPU, the execution device's first: the first card is `cuda:0`
-/// (the card's default name) and each further one `cuda:N`. On a real device only one card is allowed: it caps that
-/// device.
 /// Whether the execution device is a real one (`--device` other than `cpu`): the device map may then name further
 /// real devices.
 fn real_execution(args: &Generate) -> bool {
@@ -437,12 +434,15 @@ fn real_execution(args: &Generate) -> bool {
 /// The kinds of real device a device map may name beside a real execution device.
 const REAL_KINDS: [&str; 3] = ["cuda", "wgpu", "vulkan"];
 
-/// Opens a real device the device map names beside a real execution device (a second GPU: `cuda:1`, `wgpu:1`),
-/// with the execution device's page policy, as a device object of its own over the runtime's pool readings (its
-/// total is the runtime's: the driver's, or the adapter's heap). Fails with the runtime's typed error (a build
-/// without its backend, an adapter this machine does not list, a runtime that states no total), before any weight
-/// loads.
-fn further_real_device(name: &DeviceName, pages: PagePolicy) -> anyhow::Result<OffloadDevice> {
+/// Opens a real device the device map or a `--donor` names beside the real execution device `exec` (a second GPU:
+/// `cuda:1`, `wgpu:1`), with `exec`'s page policy, as a device object of its own over the runtime's pool readings
+/// (its total is the runtime's: the driver's, or the adapter's heap). Fails with the runtime's typed error (a
+/// build without its backend, an adapter this machine does not list, a runtime that states no total), before any
+/// weight loads.
+fn further_real_device(name: &DeviceName, exec: &OffloadDevice) -> anyhow::Result<OffloadDevice> {
+    // `page_policy` is `None` only for CUDA, whose open keeps its own pool settings and ignores the policy, so the
+    // default stands for nothing there.
+    let pages = page_policy(exec.exec()).unwrap_or_default();
     let device = open_device_with(name, pages)?;
     if let Some(description) = describe_device(name) {
         println!("device {name}: {description}");
@@ -451,6 +451,9 @@ fn further_real_device(name: &DeviceName, pages: PagePolicy) -> anyhow::Result<O
     Ok(OffloadDevice::pooled(device, name.clone(), readings))
 }
 
+/// The simulated devices `--card` names on the CPU, the execution device's first: the first card is `cuda:0`
+/// (the card's default name) and each further one `cuda:N`. On a real device only one card is allowed: it caps that
+/// device.
 fn card_devices(args: &Generate) -> Result<Vec<DeviceName>, ArgumentError> {
     let exec = DeviceName::parse(&args.device)
         .map_err(|error| ArgumentError::DeviceMap { entry: args.device.clone(), reason: format!("{error}") })?;
@@ -1292,10 +1295,7 @@ fn device_map(
                 let further = match opened.iter().find(|opened| *opened.name() == device) {
                     Some(further) => further.clone(),
                     None => {
-                        // The execution device's page policy; `None` only for CUDA, whose open keeps its own
-                        // pool settings and ignores the policy, so the default stands for nothing there.
-                        let pages = page_policy(placement.exec()).unwrap_or_default();
-                        let further = further_real_device(&device, pages)?;
+                        let further = further_real_device(&device, placement)?;
                         opened.push(further.clone());
                         further
                     }

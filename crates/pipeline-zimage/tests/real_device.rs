@@ -654,29 +654,28 @@ fn the_cli_runs_auto_offload_on_the_device_with_no_card_and_names_a_missing_driv
     assert!(!ok);
     assert!(stderr.contains("cannot compute in BF16") && stderr.contains("--dtype f32"), "{stderr}");
 
-    // A second real device by name in the map: opened before the weights load. This machine's adapters decide which
-    // way: one (lavapipe, as in CI) and `wgpu:1` names none, a typed error that says so; two and it runs there.
+    // A second real device named on the command line is opened before the weights load. This machine's adapters
+    // decide which way: one (lavapipe, as in CI) and `wgpu:1` names none, a typed error that says so before
+    // anything loads (no line starting `loaded_line` is printed); two and the run goes on, its output returned.
     let adapters = Device::enumerate(burn::tensor::DeviceType::Wgpu).len();
-    let (ok, stdout, stderr) = generate_cli(&dir, &["--device-map", "text_encoder=wgpu:1"], &[]);
-    if adapters < 2 {
-        assert!(!ok, "{stdout}");
-        assert!(stderr.contains(&format!("this machine lists {adapters} wgpu adapter(s)")), "{stderr}");
-        assert!(!stdout.contains("device map: "), "refused before the weights load: {stdout}");
-    } else {
+    let on_a_second_adapter = |extra: &[&str], loaded_line: &str| {
+        let (ok, stdout, stderr) = generate_cli(&dir, extra, &[]);
+        if adapters < 2 {
+            assert!(!ok, "{stdout}");
+            assert!(stderr.contains(&format!("this machine lists {adapters} wgpu adapter(s)")), "{stderr}");
+            assert!(!stdout.contains(loaded_line), "refused before the weights load: {stdout}");
+            return None;
+        }
         assert!(ok, "{stdout}\n{stderr}");
+        Some(stdout)
+    };
+    // In the map: the text encoder runs there.
+    if let Some(stdout) = on_a_second_adapter(&["--device-map", "text_encoder=wgpu:1"], "device map: ") {
         assert!(stdout.contains("device map: text_encoder runs on wgpu:1"), "{stdout}");
         assert!(stdout.contains("device memory on wgpu:1 (burn's pool)"), "{stdout}");
     }
-
-    // A second real device as a donor of the planned components' streamed groups, its copies' rate timed before
-    // the weights load: refused before anything loads with one adapter; with two it is priced and named.
-    let (ok, stdout, stderr) = generate_cli(&dir, &["--preset", "auto", "--donor", "wgpu:1"], &[]);
-    if adapters < 2 {
-        assert!(!ok, "{stdout}");
-        assert!(stderr.contains(&format!("this machine lists {adapters} wgpu adapter(s)")), "{stderr}");
-        assert!(!stdout.contains("donor: "), "refused before the weights load: {stdout}");
-    } else {
-        assert!(ok, "{stdout}\n{stderr}");
+    // As a donor of the planned components' streamed groups, its copies' rate timed before the weights load.
+    if let Some(stdout) = on_a_second_adapter(&["--preset", "auto", "--donor", "wgpu:1"], "donor: ") {
         assert!(stdout.contains("donor: wgpu:1 (") && stdout.contains("from wgpu:1 onto wgpu:0"), "{stdout}");
     }
 
