@@ -110,7 +110,8 @@ fn a_hard_cap_with_block_prefetch_depth_2_holds_under_contention_for_100_runs() 
         let record = pipeline.manager().offload_record();
         let retries = record.events().iter().filter(|e| matches!(e.reason, Some(Reason::OomRetry(_)))).count();
         let refused_prefetches = pipeline.group_offload("transformer").map_or(0, |g| g.stats().failed_prefetches);
-        let record = outcome.is_err().then(|| record.to_string());
+        // A failed run says what its last call reserved beside what it took, every stream's and its own stream's.
+        let record = outcome.is_err().then(|| format!("{record}\nlast call: {:?}", cap.last_call()));
         drop(pipeline);
         base.memory_cleanup();
         Capped { outcome, held: cap.reserved_high_water(), retries, refused_prefetches, record }

@@ -60,8 +60,12 @@ pub struct CallCharge {
     /// The call's activation estimate, in pages, reserved in `begin_call`.
     pub reserved: u64,
     /// The pages the pool took from the device during the call (its high-water less what it held when the call
-    /// began): measured.
+    /// began): measured, every stream's (a worker's uploads meanwhile included).
     pub measured_pages: u64,
+    /// The pages the call's own stream took from the device
+    /// ([`CallWindow::stream_pages`](crate::device::CallWindow::stream_pages)): measured, where the runtime keeps
+    /// a pool per stream.
+    pub stream_pages: Option<u64>,
 }
 
 /// The one account of reservations of a [`CappedDevice`], guarded by one mutex: every check against the cap and
@@ -126,15 +130,23 @@ impl Account {
         self.pending.iter().fold(0u64, |sum, p| sum.saturating_add(p.pages))
     }
 
-    /// Takes a reading of the pool: what its pages grew by since the last one is allocated, and goes to the oldest
-    /// pending reservations first. A pool that shrank (its cache released) allocated nothing.
+    /// Takes a reading of the pool: what its pages grew by since the last one is allocated, and goes to the pending
+    /// uploads first, then to the calls' estimates, the oldest first in each. A pool that shrank (its cache
+    /// released) allocated nothing.
+    ///
+    /// Uploads first: an upload is made at once and whole (its thread waits for it before it goes on), where a
+    /// call allocates over its whole run, and often less than its estimate. Credited to an older call's estimate,
+    /// an upload's pages were then dropped as made when its thread went on, and the call's estimate was gone from
+    /// the account while the call ran: the worker was granted that room, and the call's end found the cap passed.
     pub(super) fn settle(&mut self, now: &PoolSnapshot) {
         let mut grown = self.seen.map_or(0, |seen| now.reserved.saturating_sub(seen));
         self.seen = Some(now.reserved);
-        for pending in &mut self.pending {
-            let made = pending.pages.min(grown);
-            pending.pages -= made;
-            grown -= made;
+        for calls in [false, true] {
+            for pending in self.pending.iter_mut().filter(|p| p.call == calls) {
+                let made = pending.pages.min(grown);
+                pending.pages -= made;
+                grown -= made;
+            }
         }
         self.pending.retain(|p| p.pages > 0);
     }
@@ -450,7 +462,8 @@ impl DeviceLedger for CappedDevice {
         };
         let start = window.start;
         let measured_pages = window.high_reserved.saturating_sub(start.reserved);
-        self.account.lock().last_call = Some(CallCharge { reserved, measured_pages });
+        let stream_pages = window.stream_pages();
+        self.account.lock().last_call = Some(CallCharge { reserved, measured_pages, stream_pages });
         if !self.hard || start.outside_pool() + window.high_reserved <= self.capacity {
             return Ok(());
         }

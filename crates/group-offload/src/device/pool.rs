@@ -33,6 +33,66 @@ pub struct PoolSnapshot {
     pub total: u64,
     /// The driver's free bytes (CUDA), when it has a call.
     pub driver_free: Option<u64>,
+    /// Each stream's pages, where the runtime keeps a pool per stream (every cubecl runtime); empty otherwise.
+    pub streams: StreamPools,
+}
+
+/// Each stream's pool in one reading. cubecl keeps a pool per stream (`cubecl-runtime` 0.11.3,
+/// `Client::memory_report`: "Pools are per stream"), and by default a stream per thread that issues work, so what
+/// one thread's allocations take (a call's activations) is told apart from another's (a worker's uploads). Holds
+/// the first [`MAX`](Self::MAX) streams the runtime lists.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamPools {
+    len: usize,
+    pools: [StreamPool; StreamPools::MAX],
+}
+
+/// One stream's pool in a reading.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamPool {
+    /// The stream's id (burn's `StreamId`).
+    pub stream: u64,
+    /// Bytes of pages it holds: in use, padding and cache.
+    pub reserved: u64,
+    /// Bytes its live allocations use, their padding included.
+    pub in_use: u64,
+}
+
+impl StreamPools {
+    /// The most streams a reading keeps: a device object allocates on two (the computing thread's and its upload
+    /// thread's), and a stream past the last is read as having no pool.
+    pub const MAX: usize = 16;
+
+    /// The first [`MAX`](Self::MAX) of `pools`.
+    pub fn new(pools: impl IntoIterator<Item = StreamPool>) -> Self {
+        let mut kept = Self::default();
+        for (slot, pool) in kept.pools.iter_mut().zip(pools) {
+            *slot = pool;
+            kept.len += 1;
+        }
+        kept
+    }
+
+    /// `stream`'s pool; `None` where the reading lists no pool of it.
+    pub fn get(&self, stream: u64) -> Option<StreamPool> {
+        self.iter().find(|pool| pool.stream == stream)
+    }
+
+    /// Every pool the reading lists.
+    pub fn iter(&self) -> impl Iterator<Item = StreamPool> + '_ {
+        self.pools[..self.len].iter().copied()
+    }
+
+    /// Whether the reading lists no stream (a runtime without pools per stream).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The calling thread's stream (burn's `StreamId`, cubecl's): on a cubecl runtime its pool is where the thread's
+/// allocations land.
+pub fn current_stream() -> u64 {
+    burn::tensor::StreamId::current().value
 }
 
 impl PoolSnapshot {
@@ -107,6 +167,21 @@ pub struct CallWindow {
     pub high_in_use: u64,
     /// The most pages the pool held (sampled), the last reading included: what the device had to give the pool.
     pub high_reserved: u64,
+    /// The pages of the opening thread's stream when the window opened and when it closed, for a window a thread
+    /// opened and closed ([`PoolReadings::begin_window`], [`PoolReadings::end_window`]) on a runtime that keeps
+    /// a pool per stream.
+    pub stream: Option<(u64, u64)>,
+}
+
+impl CallWindow {
+    /// The pages the window's own stream took from the device while it was open: what the call needed beyond the
+    /// cache its stream already held, which the other streams' allocations meanwhile (a worker's uploads) do not
+    /// reach. `None` where the runtime keeps no pool per stream. A stream's pages only grow until its cache is
+    /// released, so the last reading is their high-water unless a cleanup of that stream came in between (then it
+    /// reads less).
+    pub fn stream_pages(&self) -> Option<u64> {
+        self.stream.map(|(start, end)| end.saturating_sub(start))
+    }
 }
 
 pub(super) enum Driver {
@@ -248,7 +323,7 @@ pub fn runtime_budget(device: &Device) -> std::result::Result<u64, String> {
 impl PoolState {
     /// One reading, or why there is none: a pool that gives no answer is unknown, never an empty device.
     pub(super) fn snapshot(&self) -> std::result::Result<PoolSnapshot, ReadingUnavailable> {
-        let usage = self.device.memory_pool_usage().ok_or_else(|| ReadingUnavailable {
+        let pools = self.pools().ok_or_else(|| ReadingUnavailable {
             device: self.name.clone(),
             message: "burn's memory_pool_usage gave no answer for the device's pool".into(),
         })?;
@@ -256,12 +331,37 @@ impl PoolState {
             Some((free, total)) => (Some(free), total),
             None => (None, self.total),
         };
-        Ok(PoolSnapshot {
+        Ok(PoolSnapshot { total, driver_free, ..pools })
+    }
+
+    /// The device's pools (the snapshot's pool fields, the rest left at zero): on a cubecl device the runtime's
+    /// memory report, every stream's pool summed (what burn's `memory_pool_usage` reads) beside each stream's
+    /// pages, from one report; burn's reading, with no streams, otherwise.
+    fn pools(&self) -> Option<PoolSnapshot> {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        #[allow(irrefutable_let_patterns)]
+        if let burn_dispatch::DispatchDevice::Cube(cube) = self.device.as_dispatch() {
+            let report = cube.client().memory_report(burn::cubecl::MemoryScope::Device);
+            let streams = StreamPools::new(report.streams.iter().map(|stream| {
+                let usage = stream.usage();
+                let (stream, reserved) = (stream.stream.value, usage.bytes_reserved);
+                StreamPool { stream, reserved, in_use: usage.bytes_in_use + usage.bytes_padding }
+            }));
+            let usage = report.usage();
+            return Some(PoolSnapshot {
+                in_use: usage.bytes_in_use,
+                padding: usage.bytes_padding,
+                reserved: usage.bytes_reserved,
+                streams,
+                ..PoolSnapshot::default()
+            });
+        }
+        let usage = self.device.memory_pool_usage()?;
+        Some(PoolSnapshot {
             in_use: usage.bytes_in_use,
             padding: usage.bytes_padding,
             reserved: usage.bytes_reserved,
-            total,
-            driver_free,
+            ..PoolSnapshot::default()
         })
     }
 
@@ -420,17 +520,25 @@ impl PoolReadings {
     pub fn begin_window(&self) -> std::result::Result<PoolSnapshot, ReadingUnavailable> {
         let mut windows = self.state.windows.lock();
         let start = self.state.snapshot()?;
-        let window = CallWindow { start, high_in_use: start.in_use, high_reserved: start.reserved };
+        let own = start.streams.get(current_stream()).map(|pool| pool.reserved);
+        let stream = own.map(|pages| (pages, pages));
+        let window = CallWindow { start, high_in_use: start.in_use, high_reserved: start.reserved, stream };
         windows.insert(WindowKey::Thread(std::thread::current().id()), window);
         Ok(start)
     }
 
-    /// Closes this thread's call window, with a last reading taken now. `Ok(None)` when no window was open; when
-    /// the last reading fails the window is closed and the failure returned, since its high-water is not known.
+    /// Closes this thread's call window, with a last reading taken now (its stream's pages too). `Ok(None)` when no
+    /// window was open; when the last reading fails the window is closed and the failure returned, since its
+    /// high-water is not known.
     pub fn end_window(&self) -> std::result::Result<Option<CallWindow>, ReadingUnavailable> {
         let last = self.state.observe();
-        let window = self.state.windows.lock().remove(&WindowKey::Thread(std::thread::current().id()));
-        last.map(|_| window)
+        let mut window = self.state.windows.lock().remove(&WindowKey::Thread(std::thread::current().id()));
+        let last = last?;
+        if let Some(window) = &mut window {
+            let own = last.streams.get(current_stream()).map(|pool| pool.reserved);
+            window.stream = window.stream.zip(own).map(|((start, _), end)| (start, end));
+        }
+        Ok(window)
     }
 }
 
@@ -502,7 +610,7 @@ impl DeviceMemory for PoolReadings {
         let mut windows = self.state.windows.lock();
         let start = self.state.snapshot()?;
         let token = self.state.next_token.fetch_add(1, Ordering::Relaxed);
-        let window = CallWindow { start, high_in_use: start.in_use, high_reserved: start.reserved };
+        let window = CallWindow { start, high_in_use: start.in_use, high_reserved: start.reserved, stream: None };
         windows.insert(WindowKey::Token(token), window);
         Ok(Some(token))
     }

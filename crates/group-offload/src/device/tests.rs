@@ -21,8 +21,14 @@ fn name() -> DeviceName {
 
 #[test]
 fn availability_is_free_plus_cache_with_a_driver_and_total_less_in_use_without() {
-    let with_driver =
-        PoolSnapshot { in_use: 600, padding: 40, reserved: 1_000, total: 10_000, driver_free: Some(7_000) };
+    let with_driver = PoolSnapshot {
+        in_use: 600,
+        padding: 40,
+        reserved: 1_000,
+        total: 10_000,
+        driver_free: Some(7_000),
+        ..PoolSnapshot::default()
+    };
     assert_eq!(with_driver.cache(), 360);
     assert_eq!(with_driver.available(), 7_360);
     // 10,000 − 7,000 = 3,000 used on the device, 1,000 of it the pool's pages: 2,000 is the context and others.
@@ -237,7 +243,14 @@ fn a_users_forward_that_panics_is_never_caught_and_its_call_is_closed() {
 
 #[test]
 fn the_cap_counts_what_is_outside_the_pool_the_pools_pages_and_what_it_does_not_show_yet() {
-    let now = PoolSnapshot { in_use: 600, padding: 40, reserved: 1_000, total: 10_000, driver_free: Some(7_000) };
+    let now = PoolSnapshot {
+        in_use: 600,
+        padding: 40,
+        reserved: 1_000,
+        total: 10_000,
+        driver_free: Some(7_000),
+        ..PoolSnapshot::default()
+    };
     let empty = Account::default();
     // 2,000 outside the pool, 1,000 of pages in it (640 of them allocated: the rest a card must hold too).
     assert_eq!(free_under(5_000, &now, &empty), 2_000);
@@ -258,7 +271,14 @@ fn the_cap_counts_what_is_outside_the_pool_the_pools_pages_and_what_it_does_not_
 fn a_prefetch_cannot_pass_the_cap_while_a_calls_estimate_is_reserved_but_not_yet_allocated() {
     // 600 B of weights placed and on the pool, beside 400 B of pages nobody reserved (an earlier call's outputs).
     let account = Mutex::new(Account { placed: 600, ..Account::default() });
-    let pool = PoolSnapshot { in_use: 1_000, padding: 0, reserved: 1_000, total: 1 << 20, driver_free: None };
+    let pool = PoolSnapshot {
+        in_use: 1_000,
+        padding: 0,
+        reserved: 1_000,
+        total: 1 << 20,
+        driver_free: None,
+        ..PoolSnapshot::default()
+    };
     let main = std::thread::current().id();
     // The main thread's call reserves its 1,000 B estimate under a 2,200 B cap; nothing of it is allocated yet.
     reserve_in(&account, 2_200, 1_000, || Ok(pool), || (), |a| a.begin_call(main, 1_000))
@@ -288,7 +308,14 @@ fn reservations_are_pending_until_the_pool_grows_by_them_or_their_thread_goes_on
     let (main, worker) =
         (std::thread::current().id(), std::thread::spawn(|| std::thread::current().id()).join().expect("an id"));
     let mut account = Account::default();
-    let at = |reserved: u64| PoolSnapshot { in_use: reserved, padding: 0, reserved, total: 1 << 20, driver_free: None };
+    let at = |reserved: u64| PoolSnapshot {
+        in_use: reserved,
+        padding: 0,
+        reserved,
+        total: 1 << 20,
+        driver_free: None,
+        ..PoolSnapshot::default()
+    };
     account.settle(&at(1_000));
     account.place(worker, 300);
     account.begin_call(main, 400);
@@ -325,10 +352,39 @@ fn reservations_are_pending_until_the_pool_grows_by_them_or_their_thread_goes_on
 }
 
 #[test]
+fn growth_goes_to_the_uploads_first_so_a_calls_estimate_outlives_the_workers_next_upload() {
+    let (main, worker) =
+        (std::thread::current().id(), std::thread::spawn(|| std::thread::current().id()).join().expect("an id"));
+    let at = |reserved: u64| PoolSnapshot { in_use: reserved, reserved, total: 1 << 20, ..PoolSnapshot::default() };
+    let mut account = Account::default();
+    account.settle(&at(1_000));
+    // The call reserves its estimate before the worker reserves an upload: the call's is the older reservation.
+    account.begin_call(main, 400);
+    account.place(worker, 300);
+    // The upload lands (the pool grows by its 300 B) while the call has allocated nothing: the upload is made.
+    account.settle(&at(1_300));
+    assert_eq!(account.pending, vec![Pending { thread: main, call: true, pages: 400 }]);
+    // The worker goes on to its next upload: the call's estimate is still pending whole (credited to the call, the
+    // landing would have left 100 B of it, and the worker's next grant would have taken the other 300 B).
+    account.place(worker, 300);
+    assert_eq!(account.pending(), 700);
+    // Growth beyond the pending uploads is the call's.
+    account.settle(&at(1_900));
+    assert_eq!(account.pending, vec![Pending { thread: main, call: true, pages: 100 }]);
+}
+
+#[test]
 fn a_request_the_pages_refuse_is_granted_once_the_cache_is_released_and_only_then() {
     let account = Mutex::new(Account::default());
     // 3,000 of pages, 1,000 of them cache; a cap of 4,000 leaves 1,000, and 1,500 are asked.
-    let before = PoolSnapshot { in_use: 2_000, padding: 0, reserved: 3_000, total: 1 << 20, driver_free: None };
+    let before = PoolSnapshot {
+        in_use: 2_000,
+        padding: 0,
+        reserved: 3_000,
+        total: 1 << 20,
+        driver_free: None,
+        ..PoolSnapshot::default()
+    };
     let after = PoolSnapshot { reserved: 2_000, ..before };
     let released = std::cell::Cell::new(false);
     let read = || Ok(if released.get() { after } else { before });
@@ -353,7 +409,14 @@ fn two_threads_never_both_pass_on_the_same_free_bytes() {
     const THREADS: usize = 8;
     let account = Arc::new(Mutex::new(Account::default()));
     let barrier = Arc::new(std::sync::Barrier::new(THREADS));
-    let empty = PoolSnapshot { in_use: 0, padding: 0, reserved: 0, total: 1 << 30, driver_free: None };
+    let empty = PoolSnapshot {
+        in_use: 0,
+        padding: 0,
+        reserved: 0,
+        total: 1 << 30,
+        driver_free: None,
+        ..PoolSnapshot::default()
+    };
     let threads: Vec<_> = (0..THREADS as u64)
         .map(|thread| {
             let (account, barrier) = (account.clone(), barrier.clone());
