@@ -89,11 +89,13 @@ pub struct CallCharge {
 ///
 /// Which reservations are allocated is read from the pool, since the runtime says nothing when an allocation lands:
 /// a reservation is pending from its grant until the pool's pages have grown by its size since then (the growth
-/// seen at each reading under the lock goes to the oldest pending reservations first), or until the thread that
-/// made it goes on (each thread makes one upload at a time, so its next call on the ledger means its last upload
-/// is on the device or failed; a call's estimate is pending until its call ends). Growth is device-wide, so it can
-/// be credited to the wrong reservation; the floor (never less than the reservations themselves) keeps a
-/// misattribution from charging less than the account holds.
+/// seen at each reading under the lock goes to the pending uploads first, then to the calls' estimates, the oldest
+/// first in each: [`settle`](Self::settle)), or until the thread that made it goes on (each thread makes one
+/// upload at a time, so its next call on the ledger means its last upload is on the device or failed; a call's
+/// estimate is pending until its call ends). Growth is device-wide, so it can be credited to the wrong
+/// reservation; the floor (never less than the reservations themselves) keeps a misattribution from charging less
+/// than the account holds. (Credited to its own stream's reservations only, growth misses the allocations that
+/// reuse a stream's cache, and the account held far more than the device: measured in `docs/devices.md`.)
 #[derive(Debug, Default)]
 pub(super) struct Account {
     /// Pages of what the library placed on the device (component onloads, group uploads), in the page rule.
